@@ -1,0 +1,3 @@
+from kvtier.cli.main import main
+
+main()

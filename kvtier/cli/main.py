@@ -1,0 +1,40 @@
+"""`kvtier` entry point: groups the subcommands and maps typed errors to one-line messages and exit codes."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from kvtier import __version__
+from kvtier.cli.profile_cmd import profile
+from kvtier.core.errors import KvtierError
+
+USAGE_EXIT = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtier")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """kvtier: KV-cache tiering for hybrid-attention inference."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+cli.add_command(profile)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KvtierError as exc:
+        click.echo(f"kvtier: {exc}", err=True)
+        sys.exit(USAGE_EXIT)

@@ -1,0 +1,34 @@
+"""Typed errors shared by every component; each carries a stable `code` for the wire and CLI."""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose; the message says what to do."""
+
+    code = "error"
+
+
+class ProfileError(KvtierError):
+    """A model profile is malformed; names the offending field and the file it came from."""
+
+    code = "bad_profile"
+
+    def __init__(self, message: str, *, field: str | None = None, source: str | None = None) -> None:
+        self.field = field
+        self.source = source
+        where = f"{source}: " if source else ""
+        what = f"field '{field}': " if field else ""
+        super().__init__(f"{where}{what}{message}")
+
+
+class VersionError(KvtierError):
+    """Data belongs to a namespace (model / kernel / compressor version) other than the one asked for."""
+
+    code = "stale_version"
+
+
+class LayoutError(KvtierError):
+    """A tensor or record does not match the layout the current kernels read."""
+
+    code = "abi_mismatch"
