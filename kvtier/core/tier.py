@@ -1,0 +1,65 @@
+"""The one small interface every tier below the GPU pool implements (the disk store first)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.hashing import HASH_BYTES
+from kvtier.core.versions import NAMESPACE_BYTES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectKey:
+    """Identity of one cache object: namespace, chained block hash, and the cache group (which fixes the form)."""
+
+    namespace: bytes
+    block_hash: bytes
+    group: str
+    form: CacheForm
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != NAMESPACE_BYTES or len(self.block_hash) != HASH_BYTES:
+            raise ValueError("namespace and block hash must be 16-byte digests")
+        if self.form is CacheForm.ON_DISK:
+            raise ValueError("on_disk is a residence: an object key names the form it carries")
+        if not self.group or len(self.group.encode()) > 32:
+            raise ValueError("group name must be 1..32 bytes")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """Load one object into `out` (a uint8 view of a pool slot, exactly the object's payload bytes)."""
+
+    key: ObjectKey
+    out: torch.Tensor
+    layout_digest: bytes
+
+
+@runtime_checkable
+class LowerTier(Protocol):
+    """has / load_into / store / pin / remove, answering with the check vector's reasons."""
+
+    def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
+        """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, corrupt)."""
+        ...
+
+    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+        """Fill each `out` with the verified payload; OK, or why not (the bytes of `out` are then unspecified)."""
+        ...
+
+    def store(self, key: ObjectKey, payload: torch.Tensor, layout_digest: bytes) -> None:
+        """Persist one sealed object (uint8 tensor); durable when it returns. Raises StoreFull when over budget."""
+        ...
+
+    def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
+        """Protect objects from eviction until now + ttl_s; returns how many were found."""
+        ...
+
+    def remove(self, keys: Sequence[ObjectKey]) -> int:
+        """Drop objects (they become misses); returns how many existed."""
+        ...
