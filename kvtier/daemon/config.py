@@ -1,0 +1,360 @@
+"""The daemon's TOML config: typed dataclasses, the embedded and systemd defaults, one-line errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.forms import CacheForm
+from kvtier.daemon.errors import ConfigError
+
+SYSTEM_CONFIG = Path("/etc/kvtier/kvtier.toml")
+SYSTEMD_RUNTIME_DIR = Path("/run/kvtier")
+SYSTEMD_STATE_DIR = Path("/var/lib/kvtier")
+SOCKET_NAME = "kvtier.sock"
+FORMS = tuple(f.value for f in CacheForm.gpu_forms())
+DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+VERIFIER_MODES = ("supervise", "external", "off")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The unix socket: where, who may connect, and the limits every connection lives under."""
+
+    socket: Path
+    socket_mode: int = 0o660
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
+    max_frame_bytes: int = 16 * 2**20
+    max_connections: int = 256
+    frame_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Bytes of pool memory per form, per attached profile; allocated once at start."""
+
+    budget_bytes: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The disk store: its root, byte budget, per-form quotas and I/O width."""
+
+    root: Path
+    budget_bytes: int
+    quota_bytes: Mapping[str, int]
+    io_threads: int = 4
+    codec: str = "none"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifierConfig:
+    """The verifier process: supervised by the daemon, run by its own unit (external), or off; and its rates."""
+
+    mode: str = "off"
+    rate_bytes_per_s: int = 64 * 2**20
+    sweep_interval_s: float = 300.0
+    restart_backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The Prometheus endpoint; an empty address turns it off."""
+
+    address: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything `kvtier serve` runs on; `source` says where it came from."""
+
+    device: str
+    profiles: tuple[str, ...]
+    server: ServerConfig
+    pool: PoolConfig
+    store: StoreConfig
+    verifier: VerifierConfig
+    metrics: MetricsConfig
+    lease_ttl_s: float = 30.0
+    recovering_cap: int = 64
+    persist_queue_depth: int = 1024
+    shutdown_timeout_s: float = 20.0
+    source: str = "embedded default"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config as TOML-able plain data (sizes in bytes, mode as an octal string)."""
+        out = _plain(dataclasses.asdict(self))
+        out["server"]["socket_mode"] = f"{self.server.socket_mode:04o}"
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def embedded_default(cwd: Path | None = None) -> DaemonConfig:
+    """No config, not root: everything under ./.kvtier/, cpu, the ref-tiny profile, small budgets."""
+    base = (cwd or Path.cwd()) / ".kvtier"
+    return DaemonConfig(
+        device="cpu",
+        profiles=("ref-tiny",),
+        server=ServerConfig(socket=base / SOCKET_NAME),
+        pool=PoolConfig({f: 8 * 2**20 for f in FORMS}),
+        store=StoreConfig(root=base / "store", budget_bytes=1 * 2**30, quota_bytes={}),
+        verifier=VerifierConfig(),
+        metrics=MetricsConfig(),
+        source="embedded default",
+    )
+
+
+def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
+    """Under systemd (or as root): the socket in the runtime directory, the store in the state directory."""
+    runtime = Path(env.get("RUNTIME_DIRECTORY", str(SYSTEMD_RUNTIME_DIR)).split(":")[0])
+    state = Path(env.get("STATE_DIRECTORY", str(SYSTEMD_STATE_DIR)).split(":")[0])
+    return DaemonConfig(
+        device="auto",
+        profiles=("deepseek-v4-flash",),
+        server=ServerConfig(socket=runtime / SOCKET_NAME),
+        pool=PoolConfig({f: 512 * 2**20 for f in FORMS}),
+        store=StoreConfig(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
+        verifier=VerifierConfig(mode="external"),
+        metrics=MetricsConfig(address="127.0.0.1:9641"),
+        source="systemd default",
+    )
+
+
+def base_config(env: Mapping[str, str] | None = None, uid: int | None = None, cwd: Path | None = None) -> DaemonConfig:
+    """The defaults a config file is laid over: systemd's when systemd set our directories or we are root."""
+    env = os.environ if env is None else env
+    uid = os.geteuid() if uid is None else uid
+    if "RUNTIME_DIRECTORY" in env or "STATE_DIRECTORY" in env or uid == 0:
+        return systemd_default(env)
+    return embedded_default(cwd)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    uid: int | None = None,
+    cwd: Path | None = None,
+) -> DaemonConfig:
+    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over the defaults."""
+    base = base_config(env, uid, cwd)
+    if path is None and base.source == "systemd default" and SYSTEM_CONFIG.exists():
+        path = SYSTEM_CONFIG
+    if path is None:
+        return base
+    source = str(path)
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError("no such config file; pass --config with an existing TOML file", source=source) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read: {exc}", source=source) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", source=source) from None
+    return config_from_dict(data, base, source)
+
+
+def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
+    """What SIGHUP may change at run time: store budget and quotas, verifier rates, lease TTL, recovering cap."""
+    return dataclasses.replace(
+        current,
+        store=dataclasses.replace(current.store, budget_bytes=new.store.budget_bytes, quota_bytes=new.store.quota_bytes),
+        verifier=dataclasses.replace(
+            current.verifier, rate_bytes_per_s=new.verifier.rate_bytes_per_s, sweep_interval_s=new.verifier.sweep_interval_s
+        ),
+        lease_ttl_s=new.lease_ttl_s,
+        recovering_cap=new.recovering_cap,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing: every value is checked; every problem is a ConfigError naming its dotted key.
+
+
+class _Reader:
+    """Typed access to one TOML table; remembers which keys were read so leftovers are reported as unknown."""
+
+    def __init__(self, table: Any, prefix: str, source: str) -> None:
+        if not isinstance(table, dict):
+            raise ConfigError("must be a table", key=prefix.rstrip(".") or None, source=source)
+        self.table = table
+        self.prefix = prefix
+        self.source = source
+        self.seen: set[str] = set()
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(message, key=f"{self.prefix}{key}", source=self.source)
+
+    def get(self, key: str, default: Any) -> Any:
+        self.seen.add(key)
+        return self.table.get(key, default)
+
+    def sub(self, key: str) -> "_Reader":
+        self.seen.add(key)
+        return _Reader(self.table.get(key, {}), f"{self.prefix}{key}.", self.source)
+
+    def string(self, key: str, default: str, pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] = ()) -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, got {value!r}")
+        if pattern is not None and not pattern.match(value):
+            raise self.error(key, f"invalid value {value!r}")
+        if choices and value not in choices:
+            raise self.error(key, f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    def number(self, key: str, default: float, *, integer: bool = False, minimum: float = 0, allow_zero: bool = False) -> Any:
+        value = self.get(key, default)
+        ok_types = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_types):
+            raise self.error(key, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+        if value < minimum or (value == 0 and not allow_zero):
+            raise self.error(key, f"must be {'>=' if allow_zero else '>'} {minimum}, got {value}")
+        return value
+
+    def size(self, key: str, default: int) -> int:
+        return parse_size(self.get(key, default), f"{self.prefix}{key}", self.source)
+
+    def ids(self, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        value = self.get(key, list(default))
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+            raise self.error(key, f"must be a list of non-negative integers, got {value!r}")
+        return tuple(value)
+
+    def form_sizes(self, key: str, default: Mapping[str, int], *, complete: bool) -> dict[str, int]:
+        sub = self.sub(key)
+        out = dict(default)
+        for form in FORMS:
+            if form in sub.table or complete:
+                out[form] = sub.size(form, default.get(form, 0))
+        sub.finish()
+        return out
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.table) - self.seen)
+        if unknown:
+            raise self.error(unknown[0], "unknown key (misspelt? see `kvtier config show` for the known ones)")
+
+
+def parse_size(value: Any, key: str, source: str | None = None) -> int:
+    """Bytes from an integer or a string like '64MiB' / '1.5 GB'."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (m := _SIZE.match(value)):
+        return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    raise ConfigError(f"must be a byte size (an integer or a string like '64MiB'), got {value!r}", key=key, source=source)
+
+
+def _socket_mode(value: Any, key: str, source: str) -> int:
+    if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value):
+        return int(value, 8)
+    raise ConfigError(f"must be an octal string like '0660', got {value!r}", key=key, source=source)
+
+
+def _path(reader: _Reader, key: str, default: Path) -> Path:
+    value = reader.get(key, str(default))
+    if not isinstance(value, str) or not value:
+        raise reader.error(key, f"must be a non-empty path string, got {value!r}")
+    return Path(value)
+
+
+def _metrics_address(reader: _Reader, default: str) -> str:
+    value = reader.string("address", default)
+    if value and not re.fullmatch(r"[\w.\-\[\]:]*:\d{1,5}", value):
+        raise reader.error("address", f"must be HOST:PORT or empty to disable, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> DaemonConfig:
+    """Lay a parsed TOML document over `base`; unknown keys and bad values are ConfigErrors naming the key."""
+    top = _Reader(data, "", source)
+    device = top.string("device", base.device, pattern=DEVICES)
+    profiles = top.get("profiles", list(base.profiles))
+    if not isinstance(profiles, list) or not profiles or not all(isinstance(p, str) and p for p in profiles):
+        raise top.error("profiles", f"must be a non-empty list of profile names or paths, got {profiles!r}")
+
+    s = top.sub("server")
+    b = base.server
+    server = ServerConfig(
+        socket=_path(s, "socket", b.socket),
+        socket_mode=_socket_mode(s.get("socket_mode", f"{b.socket_mode:04o}"), "server.socket_mode", source),
+        allowed_uids=s.ids("allowed_uids", b.allowed_uids),
+        allowed_gids=s.ids("allowed_gids", b.allowed_gids),
+        max_frame_bytes=s.size("max_frame_bytes", b.max_frame_bytes),
+        max_connections=s.number("max_connections", b.max_connections, integer=True, minimum=1),
+        frame_timeout_s=float(s.number("frame_timeout_s", b.frame_timeout_s)),
+    )
+    if server.max_frame_bytes < 4096:
+        raise s.error("max_frame_bytes", f"must be at least 4096, got {server.max_frame_bytes}")
+    s.finish()
+
+    p = top.sub("pool")
+    pool = PoolConfig(p.form_sizes("budget_bytes", base.pool.budget_bytes, complete=True))
+    p.finish()
+
+    st = top.sub("store")
+    b2 = base.store
+    store = StoreConfig(
+        root=_path(st, "root", b2.root),
+        budget_bytes=st.size("budget_bytes", b2.budget_bytes),
+        quota_bytes=st.form_sizes("quota_bytes", b2.quota_bytes, complete=False),
+        io_threads=st.number("io_threads", b2.io_threads, integer=True, minimum=1),
+        codec=st.string("codec", b2.codec, choices=("none", "zstd")),
+    )
+    st.finish()
+
+    v = top.sub("verifier")
+    b3 = base.verifier
+    verifier = VerifierConfig(
+        mode=v.string("mode", b3.mode, choices=VERIFIER_MODES),
+        rate_bytes_per_s=v.size("rate_bytes_per_s", b3.rate_bytes_per_s),
+        sweep_interval_s=float(v.number("sweep_interval_s", b3.sweep_interval_s)),
+        restart_backoff_s=float(v.number("restart_backoff_s", b3.restart_backoff_s)),
+        max_backoff_s=float(v.number("max_backoff_s", b3.max_backoff_s)),
+    )
+    v.finish()
+
+    m = top.sub("metrics")
+    metrics = MetricsConfig(_metrics_address(m, base.metrics.address))
+    m.finish()
+
+    cfg = DaemonConfig(
+        device=device,
+        profiles=tuple(profiles),
+        server=server,
+        pool=pool,
+        store=store,
+        verifier=verifier,
+        metrics=metrics,
+        lease_ttl_s=float(top.number("lease_ttl_s", base.lease_ttl_s)),
+        recovering_cap=top.number("recovering_cap", base.recovering_cap, integer=True, minimum=1),
+        persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
+        shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        source=source,
+    )
+    top.finish()
+    return cfg
+
+
+def default_verifier_command(cfg: DaemonConfig) -> list[str]:
+    """How a supervised verifier is started: this interpreter, as its own process, on the store root."""
+    return [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]

@@ -1,0 +1,72 @@
+"""Typed errors of the daemon, its config and its wire protocol; each `code` travels in error frames."""
+
+from __future__ import annotations
+
+from kvtier.core.errors import KvtierError
+
+
+class ConfigError(KvtierError):
+    """The daemon's TOML config is unreadable or has a bad, missing or unknown key."""
+
+    code = "bad_config"
+
+    def __init__(self, message: str, *, key: str | None = None, source: str | None = None) -> None:
+        self.key = key
+        self.source = source
+        where = f"{source}: " if source else ""
+        what = f"key '{key}': " if key else ""
+        super().__init__(f"{where}{what}{message}")
+
+
+class ProtocolError(KvtierError):
+    """A request frame is malformed; the daemon answers with an error frame and keeps serving."""
+
+    code = "bad_frame"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class UnknownOp(ProtocolError):
+    code = "unknown_op"
+
+
+class WrongType(ProtocolError):
+    code = "wrong_type"
+
+
+class UnsupportedVersion(ProtocolError):
+    code = "unsupported_version"
+
+
+class OutOfOrder(ProtocolError):
+    """A request that needs an earlier step (hello, attach, a lookup) that this connection has not made."""
+
+    code = "out_of_order"
+
+
+class PermissionDenied(KvtierError):
+    """The peer's uid / gid is not among the daemon's allowed ones."""
+
+    code = "permission_denied"
+
+
+class DaemonUnavailable(KvtierError):
+    """No daemon answers on the socket, or it went away mid-request."""
+
+    code = "daemon_unavailable"
+
+
+class DaemonBusy(KvtierError):
+    """The daemon refuses new work: it is at its connection cap or shutting down."""
+
+    code = "busy"
+
+
+class RemoteError(KvtierError):
+    """An error frame from the daemon whose code the client has no class for; keeps the daemon's code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)

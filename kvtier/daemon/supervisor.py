@@ -1,0 +1,122 @@
+"""Supervise a helper (the verifier) as its own process: spawned by exec, restarted with exponential backoff.
+
+The child is started with `subprocess.Popen` (fork + immediate exec, nothing of ours runs in it),
+so it never inherits an open LMDB environment or cuFile handle; it gets its own session so a
+terminal's signals reach it only through us. `poll()` is called from the daemon's main loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+STABLE_AFTER_S = 60.0  # a child that ran this long resets the backoff
+
+
+@dataclasses.dataclass(slots=True)
+class SupervisorState:
+    state: str  # starting | running | backoff | stopped
+    pid: int | None
+    restarts: int
+    last_exit: int | None
+    next_start_in_s: float | None
+
+
+class Supervisor:
+    """Keeps one command running; restarts after exits with backoff doubling from `backoff_s` to `max_backoff_s`."""
+
+    def __init__(self, name: str, command: Sequence[str], *, backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> None:
+        self.name = name
+        self.command = list(command)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self._next_start: float | None = None
+        self._delay = backoff_s
+        self._stopped = False
+        self.restarts = 0
+        self.last_exit: int | None = None
+
+    def start(self) -> None:
+        self._stopped = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        try:
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+        except OSError as exc:
+            log.error("%s: cannot start %s: %s", self.name, self.command[0], exc)
+            self._proc = None
+            self.last_exit = -1
+            self._schedule()
+            return
+        self._started_at = time.monotonic()
+        self._next_start = None
+        log.info("%s started (pid %d)", self.name, self._proc.pid)
+
+    def _schedule(self) -> None:
+        self._next_start = time.monotonic() + self._delay
+        log.warning("%s exited (%s); restarting in %.1fs", self.name, self.last_exit, self._delay)
+        self._delay = min(self._delay * 2, self.max_backoff_s)
+
+    def poll(self) -> None:
+        """Reap an exited child and restart it when its backoff has passed."""
+        if self._stopped:
+            return
+        now = time.monotonic()
+        if self._proc is not None:
+            code = self._proc.poll()
+            if code is None:
+                if now - self._started_at >= STABLE_AFTER_S:
+                    self._delay = self.backoff_s
+                return
+            self.last_exit = code
+            self._proc = None
+            if now - self._started_at >= STABLE_AFTER_S:
+                self._delay = self.backoff_s
+            self._schedule()
+        if self._next_start is not None and now >= self._next_start:
+            self.restarts += 1
+            self._spawn()
+
+    def signal(self, signum: int) -> None:
+        """Forward a signal (SIGHUP: reload rates) to the running child."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signum)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code (None if it was not running)."""
+        self._stopped = True
+        self._next_start = None
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+                proc.kill()
+                proc.wait()
+        self.last_exit = proc.returncode
+        return proc.returncode
+
+    def state(self) -> SupervisorState:
+        now = time.monotonic()
+        if self._stopped:
+            state = "stopped"
+        elif self._proc is not None:
+            state = "running" if now - self._started_at >= 1.0 else "starting"
+        else:
+            state = "backoff"
+        next_in = max(0.0, self._next_start - now) if self._next_start is not None else None
+        return SupervisorState(state, self._proc.pid if self._proc else None, self.restarts, self.last_exit, next_in)

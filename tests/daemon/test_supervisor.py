@@ -1,0 +1,66 @@
+"""The verifier hook: a real child process, restarted with backoff after it exits, stopped on demand."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from kvtier.daemon.supervisor import Supervisor
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_restarts_with_backoff(tmp_path: Path) -> None:
+    log = tmp_path / "runs"
+    sup = Supervisor("t", [sys.executable, "-c", f"open({str(log)!r}, 'a').write('x'); raise SystemExit(3)"], backoff_s=0.05, max_backoff_s=0.2)
+    sup.start()
+
+    def runs() -> int:
+        sup.poll()
+        return len(log.read_text()) if log.exists() else 0
+
+    _until(lambda: runs() >= 4)
+    st = sup.state()
+    assert st.restarts >= 3 and st.last_exit == 3
+    assert st.next_start_in_s is None or st.next_start_in_s <= 0.2  # doubled, but capped
+    sup.stop(1.0)
+    n = runs()
+    sup.poll()
+    st = sup.state()
+    assert runs() == n and st.state == "stopped" and st.pid is None and st.next_start_in_s is None
+
+
+def test_stop_terminates_and_hup_is_forwarded(tmp_path: Path) -> None:
+    flag = tmp_path / "hup"
+    code = (
+        "import signal, sys, time, pathlib\n"
+        f"signal.signal(signal.SIGHUP, lambda *a: pathlib.Path({str(flag)!r}).write_text('hup'))\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        f"pathlib.Path({str(flag)!r} + '.ready').write_text('1')\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    sup = Supervisor("t", [sys.executable, "-c", code])
+    sup.start()
+    _until(lambda: Path(str(flag) + ".ready").exists())
+    pid = sup.state().pid
+    assert pid is not None and sup.state().state in ("starting", "running")
+    sup.signal(signal.SIGHUP)
+    _until(lambda: flag.exists())
+    assert sup.stop(5.0) == 0
+    _until(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2])
+
+
+def test_missing_command_backs_off_instead_of_crashing() -> None:
+    sup = Supervisor("t", ["/nonexistent/kvtier-verifier"], backoff_s=10.0)
+    sup.start()
+    st = sup.state()
+    assert st.state == "backoff" and st.pid is None and st.next_start_in_s is not None and st.next_start_in_s > 5
+    sup.stop()
