@@ -1,0 +1,301 @@
+"""`kvtier.client.Client`: what an inference engine links to talk to the daemon.
+
+Tensors move through the pools the client maps at attach; the socket carries only hashes, slot
+numbers and check vectors. One request at a time per Client (a lock serialises threads); open one
+Client per engine process (or per thread that wants its own queue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from kvtier.client.pools import MappedPool, map_pool
+from kvtier.core.checkvector import CheckVector
+from kvtier.core.forms import CacheForm, Route
+from kvtier.core.hashing import HASH_BYTES, block_hashes
+from kvtier.core.errors import KvtierError
+from kvtier.daemon import errors as E
+from kvtier.daemon import protocol as P
+
+_ERRORS: dict[str, type[KvtierError]] = {
+    cls.code: cls
+    for cls in (
+        E.ProtocolError, E.FrameTooLarge, E.UnknownOp, E.WrongType, E.UnsupportedVersion, E.OutOfOrder,
+        E.PermissionDenied, E.DaemonBusy,
+    )
+}
+
+
+def _raise(err: P.Error) -> None:
+    cls = _ERRORS.get(err.code)
+    raise cls(err.message) if cls is not None else E.RemoteError(err.code, err.message)
+
+
+def default_socket() -> Path:
+    """`$KVTIER_SOCKET`, else the socket of the config `kvtier serve` would run on here."""
+    if env := os.environ.get("KVTIER_SOCKET"):
+        return Path(env)
+    from kvtier.daemon.config import load_config
+
+    return load_config(None).server.socket
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """A handle on one pool slot: valid while its lookup is held (the daemon never evicts a leased slot)."""
+
+    group: str
+    form: CacheForm
+    block: int
+    slot: int
+    generation: int
+    route: Route
+
+
+@dataclasses.dataclass(slots=True)
+class LookupResult:
+    """The check vector and, per (group, block) that is REUSE / RECOVER, the leased slot (-1 elsewhere)."""
+
+    lookup_id: int
+    check_vector: CheckVector
+    slots: np.ndarray  # int64 (groups, blocks)
+    generations: np.ndarray
+    released: bool = False
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.check_vector.hit_tokens
+
+    @property
+    def needs_load(self) -> bool:
+        return bool((self.check_vector.routes == Route.RECOVER).any())
+
+    @property
+    def leases(self) -> list[Lease]:
+        cv = self.check_vector
+        gi, bi = np.nonzero(self.slots >= 0)
+        return [
+            Lease(cv.group_names[g], cv.group_forms[g], int(b), int(self.slots[g, b]), int(self.generations[g, b]), Route(int(cv.routes[g, b])))
+            for g, b in zip(gi.tolist(), bi.tolist())
+        ]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadReport:
+    loaded_objects: int
+    loaded_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffloadReport:
+    written: int  # objects copied into pool slots and sealed
+    skipped: int  # already cached (or refused by admission): nothing to write
+    persisted: bool  # True when the store committed them (durable=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrewarmReport:
+    check_vector: CheckVector
+    loaded_objects: int
+    loaded_bytes: int
+    pinned: int
+    seconds: float
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.check_vector.hit_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attachment:
+    profile: str
+    namespace: bytes
+    hash_block_tokens: int
+    device: str
+    lease_ttl_s: float
+    pools: dict[str, MappedPool]
+
+
+def _cv(wire: P.CheckVectorWire) -> CheckVector:
+    return CheckVector.from_wire(msgspec.structs.asdict(wire))
+
+
+def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i8").reshape(cv.routes.shape)
+
+
+class Client:
+    """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = "") -> None:
+        self.socket_path = Path(socket_path) if socket_path is not None else default_socket()
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(str(self.socket_path))
+        except OSError as exc:
+            self._sock.close()
+            raise E.DaemonUnavailable(f"no kvtier daemon on {self.socket_path} ({exc.strerror}); start one with `kvtier serve`") from None
+        hello = self._call(P.Hello(list(P.SUPPORTED_VERSIONS), name or f"pid {os.getpid()}"))
+        assert isinstance(hello, P.HelloOk)
+        self.daemon = hello.daemon
+        self.attachment: Attachment | None = None
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    def _call(self, req: P.Msg, fds: list[int] | None = None) -> Any:
+        with self._lock:
+            try:
+                P.send_frame(self._sock, req)
+                reply = P.recv_reply(self._sock, fds=fds)
+            except (OSError, E.DaemonUnavailable) as exc:
+                raise E.DaemonUnavailable(f"lost the kvtier daemon on {self.socket_path}: {exc}") from None
+        if isinstance(reply, P.Error):
+            _raise(reply)
+        return reply
+
+    def _attached(self) -> Attachment:
+        if self.attachment is None:
+            raise E.OutOfOrder("attach(profile) first")
+        return self.attachment
+
+    def hashes(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+        """The chained block hashes of every whole block of `tokens`, concatenated (what lookups send)."""
+        att = self._attached()
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.cpu().numpy()
+        return b"".join(block_hashes(att.namespace, tokens, att.hash_block_tokens))
+
+    # -- the API ------------------------------------------------------------------------------------
+
+    def attach(self, profile: str) -> Attachment:
+        """Attach to a profile the daemon serves and map its pools into this process."""
+        fds: list[int] = []
+        try:
+            reply: P.AttachOk = self._call(P.Attach(profile), fds)
+            pools = {info.group: map_pool(info, fds) for info in reply.pools}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.attachment = Attachment(reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools)
+        return self.attachment
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None) -> LookupResult:
+        """Longest usable hit for `tokens` (or precomputed concatenated `hashes`); leases every REUSE / RECOVER slot."""
+        if hashes is None:
+            hashes = self.hashes(tokens if tokens is not None else [])
+        reply: P.LookupOk = self._call(P.Lookup(hashes))
+        cv = _cv(reply.check_vector)
+        return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv))
+
+    def load(self, result: LookupResult) -> LoadReport:
+        """Recover the RECOVER objects into their leased slots; `result` is updated (they turn REUSE, or the hit shrinks)."""
+        reply: P.LoadOk = self._call(P.Load(result.lookup_id))
+        cv = _cv(reply.check_vector)
+        result.check_vector, result.slots, result.generations = cv, _grid(reply.slots, cv), _grid(reply.generations, cv)
+        return LoadReport(reply.loaded_objects, reply.loaded_bytes, reply.seconds)
+
+    def read(self, result: LookupResult, group: str, block: int) -> torch.Tensor:
+        """A view of one REUSE object in the mapped pool; valid until `release(result)`."""
+        if result.released:
+            raise E.OutOfOrder(f"lookup {result.lookup_id} was released; look up again")
+        route = result.check_vector.route(group, block)
+        if route is not Route.REUSE:
+            hint = "call load(result) first" if route is Route.RECOVER else "recompute it"
+            raise E.OutOfOrder(f"{group} block {block} is {route.name}, not REUSE: {hint}")
+        gi = result.check_vector.group_names.index(group)
+        return self._attached().pools[group].object_view(int(result.slots[gi, block]))
+
+    def release(self, result: LookupResult) -> int:
+        """Give the leases back (idempotent); returns how many were released."""
+        if result.released:
+            return 0
+        reply: P.Released = self._call(P.Release(result.lookup_id))
+        result.released = True
+        return reply.released
+
+    def offload(
+        self,
+        tokens: Sequence[int] | np.ndarray | torch.Tensor,
+        caches: Mapping[str, Mapping[int, torch.Tensor]],
+        durable: bool = False,
+    ) -> OffloadReport:
+        """Write new objects: `caches[group][block]` is that block's object (any dtype, exactly the layout's bytes).
+
+        Acknowledged after the pool write; with `durable`, after the store commit.
+        """
+        att = self._attached()
+        hashes = self.hashes(tokens)
+        n_blocks = len(hashes) // HASH_BYTES
+        groups = list(caches)
+        blocks = [sorted(caches[g]) for g in groups]
+        for g, bs in zip(groups, blocks):
+            if g not in att.pools:
+                raise E.WrongType(f"profile {att.profile} has no cache group {g!r}")
+            if bs and (bs[0] < 0 or bs[-1] >= n_blocks):
+                raise E.WrongType(f"{g}: block indices must be within the {n_blocks} whole blocks of tokens")
+            need = att.pools[g].info.object_bytes
+            for b in bs:
+                t = caches[g][b]
+                if t.numel() * t.element_size() != need:
+                    raise E.WrongType(f"{g} block {b}: {t.numel() * t.element_size()} bytes, the layout needs {need}")
+        reply: P.OffloadOk = self._call(P.Offload(hashes, groups, blocks))
+        written = 0
+        try:
+            for g, bs, slots in zip(groups, blocks, reply.slots):
+                pool = att.pools[g]
+                for b, slot in zip(bs, slots):
+                    if slot >= 0:
+                        pool.object_bytes(slot).copy_(caches[g][b].detach().contiguous().view(torch.uint8).reshape(-1))
+                        written += 1
+            if att.device != "cpu":
+                torch.cuda.synchronize()
+        except BaseException:
+            self._call(P.Release(reply.offload_id))  # give the reserved slots back unsealed
+            raise
+        sealed: P.SealOk = self._call(P.Seal(reply.offload_id, durable))
+        skipped = sum(len(bs) for bs in blocks) - written
+        return OffloadReport(sealed.sealed, skipped, sealed.persisted)
+
+    def prewarm(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None, ttl_s: float = 600.0) -> PrewarmReport:
+        """Longest usable hit loaded into the pool and pinned for `ttl_s` (nothing leased to this client)."""
+        if hashes is None:
+            hashes = self.hashes(tokens if tokens is not None else [])
+        reply: P.PrewarmOk = self._call(P.Prewarm(hashes, ttl_s))
+        return PrewarmReport(_cv(reply.check_vector), reply.loaded_objects, reply.loaded_bytes, reply.pinned, reply.seconds)
+
+    def flush(self, timeout_s: float = 60.0) -> int:
+        """Wait until every sealed object is committed to the store; returns how many were persisted meanwhile."""
+        reply: P.FlushOk = self._call(P.Flush(timeout_s))
+        if reply.pending:
+            raise E.RemoteError("flush_timeout", f"{reply.pending} objects still waiting for the store after {timeout_s}s")
+        return reply.persisted
+
+    def stats(self) -> dict[str, Any]:
+        reply: P.StatsOk = self._call(P.Stats())
+        return reply.stats
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases every lease this client still holds."""
+        if self.attachment is not None:
+            for pool in self.attachment.pools.values():
+                pool.close()
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,299 @@
+"""The wire protocol: versioned, length-prefixed msgpack frames; one tagged struct per request and reply.
+
+Frame = 8-byte header `b"KT" | version u8 | flags u8 | length u32 (big endian)` + `length` bytes of msgpack.
+Requests and replies are tagged unions keyed by `op`. Per connection the order is: optional `hello`
+(first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
+never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
+with the attach reply on cpu; CUDA IPC handles on cuda), and requests only name slots.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from kvtier.daemon.errors import (
+    DaemonUnavailable,
+    FrameTooLarge,
+    ProtocolError,
+    UnknownOp,
+    UnsupportedVersion,
+    WrongType,
+)
+
+MAGIC = b"KT"
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+HEADER = struct.Struct(">2sBBI")
+DEFAULT_MAX_FRAME = 16 * 2**20
+MAX_FDS = 64
+
+
+class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every frame body."""
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+class Hello(Msg, tag="hello"):
+    versions: list[int]
+    client: str = ""
+
+
+class Attach(Msg, tag="attach"):
+    profile: str
+
+
+class Lookup(Msg, tag="lookup"):
+    hashes: bytes  # concatenated 16-byte chained block hashes, block 0 first
+
+
+class Release(Msg, tag="release"):
+    """Give back a lookup's leases, or abandon an offload's reserved (unsealed) slots."""
+
+    handle: int
+
+
+class Load(Msg, tag="load"):
+    lookup_id: int
+
+
+class Offload(Msg, tag="offload"):
+    """Reserve pool slots for new objects: `blocks[g]` lists the block indices written for group `groups[g]`."""
+
+    hashes: bytes
+    groups: list[str]
+    blocks: list[list[int]]
+
+
+class Seal(Msg, tag="seal"):
+    """The client wrote the reserved slots: seal them (and persist; `durable` waits for the store commit)."""
+
+    offload_id: int
+    durable: bool = False
+
+
+class Flush(Msg, tag="flush"):
+    timeout_s: float = 60.0
+
+
+class Prewarm(Msg, tag="prewarm"):
+    hashes: bytes
+    ttl_s: float = 600.0
+
+
+class Stats(Msg, tag="stats"):
+    pass
+
+
+Request = Hello | Attach | Lookup | Release | Load | Offload | Seal | Flush | Prewarm | Stats
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+
+class CheckVectorWire(msgspec.Struct, forbid_unknown_fields=True):
+    """`CheckVector.to_wire()` as a struct."""
+
+    hash_block_tokens: int
+    groups: list[str]
+    forms: list[str]
+    shape: list[int]
+    routes: bytes
+    reasons: bytes
+    hit_blocks: int
+
+
+class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """One group's pool as the client maps it: `fd_index` into the attach reply's fds (cpu) or `ipc` (cuda)."""
+
+    group: str
+    form: str
+    slots: int
+    slot_bytes: int
+    object_bytes: int
+    dtype: str
+    shape: list[int]
+    fd_index: int = -1
+    pool_bytes: int = 0
+    offset: int = 0  # byte offset of slot 0 in the shared memory / IPC allocation
+    ipc: bytes = b""
+
+
+class HelloOk(Msg, tag="hello_ok"):
+    version: int
+    daemon: str
+    pid: int
+
+
+class AttachOk(Msg, tag="attach_ok"):
+    profile: str
+    namespace: bytes
+    hash_block_tokens: int
+    device: str
+    lease_ttl_s: float
+    pools: list[PoolInfo]
+
+
+class LookupOk(Msg, tag="lookup_ok"):
+    """Slots and generations are int64 arrays (groups x blocks), -1 where nothing is leased."""
+
+    lookup_id: int
+    check_vector: CheckVectorWire
+    slots: bytes
+    generations: bytes
+
+
+class LoadOk(Msg, tag="load_ok"):
+    check_vector: CheckVectorWire
+    slots: bytes
+    generations: bytes
+    loaded_objects: int
+    loaded_bytes: int
+    seconds: float
+
+
+class OffloadOk(Msg, tag="offload_ok"):
+    """`slots[g][i]` is the slot to write for `blocks[g][i]`, or -1 where the object is already cached or refused."""
+
+    offload_id: int
+    slots: list[list[int]]
+    refused: int
+
+
+class SealOk(Msg, tag="seal_ok"):
+    sealed: int
+    persisted: bool
+
+
+class FlushOk(Msg, tag="flush_ok"):
+    persisted: int
+    pending: int
+
+
+class PrewarmOk(Msg, tag="prewarm_ok"):
+    check_vector: CheckVectorWire
+    loaded_objects: int
+    loaded_bytes: int
+    pinned: int
+    seconds: float
+
+
+class Released(Msg, tag="released"):
+    released: int
+
+
+class StatsOk(Msg, tag="stats_ok"):
+    stats: dict[str, Any]
+
+
+class Error(Msg, tag="error"):
+    code: str
+    message: str
+
+
+Reply = HelloOk | AttachOk | LookupOk | LoadOk | OffloadOk | SealOk | FlushOk | PrewarmOk | Released | StatsOk | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Msg, version: int = PROTOCOL_VERSION) -> bytes:
+    """One whole frame: header + msgpack body."""
+    body = _encoder.encode(msg)
+    return HEADER.pack(MAGIC, version, 0, len(body)) + body
+
+
+def parse_header(header: bytes, max_frame: int) -> int:
+    """Body length of a frame; a bad magic, version or size is a ProtocolError (the stream cannot be resynced)."""
+    magic, version, _flags, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r}: this socket speaks the kvtier protocol (frames start with b'KT')")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)}); upgrade the client or daemon")
+    if length > max_frame:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {max_frame}; split the request")
+    return length
+
+
+def decode_request(body: bytes) -> Request:
+    """A request struct; a typed ProtocolError (unknown op, wrong type, undecodable) otherwise."""
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _classify(body, exc) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable request body ({exc}); send a msgpack map with an 'op'") from None
+
+
+def _classify(body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return ProtocolError(f"undecodable request body ({exc})")
+    if not isinstance(raw, dict) or "op" not in raw:
+        return WrongType("a request must be a msgpack map with an 'op' key")
+    op = raw["op"]
+    if op not in REQUEST_OPS:
+        return UnknownOp(f"unknown op {op!r} (known: {', '.join(sorted(REQUEST_OPS))})")
+    return WrongType(f"bad {op} request: {exc}")
+
+
+def decode_reply(body: bytes) -> Reply:
+    try:
+        return _reply_decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise ProtocolError(f"undecodable reply from the daemon ({exc}); client and daemon versions differ?") from None
+
+
+# -- socket I/O ----------------------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, msg: Msg, fds: list[int] | None = None) -> None:
+    """Send one frame; file descriptors travel as SCM_RIGHTS with its first byte."""
+    data = encode(msg)
+    if fds:
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> bytes:
+    """Exactly n bytes; b'' if the peer closed before the first byte; DaemonUnavailable if it closed mid-way.
+
+    With `fds` given, SCM_RIGHTS descriptors riding along are appended to it.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    anc = socket.CMSG_SPACE(MAX_FDS * 4)
+    while got < n:
+        if fds is None:
+            k = sock.recv_into(view[got:])
+        else:
+            k, ancdata, _flags, _addr = sock.recvmsg_into([view[got:]], anc)
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+        if k == 0:
+            if got == 0:
+                return b""
+            raise DaemonUnavailable(f"peer closed the connection mid-frame ({got} of {n} bytes)")
+        got += k
+    return bytes(buf)
+
+
+def recv_reply(sock: socket.socket, max_frame: int = 1 << 31, fds: list[int] | None = None) -> Reply:
+    """One reply frame (the client's side)."""
+    header = recv_exact(sock, HEADER.size, fds)
+    if not header:
+        raise DaemonUnavailable("the daemon closed the connection")
+    return decode_reply(recv_exact(sock, parse_header(header, max_frame), fds) or b"")

@@ -1,0 +1,218 @@
+"""The daemon's life: start, READY, serve, watchdog, SIGHUP reload, SIGTERM drain + flush + exit 0.
+
+The main thread runs a selector over the listening socket and a self-pipe that the signal handlers
+write to; it is also the only thread that pings the systemd watchdog, so a wedged main loop or an
+unhealthy backend stops the pings and systemd restarts the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvtier import __version__
+from kvtier.core.errors import KvtierError
+from kvtier.daemon.config import DaemonConfig, apply_reloadable, default_verifier_command, load_config
+from kvtier.daemon.metrics import Metrics
+from kvtier.daemon.sdnotify import Notifier
+from kvtier.daemon.server import Backend, SocketServer
+from kvtier.daemon.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+TICK_S = 1.0
+
+
+class ServiceBackend(Backend, Protocol):
+    """The backend's side of the daemon's life cycle."""
+
+    def stats_doc(self) -> dict[str, Any]: ...
+    def health(self) -> tuple[bool, str]: ...
+    def tick(self) -> None: ...
+    def reload(self, cfg: DaemonConfig) -> None: ...
+    def drain(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Daemon:
+    """One `kvtier serve` process."""
+
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        backend: ServiceBackend,
+        *,
+        config_path: str | Path | None = None,
+        verifier_command: list[str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.config_path = config_path
+        self.notifier = Notifier()
+        self.metrics = Metrics(self.stats_doc)
+        self.started = time.time()
+        self.server = SocketServer(cfg.server, backend, self.stats_doc, on_request=self.metrics.observe_request)
+        self.supervisor: Supervisor | None = None
+        if cfg.verifier.mode == "supervise":
+            self.supervisor = Supervisor(
+                "verifier",
+                verifier_command or default_verifier_command(cfg),
+                backoff_s=cfg.verifier.restart_backoff_s,
+                max_backoff_s=cfg.verifier.max_backoff_s,
+            )
+        self.metrics_address: tuple[str, int] | None = None
+        self._stop = False
+        self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending: list[int] = []
+
+    # -- stats --------------------------------------------------------------------------------------
+
+    def verifier_doc(self) -> dict[str, Any]:
+        mode = self.cfg.verifier.mode
+        if self.supervisor is None:
+            return {"mode": mode, "state": "external (its own unit)" if mode == "external" else "not running", "restarts": 0}
+        st = self.supervisor.state()
+        return {"mode": mode, "state": st.state, "pid": st.pid, "restarts": st.restarts, "last_exit": st.last_exit}
+
+    def stats_doc(self) -> dict[str, Any]:
+        doc = self.backend.stats_doc()
+        healthy, why = self.backend.health()
+        doc["daemon"] = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3),
+            "health": "ok" if healthy else f"degraded: {why}",
+            "config_source": self.cfg.source,
+            "socket": str(self.cfg.server.socket),
+            "connections": self.server.connections,
+            "metrics": f"{self.metrics_address[0]}:{self.metrics_address[1]}" if self.metrics_address else "",
+        }
+        doc.setdefault("verifier", {}).update(self.verifier_doc())
+        c = self.cfg
+        doc["reloadable"] = {
+            "store_budget_bytes": c.store.budget_bytes,
+            "store_quota_bytes": dict(c.store.quota_bytes),
+            "verifier_rate_bytes_per_s": c.verifier.rate_bytes_per_s,
+            "verifier_sweep_interval_s": c.verifier.sweep_interval_s,
+            "lease_ttl_s": c.lease_ttl_s,
+            "recovering_cap": c.recovering_cap,
+        }
+        return doc
+
+    # -- signals ------------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._pending.append(signum)
+        try:
+            os.write(self._pipe_w, b"\0")
+        except BlockingIOError:
+            pass
+
+    def _install_signals(self) -> dict[int, Any]:
+        return {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+    def _handle_signals(self) -> None:
+        try:
+            while os.read(self._pipe_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            if signum == signal.SIGHUP:
+                self.reload()
+            else:
+                log.info("%s: shutting down", signal.Signals(signum).name)
+                self._stop = True
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config; apply store quotas and budget, verifier rates, lease TTL and recovering cap."""
+        self.notifier.reloading()
+        try:
+            fresh = load_config(self.config_path)
+            self.cfg = apply_reloadable(self.cfg, fresh)
+            self.backend.reload(self.cfg)
+        except KvtierError as exc:
+            log.error("reload failed, keeping the running config: %s", exc)
+            self.notifier.notify("READY=1", f"STATUS=reload failed: {exc}")
+            return
+        if self.supervisor is not None:
+            self.supervisor.signal(signal.SIGHUP)
+        log.info("reloaded quotas and rates from %s", self.cfg.source)
+        self.notifier.notify("READY=1", "STATUS=serving (reloaded)")
+
+    # -- main loop ----------------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        self.backend.tick()
+        if self.supervisor is not None:
+            self.supervisor.poll()
+        self.metrics.connections.set(self.server.connections)
+        healthy, why = self.backend.health()
+        if healthy:
+            self.notifier.ping_watchdog()
+        else:
+            log.warning("unhealthy, withholding the watchdog ping: %s", why)
+
+    def run(self, on_ready: Callable[[], None] | None = None) -> int:
+        """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain)."""
+        previous = self._install_signals()
+        sel = selectors.DefaultSelector()
+        sel.register(self.server.listener, selectors.EVENT_READ, "accept")
+        sel.register(self._pipe_r, selectors.EVENT_READ, "signal")
+        try:
+            if self.cfg.metrics.address:
+                self.metrics_address = self.metrics.serve(self.cfg.metrics.address)
+            if self.supervisor is not None:
+                self.supervisor.start()
+            log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
+            self.notifier.ready(f"serving on {self.cfg.server.socket}")
+            self.notifier.ping_watchdog()
+            if on_ready is not None:
+                on_ready()
+            last_tick = 0.0
+            while not self._stop:
+                due = self.notifier.watchdog_due()
+                for key, _ in sel.select(min(TICK_S, due) if due is not None else TICK_S):
+                    if key.data == "accept":
+                        self.server.accept_one()
+                    else:
+                        self._handle_signals()
+                now = time.monotonic()
+                if now - last_tick >= TICK_S or (self.notifier.watchdog_due(now) == 0.0):
+                    self._housekeeping()
+                    last_tick = now
+            return self._shutdown(sel)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            sel.close()
+            os.close(self._pipe_r)
+            os.close(self._pipe_w)
+            self.notifier.close()
+
+    def _shutdown(self, sel: selectors.BaseSelector) -> int:
+        """Stop accepting, finish in-flight requests, persist every acknowledged write, stop the verifier."""
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        self.notifier.stopping("draining connections")
+        sel.unregister(self.server.listener)
+        self.server.stop_accepting()
+        clean = self.server.drain(deadline, tick=self.notifier.ping_watchdog)
+        self.notifier.status("flushing acknowledged writes to the store")
+        flushed = self.backend.drain(max(0.0, deadline - time.monotonic()))
+        if self.supervisor is not None:
+            self.supervisor.stop(max(1.0, deadline - time.monotonic()))
+        self.metrics.close()
+        self.backend.close()
+        if not flushed:
+            log.error("shutdown deadline passed with acknowledged writes not yet in the store")
+            return 1
+        if not clean:
+            log.warning("some connections were still busy at the deadline")
+        log.info("stopped cleanly")
+        return 0
