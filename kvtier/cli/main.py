@@ -8,6 +8,7 @@ import sys
 import click
 
 from kvtier import __version__
+from kvtier.cli.demo_cmd import demo
 from kvtier.cli.profile_cmd import profile
 from kvtier.core.errors import KvtierError
 
@@ -24,6 +25,7 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(profile)
+cli.add_command(demo)
 
 
 def main() -> None:
