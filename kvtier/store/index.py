@@ -1,0 +1,352 @@
+"""The LMDB index: keys, checksummed values, and transactions that survive map growth in any process."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import lmdb
+import xxhash
+
+from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
+from kvtier.core.versions import VersionKey
+from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
+from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, Codec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+INDEX_DIR = "index.lmdb"
+DB_NAMES = ("meta", "ns", "obj", "seg", "dirty", "atime")
+INITIAL_MAP_BYTES = 64 << 20
+KEY_PREFIX_BYTES = 33  # namespace(16) + block hash(16) + form code(1), then the group name
+
+_SUM = struct.Struct("<Q")
+_U64 = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+
+
+def seal(body: bytes) -> bytes:
+    """An index value: body followed by xxh3_64(body) (LMDB does not check values)."""
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def unseal(value: bytes | memoryview) -> bytes:
+    body = bytes(value[:-8])
+    if len(value) < 8 or _SUM.unpack(bytes(value[-8:]))[0] != xxhash.xxh3_64_intdigest(body):
+        raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
+    return body
+
+
+def encode_key(key: ObjectKey) -> bytes:
+    """namespace(16) || block hash(16) || form code(1) || group (utf-8, 1..32 B)."""
+    return key.namespace + key.block_hash + bytes((FORM_CODES[key.form],)) + key.group.encode()
+
+
+def decode_key(raw: bytes) -> ObjectKey:
+    return ObjectKey(raw[:16], raw[16:32], raw[33:].decode(), FORMS_BY_CODE[raw[32]])
+
+
+def u64_key(n: int) -> bytes:
+    return _U64.pack(n)
+
+
+class RecordState(enum.IntEnum):
+    LIVE = 0
+    QUARANTINED = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """Where a record lives and what the index knows about it (one LMDB value in `obj`)."""
+
+    state: RecordState
+    form: CacheForm
+    codec: Codec
+    segment: int
+    offset: int
+    record_len: int
+    payload_len: int
+    stored_len: int
+    payload_checksum: bytes
+    layout_digest: bytes
+    seq: int
+    created: float
+    verified_at: float = 0.0
+    pin_until: float = 0.0
+    quarantine_reason: int = 0
+    quarantined_at: float = 0.0
+
+    _S = struct.Struct("<BBBBBxxxQQQQQ16s16sQdddd")
+
+    def pack(self) -> bytes:
+        return seal(
+            self._S.pack(
+                1, self.state, FORM_CODES[self.form], self.codec, self.quarantine_reason, self.segment, self.offset,
+                self.record_len, self.payload_len, self.stored_len, self.payload_checksum, self.layout_digest,
+                self.seq, self.created, self.verified_at, self.pin_until, self.quarantined_at,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, value: bytes | memoryview) -> "IndexEntry":
+        body = unseal(value)
+        try:
+            (_v, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
+                cls._S.unpack(body)
+            )
+            return cls(
+                RecordState(state), FORMS_BY_CODE[form], Codec(codec), seg, off, rlen, plen, slen, psum, ld, seq,
+                created, ver, pin, qr, qat,
+            )
+        except (struct.error, KeyError, ValueError) as exc:
+            raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
+
+    @property
+    def quarantine(self) -> QuarantineReason | None:
+        return QuarantineReason(self.quarantine_reason) if self.state is RecordState.QUARANTINED else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NamespaceEntry:
+    """A registered namespace: its full version key, live/retired, and codec per form."""
+
+    version_key: VersionKey
+    live: bool
+    registered_at: float
+    retired_at: float = 0.0
+    codecs: tuple[tuple[str, str], ...] = ()
+
+    def codec_for(self, form: CacheForm) -> Codec:
+        return Codec.parse(dict(self.codecs).get(form.value, "none"))
+
+    def pack(self) -> bytes:
+        doc = {
+            "version_key": self.version_key.to_dict(), "live": self.live, "registered_at": self.registered_at,
+            "retired_at": self.retired_at, "codecs": dict(self.codecs),
+        }
+        return seal(json.dumps(doc, sort_keys=True).encode())
+
+    @classmethod
+    def unpack(cls, value: bytes | memoryview) -> "NamespaceEntry":
+        try:
+            doc = json.loads(unseal(value))
+            return cls(
+                VersionKey.from_dict(doc["version_key"]), bool(doc["live"]), float(doc["registered_at"]),
+                float(doc["retired_at"]), tuple(sorted(doc["codecs"].items())),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable namespace entry: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentEntry:
+    """Accounting of one segment file: committed tail, bytes still referenced, last drop's txn id."""
+
+    sealed: bool
+    created: float
+    tail: int = 0
+    referenced: int = 0
+    records: int = 0
+    last_drop_txn: int = 0
+
+    _S = struct.Struct("<BxxxxxxxdQQQQ")
+
+    def pack(self) -> bytes:
+        return seal(self._S.pack(self.sealed, self.created, self.tail, self.referenced, self.records, self.last_drop_txn))
+
+    @classmethod
+    def unpack(cls, value: bytes | memoryview) -> "SegmentEntry":
+        sealed, created, tail, ref, n, drop = cls._S.unpack(unseal(value))
+        return cls(bool(sealed), created, tail, ref, n, drop)
+
+
+@dataclasses.dataclass(slots=True)
+class FormUsage:
+    """Per form: records, bytes on disk (record lengths), payload bytes, stored (post-codec) bytes."""
+
+    records: int = 0
+    record_bytes: int = 0
+    payload_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, record_len: int, payload_len: int, stored_len: int, sign: int) -> None:
+        self.records += sign
+        self.record_bytes += sign * record_len
+        self.payload_bytes += sign * payload_len
+        self.stored_bytes += sign * stored_len
+
+
+Usage = dict[CacheForm, FormUsage]
+
+
+def pack_usage(usage: Usage) -> bytes:
+    return seal(json.dumps({f.value: dataclasses.astuple(u) for f, u in usage.items()}, sort_keys=True).encode())
+
+
+def unpack_usage(value: bytes | None) -> Usage:
+    usage = {f: FormUsage() for f in FORM_CODES}
+    if value is not None:
+        for name, row in json.loads(unseal(value)).items():
+            usage[CacheForm(name)] = FormUsage(*row)
+    return usage
+
+
+class _Gate:
+    """Shared for transactions, exclusive for set_mapsize (LMDB requires no open txn in this process)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._exclusive = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._active:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class Index:
+    """One LMDB environment per process, opened after any fork; short transactions only."""
+
+    def __init__(self, root: str, *, readonly: bool = False, create: bool = True, dirname: str = INDEX_DIR) -> None:
+        path = os.path.join(root, dirname)
+        if not os.path.isdir(path):
+            if readonly or not create:
+                raise StoreError(f"no index at {path}: create the store first, or run `kvtier store rebuild-index`")
+            os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.readonly = readonly
+        self._gate = _Gate()
+        try:
+            self.env = lmdb.open(
+                path, map_size=INITIAL_MAP_BYTES, max_dbs=len(DB_NAMES), readonly=readonly, writemap=False,
+                readahead=False, sync=True, metasync=True, max_readers=256, subdir=True,
+            )
+        except lmdb.Error as exc:
+            if "already open" in str(exc):
+                raise StoreError(f"{path} is already open in this process: share that DiskStore, or close it first") from None
+            raise
+        if readonly:  # handles opened inside a read txn die with it: open them without one
+            self.dbs = {n: self.env.open_db(n.encode(), create=False) for n in DB_NAMES}
+        else:
+            with self.env.begin(write=True) as txn:
+                self.dbs = {n: self.env.open_db(n.encode(), txn=txn) for n in DB_NAMES}
+        self._check_format()
+
+    def _check_format(self) -> None:
+        with self.read() as txn:
+            raw = txn.get(b"format_version", db=self.dbs["meta"])
+        if raw is None:
+            if self.readonly:
+                raise StoreError(f"{self.path} has no format version: it is not a kvtier index")
+            self.update(lambda txn: txn.put(b"format_version", seal(_U64.pack(FORMAT_VERSION)), db=self.dbs["meta"]))
+            return
+        (version,) = _U64.unpack(unseal(raw))
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.path} has index format v{version}, this kvtier reads v{FORMAT_VERSION}: upgrade kvtier"
+            )
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A short read transaction (never held across calls: it pins pages). Do not nest with update()."""
+        txn = self._enter(write=False)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+            self._gate.leave()
+
+    def _enter(self, write: bool) -> lmdb.Transaction:
+        while True:
+            self._gate.enter()
+            try:
+                return self.env.begin(write=write)
+            except lmdb.MapResizedError:
+                self._gate.leave()
+            except BaseException:
+                self._gate.leave()
+                raise
+            self._resize(0)  # another process grew the map: adopt its size, then retry
+
+    def _resize(self, size: int) -> None:
+        with self._gate.exclusive():
+            self.env.set_mapsize(size)
+        log.info("lmdb map size now %d bytes", self.env.info()["map_size"])
+
+    def update(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run fn in a write transaction and commit; on MapFullError grow the map and run it again."""
+        while True:
+            txn = self._enter(write=True)
+            try:
+                result = fn(txn)
+                txn.commit()
+                return result
+            except lmdb.MapFullError:
+                txn.abort()
+            except BaseException:
+                txn.abort()
+                raise
+            finally:
+                self._gate.leave()
+            self._resize(self.env.info()["map_size"] * 2)
+
+    def get_meta_u64(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
+        raw = txn.get(name, db=self.dbs["meta"])
+        return default if raw is None else _U64.unpack(unseal(raw))[0]
+
+    def put_meta_u64(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
+        txn.put(name, seal(_U64.pack(value)), db=self.dbs["meta"])
+
+    def usage(self, txn: lmdb.Transaction) -> Usage:
+        return unpack_usage(txn.get(b"usage", db=self.dbs["meta"]))
+
+    def put_usage(self, txn: lmdb.Transaction, usage: Usage) -> None:
+        txn.put(b"usage", pack_usage(usage), db=self.dbs["meta"])
+
+    def reader_check(self) -> int:
+        """Clear reader slots of dead processes; returns how many were cleared."""
+        return int(self.env.reader_check())
+
+    def oldest_reader_txnid(self) -> int | None:
+        """The oldest snapshot any live process is reading (LMDB's reader table), or None if nobody reads."""
+        self.reader_check()
+        oldest: int | None = None
+        for line in self.env.readers().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) == 3 and fields[2] != "-":
+                txnid = int(fields[2])
+                oldest = txnid if oldest is None else min(oldest, txnid)
+        return oldest
+
+    def close(self) -> None:
+        self.env.close()

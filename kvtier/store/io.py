@@ -1,0 +1,218 @@
+"""Segment I/O behind one interface: KvikIO (GDS), POSIX O_DIRECT, or buffered where O_DIRECT is refused."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import importlib.util
+import logging
+import mmap
+import os
+import threading
+from typing import Any
+
+import torch
+
+from kvtier.core.layout import DISK_ALIGNMENT
+from kvtier.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+_MIN_BUFFER = 64 * 1024
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor."""
+
+    __slots__ = ("capacity", "_map", "mv", "tensor")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._map = mmap.mmap(-1, capacity)
+        self.mv = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+class BufferPool:
+    """Reusable aligned buffers by power-of-two size class, so the hot path does not allocate."""
+
+    def __init__(self, retain_bytes: int) -> None:
+        self._free: dict[int, list[AlignedBuffer]] = {}
+        self._retained = 0
+        self._retain_bytes = retain_bytes
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> AlignedBuffer:
+        cap = max(_MIN_BUFFER, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(cap)
+            if free:
+                self._retained -= cap
+                return free.pop()
+        return AlignedBuffer(cap)
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._lock:
+            if self._retained + buf.capacity <= self._retain_bytes:
+                self._free.setdefault(buf.capacity, []).append(buf)
+                self._retained += buf.capacity
+
+
+class SegmentFile:
+    """One open segment file; positional, thread-safe reads and writes of aligned buffers."""
+
+    __slots__ = ("path", "fd", "device_handle")
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.device_handle: Any = None
+
+    def pwrite_all(self, data: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(data):
+            n = os.pwritev(self.fd, [data[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, "short write", self.path)
+            done += n
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        """Fill buf from offset; returns bytes read (less than len(buf) only at end of file)."""
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+
+    def try_lock(self) -> bool:
+        """Exclusive flock (per open file, so a probe in the same process conflicts too); False if held."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def unlinked(self) -> bool:
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PosixBackend:
+    """os.preadv/os.pwritev on page-aligned buffers, with O_DIRECT unless the filesystem refuses it."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+        self.name = "odirect" if direct else "buffered"
+
+    def open(self, path: str, *, create: bool = False, write: bool = False) -> SegmentFile:
+        flags = os.O_CLOEXEC | (os.O_RDWR if write or create else os.O_RDONLY)
+        if create:
+            flags |= os.O_CREAT | os.O_EXCL
+        if self.direct:
+            flags |= os.O_DIRECT
+        return SegmentFile(path, os.open(path, flags, 0o644))
+
+    @property
+    def device_reads(self) -> bool:
+        return False
+
+    def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
+        raise NotImplementedError("the POSIX backend reads into host buffers only")
+
+
+class GdsBackend(PosixBackend):
+    """KvikIO CuFile reads straight into device tensors; host-side I/O stays on O_DIRECT."""
+
+    def __init__(self) -> None:
+        super().__init__(direct=True)
+        import kvikio  # only reached after the driver probe succeeded
+
+        self._kvikio = kvikio
+        self.name = "gds"
+
+    @property
+    def device_reads(self) -> bool:
+        return True
+
+    def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
+        if seg.device_handle is None:
+            seg.device_handle = self._kvikio.CuFile(seg.path, "r")
+        return int(seg.device_handle.pread(out, out.numel(), offset).get())
+
+
+def cuda_driver_present() -> bool:
+    """True when libcuda.so.1 loads and cuInit succeeds (KvikIO cannot do any I/O without it)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        return int(lib.cuInit(0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _odirect_works(directory: str, readonly: bool) -> bool:
+    """Probe O_DIRECT with a real aligned write+read in `directory` (tmpfs on old kernels, ramfs: EINVAL)."""
+    if readonly:
+        for name in sorted(os.listdir(directory)):
+            try:
+                os.close(os.open(os.path.join(directory, name), os.O_RDONLY | os.O_DIRECT))
+                return True
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    return False
+        return True
+    path = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
+    buf = AlignedBuffer(DISK_ALIGNMENT)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        os.pwritev(fd, [buf.mv], 0)
+        os.preadv(fd, [buf.mv], 0)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def select_backend(directory: str, choice: str = "auto", *, readonly: bool = False) -> PosixBackend:
+    """The backend for segments in `directory`: 'auto' picks gds > odirect > buffered by what works here."""
+    if choice not in ("auto", "gds", "odirect", "buffered"):
+        raise StoreError(f"unknown io backend {choice!r}: use auto, gds, odirect or buffered")
+    if choice == "buffered":
+        return PosixBackend(direct=False)
+    if choice in ("auto", "gds"):
+        if cuda_driver_present() and importlib.util.find_spec("kvikio") is not None:
+            return GdsBackend()
+        if choice == "gds":
+            raise StoreError("io backend 'gds' needs libcuda.so.1 and kvikio (pip install 'kvtier[gpu]'); use auto")
+    if _odirect_works(directory, readonly):
+        return PosixBackend(direct=True)
+    if choice == "odirect":
+        raise StoreError(f"{directory} refuses O_DIRECT: use io backend 'auto' or 'buffered'")
+    log.warning("%s refuses O_DIRECT; store segments use buffered I/O", directory)
+    return PosixBackend(direct=False)

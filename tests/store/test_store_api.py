@@ -1,0 +1,239 @@
+"""DiskStore as a LowerTier: round trips, namespaces, codecs, pins, budgets, roles, format refusal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lmdb
+import pytest
+import torch
+
+from kvtier.core import CacheForm, Reason
+from kvtier.core.tier import LoadRequest, LowerTier
+from kvtier.store import (
+    DiskStore,
+    FormatVersionError,
+    NamespaceError,
+    StoreConfig,
+    StoreError,
+    StoreForkError,
+    StoreFull,
+    StoreLocked,
+    StoreReadOnly,
+    StoreRequestError,
+)
+from kvtier.store import index as index_mod
+from kvtier.store.record import HEADER_BYTES, record_length
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = DiskStore(str(tmp_path), StoreConfig(io_threads=3), writer=True)
+    yield s
+    s.close()
+
+
+def _load(store: DiskStore, key, n: int, digest: bytes = DIGEST) -> tuple[Reason, torch.Tensor]:
+    out = torch.full((n,), 0xAA, dtype=torch.uint8)
+    return store.load_into([LoadRequest(key, out, digest)])[0], out
+
+
+def test_round_trip_batched_and_protocol(store: DiskStore) -> None:
+    assert isinstance(store, LowerTier)
+    assert store.io_backend == "odirect"  # /tmp here is ext4
+    ns = store.register_namespace(VK)
+    keys = [make_key(ns, f"b{i}") for i in range(12)]
+    payloads = [make_payload(f"b{i}", 5000 + 4096 * i) for i in range(12)]
+    store.store_many(list(zip(keys, payloads, [DIGEST] * 12)))
+    outs = [torch.zeros_like(p) for p in payloads]
+    assert store.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * 12
+    assert all(torch.equal(o, p) for o, p in zip(outs, payloads))
+    # A view of a larger pool (a slot) is a valid target.
+    pool = torch.zeros(3, payloads[2].numel(), dtype=torch.uint8)
+    assert store.load_into([LoadRequest(keys[2], pool[1], DIGEST)]) == [Reason.OK]
+    assert torch.equal(pool[1], payloads[2]) and not pool[0].any() and not pool[2].any()
+    stats = store.stats()
+    assert stats["records"] == 12
+    assert stats["record_bytes"] == sum(record_length(p.numel()) for p in payloads)
+
+
+def test_store_is_idempotent_and_durable_across_reopen(tmp_path) -> None:
+    with DiskStore(str(tmp_path), writer=True) as s:
+        ns = s.register_namespace(VK)
+        k = make_key(ns, "x")
+        s.store(k, make_payload("x", 10000), DIGEST)
+        s.store(k, make_payload("x", 10000), DIGEST)
+        assert s.stats()["records"] == 1
+    with DiskStore(str(tmp_path)) as s:
+        reason, out = _load(s, k, 10000)
+        assert reason is Reason.OK and torch.equal(out, make_payload("x", 10000))
+
+
+def test_namespaces_are_isolated_and_retirement_is_stale(store: DiskStore) -> None:
+    ns_a = store.register_namespace(VK)
+    ns_b = store.register_namespace(VK.bumped(compression_version="comp-2"))
+    ka = make_key(ns_a, "same-hash")
+    kb = make_key(ns_b, "same-hash")
+    assert ka.block_hash == kb.block_hash
+    store.store(ka, make_payload("a", 8192), DIGEST)
+    assert store.has([ka, kb], [DIGEST, DIGEST]) == [Reason.OK, Reason.MISSING]
+    assert _load(store, kb, 8192)[0] is Reason.MISSING
+    unknown = make_key(b"\x01" * 16, "same-hash")
+    assert store.has([unknown], [DIGEST]) == [Reason.MISSING]
+    with pytest.raises(NamespaceError):
+        store.store(unknown, make_payload("u", 100), DIGEST)
+    assert store.retire_namespace(ns_a)
+    reason, out = _load(store, ka, 8192)
+    assert reason is Reason.STALE_VERSION and (out == 0xAA).all()
+    with pytest.raises(NamespaceError, match="retired"):
+        store.store(make_key(ns_a, "new"), make_payload("n", 100), DIGEST)
+    assert not store.namespaces()[ns_a].live and store.namespaces()[ns_a].version_key == VK
+
+
+def test_layout_mismatch_and_wrong_slot_size_are_abi_mismatch(store: DiskStore) -> None:
+    ns = store.register_namespace(VK)
+    k = make_key(ns, "abi")
+    store.store(k, make_payload("abi", 4096), DIGEST)
+    assert store.has([k], [b"M" * 16]) == [Reason.ABI_MISMATCH]
+    assert _load(store, k, 4096, b"M" * 16)[0] is Reason.ABI_MISMATCH
+    reason, out = _load(store, k, 4095)
+    assert reason is Reason.ABI_MISMATCH and (out == 0xAA).all()
+
+
+def test_zstd_codec_per_form_reports_ratio(store: DiskStore) -> None:
+    ns = store.register_namespace(VK, codecs={CacheForm.SWA: "zstd"})
+    swa = make_key(ns, "swa", "swa", CacheForm.SWA)
+    c4 = make_key(ns, "c4")
+    compressible = torch.arange(200_000, dtype=torch.int64).div(512, rounding_mode="floor").to(torch.uint8)
+    store.store(swa, compressible, DIGEST)
+    store.store(c4, compressible, DIGEST)
+    forms = store.stats()["forms"]
+    assert forms["swa"]["codec_ratio"] > 20 and forms["compressed"]["codec_ratio"] == 1.0
+    assert forms["swa"]["record_bytes"] < forms["compressed"]["record_bytes"]
+    reason, out = _load(store, swa, 200_000)
+    assert reason is Reason.OK and torch.equal(out, compressible)
+
+
+def test_pin_extends_and_counts(store: DiskStore) -> None:
+    ns = store.register_namespace(VK)
+    k = make_key(ns, "p")
+    store.store(k, make_payload("p", 100), DIGEST)
+    assert store.pin([k, make_key(ns, "absent")], ttl_s=60) == 1
+    first = store.iter_records()[0].entry.pin_until
+    assert store.pin([k], ttl_s=1) == 1
+    assert store.iter_records()[0].entry.pin_until == first  # never shortened
+    assert store.pin([k], ttl_s=120) == 1 and store.iter_records()[0].entry.pin_until > first
+
+
+def test_remove_makes_a_miss_and_updates_accounting(store: DiskStore) -> None:
+    ns = store.register_namespace(VK)
+    keys = [make_key(ns, f"r{i}") for i in range(3)]
+    for i, k in enumerate(keys):
+        store.store(k, make_payload(f"r{i}", 9000), DIGEST)
+    assert store.remove([keys[0], keys[0], make_key(ns, "absent")]) == 1
+    assert store.has(keys, [DIGEST] * 3) == [Reason.MISSING, Reason.OK, Reason.OK]
+    assert store.stats()["records"] == 2
+    (seg,) = store.segments().values()
+    assert seg.referenced == 2 * record_length(9000) and seg.records == 2
+
+
+def test_budget_and_quota_refuse_with_nothing_visible_nothing_deleted(tmp_path) -> None:
+    rec = record_length(50_000)
+    cfg = StoreConfig(budget_bytes=3 * rec, form_quotas=StoreConfig.quotas({CacheForm.SWA: rec}))
+    with DiskStore(str(tmp_path), cfg, writer=True) as s:
+        ns = s.register_namespace(VK)
+        for i in range(3):
+            s.store(make_key(ns, f"k{i}"), make_payload(f"k{i}", 50_000), DIGEST)
+        with pytest.raises(StoreFull) as exc:
+            s.store(make_key(ns, "k3"), make_payload("k3", 50_000), DIGEST)
+        assert exc.value.limit == "budget" and exc.value.code == "store_full"
+        assert s.has([make_key(ns, f"k{i}") for i in range(4)], [DIGEST] * 4) == [Reason.OK] * 3 + [Reason.MISSING]
+        s.remove([make_key(ns, "k0"), make_key(ns, "k1")])
+        s.store(make_key(ns, "swa0", "swa", CacheForm.SWA), make_payload("s0", 50_000), DIGEST)
+        with pytest.raises(StoreFull) as exc:
+            s.store(make_key(ns, "swa1", "swa", CacheForm.SWA), make_payload("s1", 50_000), DIGEST)
+        assert exc.value.limit == "quota:swa"
+        assert s.has([make_key(ns, "swa1", "swa", CacheForm.SWA)], [DIGEST]) == [Reason.MISSING]
+
+
+def test_roles_locks_and_bad_input_are_typed(tmp_path) -> None:
+    with DiskStore(str(tmp_path), writer=True) as w:
+        ns = w.register_namespace(VK)
+        with pytest.raises(StoreLocked, match="writer"):
+            DiskStore(str(tmp_path), writer=True)
+        with pytest.raises(StoreError, match="already open in this process"):
+            DiskStore(str(tmp_path))
+        for bad in (torch.zeros(10, dtype=torch.float32), torch.zeros(4, 4, dtype=torch.uint8).t(), torch.zeros(0, dtype=torch.uint8)):
+            with pytest.raises(StoreRequestError):
+                w.store(make_key(ns, "bad"), bad, DIGEST)
+            with pytest.raises(StoreRequestError):
+                w.load_into([LoadRequest(make_key(ns, "bad"), bad, DIGEST)])
+        with pytest.raises(StoreRequestError):
+            w.has([make_key(ns, "x")], [])
+    with DiskStore(str(tmp_path)) as r:
+        with pytest.raises(StoreReadOnly):
+            r.store(make_key(ns, "x"), make_payload("x", 10), DIGEST)
+
+
+def test_use_after_fork_is_refused(store: DiskStore) -> None:
+    ns = store.register_namespace(VK)
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: any use must raise before touching LMDB
+        try:
+            store.has([make_key(ns, "x")], [DIGEST])
+            os.write(wfd, b"no-error")
+        except StoreForkError:
+            os.write(wfd, b"refused")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 64) == b"refused"
+
+
+def test_newer_index_format_is_refused(tmp_path) -> None:
+    DiskStore(str(tmp_path)).close()
+    env = lmdb.open(str(tmp_path / "index.lmdb"), max_dbs=8)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", index_mod.seal((99).to_bytes(8, "big")), db=meta)
+    env.close()
+    with pytest.raises(FormatVersionError, match="v99.*upgrade kvtier"):
+        DiskStore(str(tmp_path))
+
+
+def test_map_grows_on_full_and_other_process_adopts_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(index_mod, "INITIAL_MAP_BYTES", 256 << 10)
+    with DiskStore(str(tmp_path), writer=True) as s:
+        ns = s.register_namespace(VK)
+        s.store(make_key(ns, "first"), make_payload("first", 100), DIGEST)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _READER, str(tmp_path)], env=subprocess_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert reader.stdout.readline().split() == ["ready", "OK", "MISSING"]
+            s.store_many([(make_key(ns, f"g{i}"), make_payload("tiny", 16), DIGEST) for i in range(3000)])
+            assert s.index.env.info()["map_size"] > 256 << 10
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().split() == ["OK", "OK"]
+        finally:
+            reader.kill()
+            reader.wait()
+
+
+# Opens the store before the writer grows the map, then reads after: it must adopt the new size.
+_READER = """
+import sys
+from kvtier.store import DiskStore
+from store_helpers import DIGEST, VK, make_key
+s = DiskStore(sys.argv[1])
+ns = VK.namespace
+keys = [make_key(ns, "first"), make_key(ns, "g2999")]
+print("ready", *(r.name for r in s.has(keys, [DIGEST] * 2)), flush=True)
+sys.stdin.readline()
+print(*(r.name for r in s.has(keys, [DIGEST] * 2)), flush=True)
+"""
