@@ -10,6 +10,7 @@ import click
 from kvtier import __version__
 from kvtier.cli.demo_cmd import demo
 from kvtier.cli.profile_cmd import profile
+from kvtier.cli.store_cmd import store
 from kvtier.core.errors import KvtierError
 
 USAGE_EXIT = 2
@@ -25,6 +26,7 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(profile)
+cli.add_command(store)
 cli.add_command(demo)
 
 
