@@ -37,14 +37,20 @@ def usable_hit(servable: np.ndarray, n_state: np.ndarray) -> int:
         k_hist = n_blocks
     if k_hist == 0:
         return 0
-    ok = np.ones(k_hist, dtype=bool)  # ok[k-1]: every state group servable at boundary k
-    for g in np.flatnonzero(~history):
-        bad = np.concatenate(([0], np.cumsum(~servable[g, :k_hist])))
-        ks = np.arange(1, k_hist + 1)
-        lo = np.maximum(ks - int(n_state[g]), 0)
-        ok &= (bad[ks] - bad[lo]) == 0
-    hits = np.flatnonzero(ok)
-    return int(hits[-1]) + 1 if hits.size else 0
+    ok: np.ndarray | None = None  # ok[k-1]: every state group servable at boundary k
+    for n in sorted(set(n_state[~history].tolist())):
+        # every state group with this window servable at each block, then a window-wide AND
+        m = servable[n_state == n, :k_hist].all(axis=0)
+        if n > 1:
+            bad = np.concatenate(([0], np.cumsum(~m)))
+            ks = np.arange(1, k_hist + 1)
+            m = (bad[ks] - bad[np.maximum(ks - n, 0)]) == 0
+        ok = m if ok is None else ok & m
+    if ok is None:
+        return k_hist
+    if ok[-1]:
+        return k_hist
+    return k_hist - int(np.argmax(ok[::-1])) if ok.any() else 0
 
 
 @dataclasses.dataclass(slots=True)

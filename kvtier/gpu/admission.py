@@ -1,0 +1,76 @@
+"""Admission caps: a global entry cap, per-form slot quotas rebalanced by load, and the recovery caps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Caps on what the pools admit.
+
+    `max_entries`: occupied slots across all pools (None: their capacity). Per-form quotas split it,
+    starting in proportion to capacity and rebalanced toward demand every `rebalance_every`
+    allocations, never below `min_form_share`. `max_recovering`: slots RECOVERING at once (a
+    recovery beyond it waits, up to `recover_wait_s`). `max_recover_queue`: RECOVER objects a
+    lookup may hand out while others are pending; the excess is routed RECOMPUTE `admission`.
+    `state_probe_boundaries`: boundaries below the history hit at which the lower tier is asked
+    for missing state objects before settling for a resident checkpoint.
+    """
+
+    max_entries: int | None = None
+    min_form_share: float = 0.05
+    rebalance_every: int = 1024
+    max_recovering: int = 64
+    max_recover_queue: int = 4096
+    recover_wait_s: float = 30.0
+    state_probe_boundaries: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_entries is not None and self.max_entries < 1:
+            raise ValueError("max_entries must be >= 1 (or None for the pools' capacity)")
+        if not 0.0 <= self.min_form_share <= 1.0:
+            raise ValueError("min_form_share must be in [0, 1]")
+        if self.rebalance_every < 1 or self.max_recovering < 1 or self.max_recover_queue < 0:
+            raise ValueError("rebalance_every and max_recovering must be >= 1, max_recover_queue >= 0")
+
+
+class FormQuotas:
+    """Occupied-slot counts per form against per-form quotas and the global cap."""
+
+    __slots__ = ("capacity", "max_entries", "used", "quota", "share", "_demand", "_since", "_cfg")
+
+    def __init__(self, capacity: np.ndarray, cfg: AdmissionConfig) -> None:
+        self._cfg = cfg
+        self.capacity = capacity.astype(np.int64)
+        total = int(self.capacity.sum())
+        self.max_entries = total if cfg.max_entries is None else min(cfg.max_entries, total)
+        self.used = np.zeros_like(self.capacity)
+        self.share = self.capacity / max(total, 1)
+        self.quota = self.capacity.copy()
+        self._demand = np.zeros_like(self.capacity)
+        self._since = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        self.quota = np.minimum(self.capacity, np.maximum(1, np.round(self.share * self.max_entries))).astype(np.int64)
+
+    def demand(self, form: int) -> None:
+        """Count one allocation request; every `rebalance_every` of them, move quota toward demand."""
+        self._demand[form] += 1
+        self._since += 1
+        if self._since >= self._cfg.rebalance_every and self.max_entries < int(self.capacity.sum()):
+            observed = self._demand / self._demand.sum()
+            share = np.maximum(0.5 * self.share + 0.5 * observed, self._cfg.min_form_share)
+            self.share = share / share.sum()
+            self._apply()
+            self._demand[:] = 0
+            self._since = 0
+
+    def form_full(self, form: int) -> bool:
+        return bool(self.used[form] >= self.quota[form])
+
+    def global_full(self) -> bool:
+        return int(self.used.sum()) >= self.max_entries

@@ -1,0 +1,146 @@
+"""Per-form managers behind one coordinator (vLLM v1 single_type_kv_cache_manager + kv_cache_coordinator).
+
+Each lookup first routes every object from its resident verdict (REUSE or RECOMPUTE). When a lower
+tier exists the coordinator then asks it about the non-resident objects that could still extend
+the hit, and only those: history managers from the first non-resident block forward (stopping at
+the first block no tier can serve), state managers at the trailing window of candidate boundaries,
+scanning down from the history hit. The final intersection is `CheckVector.build`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
+from kvtier.core.profile import ModelProfile
+
+Ask = Callable[[Sequence[tuple[int, int]]], Sequence[Reason]]
+"""Ask the lower tier about (group, block) objects; one Reason per object (OK: it would load)."""
+
+_ASKABLE = (Reason.MISSING, Reason.EVICTED)
+_FIRST_CHUNK = 64
+
+
+def _apply(routes: np.ndarray, reasons: np.ndarray, entries: Sequence[tuple[int, int]], answers: Sequence[Reason]) -> bool:
+    """Record the lower tier's answers; True if every one was OK (RECOVER)."""
+    all_ok = True
+    for (g, b), answer in zip(entries, answers):
+        if answer == Reason.OK:
+            routes[g, b] = Route.RECOVER
+            reasons[g, b] = Reason.OK
+        else:
+            all_ok = False
+            if not (answer == Reason.MISSING and reasons[g, b] == Reason.EVICTED):
+                reasons[g, b] = answer
+    return all_ok
+
+
+class HistoryFormManager:
+    """Compressed / indexer groups: every block from 0 to the hit."""
+
+    kind = GroupKind.HISTORY
+
+    def __init__(self, form: CacheForm, groups: tuple[int, ...]) -> None:
+        self.form = form
+        self.groups = groups
+
+
+class StateFormManager:
+    """Tail / SWA groups: only the `n_s` trailing blocks before the boundary."""
+
+    kind = GroupKind.STATE
+
+    def __init__(self, form: CacheForm, groups: tuple[int, ...], n_state: tuple[int, ...]) -> None:
+        self.form = form
+        self.groups = groups
+        self.n_state = n_state
+
+    def window(self, k: int) -> list[tuple[int, int]]:
+        """(group, block) of every object this form needs at boundary k."""
+        return [(g, b) for g, n in zip(self.groups, self.n_state) for b in range(max(0, k - n), k)]
+
+
+class Coordinator:
+    """Decides which non-resident objects to ask the lower tier about, per form, toward the longest hit."""
+
+    def __init__(self, profile: ModelProfile, probe_boundaries: int) -> None:
+        h = profile.hash_block_tokens
+        by_form: dict[CacheForm, list[int]] = {}
+        for i, g in enumerate(profile.groups):
+            by_form.setdefault(g.form, []).append(i)
+        self.history = [HistoryFormManager(f, tuple(ix)) for f, ix in by_form.items() if f.kind is GroupKind.HISTORY]
+        self.state = [
+            StateFormManager(f, tuple(ix), tuple(profile.groups[i].blocks_needed(h) for i in ix))
+            for f, ix in by_form.items()
+            if f.kind is GroupKind.STATE
+        ]
+        self._hist_idx = np.array([g for m in self.history for g in m.groups], dtype=np.intp)
+        self.probe_boundaries = probe_boundaries
+
+    def find(self, routes: np.ndarray, reasons: np.ndarray, ask: Ask) -> None:
+        """Fill in RECOVER routes (and the lower tier's reasons) in place."""
+        n = routes.shape[1]
+        if n == 0:
+            return
+        k_hist = n
+        if self._hist_idx.size:
+            run = (routes[self._hist_idx] != Route.RECOMPUTE).all(axis=0)
+            if not run.all():
+                k_hist = self._extend_history(routes, reasons, int(np.argmin(run)), ask)
+        if self.state:
+            self._settle_state(routes, reasons, k_hist, ask)
+
+    def _extend_history(self, routes: np.ndarray, reasons: np.ndarray, lo: int, ask: Ask) -> int:
+        """Ask about non-resident history objects from block `lo` on, in growing chunks; returns k_hist."""
+        n = routes.shape[1]
+        hist = self._hist_idx
+        chunk = _FIRST_CHUNK
+        while lo < n:
+            hi = min(n, lo + chunk)
+            bad = routes[hist, lo:hi] == Route.RECOMPUTE
+            sub = reasons[hist, lo:hi]
+            askable = bad & ((sub == Reason.MISSING) | (sub == Reason.EVICTED))
+            hard = (bad & ~askable).any(axis=0)
+            if hard.any():
+                askable[:, int(np.argmax(hard)) :] = False
+            gi, bi = np.nonzero(askable)
+            if gi.size:
+                entries = list(zip(hist[gi].tolist(), (bi + lo).tolist()))
+                _apply(routes, reasons, entries, ask(entries))
+            served = (routes[hist, lo:hi] != Route.RECOMPUTE).all(axis=0)
+            if not served.all():
+                return lo + int(np.argmin(served))
+            lo = hi
+            chunk *= 2
+        return n
+
+    def _settle_state(self, routes: np.ndarray, reasons: np.ndarray, k_hist: int, ask: Ask) -> None:
+        """Scan boundaries down from k_hist: stop at the first one every state form can serve, asking the
+        lower tier for missing window objects at no more than `probe_boundaries` of them."""
+        asked: set[tuple[int, int]] = set()
+        probes = 0
+        for k in range(k_hist, 0, -1):
+            need: list[tuple[int, int]] = []
+            possible = True
+            for manager in self.state:
+                for g, b in manager.window(k):
+                    if routes[g, b] != Route.RECOMPUTE:
+                        continue
+                    if (g, b) in asked or reasons[g, b] not in _ASKABLE:
+                        possible = False
+                        break
+                    need.append((g, b))
+                if not possible:
+                    break
+            if not possible:
+                continue
+            if not need:
+                return
+            if probes >= self.probe_boundaries:
+                return
+            probes += 1
+            asked.update(need)
+            if _apply(routes, reasons, need, ask(need)):
+                return

@@ -1,0 +1,157 @@
+"""The slot table: per-slot state and per-entry verdicts in flat arrays, and the block-hash index.
+
+A *row* is one indexed block hash; its column g says where group g's object for that block is:
+`e_slot` (global slot or -1), `e_gen` (the slot's generation while bound) and `e_verdict` (the
+Reason a lookup reports for it: OK only when SEALED, whole, aligned, of the live namespace and
+layout). Row `R` (one past the last) is a sentinel: every column MISSING, never written; a lookup
+maps an unknown hash to it, so the hot path is one dict probe per hash and one gather.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.core.forms import Reason
+from kvtier.gpu.errors import AdmissionRefused
+from kvtier.gpu.states import BlockState, check_move
+
+IN_FLIGHT = 100  # verdict of an object being recovered right now; mapped to RECOVER before any vector is built
+
+_CLASS_SHIFT = 1 << 48  # eviction order: stale namespace, then state forms, then history; LRU within
+
+
+class BlockTable:
+    """All slot and index state; not thread-safe on its own (the manager holds the lock)."""
+
+    def __init__(self, slots_per_group: list[int], history: list[bool]) -> None:
+        self.n_groups = len(slots_per_group)
+        counts = np.array(slots_per_group, dtype=np.int64)
+        self.base = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        s = int(counts.sum())
+        self.n_slots = s
+        self.s_group = np.repeat(np.arange(self.n_groups), counts).astype(np.intp)
+        self.s_history = np.array(history, dtype=bool)[self.s_group]
+        self.s_state = np.zeros(s, dtype=np.int8)
+        self.s_gen = np.zeros(s, dtype=np.int64)
+        self.s_row = np.full(s, 2 * s + 16, dtype=np.intp)
+        self.s_pins = np.zeros(s, dtype=np.int32)
+        self.s_leases = np.zeros(s, dtype=np.int32)
+        self.s_touch = np.zeros(s, dtype=np.int64)
+        self.s_recoverable = np.zeros(s, dtype=bool)
+        self.s_ns = np.full(s, -1, dtype=np.int16)
+        # rows: one per occupied slot at most, plus rows kept only by leases (slack), plus the sentinel
+        r = 2 * s + 16
+        self.sentinel = r
+        self.e_slot = np.full((self.n_groups, r + 1), -1, dtype=np.int64)
+        self.e_gen = np.full((self.n_groups, r + 1), -1, dtype=np.int64)
+        self.e_verdict = np.full((self.n_groups, r + 1), Reason.MISSING, dtype=np.int8)
+        self.r_live = np.zeros(r + 1, dtype=np.int32)
+        self.r_leases = np.zeros(r + 1, dtype=np.int32)
+        self.r_touch = np.zeros(r + 1, dtype=np.int64)
+        self.r_hash: list[bytes | None] = [None] * r
+        self.index: dict[bytes, int] = {}
+        self._free_rows = list(range(r - 1, -1, -1))
+        self.free = [list(range(int(b + c) - 1, int(b) - 1, -1)) for b, c in zip(self.base, counts)]
+        self.next_gen = 1
+        self.tick = 0
+        self.n_recovering = 0
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def row(self, block_hash: bytes) -> int:
+        """The row of an indexed hash, created (all columns MISSING) if absent."""
+        row = self.index.get(block_hash)
+        if row is None:
+            if not self._free_rows:
+                raise AdmissionRefused("the block index is full of rows held only by leases; release leases (or wait for their TTL)")
+            row = self._free_rows.pop()
+            self.index[block_hash] = row
+            self.r_hash[row] = block_hash
+        return row
+
+    def drop_row_if_dead(self, row: int) -> bool:
+        """Unindex a row that holds no slot and no lease (its hash becomes a plain miss)."""
+        if row == self.sentinel or self.r_live[row] or self.r_leases[row] or self.r_hash[row] is None:
+            return False
+        del self.index[self.r_hash[row]]
+        self.r_hash[row] = None
+        self.e_slot[:, row] = -1
+        self.e_gen[:, row] = -1
+        self.e_verdict[:, row] = Reason.MISSING
+        self.r_touch[row] = 0
+        self._free_rows.append(row)
+        return True
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def move(self, slot: int, to: BlockState) -> None:
+        check_move(int(self.s_state[slot]), to, slot)
+        if self.s_state[slot] == BlockState.RECOVERING:
+            self.n_recovering -= 1
+        if to == BlockState.RECOVERING:
+            self.n_recovering += 1
+        self.s_state[slot] = to
+
+    def bind(self, slot: int, row: int, verdict: int, ns_id: int) -> int:
+        """Give a freshly allocated slot a new generation and make it row's object of its group."""
+        g = self.s_group[slot]
+        gen = self.next_gen
+        self.next_gen += 1
+        self.s_gen[slot] = gen
+        self.s_row[slot] = row
+        self.s_ns[slot] = ns_id
+        self.s_recoverable[slot] = False
+        self.s_pins[slot] = 0
+        self.s_leases[slot] = 0
+        self.e_slot[g, row] = slot
+        self.e_gen[g, row] = gen
+        self.e_verdict[g, row] = verdict
+        self.r_live[row] += 1
+        return gen
+
+    def unbind(self, slot: int, marker: Reason) -> int:
+        """Detach a slot from its row (generation moves, column gets `marker`); returns the row."""
+        g = self.s_group[slot]
+        row = int(self.s_row[slot])
+        self.s_gen[slot] = self.next_gen
+        self.next_gen += 1
+        self.e_slot[g, row] = -1
+        self.e_gen[g, row] = self.s_gen[slot]
+        self.e_verdict[g, row] = marker
+        self.r_live[row] -= 1
+        self.s_row[slot] = self.sentinel
+        self.s_leases[slot] = 0
+        self.s_pins[slot] = 0
+        return row
+
+    def set_verdict(self, slot: int, verdict: int) -> None:
+        self.e_verdict[self.s_group[slot], self.s_row[slot]] = verdict
+
+    def touch_rows(self, rows: np.ndarray) -> None:
+        self.tick += 1
+        self.r_touch[rows] = self.tick
+
+    def touch_slot(self, slot: int) -> None:
+        self.tick += 1
+        self.s_touch[slot] = self.tick
+        if self.s_history[slot]:
+            self.r_touch[self.s_row[slot]] = self.tick
+
+    def victim(self, where: slice | np.ndarray, live_ns: int) -> int:
+        """The slot to evict among `where`: SEALED, unpinned, unleased; stale namespace first, then state
+        forms, then history, least recently touched within; -1 if none."""
+        state = self.s_state[where]
+        ok = state == BlockState.SEALED
+        if not ok.any():
+            return -1
+        rows = self.s_row[where]
+        hist = self.s_history[where]
+        ok &= (self.s_pins[where] == 0) & (self.s_leases[where] == 0) & ~(hist & (self.r_leases[rows] > 0))
+        if not ok.any():
+            return -1
+        klass = np.where(self.s_ns[where] != live_ns, 0, np.where(hist, 2, 1))
+        score = klass * _CLASS_SHIFT + np.where(hist, self.r_touch[rows], self.s_touch[where])
+        score[~ok] = np.iinfo(np.int64).max
+        i = int(np.argmin(score))
+        ids = np.arange(self.n_slots)[where]
+        return int(ids[i])

@@ -1,0 +1,84 @@
+"""Pools: sizing from budgets, 128-B alignment, shared memory another process can map, static topology."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpuworld import PROFILE, H, budgets, hashes_of, key, make, payload, prompt, state_blocks_for, write
+from kvtier.core import CacheForm
+from kvtier.gpu import BudgetError, CacheManager, StaleHandle, TopologyError
+
+
+def test_pools_sized_from_budgets_and_aligned() -> None:
+    m, _, _ = make(blocks=5, state_blocks=3)
+    for pool in m.pools():
+        group = PROFILE.group(pool.group)
+        assert pool.slot_nbytes == group.object_bytes(H)
+        assert pool.slot_stride % 128 == 0 and pool.slot_stride - pool.slot_nbytes < 128
+        assert pool.address % 128 == 0
+        assert pool.n_slots == (5 if group.kind.value == "history" else 3)
+        assert pool.tensor.numel() == pool.n_slots * pool.slot_stride
+        assert pool.tensor.is_shared()
+
+
+def test_missing_or_tiny_budget_is_a_typed_error() -> None:
+    with pytest.raises(BudgetError, match="no entry for form tail"):
+        CacheManager(PROFILE, budgets_bytes={CacheForm.COMPRESSED: 1 << 20, CacheForm.SWA: 1 << 20, CacheForm.INDEXER: 1 << 20})
+    small = budgets(PROFILE, 4)
+    small[CacheForm.SWA] = 100
+    with pytest.raises(BudgetError, match="swa budget"):
+        CacheManager(PROFILE, budgets_bytes=small)
+
+
+CHILD = """
+import sys, torch
+fd, size, offset, nbytes = map(int, sys.argv[1:5])
+pool = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+sys.stdout.write(bytes(pool[offset:offset + nbytes].tolist()).hex())
+pool[offset] = 0xAB  # a write from the client side, visible to the manager
+"""
+
+
+def test_another_process_maps_a_slot_in_place() -> None:
+    m, _, _ = make()
+    hs = hashes_of(m, prompt(3, 4))
+    write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 4))
+    result = m.lookup(hs, owner="engine")
+    handle = m.handle(result, "c4", 2)
+    pool = next(p for p in m.pools() if p.group == "c4")
+    size = pool.base_offset + pool.n_slots * pool.slot_stride
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(pool.fd), str(size), str(pool.base_offset + handle.offset), str(handle.nbytes)],
+        pass_fds=[pool.fd],
+        capture_output=True,
+        check=True,
+        text=True,
+    ).stdout
+    expected = payload(PROFILE, "c4", hs[2], m.namespace)
+    assert bytes.fromhex(out) == bytes(expected.tolist())
+    assert int(m.read(handle)[0]) == 0xAB
+
+
+def test_resize_only_inside_a_recompile_window() -> None:
+    m, _, _ = make(blocks=4)
+    hs = hashes_of(m, prompt(4, 3))
+    write(m, hs, range(3), state_at=state_blocks_for(PROFILE, 3))
+    before = m.pool_addresses()
+    result = m.lookup(hs)
+    handle = m.handle(result, "c4", 0)
+    with pytest.raises(TopologyError, match="recompile_window"):
+        m.resize(budgets(PROFILE, 8))
+    assert m.pool_addresses() == before and m.topology_epoch == 0
+    assert torch.equal(m.read(handle, copy=True), payload(PROFILE, "c4", hs[0], m.namespace))
+    with m.recompile_window():
+        m.resize(budgets(PROFILE, 8))
+    assert m.topology_epoch == 1
+    assert {p.group: p.n_slots for p in m.pools()}["c4"] == 8
+    with pytest.raises(StaleHandle):
+        m.read(handle)
+    assert m.lookup(hs).check_vector.hit_blocks == 0  # the new pools start empty
+    assert m.audit() == []
