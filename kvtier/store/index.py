@@ -190,7 +190,8 @@ Usage = dict[CacheForm, FormUsage]
 
 
 def pack_usage(usage: Usage) -> bytes:
-    return seal(json.dumps({f.value: dataclasses.astuple(u) for f, u in usage.items()}, sort_keys=True).encode())
+    rows = {f.value: (u.records, u.record_bytes, u.payload_bytes, u.stored_bytes) for f, u in usage.items()}
+    return seal(json.dumps(rows, sort_keys=True).encode())
 
 
 def unpack_usage(value: bytes | None) -> Usage:

@@ -18,7 +18,6 @@ import lmdb
 import torch
 
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import (
@@ -398,6 +397,9 @@ class DiskStore:
             for key, payload, digest in items:
                 codec = namespaces[key.namespace].codec_for(key.form)
                 vk = namespaces[key.namespace].version_key.canonical()
+                if len(items) == 1:  # a single record: no hop through the pool
+                    written.append(self._prepare_and_write(key, payload, digest, codec, vk, now))
+                    continue
                 if len(pending) >= window:
                     written.append(pending.popleft().result())
                 pending.append(self._executor("write").submit(self._prepare_and_write, key, payload, digest, codec, vk, now))
@@ -476,7 +478,7 @@ class DiskStore:
         if self.config.min_free_bytes is None:
             return
         st = os.statvfs(self._seg_dir)
-        if st.f_bavail * st.f_frsize < record_len + self.config.min_free_bytes:
+        if st.f_blocks and st.f_bavail * st.f_frsize < record_len + self.config.min_free_bytes:  # ramfs reports 0
             raise StoreFull(
                 f"{self.root}: {st.f_bavail * st.f_frsize} bytes free, a {form.value} record needs {record_len} "
                 f"plus {self.config.min_free_bytes} reserved: let the cleaner evict, or grow the disk",

@@ -25,7 +25,7 @@ from kvtier.store import (
     StoreRequestError,
 )
 from kvtier.store import index as index_mod
-from kvtier.store.record import HEADER_BYTES, record_length
+from kvtier.store.record import record_length
 from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 

@@ -1,0 +1,117 @@
+"""Disk store throughput next to raw dd O_DIRECT on the same filesystem, in one run; prints one JSON object.
+
+Sequential write (store_many, group commit: one fdatasync + one LMDB commit per batch, checksums on) and
+cold sequential read (load_into batches through the thread pool; O_DIRECT, or page cache dropped with
+posix_fadvise(DONTNEED) on the buffered backend) of >= 1 GiB in fixed-size records, against
+`dd oflag=direct conv=fsync` and `dd iflag=direct` of the same size with the same block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import torch
+import xxhash
+
+from kvtier.core import CacheForm, VersionKey
+from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.store import DiskStore, StoreConfig
+from kvtier.store.segments import SEGMENTS_DIR
+
+MB = 1e6
+
+
+def dd_seconds(args: list[str]) -> float:
+    res = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    m = re.search(r"copied, ([0-9.]+) s", res.stderr)
+    if not m:
+        raise RuntimeError(f"cannot parse dd output: {res.stderr!r}")
+    return float(m.group(1))
+
+
+def drop_cache(root: str) -> None:
+    seg_dir = os.path.join(root, SEGMENTS_DIR)
+    for name in os.listdir(seg_dir):
+        fd = os.open(os.path.join(seg_dir, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="Directory on the filesystem to measure.")
+    ap.add_argument("--gib", type=float, default=1.0, help="Bytes to write and read, in GiB (>= 1 for the target).")
+    ap.add_argument("--record-mib", type=int, default=4, help="Record size in MiB (1-8).")
+    ap.add_argument("--batch", type=int, default=8, help="Records per store_many / load_into call.")
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--io-backend", default="auto")
+    args = ap.parse_args()
+
+    record = args.record_mib << 20
+    count = int(args.gib * (1 << 30)) // record
+    total = count * record
+    work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.dir)
+    try:
+        raw = os.path.join(work, "dd.bin")
+        raw_write = dd_seconds([f"if=/dev/zero", f"of={raw}", f"bs={args.record_mib}M", f"count={count}", "oflag=direct", "conv=fsync"])
+        raw_read = dd_seconds([f"if={raw}", "of=/dev/null", f"bs={args.record_mib}M", "iflag=direct"])
+        os.unlink(raw)
+
+        root = os.path.join(work, "store")
+        vk = VersionKey("bench", "w", "abi", "c", "i", "fp8")
+        payloads = [torch.randint(0, 256, (record,), dtype=torch.uint8) for _ in range(4)]
+        digest = b"B" * 16
+        keys = [ObjectKey(vk.namespace, xxhash.xxh3_128_digest(b"%d" % i), "c4", CacheForm.COMPRESSED) for i in range(count)]
+        cfg = StoreConfig(io_threads=args.io_threads, io_backend=args.io_backend, segment_bytes=1 << 30)
+        with DiskStore(root, cfg, writer=True) as store:
+            store.register_namespace(vk)
+            backend = store.io_backend
+            t0 = time.perf_counter()
+            for start in range(0, count, args.batch):
+                idx = range(start, min(count, start + args.batch))
+                store.store_many([(keys[i], payloads[i % len(payloads)], digest) for i in idx])
+            write_s = time.perf_counter() - t0
+        if backend == "buffered":
+            drop_cache(root)
+        with DiskStore(root, cfg) as store:
+            outs = [torch.empty(record, dtype=torch.uint8) for _ in range(args.batch)]
+            ok = 0
+            t0 = time.perf_counter()
+            for start in range(0, count, args.batch):
+                idx = range(start, min(count, start + args.batch))
+                reasons = store.load_into([LoadRequest(keys[i], outs[j], digest) for j, i in enumerate(idx)])
+                ok += sum(r.name == "OK" for r in reasons)
+            read_s = time.perf_counter() - t0
+            if ok != count or not torch.equal(outs[0], payloads[(count - len(idx)) % len(payloads)]):
+                raise SystemExit(f"read back {ok}/{count} records correctly")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    out = {
+        "write_MBps": round(total / write_s / MB, 1),
+        "read_MBps": round(total / read_s / MB, 1),
+        "raw_write_MBps": round(total / raw_write / MB, 1),
+        "raw_read_MBps": round(total / raw_read / MB, 1),
+        "read_ratio": round(raw_read / read_s, 3),
+        "write_ratio": round(raw_write / write_s, 3),
+        "record_MiB": args.record_mib,
+        "backend": backend,
+        "bytes": total,
+        "batch": args.batch,
+        "io_threads": args.io_threads,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Reader epochs before unlink, backend probing without a CUDA driver, and a store state machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.core import Reason
+from kvtier.core.tier import LoadRequest
+from kvtier.store import DiskStore, StoreConfig
+from kvtier.store.segments import segment_name
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
+
+_HOLD_READ_TXN = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=8, readonly=True)
+txn = env.begin()
+print("holding", txn.id(), flush=True)
+sys.stdin.readline()
+txn.abort()
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _reader(root: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_READ_TXN, os.path.join(root, "index.lmdb")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert p.stdout.readline().startswith("holding")
+    return p
+
+
+def test_segment_is_unlinked_only_after_every_reader_that_could_see_it_is_gone(tmp_path) -> None:
+    root = str(tmp_path)
+    with DiskStore(root, StoreConfig(segment_bytes=64 << 10), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"e{i}") for i in range(6)]
+        for i, k in enumerate(keys):
+            s.store(k, make_payload(f"e{i}", 40_000), DIGEST)
+        segs = s.segments()
+        first = min(segs)
+        active = max(segs)
+        in_first = [r.key for r in s.iter_records() if r.entry.segment == first]
+        assert not s.try_unlink_segment(active)  # unsealed: the appender still owns it
+        assert not s.try_unlink_segment(first)  # still referenced
+        graceful, killed = _reader(root), _reader(root)  # snapshots taken before the drop
+        assert s.drop(in_first) == len(in_first)
+        path = os.path.join(root, "segments", segment_name(first))
+        assert not s.try_unlink_segment(first) and os.path.exists(path)
+        graceful.stdin.write("\n")
+        graceful.stdin.flush()
+        assert graceful.stdout.readline().strip() == "released"
+        assert not s.try_unlink_segment(first)  # the other reader still has an older snapshot
+        os.kill(killed.pid, signal.SIGKILL)  # a reader that dies holding a txn is cleared by reader_check()
+        killed.wait()
+        assert s.try_unlink_segment(first) and not os.path.exists(path)
+        graceful.kill()
+        graceful.wait()
+        rest = [k for k in keys if k not in in_first]
+        outs = [torch.empty(40_000, dtype=torch.uint8) for _ in rest]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(rest, outs)]) == [Reason.OK] * len(rest)
+        assert s.has(in_first, [DIGEST] * len(in_first)) == [Reason.MISSING] * len(in_first)
+
+
+_PROBE = """
+import sys
+from kvtier.store import DiskStore
+from kvtier.store.io import cuda_driver_present
+s = DiskStore(sys.argv[1], writer=True)
+print(cuda_driver_present(), s.io_backend, "kvikio" in sys.modules)
+s.close()
+try:
+    DiskStore(sys.argv[1], __import__("kvtier.store", fromlist=["StoreConfig"]).StoreConfig(io_backend="gds"))
+except Exception as exc:
+    print(type(exc).__name__, getattr(exc, "code", None))
+"""
+
+
+def test_without_a_cuda_driver_kvikio_is_never_imported(tmp_path) -> None:
+    poison = tmp_path / "poison" / "kvikio"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise SystemExit('kvikio imported without a CUDA driver')\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{poison.parent}{os.pathsep}{env['PYTHONPATH']}"
+    res = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "s")], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "odirect", "False", "StoreError", "store_error"]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """store / remove / retire / reopen against a dict model: reads answer exactly what the model says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory(prefix="kvtier-sm-")
+        self.store = DiskStore(self.dir.name, StoreConfig(segment_bytes=128 << 10, io_threads=2), writer=True)
+        self.ns = [self.store.register_namespace(VK), self.store.register_namespace(VK.bumped(model_id="other"))]
+        self.model: dict = {}
+        self.retired: set[bytes] = set()
+
+    def _key(self, n: int, i: int):
+        return make_key(self.ns[n], f"sm{i}")
+
+    @rule(n=st.integers(0, 1), i=st.integers(0, 7), size=st.sampled_from([1, 4095, 4096, 20_000]))
+    def put(self, n: int, i: int, size: int) -> None:
+        key = self._key(n, i)
+        if self.ns[n] in self.retired:
+            return
+        self.store.store(key, make_payload(f"{n}-{i}-{size}", size), DIGEST)
+        self.model.setdefault(key, (f"{n}-{i}-{size}", size))  # immutable: a second store is a no-op
+
+    @rule(n=st.integers(0, 1), i=st.integers(0, 7))
+    def remove(self, n: int, i: int) -> None:
+        key = self._key(n, i)
+        assert self.store.remove([key]) == (1 if key in self.model else 0)
+        self.model.pop(key, None)
+
+    @precondition(lambda self: not self.retired)
+    @rule()
+    def retire_second(self) -> None:
+        self.store.retire_namespace(self.ns[1])
+        self.retired.add(self.ns[1])
+
+    @rule()
+    def reopen(self) -> None:
+        self.store.close()
+        self.store = DiskStore(self.dir.name, StoreConfig(segment_bytes=128 << 10, io_threads=2), writer=True)
+
+    @invariant()
+    def reads_match_model(self) -> None:
+        keys = [self._key(n, i) for n in (0, 1) for i in range(8)]
+        sizes = [self.model.get(k, ("", 16))[1] for k in keys]
+        outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        reasons = self.store.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+        for k, r, o in zip(keys, reasons, outs):
+            if k.namespace in self.retired:
+                assert r is Reason.STALE_VERSION
+            elif k in self.model:
+                tag, size = self.model[k]
+                assert r is Reason.OK and torch.equal(o, make_payload(tag, size))
+            else:
+                assert r is Reason.MISSING
+        live = [k for k in self.model]
+        assert self.store.stats()["records"] == len(live)
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.dir.cleanup()
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=15, stateful_step_count=15, deadline=None)
