@@ -11,9 +11,10 @@ import numpy as np
 class AdmissionConfig:
     """Caps on what the pools admit.
 
-    `max_entries`: occupied slots across all pools (None: their capacity). Per-form quotas split it,
-    starting in proportion to capacity and rebalanced toward demand every `rebalance_every`
-    allocations, never below `min_form_share`. `max_recovering`: slots RECOVERING at once (a
+    `max_entries`: occupied slots across all pools (None: their capacity). Per-form quotas split it
+    into reservations, starting in proportion to capacity and rebalanced toward demand every
+    `rebalance_every` allocations, never below `min_form_share`: when the cap is reached, the victim
+    comes from a form above its reservation (state forms first, LRU), so no form starves another. `max_recovering`: slots RECOVERING at once (a
     recovery beyond it waits, up to `recover_wait_s`). `max_recover_queue`: RECOVER objects a
     lookup may hand out while others are pending; the excess is routed RECOMPUTE `admission`.
     `state_probe_boundaries`: boundaries below the history hit at which the lower tier is asked
@@ -69,8 +70,9 @@ class FormQuotas:
             self._demand[:] = 0
             self._since = 0
 
-    def form_full(self, form: int) -> bool:
-        return bool(self.used[form] >= self.quota[form])
+    def over_quota(self) -> np.ndarray:
+        """Per form: whether it holds more than its reservation (where a capped allocation may evict)."""
+        return self.used > self.quota
 
     def global_full(self) -> bool:
         return int(self.used.sum()) >= self.max_entries

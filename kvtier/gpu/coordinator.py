@@ -79,18 +79,24 @@ class Coordinator:
         self._hist_idx = np.array([g for m in self.history for g in m.groups], dtype=np.intp)
         self.probe_boundaries = probe_boundaries
 
-    def find(self, routes: np.ndarray, reasons: np.ndarray, ask: Ask) -> None:
-        """Fill in RECOVER routes (and the lower tier's reasons) in place."""
+    def find(self, routes: np.ndarray, reasons: np.ndarray, ask: Ask, room: int) -> bool:
+        """Fill in RECOVER routes (and the lower tier's reasons) in place, aiming at the longest hit whose
+        recoveries fit `room` (the recovery queue's free places); True if the room cut the hit short."""
         n = routes.shape[1]
         if n == 0:
-            return
+            return False
         k_hist = n
+        history_need = np.zeros(n, dtype=np.int64)
         if self._hist_idx.size:
             run = (routes[self._hist_idx] != Route.RECOMPUTE).all(axis=0)
             if not run.all():
                 k_hist = self._extend_history(routes, reasons, int(np.argmin(run)), ask)
+            history_need = np.cumsum((routes[self._hist_idx] == Route.RECOVER).sum(axis=0))
         if self.state:
-            self._settle_state(routes, reasons, k_hist, ask)
+            # the largest boundary whose history recoveries alone still fit
+            k_fit = int(np.searchsorted(history_need, room, side="right"))
+            return self._settle_state(routes, reasons, min(k_hist, k_fit), ask, history_need, room) or k_fit < k_hist
+        return int(history_need[-1]) > room
 
     def _extend_history(self, routes: np.ndarray, reasons: np.ndarray, lo: int, ask: Ask) -> int:
         """Ask about non-resident history objects from block `lo` on, in growing chunks; returns k_hist."""
@@ -116,17 +122,25 @@ class Coordinator:
             chunk *= 2
         return n
 
-    def _settle_state(self, routes: np.ndarray, reasons: np.ndarray, k_hist: int, ask: Ask) -> None:
-        """Scan boundaries down from k_hist: stop at the first one every state form can serve, asking the
-        lower tier for missing window objects at no more than `probe_boundaries` of them."""
+    def _settle_state(
+        self, routes: np.ndarray, reasons: np.ndarray, k_top: int, ask: Ask, history_need: np.ndarray, room: int
+    ) -> bool:
+        """Scan boundaries down from k_top: stop at the first one every state form can serve within the
+        recovery room, asking the lower tier for missing window objects at no more than
+        `probe_boundaries` of them. True if a boundary was passed over for want of room."""
         asked: set[tuple[int, int]] = set()
         probes = 0
-        for k in range(k_hist, 0, -1):
+        squeezed = False
+        for k in range(k_top, 0, -1):
             need: list[tuple[int, int]] = []
+            recovering = int(history_need[k - 1])
             possible = True
             for manager in self.state:
                 for g, b in manager.window(k):
-                    if routes[g, b] != Route.RECOMPUTE:
+                    route = routes[g, b]
+                    if route == Route.RECOVER:
+                        recovering += 1
+                    if route != Route.RECOMPUTE:
                         continue
                     if (g, b) in asked or reasons[g, b] not in _ASKABLE:
                         possible = False
@@ -136,11 +150,13 @@ class Coordinator:
                     break
             if not possible:
                 continue
-            if not need:
-                return
-            if probes >= self.probe_boundaries:
-                return
+            if recovering + len(need) > room:
+                squeezed = True
+                continue
+            if not need or probes >= self.probe_boundaries:
+                return squeezed
             probes += 1
             asked.update(need)
             if _apply(routes, reasons, need, ask(need)):
-                return
+                return squeezed
+        return squeezed

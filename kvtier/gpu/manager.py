@@ -50,6 +50,13 @@ class LookupResult:
     leases: LeaseSet
 
 
+def _window_sum(x: np.ndarray, n: int) -> np.ndarray:
+    """out[k-1] = sum of x[max(0, k-n):k] for k = 1..len(x)."""
+    c = np.concatenate(([0], np.cumsum(x, dtype=np.int64)))
+    ks = np.arange(1, len(x) + 1)
+    return c[ks] - c[np.maximum(ks - n, 0)]
+
+
 def _lease_of(item: LookupResult | LeaseSet) -> LeaseSet:
     return item.leases if isinstance(item, LookupResult) else item
 
@@ -83,6 +90,7 @@ class CacheManager:
         self._history = [g.kind is GroupKind.HISTORY for g in profile.groups]
         n_state = window_blocks(profile)
         self._state_windows = [(g, int(n)) for g, n in enumerate(n_state) if n]
+        self._hist_groups = np.flatnonzero(n_state == 0)
         self._coordinator = Coordinator(profile, self._cfg.state_probe_boundaries)
         self._counters = Counters(self._forms)
         self._gform = [self._counters.form_index(f) for f in self._forms]
@@ -126,8 +134,7 @@ class CacheManager:
         self._quotas = FormQuotas(capacity, self._cfg)
         t = self._table
         self._pool_slice = [slice(int(t.base[g]), int(t.base[g]) + p.n_slots) for g, p in enumerate(self._pools)]
-        gform = np.array(self._gform)
-        self._form_mask = [gform[t.s_group] == f for f in range(len(self._counters.forms))]
+        self._s_form = np.array(self._gform)[t.s_group]
 
     @contextlib.contextmanager
     def recompile_window(self) -> Iterator["CacheManager"]:
@@ -236,13 +243,14 @@ class CacheManager:
                     asked[0] += len(entries)
                     return self._ask_lower(block_hashes, entries)
 
-                self._coordinator.find(routes, reasons, ask)
+                room = max(0, self._cfg.max_recover_queue - self._queued - t.n_recovering)
+                squeezed = self._coordinator.find(routes, reasons, ask, room)
                 recovering = bool(asked[0]) or bool(t.n_recovering)
                 if recovering:
                     cv = CheckVector.build(self._profile, routes, reasons)
             n_recover = 0
-            if recovering and cv.hit_blocks:
-                cv, n_recover = self._admit_recoveries(cv, routes, reasons)
+            if recovering:
+                cv, n_recover = self._admit_recoveries(cv, routes, reasons, squeezed)
             k = cv.hit_blocks
             lease = LeaseSet(
                 lease_id=self._book.next_id(),
@@ -278,15 +286,34 @@ class CacheManager:
             return [Reason.MISSING] * len(keys)
         return [Reason(a) for a in answers]
 
-    def _admit_recoveries(self, cv: CheckVector, routes: np.ndarray, reasons: np.ndarray) -> tuple[CheckVector, int]:
-        """Route RECOVER objects beyond the recovery queue's room RECOMPUTE `admission` (block order)."""
-        wanted = np.argwhere(cv.routes.T == Route.RECOVER)  # (block, group), block-major
+    def _admit_recoveries(
+        self, cv: CheckVector, routes: np.ndarray, reasons: np.ndarray, squeezed: bool
+    ) -> tuple[CheckVector, int]:
+        """Fit the recoveries to the queue's room: the hit becomes the largest boundary whose RECOVER
+        objects (history before it, state in its window) fit; every other RECOVER is RECOMPUTE `admission`
+        (when the room is what stopped the hit: `squeezed`, or too many were wanted)."""
+        wanted = int(np.count_nonzero(cv.routes == Route.RECOVER))
         room = max(0, self._cfg.max_recover_queue - self._queued - self._table.n_recovering)
-        if len(wanted) > room:
-            excess = wanted[room:]
-            routes[excess[:, 1], excess[:, 0]] = Route.RECOMPUTE
-            reasons[excess[:, 1], excess[:, 0]] = Reason.ADMISSION
-            cv = CheckVector.build(self._profile, routes, reasons)
+        if wanted <= room and not squeezed:
+            return cv, wanted
+        k_max = cv.hit_blocks
+        recover = routes[:, :k_max] == Route.RECOVER
+        servable = routes[:, :k_max] != Route.RECOMPUTE
+        need = np.cumsum(recover[self._hist_groups].sum(axis=0))  # need[k-1]: history recoveries below k
+        fits = np.ones(k_max, dtype=bool)
+        for g, n_s in self._state_windows:
+            fits &= _window_sum(~servable[g], n_s) == 0
+            need = need + _window_sum(recover[g], n_s)
+        ks = np.flatnonzero(fits & (need <= room))
+        k = int(ks[-1]) + 1 if ks.size else 0
+        keep = np.zeros_like(routes, dtype=bool)
+        keep[self._hist_groups, :k] = True
+        for g, n_s in self._state_windows:
+            keep[g, max(0, k - n_s) : k] = True
+        cut = (routes == Route.RECOVER) & ~keep
+        routes[cut] = Route.RECOMPUTE
+        reasons[cut] = Reason.ADMISSION
+        cv = CheckVector.build(self._profile, routes, reasons)
         return cv, int(np.count_nonzero(cv.routes == Route.RECOVER))
 
     def _hold(self, lease: LeaseSet, cv: CheckVector) -> None:
@@ -533,19 +560,20 @@ class CacheManager:
     # allocation and eviction
 
     def _allocate(self, g: int) -> int:
-        """A FREE slot of group g within the caps, evicting (stale, state, history; LRU) as needed."""
+        """A FREE slot of group g within the entry cap, evicting as needed: from g's own pool when it is
+        full, else (cap reached) from forms above their reservation; stale namespace, then state forms,
+        then history, least recently used within."""
         t, q, f = self._table, self._quotas, self._gform[g]
         q.demand(f)
         while True:
-            if t.free[g] and not q.form_full(f) and not q.global_full():
+            if t.free[g] and not q.global_full():
                 q.used[f] += 1
                 return t.free[g].pop()
             if not t.free[g]:
                 where: slice | np.ndarray = self._pool_slice[g]
-            elif q.form_full(f):
-                where = self._form_mask[f]
             else:
-                where = slice(None)
+                over = q.over_quota()
+                where = over[self._s_form] if over.any() else slice(None)
             victim = t.victim(where, self._ns_id)
             if victim < 0:
                 raise AdmissionRefused(
