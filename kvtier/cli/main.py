@@ -8,6 +8,7 @@ import sys
 import click
 
 from kvtier import __version__
+from kvtier.cli.daemon_cmds import config, prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
 from kvtier.cli.profile_cmd import profile
 from kvtier.cli.store_cmd import store
@@ -28,6 +29,10 @@ def cli(verbose: int) -> None:
 cli.add_command(profile)
 cli.add_command(store)
 cli.add_command(demo)
+cli.add_command(serve)
+cli.add_command(status)
+cli.add_command(config)
+cli.add_command(prewarm)
 
 
 def main() -> None:

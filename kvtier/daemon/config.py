@@ -174,15 +174,16 @@ def load_config(
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
-    """What SIGHUP may change at run time: store budget and quotas, verifier rates, lease TTL, recovering cap."""
+    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, and the verifier's rates.
+
+    Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
+    """
     return dataclasses.replace(
         current,
         store=dataclasses.replace(current.store, budget_bytes=new.store.budget_bytes, quota_bytes=new.store.quota_bytes),
         verifier=dataclasses.replace(
             current.verifier, rate_bytes_per_s=new.verifier.rate_bytes_per_s, sweep_interval_s=new.verifier.sweep_interval_s
         ),
-        lease_ttl_s=new.lease_ttl_s,
-        recovering_cap=new.recovering_cap,
     )
 
 
@@ -355,6 +356,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
     return cfg
 
 
-def default_verifier_command(cfg: DaemonConfig) -> list[str]:
-    """How a supervised verifier is started: this interpreter, as its own process, on the store root."""
-    return [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]
+def default_verifier_command(cfg: DaemonConfig, config_path: str | Path | None = None) -> list[str]:
+    """How a supervised verifier is started: this interpreter, as its own process, on the store root (and our config, for its rates)."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]
+    return cmd + ["--config", str(config_path)] if config_path is not None else cmd

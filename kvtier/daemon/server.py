@@ -85,21 +85,27 @@ def peer_allowed(peer: Peer, cfg: ServerConfig) -> bool:
     return bool(cfg.allowed_gids) and bool(_supplementary_groups(peer.pid) & set(cfg.allowed_gids))
 
 
+def claim_socket_path(path: Path) -> None:
+    """Make `path` bindable: a stale socket file is removed; a live daemon or a non-socket file is refused."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise KvtierError(f"{path} exists and is not a socket; remove it or set server.socket elsewhere")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+    else:
+        raise KvtierError(f"another daemon is serving on {path}; stop it or set server.socket elsewhere")
+    finally:
+        probe.close()
+
+
 def bind_socket(path: Path, mode: int) -> socket.socket:
-    """Listen on `path` with `mode` from the first instant; a stale socket file is replaced, a live one refused."""
+    """Listen on `path` with `mode` from the first instant."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise KvtierError(f"{path} exists and is not a socket; remove it or set server.socket elsewhere")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-        else:
-            raise KvtierError(f"another daemon is serving on {path}; stop it or set server.socket elsewhere")
-        finally:
-            probe.close()
+    claim_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     old = os.umask(0o777 & ~mode)
     try:

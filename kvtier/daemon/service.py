@@ -61,7 +61,7 @@ class Daemon:
         if cfg.verifier.mode == "supervise":
             self.supervisor = Supervisor(
                 "verifier",
-                verifier_command or default_verifier_command(cfg),
+                verifier_command or default_verifier_command(cfg, config_path),
                 backoff_s=cfg.verifier.restart_backoff_s,
                 max_backoff_s=cfg.verifier.max_backoff_s,
             )
@@ -99,8 +99,6 @@ class Daemon:
             "store_quota_bytes": dict(c.store.quota_bytes),
             "verifier_rate_bytes_per_s": c.verifier.rate_bytes_per_s,
             "verifier_sweep_interval_s": c.verifier.sweep_interval_s,
-            "lease_ttl_s": c.lease_ttl_s,
-            "recovering_cap": c.recovering_cap,
         }
         return doc
 
@@ -131,7 +129,7 @@ class Daemon:
                 self._stop = True
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; apply store quotas and budget, verifier rates, lease TTL and recovering cap."""
+        """SIGHUP: re-read the config; apply the store's budget and quotas and the verifier's rates (forwarded as SIGHUP)."""
         self.notifier.reloading()
         try:
             fresh = load_config(self.config_path)

@@ -1,0 +1,109 @@
+"""Operator commands against a real daemon: `kvtier status`, `kvtier prewarm`, and the metrics endpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.client import Client
+from kvtier.core.forms import Route
+from kvtier.core.profile import load_profile
+
+from .conftest import DaemonProc, child_env
+from .workload import caches_for, tokens_for
+
+PROFILE = load_profile("ref-tiny")
+H = PROFILE.hash_block_tokens
+
+
+def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], env=child_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_status_text_and_json(daemon: DaemonProc) -> None:
+    with Client(daemon.socket) as c:
+        c.attach("ref-tiny")
+        c.offload(tokens_for(1, 2, H), caches_for(PROFILE, 1, 2))
+        c.release(c.lookup(tokens_for(1, 2, H)))
+    out = _kvtier("status", "--config", str(daemon.config), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["daemon"]["health"] == "ok" and doc["verifier"]["state"] == "not running"
+    assert doc["store"]["io_backend"] in ("gds", "odirect", "buffered")
+    prof = doc["profiles"][0]
+    assert prof["name"] == "ref-tiny" and prof["namespace"] == PROFILE.namespace.hex()
+    assert prof["pools"]["compressed"]["used"] > 0 and prof["pools"]["compressed"]["slots"] >= prof["pools"]["compressed"]["used"]
+    assert doc["forms"]["compressed"]["reuse"] > 0
+    text = _kvtier("status", "--socket", str(daemon.socket))
+    assert text.returncode == 0 and "health     ok" in text.stdout and "pool compressed" in text.stdout and "backend" in text.stdout
+
+
+def test_status_without_daemon_exits_3(tmp_path: Path) -> None:
+    out = _kvtier("status", "--socket", str(tmp_path / "none.sock"))
+    assert out.returncode == 3 and len(out.stderr.strip().splitlines()) == 1 and "kvtier serve" in out.stderr
+
+
+def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path)
+    try:
+        with Client(d.socket) as c:
+            c.attach("ref-tiny")
+            c.offload(tokens_for(11, 4, H), caches_for(PROFILE, 11, 4), durable=True)
+        assert d.terminate() == 0
+    finally:
+        d.close()
+    d = DaemonProc(tmp_path)  # empty pools: everything is on disk
+    try:
+        (tmp_path / "p.txt").write_text(" ".join(map(str, tokens_for(11, 4, H).tolist())))
+        manifest = tmp_path / "manifest.jsonl"
+        manifest.write_text(
+            json.dumps({"name": "file", "profile": "ref-tiny", "token_file": "p.txt", "ttl_s": 60}) + "\n"
+            + json.dumps({"name": "inline-miss", "profile": "ref-tiny", "tokens": list(range(3 * H))}) + "\n"
+        )
+        out = _kvtier("prewarm", str(manifest), "--socket", str(d.socket), "--json")
+        assert out.returncode == 0, out.stderr
+        rep = {p["name"]: p for p in json.loads(out.stdout)["prefixes"]}
+        assert rep["file"]["hit_tokens"] == 4 * H and rep["file"]["loaded_objects"] > 0 and rep["file"]["bytes_loaded"] > 0
+        assert rep["file"]["pinned"] > 0 and "REUSE" in rep["file"]["routes"]["compressed"]
+        assert rep["inline-miss"]["hit_tokens"] == 0 and rep["inline-miss"]["loaded_objects"] == 0
+        with Client(d.socket) as c:  # now resident: REUSE, no load needed
+            c.attach("ref-tiny")
+            r = c.lookup(tokens_for(11, 4, H))
+            assert r.hit_tokens == 4 * H and not r.needs_load
+            assert np.all(r.check_vector.routes[:, :4][r.check_vector.routes[:, :4] != Route.RECOMPUTE] == Route.REUSE)
+            c.release(r)
+            assert c.stats()["prewarm_pins"] == 1
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"profile": "ref-tiny", "tokenz": [1]}\n')
+        out = _kvtier("prewarm", str(bad), "--socket", str(d.socket))
+        assert out.returncode == 2 and "tokenz" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    finally:
+        assert d.terminate() == 0
+
+
+def test_metrics_endpoint(daemon: DaemonProc) -> None:
+    with Client(daemon.socket) as c:
+        c.attach("ref-tiny")
+        c.offload(tokens_for(2, 2, H), caches_for(PROFILE, 2, 2))
+        c.release(c.lookup(tokens_for(2, 2, H)))
+        c.release(c.lookup(tokens_for(99, 2, H)))
+        address = c.stats()["daemon"]["metrics"]
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    for name in (
+        'kvtier_hit_rate{form="compressed"}',
+        "kvtier_recovery_success_rate",
+        "kvtier_recovery_latency_seconds_bucket",
+        'kvtier_recomputes_total{form="compressed",reason="missing"}',
+        "kvtier_admission_rejections_total",
+        'kvtier_store_bytes{state="live"}',
+        "kvtier_verifier_actions",
+        'kvtier_requests_total{code="ok",op="lookup"}',
+    ):
+        assert name in body, name
+    rate = next(float(line.split()[-1]) for line in body.splitlines() if line.startswith('kvtier_hit_rate{form="compressed"}'))
+    assert 0.0 < rate < 1.0  # one hit, one miss
