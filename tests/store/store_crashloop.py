@@ -51,8 +51,10 @@ def zygote_main(root: str) -> None:
     for line in sys.stdin:
         cmd, arg = line.split()
         if cmd == "run":
+            gate_r, gate_w = os.pipe()  # the child starts only after "pid" is out, so it comes first
             pid = os.fork()
             if pid == 0:
+                os.read(gate_r, 1)
                 try:
                     _writer(root, int(arg))
                 except BaseException:
@@ -60,6 +62,9 @@ def zygote_main(root: str) -> None:
                     os.write(1, f"fail {arg}\n".encode())
                 os._exit(0)
             os.write(1, f"pid {pid}\n".encode())
+            os.write(gate_w, b"g")
+            os.close(gate_r)
+            os.close(gate_w)
         elif cmd == "reap":
             _, status = os.waitpid(int(arg), 0)
             os.write(1, f"exit {arg} {status}\n".encode())
