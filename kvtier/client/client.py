@@ -100,7 +100,8 @@ class LoadReport:
 @dataclasses.dataclass(frozen=True, slots=True)
 class OffloadReport:
     written: int  # objects copied into pool slots and sealed
-    skipped: int  # already cached (or refused by admission): nothing to write
+    skipped: int  # already cached (or being written by another client): nothing to write
+    refused: int  # no slot to be had (admission: everything pinned, leased or in flight); not cached
     persisted: bool  # True when the store committed them (durable=True)
 
 
@@ -266,8 +267,8 @@ class Client:
             self._call(P.Release(reply.offload_id))  # give the reserved slots back unsealed
             raise
         sealed: P.SealOk = self._call(P.Seal(reply.offload_id, durable))
-        skipped = sum(len(bs) for bs in blocks) - written
-        return OffloadReport(sealed.sealed, skipped, sealed.persisted)
+        skipped = sum(len(bs) for bs in blocks) - written - reply.refused
+        return OffloadReport(sealed.sealed, skipped, reply.refused, sealed.persisted)
 
     def prewarm(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None, ttl_s: float = 600.0) -> PrewarmReport:
         """Longest usable hit loaded into the pool and pinned for `ttl_s` (nothing leased to this client)."""

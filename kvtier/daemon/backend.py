@@ -37,6 +37,7 @@ from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupRe
 from kvtier.store import DiskStore, StoreConfig
 
 log = logging.getLogger(__name__)
+PERSIST_BATCH = 32
 
 
 def resolve_device(device: str) -> str:
@@ -182,15 +183,18 @@ class Persister:
                 covering = self._requested
                 self._waiting = 0
                 self._cond.notify_all()
-            n = 0
             for rt in self.runtimes:
                 try:
-                    n += rt.manager.persist()
+                    while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
+                        n = rt.manager.persist(limit=PERSIST_BATCH)
+                        with self._cond:
+                            self.persisted += n
+                        if n < PERSIST_BATCH:
+                            break
                 except Exception:  # the pass failed as a whole; objects stay sealed and are retried next pass
                     log.exception("persisting %s objects to the store failed", rt.name)
                     self.failed_passes += 1
             with self._cond:
-                self.persisted += n
                 self._completed = covering
                 self._cond.notify_all()
 

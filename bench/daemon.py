@@ -1,0 +1,217 @@
+"""Daemon overheads, side by side in one run; prints one JSON object.
+
+- lookup: round trip of `Client.lookup` over the unix socket (p50 / p99) for a resident prefix, next
+  to the same lookup on an in-process `CacheManager` holding the same blocks (ratio = socket / in-process).
+- load: recovering objects from the disk store into the pool through the daemon (`Client.load`),
+  next to `DiskStore.load_into` of exactly the same objects into tensors in this process (ratio =
+  daemon / direct). Two prefixes larger than half the pool alternate, so every daemon load is a
+  real disk read; the store reads with O_DIRECT where the filesystem allows (cold either way).
+
+Usage: python bench/daemon.py [--profile deepseek-v4-flash] [--lookup-tokens 16384] [--load-tokens 12288] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvtier.client import Client, OffloadReport  # noqa: E402
+from kvtier.core.forms import GroupKind, Route  # noqa: E402
+from kvtier.core.hashing import block_hashes  # noqa: E402
+from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
+from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
+from kvtier.gpu import CacheManager  # noqa: E402
+from kvtier.store import DiskStore  # noqa: E402
+
+
+def _caches(profile: ModelProfile, n_blocks: int, fill: int) -> dict[str, dict[int, torch.Tensor]]:
+    """History objects for every block, state objects for the trailing window (one tensor per group, shared)."""
+    h = profile.hash_block_tokens
+    out = {}
+    for g in profile.groups:
+        obj = torch.full((g.object_bytes(h),), fill, dtype=torch.uint8)
+        first = 0 if g.kind is GroupKind.HISTORY else max(0, n_blocks - g.blocks_needed(h))
+        out[g.name] = {b: obj for b in range(first, n_blocks)}
+    return out
+
+
+def _check(rep: OffloadReport) -> None:
+    if rep.refused or rep.skipped:
+        raise SystemExit(f"offload incomplete ({rep}): the pools are too small for this benchmark's prefixes")
+
+
+def _tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=n, dtype=np.int64)
+
+
+def _start(tmp: Path, profile: str, pools: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path, socket.socket]:
+    sock_path = tmp / "kvtier.sock"
+    cfg = tmp / "kvtier.toml"
+    pool_lines = "".join(f'{k} = "{v}"\n' for k, v in pools.items())
+    cfg.write_text(
+        f'device = "cpu"\nprofiles = ["{profile}"]\nrecovering_cap = 1024\npersist_queue_depth = 100000\n'
+        f'[server]\nsocket = "{sock_path}"\n[store]\nroot = "{tmp / "store"}"\nbudget_bytes = "8GiB"\nio_threads = 4\n'
+        f'[pool.budget_bytes]\n{pool_lines}[verifier]\nmode = "off"\n[metrics]\naddress = ""\n'
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = tmp / "notify.sock"
+    notify_path.unlink(missing_ok=True)
+    notify.bind(str(notify_path))
+    notify.settimeout(120)
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(cfg)], env=env, stderr=subprocess.DEVNULL)
+    while b"READY=1" not in notify.recv(4096):
+        pass
+    return proc, sock_path, notify
+
+
+def _stop(proc: subprocess.Popen[bytes], notify: socket.socket) -> None:
+    proc.send_signal(signal.SIGTERM)
+    if proc.wait(120) != 0:
+        raise SystemExit(f"daemon exited {proc.returncode}")
+    notify.close()
+
+
+def bench_lookup(profile: ModelProfile, sock: Path, tokens: int, n: int) -> dict:
+    h = profile.hash_block_tokens
+    blocks = tokens // h
+    toks = _tokens(1, blocks * h)
+    caches = _caches(profile, blocks, 7)
+    with Client(sock) as c:
+        c.attach(profile.name)
+        _check(c.offload(toks, caches))
+        hashes = c.hashes(toks)
+        for _ in range(20):
+            c.release(c.lookup(hashes=hashes))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = c.lookup(hashes=hashes)
+            times.append(time.perf_counter() - t0)
+            c.release(r)
+        assert r.hit_tokens == blocks * h and not r.needs_load, "the lookup prefix must be resident"
+    # the same lookup in process, on a manager holding the same blocks
+    mgr = CacheManager(profile, budgets_bytes={"compressed": 256 << 20, "indexer": 64 << 20, "swa": 64 << 20, "tail": 64 << 20})
+    hs = block_hashes(profile.namespace, toks, h)
+    for name, objs in caches.items():
+        g = profile.group(name)
+        for b, t in objs.items():
+            mgr.write_block(ObjectKey(profile.namespace, hs[b], name, g.form), t, layout_digest=mgr.layout_digest(name))
+    local = []
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        res = mgr.lookup(hs)
+        mgr.handles(res)  # the daemon also resolves every REUSE slot for the reply
+        dt = time.perf_counter() - t0
+        mgr.release(res)
+        if i >= 20:
+            local.append(dt)
+    assert res.check_vector.hit_blocks == blocks
+    mgr.close()
+    p50, p99 = np.percentile(times, [50, 99]) * 1e3
+    local_p50 = float(np.percentile(local, 50) * 1e3)
+    return {
+        "tokens": blocks * h, "blocks": blocks, "n": n, "p50_ms": round(float(p50), 3), "p99_ms": round(float(p99), 3),
+        "inproc_p50_ms": round(local_p50, 3), "ratio_p50": round(float(p50) / local_p50, 2),
+    }
+
+
+def bench_load(profile: ModelProfile, sock: Path, tokens: int, rounds: int) -> tuple[dict, list[tuple[ObjectKey, int]]]:
+    h = profile.hash_block_tokens
+    blocks = tokens // h
+    prefixes = {seed: _tokens(seed, blocks * h) for seed in (10, 11)}
+    loaded: list[tuple[ObjectKey, int]] = []
+    total_bytes = 0
+    total_s = 0.0
+    objects = 0
+    with Client(sock) as c:
+        c.attach(profile.name)
+        for seed, toks in prefixes.items():
+            _check(c.offload(toks, _caches(profile, blocks, seed), durable=True))
+        for i in range(rounds * 2):
+            toks = prefixes[10 + i % 2]
+            r = c.lookup(toks)
+            recover = r.check_vector.routes != Route.RECOMPUTE  # servable: all of it is on disk (durable)
+            t0 = time.perf_counter()
+            rep = c.load(r)
+            dt = time.perf_counter() - t0
+            c.release(r)
+            if i >= 2:  # the first two rounds warm up (and may find objects still resident)
+                total_bytes += rep.loaded_bytes
+                total_s += dt
+                objects += rep.loaded_objects
+            if i < 2:
+                hs = block_hashes(profile.namespace, toks, h)
+                for gi, b in zip(*np.nonzero(recover)):
+                    g = profile.groups[gi]
+                    loaded.append((ObjectKey(profile.namespace, hs[b], g.name, g.form), g.object_bytes(h)))
+    return {"objects": objects, "bytes": total_bytes, "daemon_MBps": round(total_bytes / total_s / 1e6, 1) if total_s else None}, loaded
+
+
+def bench_direct(profile: ModelProfile, root: Path, loaded: list[tuple[ObjectKey, int]], rounds: int) -> dict:
+    store = DiskStore(str(root), readonly=True)
+    digests = {g.name: profile.layout(g).digest for g in profile.groups}
+    outs = [torch.empty(n, dtype=torch.uint8) for _, n in loaded]
+    reqs = [LoadRequest(k, o, digests[k.group]) for (k, _), o in zip(loaded, outs)]
+    store.load_into(reqs)  # warm-up, like the daemon's first rounds
+    nbytes = sum(n for _, n in loaded)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        answers = store.load_into(reqs)
+    dt = time.perf_counter() - t0
+    assert all(a == 0 for a in answers), "direct loads failed"
+    backend = store.io_backend
+    store.close()
+    return {"direct_MBps": round(nbytes * rounds / dt / 1e6, 1), "io_backend": backend}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", default="deepseek-v4-flash")
+    ap.add_argument("--lookup-tokens", type=int, default=16384)
+    ap.add_argument("--load-tokens", type=int, default=12288)
+    ap.add_argument("--lookups", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    profile = load_profile(args.profile)
+    h = profile.hash_block_tokens
+    per_block = profile.bytes_per_hash_block()
+    load_blocks = args.load_tokens // h
+    # pools hold one load prefix but not two (history), and one checkpoint of state at a time
+    pools = {
+        "compressed": per_block["compressed"] * load_blocks * 3 // 2,
+        "indexer": per_block["indexer"] * load_blocks * 3 // 2,
+        "swa": per_block["swa"] * 3,
+        "tail": per_block["tail"] * 3,
+    }
+    pools["compressed"] = max(pools["compressed"], per_block["compressed"] * (args.lookup_tokens // h + 8))
+    pools["indexer"] = max(pools["indexer"], per_block["indexer"] * (args.lookup_tokens // h + 8))
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")) as d:
+        tmp = Path(d)
+        proc, sock, notify = _start(tmp, args.profile, {k: str(v) for k, v in pools.items()})
+        try:
+            lookup = bench_lookup(profile, sock, args.lookup_tokens, args.lookups)
+            load, loaded = bench_load(profile, sock, args.load_tokens, args.rounds)
+        finally:
+            _stop(proc, notify)
+        direct = bench_direct(profile, tmp / "store", loaded, args.rounds)
+    ratio = round(load["daemon_MBps"] / direct["direct_MBps"], 2) if load["daemon_MBps"] else None
+    print(json.dumps({"profile": args.profile, "lookup": lookup, "load": {**load, **direct, "ratio": ratio, "tokens": load_blocks * h}}))
+
+
+if __name__ == "__main__":
+    main()
