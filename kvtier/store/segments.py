@@ -86,6 +86,7 @@ class Appender:
         self._seg_id = 0
         self._tail = 0
         self._batch: dict[int, tuple[SegmentFile, int]] = {}  # seg id -> (file, tail at batch start)
+        self._rolled: list[SegmentFile] = []  # rolled away mid-batch: closed only when the batch ends
 
     @property
     def owned_segment(self) -> int:
@@ -105,6 +106,14 @@ class Appender:
             self._tail += record_len
             return placement
 
+    def end_batch(self) -> None:
+        """Close segments rolled away during the batch (other threads may have been writing them until now)."""
+        with self._lock:
+            for file in self._rolled:
+                file.close()
+            self._rolled = []
+            self._batch = {}
+
     def sync_batch(self) -> None:
         """fdatasync every segment the batch wrote (O_DIRECT and KvikIO writes are not durable without it)."""
         for file, _ in self._batch.values():
@@ -123,13 +132,12 @@ class Appender:
                     log.warning("could not truncate segment %016x back to %d: %s", seg_id, start, exc)
                 if seg_id == self._seg_id:
                     self._tail = start
-            self._batch = {}
             if abandon and self._file is not None:
                 self._seal_current()
 
     def _roll(self) -> None:
         if self._file is not None:
-            self._seal_current()
+            self._rolled.append(self._seal_current(close=False))
         while True:
             seg_id = self.index.update(self._allocate)
             path = os.path.join(self.seg_dir, segment_name(seg_id))
@@ -153,12 +161,14 @@ class Appender:
         txn.put(u64_key(seg_id), SegmentEntry(sealed=False, created=time.time()).pack(), db=self.index.dbs["seg"])
         return seg_id
 
-    def _seal_current(self) -> None:
+    def _seal_current(self, *, close: bool = True) -> SegmentFile:
         seg_id, file = self._seg_id, self._file
+        assert file is not None
         self._file, self._seg_id, self._tail = None, 0, 0
-        if file is not None:
-            self.index.update(lambda txn: seal_segment(self.index, txn, seg_id))
+        self.index.update(lambda txn: seal_segment(self.index, txn, seg_id))
+        if close:
             file.close()
+        return file
 
     def close(self) -> None:
         with self._lock:

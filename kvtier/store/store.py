@@ -425,6 +425,7 @@ class DiskStore:
             appender.rewind(abandon=False)
             raise
         finally:
+            appender.end_batch()
             for prep, _, _ in written:
                 self._buffers.release(prep.buf)
 

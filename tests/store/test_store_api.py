@@ -237,3 +237,18 @@ print("ready", *(r.name for r in s.has(keys, [DIGEST] * 2)), flush=True)
 sys.stdin.readline()
 print(*(r.name for r in s.has(keys, [DIGEST] * 2)), flush=True)
 """
+
+
+def test_one_batch_spanning_several_segments(tmp_path) -> None:
+    with DiskStore(str(tmp_path), StoreConfig(segment_bytes=200_000, io_threads=4), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"roll{i}") for i in range(40)]
+        s.store_many([(k, make_payload(f"roll{i}", 30_000 + i), DIGEST) for i, k in enumerate(keys)])
+        segs = s.segments()
+        assert len(segs) >= 6 and sum(e.sealed for e in segs.values()) == len(segs) - 1
+        assert sum(e.records for e in segs.values()) == 40
+        assert all(e.tail <= 200_000 for e in segs.values())
+    with DiskStore(str(tmp_path)) as s:
+        outs = [torch.empty(30_000 + i, dtype=torch.uint8) for i in range(40)]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * 40
+        assert all(torch.equal(o, make_payload(f"roll{i}", 30_000 + i)) for i, o in enumerate(outs))
