@@ -65,8 +65,11 @@ def config_show(config_path: str | None, as_json: bool) -> None:
 
 
 def _rate(bucket: dict[str, Any], key: str) -> str:
-    total = sum(int(bucket.get(k, 0)) for k in ("reuse", "recover", "recompute"))
-    return f"{int(bucket.get(key, 0)) / total:6.1%}" if total else "     -"
+    """Share of the objects lookups needed (state objects outside the window at the hit are not needed)."""
+    unneeded = int(bucket.get("recompute_reasons", {}).get("outside_window", 0))
+    total = sum(int(bucket.get(k, 0)) for k in ("reuse", "recover", "recompute")) - unneeded
+    count = int(bucket.get(key, 0)) - (unneeded if key == "recompute" else 0)
+    return f"{count / total:6.1%}" if total else "     -"
 
 
 def _render_status(doc: dict[str, Any]) -> None:
@@ -87,7 +90,7 @@ def _render_status(doc: dict[str, Any]) -> None:
         for form, p in sorted(prof.get("pools", {}).items()):
             slots = int(p.get("slots", 0))
             used = int(p.get("used", 0))
-            click.echo(f"  pool {form:<11} {used:>7}/{slots:<7} slots used ({used / slots if slots else 0:6.1%}), {int(p.get('pinned', 0))} pinned")
+            click.echo(f"  pool {form:<11} {used:>7}/{slots:<7} slots used ({used / slots if slots else 0:6.1%}), quota {int(p.get('quota', 0))}")
     forms = doc.get("forms", {})
     if forms:
         click.echo(f"{'form':<11} {'lookups':>9} {'reuse':>7} {'recover':>7} {'recompute':>9}")

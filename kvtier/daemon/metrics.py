@@ -35,7 +35,7 @@ class BackendCollector(Collector):
             return
         forms: dict[str, Any] = doc.get("forms", {})
         routes = CounterMetricFamily("kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"])
-        hit_rate = GaugeMetricFamily("kvtier_hit_rate", "Share of looked-up objects served (REUSE or RECOVER), by form", labels=["form"])
+        hit_rate = GaugeMetricFamily("kvtier_hit_rate", "Share of the objects lookups needed that were served (REUSE or RECOVER), by form", labels=["form"])
         recov = CounterMetricFamily("kvtier_recoveries", "Loads of RECOVER objects into pool slots, by outcome", labels=["form", "outcome"])
         recov_rate = GaugeMetricFamily("kvtier_recovery_success_rate", "Share of recoveries that succeeded, by form", labels=["form"])
         reasons = CounterMetricFamily("kvtier_recomputes", "RECOMPUTE routes by reason", labels=["form", "reason"])
@@ -46,8 +46,8 @@ class BackendCollector(Collector):
             routes.add_metric([form, "reuse"], reuse)
             routes.add_metric([form, "recover"], recover)
             routes.add_metric([form, "recompute"], recompute)
-            total = reuse + recover + recompute
-            hit_rate.add_metric([form], (reuse + recover) / total if total else 0.0)
+            needed = reuse + recover + recompute - int(f.get("recompute_reasons", {}).get("outside_window", 0))
+            hit_rate.add_metric([form], (reuse + recover) / needed if needed else 0.0)
             ok, failed = int(f.get("recover_ok", 0)), int(f.get("recover_failed", 0))
             recov.add_metric([form, "ok"], ok)
             recov.add_metric([form, "failed"], failed)
@@ -61,10 +61,10 @@ class BackendCollector(Collector):
                 latency.add_metric([form], buckets, float(hist.get("sum", 0.0)))
         yield from (routes, hit_rate, recov, recov_rate, reasons, admission, latency)
 
-        pool = GaugeMetricFamily("kvtier_pool_slots", "Pool slots by profile, form and state", labels=["profile", "form", "state"])
+        pool = GaugeMetricFamily("kvtier_pool_slots", "Pool slots by profile and form: capacity, occupied, and the admission quota", labels=["profile", "form", "state"])
         for prof in doc.get("profiles", []):
             for form, p in sorted(prof.get("pools", {}).items()):
-                for state in ("slots", "used", "pinned"):
+                for state in ("slots", "used", "quota"):
                     pool.add_metric([prof["name"], form, state], int(p.get(state, 0)))
         yield pool
 

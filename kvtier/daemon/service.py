@@ -12,7 +12,6 @@ import os
 import selectors
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,7 +156,7 @@ class Daemon:
         else:
             log.warning("unhealthy, withholding the watchdog ping: %s", why)
 
-    def run(self, on_ready: Callable[[], None] | None = None) -> int:
+    def run(self) -> int:
         """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain)."""
         previous = self._install_signals()
         sel = selectors.DefaultSelector()
@@ -171,8 +170,6 @@ class Daemon:
             log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             self.notifier.ping_watchdog()
-            if on_ready is not None:
-                on_ready()
             last_tick = 0.0
             while not self._stop:
                 due = self.notifier.watchdog_due()
