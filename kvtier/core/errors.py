@@ -9,17 +9,23 @@ class KvtierError(Exception):
     code = "error"
 
 
-class ProfileError(KvtierError):
-    """A model profile is malformed; names the offending field and the file it came from."""
+class FileFieldError(KvtierError):
+    """A settings file (profile, config) is malformed; names the offending field and the file."""
 
-    code = "bad_profile"
+    noun = "field"
 
     def __init__(self, message: str, *, field: str | None = None, source: str | None = None) -> None:
         self.field = field
         self.source = source
         where = f"{source}: " if source else ""
-        what = f"field '{field}': " if field else ""
+        what = f"{self.noun} '{field}': " if field else ""
         super().__init__(f"{where}{what}{message}")
+
+
+class ProfileError(FileFieldError):
+    """A model profile is malformed; names the offending field and the file it came from."""
+
+    code = "bad_profile"
 
 
 class VersionError(KvtierError):

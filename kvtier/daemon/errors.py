@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import FileFieldError, KvtierError
 
 
-class ConfigError(KvtierError):
+class ConfigError(FileFieldError):
     """The daemon's TOML config is unreadable or has a bad, missing or unknown key."""
 
     code = "bad_config"
+    noun = "key"
 
     def __init__(self, message: str, *, key: str | None = None, source: str | None = None) -> None:
-        self.key = key
-        self.source = source
-        where = f"{source}: " if source else ""
-        what = f"key '{key}': " if key else ""
-        super().__init__(f"{where}{what}{message}")
+        super().__init__(message, field=key, source=source)
+
+    @property
+    def key(self) -> str | None:
+        return self.field
 
 
 class ProtocolError(KvtierError):
