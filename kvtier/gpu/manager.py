@@ -358,6 +358,7 @@ class CacheManager:
         if not 0 <= block < cv.hit_blocks or cv.routes[g, block] != Route.REUSE:
             raise BadKey(f"{group} block {block} is not REUSE in this lookup; read only the objects the check vector routes REUSE")
         with self._lock:
+            self._expire(self._clock())
             self._require_live(lease)
             slot = int(self._table.e_slot[g, lease.rows[block]])
             gen = int(lease.gens[g, block])
@@ -446,7 +447,7 @@ class CacheManager:
             if lease is not None:
                 self._release_lease(lease)
                 self._counters.totals["leases_expired"] += 1
-                log.warning("lease %d of %r expired after %.1f s without release", ident, lease.owner, self._ttl)
+                log.debug("lease %d of %r expired after %.1f s without release", ident, lease.owner, self._ttl)
             else:
                 self._abort_write(self._book.writes[ident][0])
                 self._counters.totals["writes_expired"] += 1
@@ -643,13 +644,13 @@ class CacheManager:
 
     def recover(self, result: LookupResult, *, timeout_s: float | None = None) -> LookupResult:
         """Load the RECOVER objects of a lookup into slots (at most `max_recovering` at once across the
-        manager; the rest wait), verify them, and lease them as REUSE; failures become RECOMPUTE and the
-        hit is recomputed. Returns the same result with its check vector updated."""
+        manager; the rest wait), verify them, and lease them as REUSE; failures, and REUSE objects evicted
+        since the lookup, become RECOMPUTE and the hit is recomputed. Returns the same result with its
+        check vector updated."""
         lease = result.leases
-        if self._lower is None:
-            return result
         deadline = time.monotonic() + (self._cfg.recover_wait_s if timeout_s is None else timeout_s)
         with self._lock:
+            self._expire(self._clock())
             self._require_live(lease)
             epoch = self._topology_epoch
             adopted: list[int] = []
@@ -657,13 +658,11 @@ class CacheManager:
             while True:
                 with self._lock:
                     self._require_current(lease, epoch)
+                    self._rebuild(result)  # objects evicted since the lookup turn RECOMPUTE first
                     pending = [(int(g), int(b)) for b, g in np.argwhere(result.check_vector.routes.T == Route.RECOVER)]
                 if not pending:
                     return result
                 self._recover_round(lease, pending, deadline, epoch, adopted)
-                with self._lock:
-                    self._require_current(lease, epoch)
-                    self._rebuild(result)
         finally:
             with self._lock:
                 if self._topology_epoch == epoch:
@@ -815,7 +814,7 @@ class CacheManager:
         t = self._table
         k = result.check_vector.hit_blocks
         current = t.e_gen.take(lease.rows[:k], axis=1)
-        moved = (lease.routes[:, :k] == Route.REUSE) & (current != lease.gens)
+        moved = (lease.routes[:, :k] == Route.REUSE) & (current != lease.gens[:, :k])
         lease.routes[:, :k][moved] = Route.RECOMPUTE
         lease.reasons[:, :k][moved] = Reason.EVICTED
         self._unhold(lease)
