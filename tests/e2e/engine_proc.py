@@ -1,0 +1,58 @@
+"""One engine process: the reference model through `kvtier.client` (a `RefEngine`), driven by the e2e tests.
+
+    engine_proc.py SOCKET PROFILE WORKDIR offload NAME...   prefill WORKDIR/NAME.npy and offload (durable), one JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR continue NAME...  restore + continue; logits to WORKDIR/NAME.logits.pt, one JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR hold NAME          look up, print the leases held, wait until killed
+
+PROFILE is a bundled name or a TOML path; the client attaches to that profile's name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.client import Client
+from kvtier.core.profile import load_profile
+from kvtier.refmodel import RefModel
+from kvtier.refmodel.engine import RefEngine
+
+CHECKPOINT_EVERY = 4  # hash blocks between state checkpoints (128 tokens on ref-tiny)
+
+
+def emit(doc: dict) -> None:
+    print(json.dumps(doc), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    socket_path, profile_arg, workdir, role, *names = argv
+    torch.set_num_threads(1)
+    profile = load_profile(profile_arg)
+    work = Path(workdir)
+    with Client(socket_path, name=f"engine {role}") as client:
+        client.attach(profile.name)
+        engine = RefEngine(client, RefModel(profile), checkpoint_every=CHECKPOINT_EVERY)
+        for name in names:
+            tokens = np.load(work / f"{name}.npy")
+            if role == "offload":
+                rep = engine.prefill_and_offload(tokens, durable=True)
+                emit({"name": name, "written": rep.written, "skipped": rep.skipped, "refused": rep.refused, "persisted": rep.persisted})
+            elif role == "continue":
+                rep = engine.restore_and_continue(tokens)
+                torch.save(rep.logits, work / f"{name}.logits.pt")
+                cv = rep.final_cv
+                emit({"name": name, **rep.to_dict(), "routes": cv.routes.tolist(), "reasons": cv.reasons.tolist()})
+            elif role == "hold":
+                result = client.lookup(tokens)
+                emit({"name": name, "held": len(result.leases), "hit_tokens": result.hit_tokens})
+                sys.stdin.read()  # until killed
+            else:
+                raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

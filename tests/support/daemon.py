@@ -1,0 +1,113 @@
+"""A real `kvtier serve` subprocess on a temporary socket, with a datagram socket standing in for systemd's.
+
+Shared by tests/daemon and tests/e2e (import as `support.daemon`: pytest puts `tests/` on the path).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("WATCHDOG_USEC", None)
+    env.update(extra)
+    return env
+
+
+class DaemonProc:
+    """A running daemon: its process, socket, config file and the notify socket it reports to."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        extra_toml: str = "",
+        server_toml: str = "",
+        socket_path: Path | None = None,
+        abstract_notify: bool = False,
+        watchdog_usec: int | None = None,
+        pools: str = 'compressed = "2MiB"\nindexer = "1MiB"\ntail = "2MiB"\nswa = "2MiB"\n',
+    ) -> None:
+        self.tmp = tmp
+        self.socket = socket_path or tmp / "kvtier.sock"
+        self.config = tmp / "kvtier.toml"
+        self.config.write_text(
+            f'device = "cpu"\nprofiles = ["ref-tiny"]\nshutdown_timeout_s = 20\n'
+            f'[server]\nsocket = "{self.socket}"\nframe_timeout_s = 1.0\n{server_toml}'
+            f'[store]\nroot = "{tmp / "store"}"\nbudget_bytes = "256MiB"\n'
+            f'[pool.budget_bytes]\n{pools}'
+            f'[verifier]\nmode = "off"\n[metrics]\naddress = "127.0.0.1:0"\n' + extra_toml
+        )
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract_notify:
+            name = f"kvtier-test-{uuid.uuid4().hex}"
+            self.notify.bind("\0" + name)
+            notify_addr = "@" + name
+        else:
+            notify_addr = str(tmp / "notify.sock")
+            Path(notify_addr).unlink(missing_ok=True)  # left by an earlier daemon of the same test
+            self.notify.bind(notify_addr)
+        env = child_env(NOTIFY_SOCKET=notify_addr)
+        if watchdog_usec is not None:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
+        self.log = open(tmp / "daemon.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp,
+        )
+        self.messages: list[str] = []
+        self.wait_for("READY=1", timeout=60)
+
+    def recv_notify(self, timeout: float) -> str | None:
+        self.notify.settimeout(timeout)
+        try:
+            msg = self.notify.recv(4096).decode()
+        except TimeoutError:
+            return None
+        self.messages.append(msg)
+        return msg
+
+    def wait_for(self, line: str, timeout: float = 20.0) -> str:
+        """Block until a notify datagram carrying `line` arrives (or fail, with the daemon's log)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.proc.poll() is not None:
+                raise AssertionError(f"no {line!r} from the daemon (exit {self.proc.poll()}); log:\n{self.read_log()}")
+            msg = self.recv_notify(min(remaining, 0.5))
+            if msg is not None and line in msg.split("\n"):
+                return msg
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return (self.tmp / "daemon.log").read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+        self.log.close()
