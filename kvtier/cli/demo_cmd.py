@@ -1,78 +1,93 @@
-"""`kvtier demo`: the reference model resumes from its own exported cache forms, bitwise, and each broken form shows."""
+"""`kvtier demo`: a daemon serves the reference model; offload, crash, prewarm, restore, continue, compare bitwise."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 import torch
 
-from kvtier.core.profile import load_profile
 from kvtier.refmodel.demo import DemoParams, DemoReport, run_demo
 
-MISMATCH_EXIT = 1
+FAILED_EXIT = 1
 
 
 @click.command()
-@click.option("--tokens", type=click.IntRange(min=512), default=4096, show_default=True, help="Prompt length of both requests.")
+@click.option("--tokens", type=click.IntRange(min=1024), default=32768, show_default=True, help="Prompt length of both requests.")
 @click.option("--decode", "decode_steps", type=click.IntRange(min=0), default=16, show_default=True, help="Greedy decode steps after the prompt.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=16, show_default=True, help="Hash blocks between state checkpoints.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--profile", "profile_name", default="ref-tiny", show_default=True, help="Bundled profile name or TOML path.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch intra-op threads.")
+@click.option(
+    "--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Keep the daemon's config, socket, store and log here (e.g. ./.kvtier-demo) instead of a temporary folder.",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch intra-op threads of the engines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def demo(tokens: int, decode_steps: int, checkpoint_every: int, seed: int, profile_name: str, threads: int, as_json: bool) -> None:
-    """Prefill, export the five cache forms, resume at a checkpoint from their bytes, and compare."""
+def demo(tokens: int, decode_steps: int, checkpoint_every: int, seed: int, profile_name: str, workdir: Path | None, threads: int, as_json: bool) -> None:
+    """Start a daemon, offload a long prompt, kill -9 and restart it, prewarm, restore and continue, compare bitwise.
+
+    Exit 1 when the continuation differs from the uninterrupted run or the restore is not faster than
+    recomputing the prefix.
+    """
     torch.set_num_threads(threads)
-    profile = load_profile(profile_name)
     try:
-        report = run_demo(profile, DemoParams(tokens, decode_steps, checkpoint_every, seed))
+        report = run_demo(DemoParams(tokens, decode_steps, checkpoint_every, seed, profile_name, workdir))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
         _print(report)
-    if not report.bitwise_match:
-        sys.exit(MISMATCH_EXIT)
+    if not report.ok:
+        sys.exit(FAILED_EXIT)
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e3:,.0f} ms" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _routes(counts: dict[str, int]) -> str:
+    routes = ", ".join(f"{k} {v}" for k, v in counts.items() if ":" not in k)
+    reasons = ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if ":" in k)
+    return routes + (f" ({reasons})" if reasons else "")
 
 
 def _print(r: DemoReport) -> None:
     echo = click.echo
-    echo(f"kvtier demo: profile {r.profile} (namespace {r.namespace[:16]}…, hash block {r.hash_block_tokens} tokens)")
+    req = r.request
+    objects = sum(c["objects"] for c in r.offloaded.values())
+    offered = sum(c["bytes"] for c in r.offloaded.values())
+    echo(f"kvtier demo: profile {r.profile} (namespace {r.namespace[:16]}…, hash block {r.hash_block_tokens} tokens), daemon in {r.workdir}")
     echo("")
-    echo(f"request 1  prefill {r.prompt_tokens} tokens in {_ms(r.prefill_s)}; state checkpoints at {len(r.checkpoints)} boundaries")
-    echo(f"           (every {r.checkpoint_every_tokens} tokens and the end of prefill); objects offloaded:")
-    echo(f"           {'form':<11} {'objects':>8} {'bytes':>12}")
-    for form, c in r.exported.items():
-        echo(f"           {form:<11} {c['objects']:>8} {c['bytes']:>12,}")
-    echo("")
-    echo(f"request 2  shares the first {r.shared_tokens} tokens, then differs")
-    echo(f"           hash hit    {r.hash_hit_tokens:>6} tokens  (every history object present)")
-    echo(f"           usable hit  {r.usable_hit_tokens:>6} tokens  (last checkpoint inside it: every form servable)")
-    echo("           check vector per form:")
-    for form, counts in r.check_vector.items():
-        routes = ", ".join(f"{k} {v}" for k, v in counts.items() if ":" not in k)
-        reasons = ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if ":" in k)
-        echo(f"             {form:<11} {routes}" + (f" ({reasons})" if reasons else ""))
-    echo(f"           restored from {sum(c['objects'] for c in r.restored.values())} objects: "
-         + ", ".join(f"{form} {c['objects']} ({c['bytes']:,} B)" for form, c in r.restored.items()))
-    echo(f"           restore {_ms(r.restore_s)} vs recompute {_ms(r.recompute_s)} "
-         f"({r.recompute_s / max(r.restore_s, 1e-9):.0f}x)")
-    echo("")
-    cont = f"{r.continuation_tokens} prompt + {r.decode_tokens} decoded tokens"
+    echo(f"engine A   prefilled {r.prompt_tokens:,} tokens in {_ms(r.prefill_s)}, {r.checkpoints} state checkpoints;")
+    echo(f"           offloaded {objects:,} objects ({_mib(offered)}) durably in {_ms(r.offload_s)}")
+    echo(f"daemon     killed (SIGKILL) and restarted in {_ms(r.restart_s)}: pool cold, store kept {r.records_after_restart:,} records")
+    p = r.prewarm
+    echo(f"prewarm    {p['hit_tokens']:,} tokens: {p['loaded_objects']:,} objects ({_mib(p['bytes_loaded'])}) from disk in {_ms(p['seconds'])}, pinned")
+    echo(f"engine B   shares the first {r.shared_tokens:,} tokens, then differs")
+    echo(f"           hash hit    {r.hash_hit_tokens:>7,} tokens (whole blocks in common)")
+    echo(f"           usable hit  {r.hit_tokens:>7,} tokens (the last checkpoint inside it: every form servable)")
+    echo("           routes per form at lookup:")
+    for form, counts in req["routes_at_lookup"].items():
+        echo(f"             {form:<11} {_routes(counts)}")
+    echo(f"           bytes from disk: {_mib(r.bytes_from_disk)} (prewarm {_mib(p['bytes_loaded'])}, request {_mib(req['bytes_from_disk'])})")
+    speed = r.recompute_s / max(r.restore_s, 1e-9)
+    echo(f"restore    {_ms(r.restore_s)} (lookup {_ms(req['lookup_s'])}, load {_ms(req['load_s'])}, {req['read_objects']:,} objects read)"
+         f" vs recompute {_ms(r.recompute_s)}: {speed:,.0f}x {'faster' if r.restore_faster else 'SLOWER'}")
     verdict = "yes" if r.bitwise_match else "NO"
-    echo(f"bitwise match  {verdict}: logits of {cont} after resuming equal recomputing the prefix (torch.equal)")
-    if r.single_shot_max_abs_diff is not None:
-        echo(f"               vs one-chunk prefill: max abs diff {r.single_shot_max_abs_diff:.2e} (other BLAS shapes; informational)")
+    echo(f"bitwise    {verdict}: logits of {r.compared_tokens - req['decode_tokens']:,} prompt + {req['decode_tokens']} decoded tokens"
+         " after the restore equal the uninterrupted run (torch.equal)")
+    a = r.audit
+    echo(f"audit      ({a['source']}) {a['records']:,} records, {_mib(a['record_bytes'])} in {a['segments']} segments, "
+         f"{a['unverified']:,} not yet verified, io {a['io_backend']}")
+    for form, f in sorted(a["forms"].items()):
+        echo(f"             {form:<11} {f['records']:>7,} records {_mib(f['record_bytes']):>12}")
     echo("")
-    echo("broken form (resume, then the same continuation)       objects  max |Δlogit|  first diff  greedy changes  verdict")
-    for b in r.broken:
-        first = "-" if b.first_diff is None else f"+{b.first_diff}"
-        verdict = "diverges" if b.diverges else "no effect"
-        echo(f"{b.case:<52} {b.objects:>8}  {b.max_abs_diff:>12.3e}  {first:>10}  {b.greedy_changes:>14}  {verdict}")
+    echo(f"{'ok' if r.ok else 'FAILED'} in {r.total_s:.1f} s")

@@ -1,57 +1,62 @@
-"""The in-process resume story behind `kvtier demo`.
+"""`kvtier demo`: the daemon story on the embedded default, end to end, with a bitwise check.
 
-Request 1 prefills a prompt and writes its five-form objects, keyed by (namespace, block hash,
-group), into an in-process object store, with state forms only at checkpoint boundaries. Request 2
-shares a prefix that does not end on a checkpoint: the lookup builds a check vector, the usable hit
-is the last checkpoint inside the hash hit, the model resumes there from the stored bytes and
-continues. The continuation is compared bitwise with recomputing the prefix, and each form is
-broken in turn to show it is load-bearing.
+A real `kvtier serve` subprocess (its own generated config in a scratch folder, cpu, no root or
+GPU needed) serves the reference model. Engine A prefills a long prompt and offloads every object
+durably. The daemon is killed with SIGKILL and started again: the pool is cold, the disk store
+kept everything. The prompt is prewarmed (loaded from disk into the pool and pinned), then engine
+B, whose prompt shares most of A's and then diverges, restores at the usable hit through leases
+and continues. Its logits are compared bitwise with an uninterrupted run that recomputes the
+prefix, and the restore is timed against that recompute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tomli_w
 import torch
 
-from kvtier.core.checkvector import CheckVector
-from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
+from kvtier.client import Client
+from kvtier.core.errors import KvtierError
+from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
-from kvtier.core.profile import ModelProfile
-from kvtier.core.tier import ObjectKey
+from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.core.profile import ModelProfile, load_profile
+from kvtier.refmodel.engine import RefEngine, checkpoint_policy
 from kvtier.refmodel.model import RefModel
-from kvtier.refmodel.objects import required_objects
-from kvtier.refmodel.state import ObjectId, RefState
 
 log = logging.getLogger(__name__)
 
-SHARED_FRACTION = 0.7  # request 2 shares this much of request 1's prompt, then diverges
-SINGLE_SHOT_MAX = 8192  # one-chunk prefill materialises (tokens x tokens) scores: informational, small prompts only
+SHARED_FRACTION = 0.7  # request B shares this much of request A's prompt, then diverges
+DAEMON_START_S = 60.0
+
+
+class DemoError(KvtierError):
+    """The demo could not run its daemon or its requests; the message names the log to read."""
+
+    code = "demo_failed"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DemoParams:
-    tokens: int = 4096
+    tokens: int = 32768
     decode: int = 16
-    checkpoint_every: int = 16  # blocks between state checkpoints (the retention interval)
+    checkpoint_every: int = 16  # hash blocks between state checkpoints (the retention interval)
     seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BrokenForm:
-    """What resuming with one form broken does to the continuation."""
-
-    case: str
-    objects: int
-    max_abs_diff: float
-    first_diff: int | None  # offset into the continuation of the first logit row that differs
-    greedy_changes: int  # continuation positions whose argmax token differs
-    diverges: bool
+    profile: str = "ref-tiny"
+    workdir: Path | None = None  # None: a temporary folder, removed afterwards
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,212 +64,247 @@ class DemoReport:
     profile: str
     namespace: str
     hash_block_tokens: int
+    workdir: str
     prompt_tokens: int
-    checkpoint_every_tokens: int
-    checkpoints: list[int]
-    exported: dict[str, dict[str, int]]
+    checkpoints: int
+    offloaded: dict[str, dict[str, int]]  # per form: objects, bytes
+    prefill_s: float
+    offload_s: float
+    restart_s: float
+    records_after_restart: int
+    prewarm: dict[str, Any]
     shared_tokens: int
     hash_hit_tokens: int
-    usable_hit_tokens: int
-    check_vector: dict[str, dict[str, int]]
-    restored: dict[str, dict[str, int]]
-    continuation_tokens: int
-    decode_tokens: int
-    prefill_s: float
-    restore_s: float
+    request: dict[str, Any]  # RestoreResult.to_dict()
     recompute_s: float
     bitwise_match: bool
-    single_shot_max_abs_diff: float | None
-    broken: list[BrokenForm]
+    compared_tokens: int
+    audit: dict[str, Any]
+    total_s: float
+
+    @property
+    def hit_tokens(self) -> int:
+        return int(self.request["hit_tokens"])
+
+    @property
+    def restore_s(self) -> float:
+        return float(self.request["restore_s"])
+
+    @property
+    def bytes_from_disk(self) -> int:
+        return int(self.prewarm["bytes_loaded"]) + int(self.request["bytes_from_disk"])
+
+    @property
+    def restore_faster(self) -> bool:
+        return self.restore_s < self.recompute_s
+
+    @property
+    def ok(self) -> bool:
+        return self.bitwise_match and self.restore_faster and self.hit_tokens > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.update(
+            hit_tokens=self.hit_tokens,
+            restore_s=self.restore_s,
+            bytes_from_disk=self.bytes_from_disk,
+            speedup=self.recompute_s / max(self.restore_s, 1e-9),
+            restore_faster=self.restore_faster,
+            ok=self.ok,
+        )
+        return out
 
 
-def run_demo(profile: ModelProfile, params: DemoParams) -> DemoReport:
-    """Run both requests and every broken-form resume; raises ValueError when the prompt is too short to show a resume."""
+def pool_budgets(profile: ModelProfile, tokens: int, checkpoint_every: int) -> dict[str, int]:
+    """Pool bytes per form for two requests of `tokens` (A's objects, and B's, resident together), with room to spare."""
+    h = profile.hash_block_tokens
+    blocks = -(-tokens // h)
+    checkpoints = blocks // checkpoint_every + 2
+    out: dict[str, int] = {}
+    for g in profile.groups:
+        slot = align_up(g.object_bytes(h), POOL_ALIGNMENT)
+        slots = blocks if g.kind is GroupKind.HISTORY else g.blocks_needed(h) * checkpoints
+        out[g.form.value] = out.get(g.form.value, 0) + 2 * slots * slot
+    return {form: align_up(n + (1 << 20), 1 << 20) for form, n in out.items()}
+
+
+class DemoDaemon:
+    """`kvtier serve` as a subprocess on a generated config in `root`; readiness from its sd_notify READY=1."""
+
+    def __init__(self, root: Path, profile: ModelProfile, pools: dict[str, int]) -> None:
+        self.root = root
+        self.socket = root / "kvtier.sock"
+        self.config = root / "kvtier.toml"
+        self.log_path = root / "daemon.log"
+        self.config.write_text(
+            tomli_w.dumps(
+                {
+                    "device": "cpu",
+                    "profiles": [profile.name if profile.name in _bundled() else str(root / "profile.toml")],
+                    "server": {"socket": str(self.socket), "socket_mode": "0600"},
+                    "pool": {"budget_bytes": {form: pools.get(form, 1 << 20) for form in ("compressed", "indexer", "tail", "swa")}},
+                    "store": {"root": str(root / "store"), "budget_bytes": "4GiB"},
+                    "verifier": {"mode": "off"},
+                    "metrics": {"address": ""},
+                }
+            )
+        )
+        if profile.name not in _bundled():
+            (root / "profile.toml").write_text(profile.to_toml())
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        """Start the daemon and wait for READY=1; returns the seconds it took."""
+        started = time.perf_counter()
+        notify_path = self.root / "notify.sock"
+        notify_path.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "KVTIER_CONFIG", "KVTIER_SOCKET")}
+        env["NOTIFY_SOCKET"] = str(notify_path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify, open(self.log_path, "ab") as log_file:
+            notify.bind(str(notify_path))
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
+                env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.root,
+            )
+            deadline = time.monotonic() + DAEMON_START_S
+            while True:
+                remaining = deadline - time.monotonic()
+                if self.proc.poll() is not None or remaining <= 0:
+                    self.kill()
+                    raise DemoError(f"the daemon did not become ready (exit {self.proc.returncode}); see {self.log_path}:\n{self.log_tail()}")
+                notify.settimeout(min(remaining, 0.5))
+                try:
+                    msg = notify.recv(4096).decode(errors="replace")
+                except TimeoutError:
+                    continue
+                if "READY=1" in msg.split("\n"):
+                    return time.perf_counter() - started
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing is flushed or cleaned up."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain, flush, exit 0); SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _bundled() -> set[str]:
+    from kvtier.core.profile import bundled_profile_names
+
+    return set(bundled_profile_names())
+
+
+def run_demo(params: DemoParams) -> DemoReport:
+    """The whole story; raises ValueError when the prompt is too short for a checkpoint inside the shared part."""
+    started = time.perf_counter()
+    profile = load_profile(params.profile)
     model = RefModel(profile)
-    h, ns = model.hash_block_tokens, profile.namespace
+    h = model.hash_block_tokens
+    shared = int(params.tokens * SHARED_FRACTION)
+    if shared < params.checkpoint_every * h:
+        raise ValueError(
+            f"request B shares {shared} tokens, less than one checkpoint interval ({params.checkpoint_every * h} tokens): "
+            "use more tokens or a smaller --checkpoint-every"
+        )
     rng = np.random.default_rng(params.seed)
     vocab = model.config.vocab_size
     prompt_a = rng.integers(0, vocab, params.tokens)
-    end_a = params.tokens // h * h
-    every = params.checkpoint_every * h
-    checkpoints = sorted({*range(every, end_a + 1, every), end_a} - {0})
-
-    # Request 1: prefill, checkpoint, offload every object under its chained block hash.
-    t0 = time.perf_counter()
-    first = model.prefill(model.new_state(), prompt_a, checkpoints=checkpoints)
-    prefill_s = time.perf_counter() - t0
-    hashes_a = block_hashes(ns, prompt_a, h)
-    store: dict[ObjectKey, bytes] = {
-        _key(profile, hashes_a[j], g): bytes(t.numpy()) for (g, j), t in first.objects.items()
-    }
-    log.info("request 1: %d tokens prefilled in %.3f s, %d objects stored", params.tokens, prefill_s, len(store))
-
-    # Request 2: shares a prefix that ends between checkpoints.
-    shared = int(params.tokens * SHARED_FRACTION)
     prompt_b = np.concatenate((prompt_a[:shared], rng.integers(0, vocab, params.tokens - shared)))
-    hashes_b = block_hashes(ns, prompt_b, h)
-    cv = _lookup(profile, store, hashes_b)
-    k = cv.hit_blocks
-    hash_hit = _leading_hash_hits(profile, store, hashes_b)
-    if k < 2:
-        raise ValueError(f"the usable hit is {k} blocks: use more tokens or a smaller checkpoint interval")
-    boundary = k * h
-    log.info("request 2: hash hit %d tokens, usable hit %d tokens", hash_hit * h, boundary)
-    loaded = {oid: store[_key(profile, hashes_b[oid[1]], oid[0])] for oid in required_objects(profile, k)}
-    rest = prompt_b[boundary:]
 
-    t0 = time.perf_counter()
-    recomputed = model.new_state()
-    model.prefill(recomputed, prompt_b[:boundary])
-    recompute_s = time.perf_counter() - t0
-    reference, generated = _continue_greedy(model, recomputed, rest, params.decode)
+    scratch = params.workdir is None
+    root = Path(tempfile.mkdtemp(prefix="kvtier-demo-")) if scratch else Path(params.workdir).resolve()  # type: ignore[arg-type]
+    root.mkdir(parents=True, exist_ok=True)
+    daemon = DemoDaemon(root, profile, pool_budgets(profile, params.tokens, params.checkpoint_every))
+    try:
+        daemon.start()
+        with Client(daemon.socket, name="kvtier demo: engine A") as client:
+            client.attach(profile.name)
+            engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
+            offload = engine.prefill_and_offload(prompt_a, durable=True)
+        if not offload.persisted or offload.refused:
+            raise DemoError(f"the daemon refused {offload.refused} objects or did not persist them; see {daemon.log_path}")
+        log.info("engine A: %d tokens, %d objects written", offload.tokens, offload.written)
 
-    t0 = time.perf_counter()
-    restored = model.restore(loaded, k)
-    restore_s = time.perf_counter() - t0
-    resumed = _continue(model, restored, rest, generated)
-    bitwise = torch.equal(resumed, reference)
-    log.info("restore %.4f s vs recompute %.4f s; bitwise match: %s", restore_s, recompute_s, bitwise)
+        daemon.kill()
+        restart_s = daemon.start()
+        with Client(daemon.socket, name="kvtier demo: engine B") as client:
+            client.attach(profile.name)
+            records = int(client.stats()["store"].get("records", 0))
+            pre = client.prewarm(prompt_a, ttl_s=600.0)
+            engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
+            restored = engine.restore_and_continue(prompt_b, decode=params.decode)
+            store_doc = client.stats()["store"]
+        recomputed = engine.recompute(prompt_b, restored.hit_tokens, decode=params.decode)
+        bitwise = torch.equal(restored.logits, recomputed.logits) and restored.generated == recomputed.generated
+        log.info("restore %.4f s vs recompute %.4f s; bitwise match: %s", restored.restore_s, recomputed.recompute_s, bitwise)
+        if daemon.stop() != 0:
+            log.warning("the daemon did not exit cleanly; see %s", daemon.log_path)
+    except BaseException:
+        daemon.kill()
+        raise
+    finally:
+        if scratch:
+            shutil.rmtree(root, ignore_errors=True)
 
-    cases = _broken_forms(model, loaded, k, prompt_b, generated, reference)
-    single = _single_shot(profile, prompt_b, boundary, generated, reference) if len(prompt_b) <= SINGLE_SHOT_MAX else None
-
+    hashes_a, hashes_b = block_hashes(profile.namespace, prompt_a, h), block_hashes(profile.namespace, prompt_b, h)
+    hash_hit = next((i for i, (x, y) in enumerate(zip(hashes_a, hashes_b)) if x != y), min(len(hashes_a), len(hashes_b)))
     return DemoReport(
         profile=profile.name,
         namespace=profile.version.namespace_hex,
         hash_block_tokens=h,
+        workdir="(temporary, removed)" if scratch else str(root),
         prompt_tokens=params.tokens,
-        checkpoint_every_tokens=every,
-        checkpoints=checkpoints,
-        exported=_per_form(profile, first.objects),
+        checkpoints=len(checkpoint_policy(params.tokens, h, params.checkpoint_every)),
+        offloaded=offload.objects,
+        prefill_s=offload.prefill_s,
+        offload_s=offload.offload_s,
+        restart_s=restart_s,
+        records_after_restart=records,
+        prewarm={
+            "hit_tokens": pre.hit_tokens,
+            "loaded_objects": pre.loaded_objects,
+            "bytes_loaded": pre.loaded_bytes,
+            "pinned": pre.pinned,
+            "seconds": pre.seconds,
+        },
         shared_tokens=shared,
         hash_hit_tokens=hash_hit * h,
-        usable_hit_tokens=boundary,
-        check_vector=cv.counts(),
-        restored=_per_form(profile, loaded),
-        continuation_tokens=len(rest),
-        decode_tokens=len(generated),
-        prefill_s=prefill_s,
-        restore_s=restore_s,
-        recompute_s=recompute_s,
+        request=restored.to_dict(),
+        recompute_s=recomputed.recompute_s,
         bitwise_match=bitwise,
-        single_shot_max_abs_diff=single,
-        broken=cases,
+        compared_tokens=int(restored.logits.shape[0]),
+        audit=_store_summary(store_doc),
+        total_s=time.perf_counter() - started,
     )
 
 
-def _broken_forms(
-    model: RefModel, loaded: dict[ObjectId, bytes], k: int, prompt: np.ndarray, generated: list[int], reference: torch.Tensor
-) -> list[BrokenForm]:
-    """Resume with one form broken at a time (a degraded resume: absent objects read as zeros) and compare."""
-    profile, h = model.profile, model.hash_block_tokens
-    boundary = k * h
-    tails = [g.name for g in profile.groups_of(CacheForm.TAIL)]
-    swas = profile.groups_of(CacheForm.SWA)
-    oldest_swa = [(g.name, max(0, k - g.blocks_needed(h))) for g in swas]
-    cases: list[tuple[str, Callable[[dict[ObjectId, bytes]], int]]] = [
-        ("tail missing", lambda o: _drop(o, [(g, k - 1) for g in tails])),
-        ("oldest SWA block of the window missing", lambda o: _drop(o, oldest_swa)),
-        (
-            "indexer rows from another indexer version",
-            lambda o: _swap(profile, o, _other(profile, prompt[:boundary], indexer_version="other"), CacheForm.INDEXER),
-        ),
-        (
-            "compressed rows from another compressor version",
-            lambda o: _swap(profile, o, _other(profile, prompt[:boundary], compression_version="other"), CacheForm.COMPRESSED),
-        ),
-    ]
-    out = []
-    for case, breaker in cases:
-        objects = dict(loaded)
-        touched = breaker(objects)
-        logits = _continue(model, model.restore(objects, k, allow_missing=True), prompt[boundary:], generated)
-        out.append(_compare(case, touched, logits, reference))
-    return out
-
-
-def _single_shot(profile: ModelProfile, prompt: np.ndarray, boundary: int, generated: list[int], reference: torch.Tensor) -> float:
-    """Max abs difference of the continuation against prefilling the whole prompt as one chunk."""
-    h = profile.hash_block_tokens
-    model = RefModel(profile, chunk_tokens=-(-len(prompt) // h) * h)
-    state = model.new_state()
-    rows = [model.prefill(state, prompt).logits[boundary:]] + [model.decode(state, t).unsqueeze(0) for t in generated]
-    return float((torch.cat(rows) - reference).abs().max())
-
-
-def _key(profile: ModelProfile, block_hash: bytes, group: str) -> ObjectKey:
-    return ObjectKey(profile.namespace, block_hash, group, profile.group(group).form)
-
-
-def _lookup(profile: ModelProfile, store: dict[ObjectKey, bytes], hashes: list[bytes]) -> CheckVector:
-    """Per group and block: RECOVER when the store has the object (it must be loaded), else RECOMPUTE missing."""
-    present = np.array([[_key(profile, hb, g.name) in store for hb in hashes] for g in profile.groups], dtype=bool)
-    routes = np.where(present, Route.RECOVER, Route.RECOMPUTE).astype(np.int8)
-    reasons = np.where(present, Reason.OK, Reason.MISSING).astype(np.int8)
-    return CheckVector.build(profile, routes, reasons)
-
-
-def _leading_hash_hits(profile: ModelProfile, store: dict[ObjectKey, bytes], hashes: list[bytes]) -> int:
-    """Leading blocks whose history objects are all stored: the hit a plain prefix-hash cache would report."""
-    history = [g.name for g in profile.groups if g.kind is GroupKind.HISTORY]
-    n = 0
-    while n < len(hashes) and all(_key(profile, hashes[n], g) in store for g in history):
-        n += 1
-    return n
-
-
-def _continue_greedy(model: RefModel, state: RefState, rest: np.ndarray, steps: int) -> tuple[torch.Tensor, list[int]]:
-    """Prefill the rest of the prompt, then decode greedily; logits of every continued position and the tokens picked."""
-    rows = [model.prefill(state, rest).logits]
-    picked: list[int] = []
-    for _ in range(steps):
-        picked.append(int(rows[-1][-1].argmax()))
-        rows.append(model.decode(state, picked[-1]).unsqueeze(0))
-    return torch.cat(rows), picked
-
-
-def _continue(model: RefModel, state: RefState, rest: np.ndarray, generated: list[int]) -> torch.Tensor:
-    """The same continuation, fed the reference's generated tokens so positions compare one to one."""
-    rows = [model.prefill(state, rest).logits] + [model.decode(state, t).unsqueeze(0) for t in generated]
-    return torch.cat(rows)
-
-
-def _compare(case: str, touched: int, out: torch.Tensor, reference: torch.Tensor) -> BrokenForm:
-    diff = (out - reference).abs().amax(dim=-1)
-    differing = torch.nonzero(diff).flatten()
-    changes = int((out.argmax(dim=-1) != reference.argmax(dim=-1)).sum())
-    return BrokenForm(case, touched, float(diff.max()), int(differing[0]) if differing.numel() else None, changes, bool(differing.numel()))
-
-
-def _drop(objects: dict[ObjectId, bytes], ids: list[ObjectId]) -> int:
-    for oid in ids:
-        del objects[oid]
-    return len(ids)
-
-
-def _swap(profile: ModelProfile, objects: dict[ObjectId, bytes], other: dict[ObjectId, torch.Tensor], form: CacheForm) -> int:
-    """Replace every object of `form` with the other version's object for the same block."""
-    ids = [oid for oid in objects if profile.group(oid[0]).form is form]
-    for oid in ids:
-        objects[oid] = bytes(other[oid].numpy())
-    return len(ids)
-
-
-def _other(profile: ModelProfile, tokens: np.ndarray, **changes: str) -> dict[ObjectId, torch.Tensor]:
-    """The objects a model of a bumped version writes for the same tokens (its namespace differs: a store never serves them)."""
-    version = profile.version.bumped(**{f: f"{getattr(profile.version, f)}+{v}" for f, v in changes.items()})
-    model = RefModel(profile, version)
-    return model.prefill(model.new_state(), tokens).objects
-
-
-def _per_form(profile: ModelProfile, objects: dict[ObjectId, torch.Tensor] | dict[ObjectId, bytes]) -> dict[str, dict[str, int]]:
-    """Object count and payload bytes per form."""
-    out: dict[str, dict[str, int]] = {}
-    for (group, _), payload in objects.items():
-        c = out.setdefault(profile.group(group).form.value, {"objects": 0, "bytes": 0})
-        c["objects"] += 1
-        c["bytes"] += payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
-    return out
+def _store_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the store holds after the run (from the daemon's stats): records and bytes per form, integrity backlog."""
+    forms = {f: {"records": int(v.get("records", 0)), "record_bytes": int(v.get("record_bytes", 0))} for f, v in doc.get("forms", {}).items()}
+    return {
+        "source": "store stats",
+        "io_backend": doc.get("io_backend"),
+        "records": int(doc.get("records", 0)),
+        "record_bytes": int(doc.get("record_bytes", 0)),
+        "segments": int(doc.get("segments", 0)),
+        "unverified": int(doc.get("unverified", 0)),
+        "namespaces": doc.get("namespaces", {}),
+        "forms": forms,
+    }

@@ -1,55 +1,89 @@
-"""`kvtier demo`: a real resume with a bitwise match, a hit below the hash hit, and every broken form diverging."""
+"""`kvtier demo`: a real daemon subprocess, a kill -9 and restart, prewarm, a bitwise restore faster than recompute."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from kvtier.cli import demo_cmd
 from kvtier.cli.main import cli
 from kvtier.core import load_profile
-from kvtier.refmodel import required_objects
+from kvtier.refmodel.demo import DemoParams, run_demo
+
+PROFILE = load_profile("ref-tiny")
+H = PROFILE.hash_block_tokens
 
 
-def test_demo_json_reports_a_bitwise_resume_and_load_bearing_forms() -> None:
-    result = CliRunner().invoke(cli, ["demo", "--tokens", "1024", "--decode", "4", "--json"])
-    assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
-    p = load_profile("ref-tiny")
-    h = p.hash_block_tokens
-    assert doc["bitwise_match"] is True
-    assert doc["single_shot_max_abs_diff"] < 1e-4
-    # 716 shared tokens: 22 whole blocks hash-hit, but state forms exist only at the checkpoint after block 16.
-    assert (doc["shared_tokens"], doc["hash_hit_tokens"], doc["usable_hit_tokens"]) == (716, 704, 512)
-    assert doc["checkpoints"] == [512, 1024]
-    k = doc["usable_hit_tokens"] // h
-    assert sum(c["objects"] for c in doc["restored"].values()) == len(required_objects(p, k))
-    per_block = p.bytes_per_hash_block()
-    assert doc["exported"]["compressed"]["bytes"] == per_block["compressed"] * (1024 // h)
-    assert doc["exported"]["tail"]["bytes"] == per_block["tail"] * 2
-    assert doc["restored"]["indexer"]["bytes"] == per_block["indexer"] * k
-    assert doc["continuation_tokens"] == 512 and doc["decode_tokens"] == 4
-    assert [b["case"] for b in doc["broken"]][0] == "tail missing"
-    assert all(b["diverges"] and b["max_abs_diff"] > 1e-4 for b in doc["broken"]), doc["broken"]
+def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
+    """As root too (CI): the demo's own config, not the systemd default; the state stays in --dir."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "KVTIER_SOCKET")}
+    env["RUNTIME_DIRECTORY"] = str(tmp_path / "not-used")  # would select the systemd default for a config-less daemon
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "8192", "--decode", "4", "--checkpoint-every", "8", "--dir", str(work), "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["bitwise_match"] and doc["restore_faster"]
+    offloaded = sum(c["objects"] for c in doc["offloaded"].values())
+    assert doc["records_after_restart"] == offloaded  # durable offload: everything survived the SIGKILL
+    # B shares 5734 tokens: 179 whole blocks, but state exists only at checkpoints (every 8 blocks): hit at 176 blocks
+    assert (doc["shared_tokens"], doc["hash_hit_tokens"], doc["hit_tokens"]) == (5734, 179 * H, 176 * H)
+    assert doc["compared_tokens"] == 8192 - 176 * H + 4
+    routes = doc["request"]["routes_at_lookup"]
+    assert "RECOVER" not in routes["compressed"] and routes["compressed"]["REUSE"] == 2 * 176  # prewarmed: resident
+    assert routes["swa"]["RECOVER"] == 2 and routes["tail"]["RECOVER"] == 2  # B's checkpoint is not A's end: from disk now
+    assert doc["prewarm"]["hit_tokens"] == 8192 and doc["prewarm"]["bytes_loaded"] > 0
+    assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["request"]["bytes_from_disk"]
+    assert doc["audit"]["records"] == offloaded and doc["audit"]["forms"]["compressed"]["records"] == 2 * 256
+    assert (work / "store" / "index.lmdb").is_dir() and (work / "daemon.log").exists()
+    assert not (work / "kvtier.sock").exists()  # the daemon was stopped cleanly at the end
 
 
-def test_demo_text_report_and_exit_code(monkeypatch) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "1024"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "bitwise match  yes" in proc.stdout and "usable hit     512 tokens" in proc.stdout
-    assert proc.stdout.count("diverges") == 4
-
+def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
     real = demo_cmd.run_demo
-    monkeypatch.setattr(demo_cmd, "run_demo", lambda *a: dataclasses.replace(real(*a), bitwise_match=False))
-    result = CliRunner().invoke(cli, ["demo", "--tokens", "1024", "--decode", "0"])
-    assert result.exit_code == demo_cmd.MISMATCH_EXIT and "bitwise match  NO" in result.stdout
+    reports = []
+
+    def spy(params: DemoParams):
+        reports.append(real(params))
+        return reports[-1]
+
+    monkeypatch.setattr(demo_cmd, "run_demo", spy)
+    result = CliRunner().invoke(cli, ["demo", "--tokens", "4096", "--decode", "2", "--checkpoint-every", "8"])
+    assert result.exit_code == (0 if reports[0].restore_faster else demo_cmd.FAILED_EXIT), result.output
+    out = result.stdout
+    assert "bitwise    yes" in out and "usable hit" in out and "killed (SIGKILL) and restarted" in out and "audit" in out
+    for form in ("compressed", "indexer", "swa", "tail"):
+        assert f"             {form:<11} " in out
+
+    monkeypatch.setattr(demo_cmd, "run_demo", lambda p: dataclasses.replace(reports[0], bitwise_match=False))
+    result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
+    assert result.exit_code == demo_cmd.FAILED_EXIT and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
+    monkeypatch.setattr(demo_cmd, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2))
+    result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
+    assert result.exit_code == demo_cmd.FAILED_EXIT and "SLOWER" in result.stdout
 
 
 def test_demo_refuses_prompts_too_short_to_resume() -> None:
     for args in (["--tokens", "100"], ["--tokens", "1024", "--checkpoint-every", "64"]):
         result = CliRunner().invoke(cli, ["demo", *args])
         assert result.exit_code == 2, result.output
+
+
+def test_a_daemon_that_cannot_start_is_a_typed_error_naming_its_log(tmp_path: Path) -> None:
+    from kvtier.refmodel.demo import DemoError
+
+    (tmp_path / "kvtier.sock").mkdir()  # the socket path is taken by a directory: serve refuses to start
+    try:
+        run_demo(DemoParams(tokens=2048, checkpoint_every=4, workdir=tmp_path))
+    except DemoError as exc:
+        assert "daemon.log" in str(exc) and exc.code == "demo_failed"
+    else:
+        raise AssertionError("the demo ran without its daemon")
