@@ -9,32 +9,31 @@ scanning down from the history hit. The final intersection is `CheckVector.build
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
 from kvtier.core.profile import ModelProfile
 
-Ask = Callable[[Sequence[tuple[int, int]]], Sequence[Reason]]
-"""Ask the lower tier about (group, block) objects; one Reason per object (OK: it would load)."""
+Ask = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""Ask the lower tier about objects (groups, blocks); one Reason per object as int8 (OK: it would load)."""
 
 _ASKABLE = (Reason.MISSING, Reason.EVICTED)
 _FIRST_CHUNK = 64
 
 
-def _apply(routes: np.ndarray, reasons: np.ndarray, entries: Sequence[tuple[int, int]], answers: Sequence[Reason]) -> bool:
+def _apply(routes: np.ndarray, reasons: np.ndarray, gs: np.ndarray, bs: np.ndarray, answers: np.ndarray) -> bool:
     """Record the lower tier's answers; True if every one was OK (RECOVER)."""
-    all_ok = True
-    for (g, b), answer in zip(entries, answers):
-        if answer == Reason.OK:
-            routes[g, b] = Route.RECOVER
-            reasons[g, b] = Reason.OK
-        else:
-            all_ok = False
-            if not (answer == Reason.MISSING and reasons[g, b] == Reason.EVICTED):
-                reasons[g, b] = answer
-    return all_ok
+    ok = answers == Reason.OK
+    routes[gs[ok], bs[ok]] = Route.RECOVER
+    reasons[gs[ok], bs[ok]] = Reason.OK
+    if ok.all():
+        return True
+    fg, fb, fa = gs[~ok], bs[~ok], answers[~ok]
+    keep = (fa == Reason.MISSING) & (reasons[fg, fb] == Reason.EVICTED)  # "evicted" says more than "missing"
+    reasons[fg[~keep], fb[~keep]] = fa[~keep]
+    return False
 
 
 class HistoryFormManager:
@@ -113,8 +112,8 @@ class Coordinator:
                 askable[:, int(np.argmax(hard)) :] = False
             gi, bi = np.nonzero(askable)
             if gi.size:
-                entries = list(zip(hist[gi].tolist(), (bi + lo).tolist()))
-                _apply(routes, reasons, entries, ask(entries))
+                gs, bs = hist[gi], bi + lo
+                _apply(routes, reasons, gs, bs, ask(gs, bs))
             served = (routes[hist, lo:hi] != Route.RECOMPUTE).all(axis=0)
             if not served.all():
                 return lo + int(np.argmin(served))
@@ -157,6 +156,7 @@ class Coordinator:
                 return squeezed
             probes += 1
             asked.update(need)
-            if _apply(routes, reasons, need, ask(need)):
+            gs, bs = np.array(need, dtype=np.intp).T
+            if _apply(routes, reasons, gs, bs, ask(gs, bs)):
                 return squeezed
         return squeezed

@@ -24,7 +24,8 @@ class Counters:
         self._group_form = np.array([self.forms.index(f) for f in group_forms], dtype=np.intp)
         g = len(group_forms)
         self._codes = np.zeros((g, N_CODES), dtype=np.int64)
-        self._offsets = (np.arange(g, dtype=np.int16) * N_CODES)[:, None]
+        wide = g * N_CODES > np.iinfo(np.int8).max
+        self._offsets = (np.arange(g, dtype=np.int16 if wide else np.int8) * N_CODES)[:, None]
         self._events = {name: np.zeros(len(self.forms), dtype=np.int64) for name in _EVENTS}
         self._lat_counts = np.zeros((len(self.forms), len(LATENCY_BUCKETS_S) + 1), dtype=np.int64)
         self._lat_sum = np.zeros(len(self.forms), dtype=np.float64)
@@ -35,8 +36,8 @@ class Counters:
 
     def record_lookup(self, routes: np.ndarray, reasons: np.ndarray) -> None:
         """Count every (group, route, reason) of a check vector, by runs: rows are a few long runs."""
-        codes = (routes + reasons).astype(np.int16)  # 0..N_CODES-1 (RECOMPUTE always carries a reason)
-        codes += self._offsets  # distinct per group, so group edges are run edges
+        codes = routes + reasons  # 0..N_CODES-1 (RECOMPUTE always carries a reason)
+        codes = codes + self._offsets  # distinct per group, so group edges are run edges
         flat = codes.ravel()
         if flat.size:
             starts = np.flatnonzero(flat[1:] != flat[:-1]) + 1

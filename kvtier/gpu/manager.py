@@ -239,9 +239,9 @@ class CacheManager:
                     reasons[inflight] = Reason.OK
                 asked = [0]
 
-                def ask(entries: Sequence[tuple[int, int]]) -> list[Reason]:
-                    asked[0] += len(entries)
-                    return self._ask_lower(block_hashes, entries)
+                def ask(gs: np.ndarray, bs: np.ndarray) -> np.ndarray:
+                    asked[0] += len(gs)
+                    return self._ask_lower(block_hashes, gs, bs)
 
                 room = max(0, self._cfg.max_recover_queue - self._queued - t.n_recovering)
                 squeezed = self._coordinator.find(routes, reasons, ask, room)
@@ -272,19 +272,24 @@ class CacheManager:
             self._book.add_lease(lease)
         return LookupResult(cv, lease)
 
-    def _ask_lower(self, block_hashes: Sequence[bytes], entries: Sequence[tuple[int, int]]) -> list[Reason]:
+    def _ask_lower(self, block_hashes: Sequence[bytes], gs: np.ndarray, bs: np.ndarray) -> np.ndarray:
+        """The lower tier's `has` for objects (gs[i], bs[i]); any failure of the tier reads as missing."""
         assert self._lower is not None
-        keys = [ObjectKey(self._ns, block_hashes[b], self._names[g], self._forms[g]) for g, b in entries]
-        digests = [self._digests[g] for g, _ in entries]
+        ns, names, forms = self._ns, self._names, self._forms
         try:
-            answers = list(self._lower.has(keys, digests))
+            keys = [ObjectKey(ns, block_hashes[b], names[g], forms[g]) for g, b in zip(gs.tolist(), bs.tolist())]
+        except ValueError as exc:
+            raise BadKey(f"block hashes must be 16-byte digests ({exc}); hash blocks with kvtier.core.block_hashes") from None
+        missing = np.full(len(keys), Reason.MISSING, dtype=np.int8)
+        try:
+            answers = np.fromiter(self._lower.has(keys, [self._digests[g] for g in gs.tolist()]), dtype=np.int8)
         except Exception:
             log.exception("lower tier failed to answer has() for %d objects; treating them as missing", len(keys))
-            return [Reason.MISSING] * len(keys)
+            return missing
         if len(answers) != len(keys):
             log.error("lower tier answered %d of %d has() queries; treating them as missing", len(answers), len(keys))
-            return [Reason.MISSING] * len(keys)
-        return [Reason(a) for a in answers]
+            return missing
+        return answers
 
     def _admit_recoveries(
         self, cv: CheckVector, routes: np.ndarray, reasons: np.ndarray, squeezed: bool
@@ -709,7 +714,9 @@ class CacheManager:
             if batch:
                 answers = self._load([req for _, _, _, req, _ in batch])
                 with self._cond:
-                    self._require_current(lease, epoch)
+                    if self._topology_epoch != epoch:
+                        raise StaleHandle("the pools were resized during recovery; look the prefix up again")
+                    # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
                     for (g, b, slot, _req, started), answer in zip(batch, answers):
                         self._finish_recovery(lease, g, b, slot, answer, started)
                     self._cond.notify_all()
@@ -791,7 +798,8 @@ class CacheManager:
             t.touch_slot(slot)
             self._counters.event("recovers_ok", form)
             self._counters.recovery_latency(form, time.monotonic() - started)
-            self._adopt(lease, g, b)
+            if lease.live:
+                self._adopt(lease, g, b)
         else:
             t.move(slot, BlockState.FREE)
             self._free_slot(slot, Reason.MISSING)
@@ -941,6 +949,8 @@ class CacheManager:
             bad.append("quota usage disagrees with occupied slots")
         if int((state == BlockState.RECOVERING).sum()) != t.n_recovering:
             bad.append("recovering count is wrong")
+        if self._queued != sum(lease.reserved for lease in self._book.leases.values()):
+            bad.append("the recovery queue's reservations disagree with live leases")
         if any(p.address % POOL_ALIGNMENT for p in self._pools):
             bad.append("a pool lost its alignment")
         return bad

@@ -53,6 +53,9 @@ class Driver:
             for g in PROFILE.groups:
                 if g.kind is GroupKind.STATE and not (checkpoint and b >= upto - g.blocks_needed(PROFILE.hash_block_tokens)):
                     continue
+                if not self.strict:  # another thread may look it up the moment it is sealed
+                    with self.lock:
+                        self.written.add((ns, hs[b], g.name))
                 try:
                     m.write_block(self._key(ns, i, b, g.name), payload(PROFILE, g.name, hs[b], ns), layout_digest=m.layout_digest(g.name))
                 except EXPECTED:
@@ -102,7 +105,10 @@ class Driver:
 
     def pin(self, i: int, b: int, g: int, on: bool) -> None:
         key = self._key(self.m.namespace, i, b, GROUPS[g])
-        (self.m.pin if on else self.m.unpin)([key])
+        try:
+            (self.m.pin if on else self.m.unpin)([key])
+        except VersionError:  # another thread bumped the version in between
+            pass
 
     def bump(self) -> None:
         current = self.versions.index(next(v for v in self.versions if v.namespace == self.m.namespace))
@@ -147,5 +153,7 @@ class Driver:
                 self.checked_reads += 1
 
     def invariants(self) -> None:
+        """When no operation is running: the table is consistent, nothing is left RECOVERING, pools never moved."""
         assert self.m.audit() == []
+        assert self.m.counters()["recovering"] == 0
         assert self.m.pool_addresses() == self.addresses
