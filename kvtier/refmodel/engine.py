@@ -59,13 +59,14 @@ class OffloadResult:
 class RestoreResult:
     """One request served from the cache: where it resumed, what each form did, and what it cost.
 
-    `lookup_cv` is the check vector as looked up (REUSE resident, RECOVER on disk); `final_cv` after
-    the load (RECOVER objects REUSE, or RECOMPUTE with the store's reason, and the hit shrunk to match).
+    `lookup_cv` is the first lookup's check vector (REUSE resident, RECOVER on disk); `final_cv` the one
+    resumed from, after its load (RECOVER objects REUSE, or RECOMPUTE with the store's reason).
     """
 
     prompt_tokens: int
     lookup_cv: CheckVector
     final_cv: CheckVector
+    lookups: int  # 2 when a failed load made a second lookup worthwhile
     loaded_objects: int
     bytes_from_disk: int
     read_objects: int
@@ -87,6 +88,7 @@ class RestoreResult:
             "hit_tokens": self.hit_tokens,
             "routes_at_lookup": self.lookup_cv.counts(),
             "routes_after_load": self.final_cv.counts(),
+            "lookups": self.lookups,
             "loaded_objects": self.loaded_objects,
             "bytes_from_disk": self.bytes_from_disk,
             "read_objects": self.read_objects,
@@ -162,30 +164,47 @@ class RefEngine:
 
     # -- read ----------------------------------------------------------------------------------------
 
-    def restore_and_continue(self, tokens: Tokens, *, decode: int = 0) -> RestoreResult:
-        """Resume at the usable hit from the daemon's objects, then prefill the rest and decode greedily."""
+    def restore_and_continue(self, tokens: Tokens, *, decode: int = 0, lookups: int = 2) -> RestoreResult:
+        """Resume at the usable hit from the daemon's objects, then prefill the rest and decode greedily.
+
+        A load that fails (corrupt or vanished records) shrinks the hit to what was already servable;
+        the store has then quarantined what failed, so one more lookup (up to `lookups` in all) finds
+        the best hit that is left, e.g. an earlier checkpoint whose state was never asked for.
+        """
+        if lookups < 1:
+            raise ValueError(f"lookups must be >= 1, got {lookups}")
         ids = _np(tokens)
         started = time.perf_counter()
-        result = self.client.lookup(ids)
-        lookup_s = time.perf_counter() - started
-        lookup_cv = result.check_vector
-        try:
-            loaded_objects = loaded_bytes = 0
-            load_s = 0.0
-            if result.needs_load:
-                t0 = time.perf_counter()
-                rep = self.client.load(result)
-                load_s = time.perf_counter() - t0
-                loaded_objects, loaded_bytes = rep.loaded_objects, rep.loaded_bytes
-            state, n_read = self._restore(result)
-        finally:
-            self.client.release(result)
+        lookup_cv: CheckVector | None = None
+        loaded_objects = loaded_bytes = 0
+        lookup_s = load_s = 0.0
+        for attempt in range(1, lookups + 1):
+            t0 = time.perf_counter()
+            result = self.client.lookup(ids)
+            lookup_s += time.perf_counter() - t0
+            lookup_cv = lookup_cv or result.check_vector
+            try:
+                wanted = result.check_vector.hit_blocks
+                if result.needs_load:
+                    t0 = time.perf_counter()
+                    rep = self.client.load(result)
+                    load_s += time.perf_counter() - t0
+                    loaded_objects += rep.loaded_objects
+                    loaded_bytes += rep.loaded_bytes
+                if result.check_vector.hit_blocks < wanted and attempt < lookups:
+                    log.info("load shrank the hit from %d to %d blocks; looking up again", wanted, result.check_vector.hit_blocks)
+                    continue
+                state, n_read = self._restore(result)
+                break
+            finally:
+                self.client.release(result)
         restore_s = time.perf_counter() - started
         t0 = time.perf_counter()
         logits, generated = continue_greedy(self.model, state, ids, decode)
         continue_s = time.perf_counter() - t0
+        assert lookup_cv is not None
         return RestoreResult(
-            len(ids), lookup_cv, result.check_vector, loaded_objects, loaded_bytes, n_read,
+            len(ids), lookup_cv, result.check_vector, attempt, loaded_objects, loaded_bytes, n_read,
             lookup_s, load_s, restore_s, continue_s, logits, generated,
         )
 
@@ -221,7 +240,7 @@ def recompute(model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoi
 
 
 def continue_greedy(model: RefModel, state: RefState, tokens: np.ndarray, decode: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Prefill tokens[state.pos:] (cut at the engine's checkpoints is not needed: nothing is exported), then decode greedily."""
+    """Prefill tokens[state.pos:] in one call (nothing is exported, so no checkpoint cuts), then decode greedily."""
     rows = []
     if state.pos < len(tokens):
         rows.append(model.prefill(state, tokens[state.pos :]).logits)

@@ -5,6 +5,7 @@ Shared by tests/daemon and tests/e2e (import as `support.daemon`: pytest puts `t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -39,14 +40,16 @@ class DaemonProc:
         abstract_notify: bool = False,
         watchdog_usec: int | None = None,
         pools: str = 'compressed = "2MiB"\nindexer = "1MiB"\ntail = "2MiB"\nswa = "2MiB"\n',
+        profiles: tuple[str, ...] = ("ref-tiny",),
+        store_root: Path | None = None,
     ) -> None:
         self.tmp = tmp
         self.socket = socket_path or tmp / "kvtier.sock"
         self.config = tmp / "kvtier.toml"
         self.config.write_text(
-            f'device = "cpu"\nprofiles = ["ref-tiny"]\nshutdown_timeout_s = 20\n'
+            f'device = "cpu"\nprofiles = {json.dumps(list(profiles))}\nshutdown_timeout_s = 20\n'
             f'[server]\nsocket = "{self.socket}"\nframe_timeout_s = 1.0\n{server_toml}'
-            f'[store]\nroot = "{tmp / "store"}"\nbudget_bytes = "256MiB"\n'
+            f'[store]\nroot = "{store_root or tmp / "store"}"\nbudget_bytes = "256MiB"\n'
             f'[pool.budget_bytes]\n{pools}'
             f'[verifier]\nmode = "off"\n[metrics]\naddress = "127.0.0.1:0"\n' + extra_toml
         )
