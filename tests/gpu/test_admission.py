@@ -8,7 +8,7 @@ import threading
 import torch
 
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
-from kvtier.core import CacheForm, Reason, Route
+from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused
 
 

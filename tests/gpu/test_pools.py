@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gpuworld import PROFILE, H, budgets, hashes_of, key, make, payload, prompt, state_blocks_for, write
+from gpuworld import PROFILE, H, budgets, hashes_of, make, payload, prompt, state_blocks_for, write
 from kvtier.core import CacheForm
 from kvtier.gpu import BudgetError, CacheManager, StaleHandle, TopologyError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
-from kvtier.core import CacheForm, GroupKind, Reason, Route, VersionError, load_profile
+from kvtier.core import CacheForm, GroupKind, Reason, Route, VersionError, block_hashes, load_profile
 from kvtier.core.errors import LayoutError
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionConfig, BadKey, BlockState, CacheManager, IllegalTransition, PartialBlock
@@ -94,7 +94,7 @@ def test_design_example_on_the_dsv4_profile() -> None:
         budget[g.form] = budget.get(g.form, 0) + -(-g.object_bytes(h) // 128) * 128 * (6 if g.kind is GroupKind.HISTORY else 2)
     m = CacheManager(p, budgets_bytes=budget, admission=AdmissionConfig())
     toks = np.random.default_rng(0).integers(0, 129280, 5 * h + 100)
-    hs = hashes_of_profile(m, toks, h)
+    hs = block_hashes(m.namespace, toks, h)
     assert len(hs) == 5
     for b in range(5):
         for g in p.groups:
@@ -110,12 +110,6 @@ def test_design_example_on_the_dsv4_profile() -> None:
     assert cv.reason("c128_state", 2) is Reason.OUTSIDE_WINDOW
     for handle in m.handles(result):
         assert handle.offset % 128 == 0 and handle.nbytes == p.group(handle.group).object_bytes(h)
-
-
-def hashes_of_profile(m: CacheManager, toks: np.ndarray, h: int) -> list[bytes]:
-    from kvtier.core import block_hashes
-
-    return block_hashes(m.namespace, toks, h)
 
 
 def test_no_hit_crosses_a_missing_history_block_or_an_incomplete_window() -> None:
