@@ -14,7 +14,7 @@ from kvtier.store.errors import (
 )
 from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, SegmentEntry
 from kvtier.store.rebuild import RebuildReport, rebuild_index
-from kvtier.store.store import DiskStore, RecordInfo, StoreConfig
+from kvtier.store.store import DiskStore, RecordInfo, StoreConfig, StoreLimits, VerifyResult
 
 __all__ = [
     "CorruptRecord",
@@ -32,8 +32,10 @@ __all__ = [
     "StoreError",
     "StoreForkError",
     "StoreFull",
+    "StoreLimits",
     "StoreLocked",
     "StoreReadOnly",
     "StoreRequestError",
+    "VerifyResult",
     "rebuild_index",
 ]

@@ -71,6 +71,7 @@ class QuarantineReason(enum.IntEnum):
     SEGMENT_TRUNCATED = 6
     DECODE = 7
     EXTERNAL = 8
+    LAYOUT = 9  # the layout digest is not what its namespace's version key implies (found by the verifier)
 
     @property
     def label(self) -> str:
@@ -79,7 +80,9 @@ class QuarantineReason(enum.IntEnum):
     @property
     def miss_reason(self) -> Reason:
         """The check-vector reason a reader gets for a record quarantined for this."""
-        return Reason.MISSING if self is QuarantineReason.SEGMENT_MISSING else Reason.CORRUPT
+        if self is QuarantineReason.SEGMENT_MISSING:
+            return Reason.MISSING
+        return Reason.ABI_MISMATCH if self is QuarantineReason.LAYOUT else Reason.CORRUPT
 
 
 class CorruptRecord(StoreError):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import json
 import logging
 import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _ATIME = struct.Struct("<d")
+_META_DOCS = frozenset({"verifier"})  # JSON documents other processes may keep in `meta` (FORMAT.md)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +78,25 @@ class StoreConfig:
     @staticmethod
     def quotas(mapping: Mapping[CacheForm, int]) -> tuple[tuple[CacheForm, int], ...]:
         return tuple(sorted(mapping.items(), key=lambda kv: kv[0].value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """The byte budget and per-form quotas the writer enforces, as it published them in the index (0: none)."""
+
+    budget_bytes: int = 0
+    form_quotas: tuple[tuple[CacheForm, int], ...] = ()
+
+    def quota(self, form: CacheForm) -> int:
+        return dict(self.form_quotas).get(form, 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """One record's check: what a load would answer now, and the fault this check found (None: none)."""
+
+    reason: Reason
+    failure: QuarantineReason | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,9 +148,11 @@ class DiskStore:
         self._atime_flushed = time.monotonic()
         self._quotas = dict(config.form_quotas)
         self._appender: Appender | None = None
+        self._relocator: Appender | None = None  # the cleaner's compaction segments (never the daemon's)
         if writer:
             self._appender = Appender(self.root, self.index, self.backend, config.segment_bytes)
             self.seal_abandoned_segments()
+            self._publish_limits()
 
     # ----------------------------------------------------------------- properties
 
@@ -286,21 +309,29 @@ class DiskStore:
         if out is not None and out.is_cuda and self.backend.device_reads and entry.codec is Codec.NONE:
             self._read_record_device(key, entry, seg, out)
             return
+        buf = self._fetch_checked(key, entry, seg)
+        try:
+            if entry.codec is Codec.ZSTD:
+                self._decode_into(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len], entry.payload_len, out)
+            elif out is not None:
+                out.copy_(buf.tensor[HEADER_BYTES : HEADER_BYTES + entry.payload_len])
+        finally:
+            self._buffers.release(buf)
+
+    def _fetch_checked(self, key: ObjectKey, entry: IndexEntry, seg: SegmentFile) -> AlignedBuffer:
+        """The whole record in a pooled buffer (the caller releases it), header and payload checksum verified."""
         buf = self._buffers.acquire(entry.record_len)
         try:
             got = seg.pread_into(buf.mv[: entry.record_len], entry.offset)
             if got < entry.record_len:
                 raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, f"segment {entry.segment:016x} ends inside the record")
             _check_header(RecordHeader.unpack(buf.mv[:HEADER_BYTES]), key, entry)
-            stored = buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len]
-            if payload_checksum(stored) != entry.payload_checksum:
+            if payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len]) != entry.payload_checksum:
                 raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-            if entry.codec is Codec.ZSTD:
-                self._decode_into(stored, entry.payload_len, out)
-            elif out is not None:
-                out.copy_(buf.tensor[HEADER_BYTES : HEADER_BYTES + entry.payload_len])
-        finally:
+            return buf
+        except BaseException:
             self._buffers.release(buf)
+            raise
 
     def _decode_into(self, stored: memoryview, payload_len: int, out: torch.Tensor | None) -> None:
         plain = self._buffers.acquire(payload_len)
@@ -581,18 +612,22 @@ class DiskStore:
     def remove(self, keys: Sequence[ObjectKey]) -> int:
         return self.drop(keys)
 
-    def drop(self, keys: Iterable[ObjectKey]) -> int:
-        """Delete index entries (the bytes stay until their segment is reclaimed); returns how many existed."""
+    def drop(self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None) -> int:
+        """Delete index entries (the bytes stay until their segment is reclaimed); returns how many were deleted.
+
+        `when`, if given, is asked inside the write transaction about each indexed key's current entry (None: its
+        value is corrupt); only keys it accepts are dropped, so a cleaner's decision cannot hit a record that changed.
+        """
         self._check_pid()
-        raw_keys = [encode_key(k) for k in keys]
+        pairs = [(k, encode_key(k)) for k in keys]
 
         def put(txn: lmdb.Transaction) -> int:
             usage = self.index.usage(txn)
             seg_entries: dict[int, SegmentEntry] = {}
             n = 0
-            for raw_key in raw_keys:
+            for key, raw_key in pairs:
                 raw = txn.get(raw_key, db=self.index.dbs["obj"])
-                if raw is None:
+                if raw is None or (when is not None and not when(key, _entry_or_none(raw))):
                     continue
                 self._unaccount(txn, raw, usage, seg_entries, raw_key)
                 txn.delete(raw_key, db=self.index.dbs["obj"])
@@ -633,40 +668,67 @@ class DiskStore:
 
     def verify(self, key: ObjectKey) -> Reason:
         """Read and check one record without loading it anywhere; quarantines on failure, stamps verified_at."""
+        return self.verify_many([key])[0].reason
+
+    def verify_many(self, keys: Sequence[ObjectKey], *, apply: bool = True) -> list[VerifyResult]:
+        """Read and check records in one short read transaction (bound the batch); with `apply`, quarantine the
+        failures and stamp verified_at (clearing dirty) on the good ones in one write transaction."""
         self._check_pid()
-        raw_key = encode_key(key)
-        failure: QuarantineReason | None = None
+        results: list[VerifyResult] = []
+        failures: list[tuple[ObjectKey, QuarantineReason]] = []
+        good: list[tuple[bytes, bytes, IndexEntry]] = []
         with self.index.read() as txn:
-            raw = txn.get(raw_key, db=self.index.dbs["obj"])
-            if raw is None:
-                return Reason.MISSING
-            try:
-                entry = IndexEntry.unpack(raw)
-            except CorruptRecord:
-                entry = None
-            if entry is not None and entry.state is RecordState.LIVE:
-                try:
-                    self._read_record(key, entry, None)
-                except CorruptRecord as exc:
-                    failure = exc.reason
-        if entry is None:
-            self.quarantine(key, QuarantineReason.INDEX_VALUE)
-            return Reason.CORRUPT
-        if entry.state is RecordState.QUARANTINED:
-            return QuarantineReason(entry.quarantine_reason).miss_reason
-        if failure is not None:
-            self.quarantine(key, failure)
-            return failure.miss_reason
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=self.index.dbs["obj"])
+                if raw is None:
+                    results.append(VerifyResult(Reason.MISSING))
+                    continue
+                entry = _entry_or_none(raw)
+                if entry is None:
+                    failures.append((key, QuarantineReason.INDEX_VALUE))
+                elif entry.state is RecordState.QUARANTINED:
+                    results.append(VerifyResult(QuarantineReason(entry.quarantine_reason).miss_reason))
+                    continue
+                else:
+                    try:
+                        self._read_record(key, entry, None)
+                        good.append((raw_key, bytes(raw), entry))
+                        results.append(VerifyResult(Reason.OK))
+                        continue
+                    except CorruptRecord as exc:
+                        failures.append((key, exc.reason))
+                why = failures[-1][1]
+                results.append(VerifyResult(why.miss_reason, why))
+        if not apply:
+            return results
+        for key, why in failures:
+            log.warning("quarantining %s: %s", _key_str(key), why.label)
+            self.quarantine(key, why)
         now = time.time()
 
         def stamp(txn: lmdb.Transaction) -> None:
-            cur = txn.get(raw_key, db=self.index.dbs["obj"])
-            if cur is not None and bytes(cur) == bytes(raw):  # unchanged since the read
-                txn.put(raw_key, dataclasses.replace(entry, verified_at=now).pack(), db=self.index.dbs["obj"])
-                txn.delete(u64_key(entry.seq), db=self.index.dbs["dirty"])
+            for raw_key, raw, entry in good:
+                cur = txn.get(raw_key, db=self.index.dbs["obj"])
+                if cur is not None and bytes(cur) == raw:  # unchanged since the read
+                    txn.put(raw_key, dataclasses.replace(entry, verified_at=now).pack(), db=self.index.dbs["obj"])
+                    txn.delete(u64_key(entry.seq), db=self.index.dbs["dirty"])
 
-        self.index.update(stamp)
-        return Reason.OK
+        if good:
+            self.index.update(stamp)
+        return results
+
+    def records(self, keys: Sequence[ObjectKey]) -> list[RecordInfo | None]:
+        """The index rows of `keys` (None where a key is not indexed), in one short read transaction."""
+        self._check_pid()
+        with self.index.read() as txn:
+            atimes = txn.cursor(db=self.index.dbs["atime"])
+            out: list[RecordInfo | None] = []
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=self.index.dbs["obj"])
+                out.append(None if raw is None else RecordInfo(key, _entry_or_none(raw), _atime(atimes.get(raw_key))))
+            return out
 
     def iter_records(self, after: ObjectKey | None = None, limit: int = 256, namespace: bytes | None = None) -> list[RecordInfo]:
         """Up to `limit` records in key order after `after` (one short read txn per call)."""
@@ -683,16 +745,7 @@ class DiskStore:
             for raw_key, raw in cur:
                 if namespace is not None and not raw_key.startswith(namespace):
                     break
-                try:
-                    entry: IndexEntry | None = IndexEntry.unpack(raw)
-                except CorruptRecord:
-                    entry = None
-                at = atimes.get(raw_key)
-                try:
-                    atime = _ATIME.unpack(unseal(at))[0] if at is not None else 0.0
-                except CorruptRecord:
-                    atime = 0.0
-                out.append(RecordInfo(decode_key(bytes(raw_key)), entry, atime))
+                out.append(RecordInfo(decode_key(bytes(raw_key)), _entry_or_none(raw), _atime(atimes.get(raw_key))))
                 if len(out) >= limit:
                     break
         return out
@@ -752,6 +805,9 @@ class DiskStore:
         if oldest is not None and oldest < entry.last_drop_txn:
             return False
         path = os.path.join(self._seg_dir, segment_name(seg_id))
+        probe = self._lock_segment(path)
+        if probe is False:
+            return False  # an appender still holds it (a segment rolled mid-batch is sealed before its batch commits)
 
         def put(txn: lmdb.Transaction) -> bool:
             cur = txn.get(u64_key(seg_id), db=self.index.dbs["seg"])
@@ -764,7 +820,119 @@ class DiskStore:
                 pass
             return True
 
-        return self.index.update(put)
+        try:
+            return self.index.update(put)
+        finally:
+            if probe is not None:
+                probe.close()
+
+    def _lock_segment(self, path: str) -> SegmentFile | None | bool:
+        """The segment opened with its flock taken; None if the file is gone; False if another holder has it."""
+        try:
+            probe = SegmentFile(path, os.open(path, os.O_RDWR | os.O_CLOEXEC))
+        except FileNotFoundError:
+            return None
+        if probe.try_lock():
+            return probe
+        probe.close()
+        return False
+
+    def trim_segment(self, seg_id: int) -> int:
+        """Cut a sealed segment's uncommitted tail (bytes a crashed batch left past `tail`); returns bytes freed."""
+        self._check_pid()
+        probe = self._lock_segment(os.path.join(self._seg_dir, segment_name(seg_id)))
+        if not isinstance(probe, SegmentFile):
+            return 0
+        try:
+            with self.index.read() as txn:  # read under the flock: every batch that wrote this file has committed
+                raw = txn.get(u64_key(seg_id), db=self.index.dbs["seg"])
+            entry = SegmentEntry.unpack(raw) if raw is not None else None
+            size = probe.size()
+            if entry is None or not entry.sealed or size <= entry.tail:
+                return 0
+            probe.truncate(entry.tail)
+            probe.sync()
+            return size - entry.tail
+        finally:
+            probe.close()
+
+    def relocate(self, keys: Sequence[ObjectKey]) -> int:
+        """Compaction: copy live records verbatim (checked first) into a segment this process appends, then repoint
+        each entry that still names the old place, in one commit; returns how many moved. A bad record is quarantined.
+
+        The old bytes stay readable until their segment is unlinked under the epoch rule, so a reader that looked
+        the old entry up finishes on it; a record that changed meanwhile keeps its entry (its copy is garbage).
+        """
+        self._check_pid()
+        if self.readonly:
+            raise StoreReadOnly("relocate() needs a store opened for maintenance (not read-only)")
+        if self._relocator is None:
+            self._relocator = Appender(self.root, self.index, self.backend, self.config.segment_bytes)
+        app = self._relocator
+        failures: list[tuple[ObjectKey, QuarantineReason]] = []
+        written: list[tuple[bytes, IndexEntry, int, int]] = []
+        moved = 0
+        with self._write_lock:
+            app.begin_batch()
+            synced = False
+            try:
+                with self.index.read() as txn:  # an epoch: the source segments cannot be unlinked while we copy
+                    for key in keys:
+                        raw_key = encode_key(key)
+                        raw = txn.get(raw_key, db=self.index.dbs["obj"])
+                        entry = _entry_or_none(raw) if raw is not None else None
+                        if entry is None or entry.state is not RecordState.LIVE:
+                            continue
+                        try:
+                            buf = self._fetch_checked(key, entry, self._segment(entry.segment))
+                        except CorruptRecord as exc:
+                            failures.append((key, exc.reason))
+                            continue
+                        try:
+                            place = app.place(entry.record_len)
+                            place.file.pwrite_all(buf.mv[: entry.record_len], place.offset)
+                        finally:
+                            self._buffers.release(buf)
+                        written.append((raw_key, entry, place.seg_id, place.offset))
+                if written:
+                    app.sync_batch()
+                    synced = True
+                    moved = self.index.update(lambda txn: self._repoint(txn, written, app.batch_segments()))
+            except BaseException:
+                app.rewind(abandon=bool(written) and not synced)
+                raise
+            finally:
+                app.end_batch()
+        for key, why in failures:
+            log.warning("quarantining %s: %s", _key_str(key), why.label)
+            self.quarantine(key, why)
+        return moved
+
+    def _repoint(self, txn: lmdb.Transaction, written: list[tuple[bytes, IndexEntry, int, int]], segments: list[int]) -> int:
+        seg_db, obj_db = self.index.dbs["seg"], self.index.dbs["obj"]
+        seg_entries = {s: SegmentEntry.unpack(txn.get(u64_key(s), db=seg_db)) for s in segments}
+        moved = 0
+        for raw_key, old, seg_id, offset in written:
+            raw = txn.get(raw_key, db=obj_db)
+            cur = _entry_or_none(raw) if raw is not None else None
+            if cur is None or cur.state is not RecordState.LIVE or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq):
+                continue
+            txn.put(raw_key, dataclasses.replace(cur, segment=seg_id, offset=offset).pack(), db=obj_db)
+            src = seg_entries.get(old.segment)
+            if src is None and (src_raw := txn.get(u64_key(old.segment), db=seg_db)) is not None:
+                src = SegmentEntry.unpack(src_raw)
+            if src is not None:
+                seg_entries[old.segment] = dataclasses.replace(
+                    src, referenced=max(0, src.referenced - old.record_len), records=max(0, src.records - 1), last_drop_txn=txn.id()
+                )
+            dst = seg_entries[seg_id]
+            seg_entries[seg_id] = dataclasses.replace(
+                dst, tail=max(dst.tail, offset + old.record_len), referenced=dst.referenced + old.record_len, records=dst.records + 1
+            )
+            moved += 1
+        for seg_id, seg in seg_entries.items():
+            txn.put(u64_key(seg_id), seg.pack(), db=seg_db)
+        return moved
 
     def reader_check(self) -> int:
         """Clear dead readers from LMDB's table; close cached segment files that were unlinked."""
@@ -773,6 +941,43 @@ class DiskStore:
             for seg_id in [s for s, f in self._files.items() if f.unlinked()]:
                 self._files.pop(seg_id).close()
         return self.index.reader_check()
+
+    def _publish_limits(self) -> None:
+        doc = {"budget_bytes": self.config.budget_bytes, "form_quotas": {f.value: n for f, n in self._quotas.items()}}
+        self.index.update(lambda txn: txn.put(b"limits", seal(json.dumps(doc, sort_keys=True).encode()), db=self.index.dbs["meta"]))
+
+    def set_limits(self, budget_bytes: int, form_quotas: Mapping[CacheForm, int]) -> None:
+        """Change the byte budget and per-form quotas (a reload) and publish them for the cleaner and `kvtier audit`."""
+        self._check_pid()
+        self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes, form_quotas=StoreConfig.quotas(form_quotas))
+        self._quotas = dict(self.config.form_quotas)
+        self._publish_limits()
+
+    def limits(self) -> StoreLimits | None:
+        """The limits the writer last published (None if no writer has yet)."""
+        self._check_pid()
+        with self.index.read() as txn:
+            raw = txn.get(b"limits", db=self.index.dbs["meta"])
+        if raw is None:
+            return None
+        doc = json.loads(unseal(raw))
+        return StoreLimits(int(doc["budget_bytes"]), StoreConfig.quotas({CacheForm(f): int(n) for f, n in doc["form_quotas"].items()}))
+
+    def meta_doc(self, name: str) -> dict[str, Any] | None:
+        """A JSON document another process keeps in the index (`verifier`: the cleaner's progress and counters)."""
+        self._check_pid()
+        if name not in _META_DOCS:
+            raise KeyError(name)
+        with self.index.read() as txn:
+            raw = txn.get(f"doc:{name}".encode(), db=self.index.dbs["meta"])
+        return None if raw is None else json.loads(unseal(raw))
+
+    def put_meta_doc(self, name: str, doc: Mapping[str, Any]) -> None:
+        self._check_pid()
+        if name not in _META_DOCS:
+            raise KeyError(name)
+        body = seal(json.dumps(doc, sort_keys=True).encode())
+        self.index.update(lambda txn: txn.put(f"doc:{name}".encode(), body, db=self.index.dbs["meta"]))
 
     def stats(self) -> dict[str, Any]:
         """Records and bytes per form, achieved codec ratio, budget, segments, namespaces, backend."""
@@ -845,9 +1050,10 @@ class DiskStore:
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._pools.clear()
-        if self._appender is not None:
-            self._appender.close()
-            self._appender = None
+        for appender in (self._appender, self._relocator):
+            if appender is not None:
+                appender.close()
+        self._appender = self._relocator = None
         with self._files_lock:
             for f in self._files.values():
                 f.close()
@@ -871,10 +1077,22 @@ def _flat_uint8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_live(raw: bytes) -> bool:
+    entry = _entry_or_none(raw)
+    return entry is not None and entry.state is RecordState.LIVE
+
+
+def _entry_or_none(raw: bytes | memoryview) -> IndexEntry | None:
     try:
-        return IndexEntry.unpack(raw).state is RecordState.LIVE
+        return IndexEntry.unpack(raw)
     except CorruptRecord:
-        return False
+        return None
+
+
+def _atime(raw: bytes | memoryview | None) -> float:
+    try:
+        return _ATIME.unpack(unseal(raw))[0] if raw is not None else 0.0
+    except CorruptRecord:
+        return 0.0
 
 
 def _check_header(h: RecordHeader, key: ObjectKey, e: IndexEntry) -> None:
