@@ -8,10 +8,12 @@ import sys
 import click
 
 from kvtier import __version__
+from kvtier.cli.audit_cmd import audit
 from kvtier.cli.daemon_cmds import config, prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
 from kvtier.cli.profile_cmd import profile
 from kvtier.cli.store_cmd import store
+from kvtier.cli.verifier_cmd import verifier
 from kvtier.core.errors import KvtierError
 
 USAGE_EXIT = 2
@@ -33,6 +35,8 @@ cli.add_command(serve)
 cli.add_command(status)
 cli.add_command(config)
 cli.add_command(prewarm)
+cli.add_command(verifier)
+cli.add_command(audit)
 
 
 def main() -> None:

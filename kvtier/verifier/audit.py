@@ -1,0 +1,134 @@
+"""`kvtier audit`: per namespace and form counts, orphaned and reclaimable bytes, budget use; `--fix` acts once."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from kvtier.core.forms import CacheForm
+from kvtier.store import DiskStore, StoreLimits
+from kvtier.store.segments import SEGMENTS_DIR
+from kvtier.verifier.checks import NamespaceView, SegmentFiles
+from kvtier.verifier.inventory import DISK_FORMS, FormCounts, Progress, take_inventory
+from kvtier.verifier.layouts import LayoutOracle
+from kvtier.verifier.settings import VerifierSettings
+from kvtier.verifier.survey import survey_segments
+
+COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(FormCounts))
+
+
+@dataclasses.dataclass(slots=True)
+class NamespaceReport:
+    namespace: bytes
+    live: bool
+    version_key: dict[str, str] | None  # None: records name a namespace the index has no entry for
+    forms: dict[CacheForm, FormCounts]
+
+
+@dataclasses.dataclass(slots=True)
+class AuditReport:
+    """What one audit saw. `problems`: corruption not yet quarantined, or orphaned bytes (exit code 1)."""
+
+    store: str
+    format_version: int
+    namespaces: list[NamespaceReport]
+    orphaned_bytes: int
+    reclaimable_bytes: int
+    used_bytes: int
+    budget_bytes: int | None
+    corrupt: int
+    quarantined: int
+    oldest: float | None
+    newest: float | None
+    stray_files: int
+    missing_segments: int
+
+    @property
+    def problems(self) -> bool:
+        return self.corrupt > 0 or self.orphaned_bytes > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store,
+            "format_version": self.format_version,
+            "namespaces": [
+                {
+                    "namespace": n.namespace.hex(), "live": n.live, "version_key": n.version_key,
+                    "forms": {f.value: c.to_dict() for f, c in n.forms.items()},
+                }
+                for n in self.namespaces
+            ],
+            "orphaned_bytes": self.orphaned_bytes,
+            "reclaimable_bytes": self.reclaimable_bytes,
+            "used_bytes": self.used_bytes,
+            "budget_bytes": self.budget_bytes,
+            "corrupt": self.corrupt,
+            "quarantined": self.quarantined,
+            "oldest": self.oldest,
+            "newest": self.newest,
+        }
+
+
+def audit_store(store: DiskStore, settings: VerifierSettings = VerifierSettings(), *, deep: bool = False, progress: Progress | None = None) -> AuditReport:
+    """Read-only: survey segments/, walk the index (and with `deep` re-read every serving record)."""
+    survey = survey_segments(store, settings.orphan_grace_s)
+    namespaces = NamespaceView(store)
+    files = SegmentFiles(f"{store.root}/{SEGMENTS_DIR}")
+    inv = take_inventory(store, namespaces, files, LayoutOracle.load(settings.profiles), deep=deep, batch_bytes=settings.batch_bytes, progress=progress)
+    reports = []
+    for ns in sorted(set(namespaces.entries) | set(inv.counts)):
+        entry = namespaces.entries.get(ns)
+        forms = inv.counts.get(ns) or {f: FormCounts() for f in DISK_FORMS}
+        reports.append(NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms))
+    reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
+    reclaimable += sum(s.size for s in survey.old_strays())
+    limits = settings.limits or store.limits() or StoreLimits()
+    with store.index.read() as txn:
+        format_version = store.index.get_meta_u64(txn, b"format_version")
+    return AuditReport(
+        store=store.root, format_version=format_version, namespaces=reports,
+        orphaned_bytes=survey.orphaned_bytes, reclaimable_bytes=reclaimable,
+        used_bytes=int(store.stats()["record_bytes"]), budget_bytes=limits.budget_bytes or None,
+        corrupt=inv.total("corrupt"), quarantined=inv.total("quarantined"), oldest=inv.oldest, newest=inv.newest,
+        stray_files=len(survey.old_strays()), missing_segments=len([s for s in survey.missing if survey.entries[s].referenced]),
+    )
+
+
+def render_table(report: AuditReport) -> str:
+    """The human form: a header of store-wide figures, then one row per namespace and form with entries."""
+    budget = _size(report.budget_bytes) if report.budget_bytes else "none"
+    lines = [
+        f"store        {report.store}  (format v{report.format_version})",
+        f"used         {_size(report.used_bytes)} of budget {budget}",
+        f"orphaned     {_size(report.orphaned_bytes)}  ({report.stray_files} stray files, {report.missing_segments} missing segments)",
+        f"reclaimable  {_size(report.reclaimable_bytes)}",
+        f"entries      oldest {_time(report.oldest)}  newest {_time(report.newest)}",
+        f"corrupt      {report.corrupt}  quarantined {report.quarantined}",
+        "",
+    ]
+    header = ("namespace", "live", "model", "form", *COUNT_FIELDS)
+    rows = [header]
+    for n in report.namespaces:
+        model = (n.version_key or {}).get("model_id", "?")
+        shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(DISK_FORMS[0], n.forms[DISK_FORMS[0]])]
+        for form, c in shown:
+            counts = [_size(c.bytes) if k == "bytes" else str(getattr(c, k)) for k in COUNT_FIELDS]
+            rows.append((n.namespace.hex()[:16], "live" if n.live else "retired", model[:24], form.value, *counts))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def _size(n: int | None) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _time(t: float | None) -> str:
+    return "-" if t is None else datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")

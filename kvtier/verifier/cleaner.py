@@ -1,0 +1,179 @@
+"""The cleaner's actions on one inventory: quarantine, retire, drop expired quarantines, evict, reclaim, compact, unlink.
+
+Every removal is a conditional drop (the record must still be what the inventory saw) in bounded write
+transactions; bytes are unlinked only through `DiskStore.try_unlink_segment` (flock + reader epochs).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
+from kvtier.store import DiskStore, IndexEntry, RecordState, StoreLimits
+from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name
+from kvtier.verifier.checks import NamespaceView
+from kvtier.verifier.inventory import Inventory
+from kvtier.verifier.policy import Candidate, plan_eviction
+from kvtier.verifier.settings import VerifierSettings
+from kvtier.verifier.survey import SegmentSurvey
+from kvtier.verifier.throttle import RateLimiter
+
+log = logging.getLogger(__name__)
+
+COMPACT_BYTES_PER_PASS = 256 << 20
+
+
+class Cleaner:
+    """Acts on what an inventory found; counts what it did in `actions` (cumulative, persisted by the verifier)."""
+
+    def __init__(self, store: DiskStore, settings: VerifierSettings, limiter: RateLimiter, actions: collections.Counter[str]) -> None:
+        self.store = store
+        self.settings = settings
+        self.limiter = limiter
+        self.actions = actions
+
+    def limits(self) -> StoreLimits:
+        return self.settings.limits or self.store.limits() or StoreLimits()
+
+    def act(self, survey: SegmentSurvey, inv: Inventory, namespaces: NamespaceView) -> None:
+        now = time.time()
+        self.quarantine(inv.faults)
+        self.retire(inv.stale, namespaces)
+        remaining = self.drop_expired_quarantine(inv.candidates, now)
+        self.evict(remaining, now)
+        self.remove_strays(survey)
+        self.trim_tails(survey)
+        self.compact(survey, inv)
+        self.unlink_empty()
+
+    # -- records ------------------------------------------------------------------------------------
+
+    def quarantine(self, faults: Sequence[tuple[ObjectKey, object]]) -> None:
+        for key, why in faults:
+            log.warning("quarantining %s/%s/%s: %s", key.namespace.hex(), key.block_hash.hex(), key.group, getattr(why, "label", why))
+            if self.store.quarantine(key, why):  # type: ignore[arg-type]
+                self.actions["quarantined"] += 1
+
+    def retire(self, stale: Sequence[tuple[ObjectKey, int]], namespaces: NamespaceView) -> None:
+        """Drop the records of retired (or unregistered) namespaces; re-reads the namespaces first (a rollback wins)."""
+        if not stale:
+            return
+        namespaces.refresh()
+        gone = [(k, seq) for k, seq in stale if (ns := namespaces.entries.get(k.namespace)) is None or not ns.live]
+        self.actions["retired"] += self._drop(gone, lambda e, seq: e is not None and e.seq == seq)
+
+    def drop_expired_quarantine(self, candidates: list[Candidate], now: float) -> list[Candidate]:
+        """Drop quarantined records older than the retention; returns the candidates still indexed."""
+        cutoff = now - self.settings.quarantine_retention_s
+        expired = [c for c in candidates if c.quarantined and c.quarantined_at <= cutoff]
+        if expired:
+            self.actions["quarantine_dropped"] += self._drop([(c.key, c.seq) for c in expired], _still_quarantined)
+        gone = {id(c) for c in expired}
+        return [c for c in candidates if id(c) not in gone]
+
+    def evict(self, candidates: list[Candidate], now: float) -> None:
+        usage = {CacheForm(f): int(u["record_bytes"]) for f, u in self.store.stats()["forms"].items()}
+        victims = plan_eviction(candidates, usage, self.limits(), now, high=self.settings.evict_high, low=self.settings.evict_low)
+        if not victims:
+            return
+        planned = {c.key: c for c in victims}
+
+        def accept(key: ObjectKey, e: IndexEntry | None) -> bool:
+            """Still the record that was planned, and not pinned since unless it was planned as a pinned victim."""
+            c = planned[key]
+            if e is None or e.seq != c.seq:
+                return False
+            if c.quarantined:
+                return e.state is RecordState.QUARANTINED
+            return e.state is RecordState.LIVE and (e.pin_until <= time.time() or c.pinned(now))
+
+        for start in range(0, len(victims), self.settings.batch_records):
+            batch = victims[start : start + self.settings.batch_records]
+            dropped = self.store.drop([c.key for c in batch], when=accept)
+            self.actions["evicted"] += dropped
+        log.info("evicted up to %d records (%d bytes) to stay within %s", len(victims), sum(c.record_len for c in victims), self.limits())
+
+    def _drop(self, keyed: Sequence[tuple[ObjectKey, int]], accept: Callable[[IndexEntry | None, int], bool]) -> int:
+        seqs = dict(keyed)
+        n = 0
+        step = self.settings.batch_records
+        for start in range(0, len(keyed), step):
+            batch = [k for k, _ in keyed[start : start + step]]
+            n += self.store.drop(batch, when=lambda key, e: accept(e, seqs[key]))
+        return n
+
+    # -- bytes ----------------------------------------------------------------------------------------
+
+    def remove_strays(self, survey: SegmentSurvey) -> None:
+        strays = survey.old_strays()
+        if not strays:
+            return
+        known = self.store.segments()
+        seg_dir = os.path.join(self.store.root, SEGMENTS_DIR)
+        for s in strays:
+            seg_id = parse_segment_name(s.name)
+            if seg_id is not None and seg_id in known:
+                continue
+            try:
+                os.unlink(os.path.join(seg_dir, s.name))
+            except FileNotFoundError:
+                continue
+            log.info("removed stray file segments/%s (%d bytes)", s.name, s.size)
+            self.actions["strays_removed"] += 1
+            self.actions["stray_bytes"] += s.size
+
+    def trim_tails(self, survey: SegmentSurvey) -> None:
+        for seg_id in survey.files:
+            if survey.orphan_tail(seg_id):
+                self.actions["orphan_bytes_trimmed"] += self.store.trim_segment(seg_id)
+
+    def compact(self, survey: SegmentSurvey, inv: Inventory) -> None:
+        """Move the live records out of sealed segments that are mostly dead, emptiest first, rate-limited."""
+        ranked = []
+        for seg_id, (size, _) in survey.files.items():
+            entry = survey.entries[seg_id]
+            live = inv.serving_bytes.get(seg_id, 0)
+            if entry.sealed and size and live and live / size < self.settings.compact_below:
+                ranked.append((live / size, seg_id))
+        if not ranked:
+            return
+        keys_by_seg: dict[int, list[Candidate]] = {}
+        for c in inv.candidates:
+            if not c.quarantined:
+                keys_by_seg.setdefault(c.segment, []).append(c)
+        budget = COMPACT_BYTES_PER_PASS
+        for _, seg_id in sorted(ranked):
+            todo = keys_by_seg.get(seg_id, [])
+            moved_all = True
+            while todo:
+                batch, size = [], 0
+                while todo and len(batch) < self.settings.batch_records and (not batch or size + todo[0].record_len <= self.settings.batch_bytes):
+                    c = todo.pop(0)
+                    batch.append(c.key)
+                    size += c.record_len
+                if not self.limiter.take(2 * size):  # read + write
+                    return
+                moved = self.store.relocate(batch)
+                self.actions["relocated"] += moved
+                self.actions["relocated_bytes"] += size
+                moved_all &= moved == len(batch)
+                budget -= size
+                if budget <= 0:
+                    return
+            if moved_all:
+                self.actions["segments_compacted"] += 1
+
+    def unlink_empty(self) -> None:
+        for seg_id, entry in self.store.segments().items():
+            if entry.sealed and entry.referenced == 0 and self.store.try_unlink_segment(seg_id):
+                log.info("unlinked segment %016x", seg_id)
+                self.actions["segments_unlinked"] += 1
+
+
+def _still_quarantined(e: IndexEntry | None, seq: int) -> bool:
+    return e is not None and e.state is RecordState.QUARANTINED and e.seq == seq

@@ -1,0 +1,86 @@
+"""`kvtier verifier run`: the verifier as its own OS process (spawned by exec: never a fork of the daemon)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.errors import KvtierError
+from kvtier.store import DiskStore, StoreConfig, StoreError
+from kvtier.store.index import INDEX_DIR
+from kvtier.verifier.errors import StoreNotFound
+from kvtier.verifier.priority import lower_priority
+from kvtier.verifier.settings import VerifierSettings, settings_from_config
+from kvtier.verifier.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+
+def store_exists(root: str | Path) -> bool:
+    return os.path.isdir(os.path.join(root, INDEX_DIR))
+
+
+def open_store(root: str | Path, *, readonly: bool = False) -> DiskStore:
+    """A non-writer store for maintenance or audit: O_DIRECT reads where the filesystem allows, else buffered."""
+    if not store_exists(root):
+        raise StoreNotFound(f"no kvtier store at {root} (no {INDEX_DIR}/): pass the --store the daemon uses")
+    try:
+        return DiskStore(str(root), StoreConfig(io_backend="odirect", io_threads=1), readonly=readonly)
+    except StoreError as exc:
+        if "O_DIRECT" not in str(exc):
+            raise
+        return DiskStore(str(root), StoreConfig(io_backend="buffered", io_threads=1), readonly=readonly)
+
+
+def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> VerifierSettings:
+    """Defaults, then the daemon's config file (rates, limits, profiles), then explicit overrides."""
+    base = VerifierSettings()
+    if config is not None:
+        base = settings_from_config(config, base)
+    return dataclasses.replace(base, **overrides)
+
+
+def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any], *, wait_for_store_s: float = 600.0) -> int:
+    """Run until SIGTERM/SIGINT (exit 0); SIGHUP re-reads --config. Waits for a store the daemon has yet to create."""
+    settings = load_settings(config, overrides)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if not store_exists(root):
+            log.warning("no store at %s yet: waiting up to %.0fs for the daemon to create it", root, wait_for_store_s)
+            waited = 0.0
+            while not store_exists(root) and waited < wait_for_store_s and not stop.wait(0.5):
+                waited += 0.5
+            if stop.is_set():
+                return 0
+        prio = lower_priority()
+        store = open_store(root)
+        try:
+            verifier = Verifier(store, settings)
+            if stop.is_set():
+                return 0
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, lambda *_: verifier.request_stop())
+            signal.signal(signal.SIGHUP, lambda *_: _reload(verifier, config, overrides))
+            log.info("verifier on %s (pid %d, %s, rate %d B/s)", store.root, os.getpid(), prio, settings.rate_bytes_per_s)
+            verifier.run()
+        finally:
+            store.close()
+        return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _reload(verifier: Verifier, config: str | Path | None, overrides: Mapping[str, Any]) -> None:
+    try:
+        verifier.reload(load_settings(config, overrides))
+    except KvtierError as exc:  # a bad config on reload keeps the running settings
+        log.error("reload failed, keeping the running settings: %s", exc)
