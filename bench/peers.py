@@ -1,0 +1,539 @@
+"""kvtier's disk store next to the stores a user would pick instead, holding the same objects; prints one JSON object.
+
+Runs in the peers venv (`bench/.venv-peers`, which `bench/run_all.py` creates): python-diskcache,
+LMCache 0.5.6's `LocalDiskBackend` (a `LocalCPUBackend` as allocator, `use_odirect`) and kvtier's
+`DiskStore` each hold the same objects: the deepseek-v4-flash history objects (c4_main, c128_main,
+indexer_k) of every hash block of a `--tokens` prefix, and the state objects (swa, c4_state,
+c128_state) of a checkpoint every `--checkpoint-every` blocks; random payloads, each one stamped
+with its own id. Per store, in a fresh process, on the same filesystem:
+
+* write: every object, in batches; `ack` is when the store says it has them, `durable` adds an
+  fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
+* cold read: page cache of the store's files dropped (fsync + posix_fadvise DONTNEED), every object
+  read back in batches and compared with what was written;
+* integrity: one byte of a stored object flipped in the store's file, a second object's file
+  truncated in the middle of its bytes, both read back: "detects", "returns wrong bytes silently"
+  or "error";
+* restart: a new process opens the same directory and reads the untouched objects back.
+
+Passes alternate between the stores `--repeat` times; each store's best pass is reported, and
+kvtier's throughput over each peer's (ratio > 1: kvtier faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvtier.core.forms import GroupKind, Reason  # noqa: E402
+from kvtier.core.hashing import block_hashes  # noqa: E402
+from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
+from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
+
+MB = 1e6
+BATCH = 32  # objects per write / read call, for every store
+IO_THREADS = 4  # kvtier's io_threads and LMCache's disk_io_threads
+STORES = ("kvtier", "diskcache", "lmcache")
+DETECTS, SILENT, ERROR, CORRECT = "detects", "returns wrong bytes silently", "error", "returns the right bytes"
+
+
+# ----------------------------------------------------------------------------------------------- workload
+
+
+class Workload:
+    """The objects every store holds: keys as kvtier names them, payloads as bytes (stamped with their index)."""
+
+    def __init__(self, profile: ModelProfile, tokens: int, checkpoint_every: int, seed: int = 0) -> None:
+        h = profile.hash_block_tokens
+        blocks = tokens // h
+        rng = np.random.default_rng(seed)
+        hashes = block_hashes(profile.namespace, rng.integers(0, 129_280, blocks * h, dtype=np.int64), h)
+        checkpoints = {b for b in range(blocks) if (b + 1) % checkpoint_every == 0 or b == blocks - 1}
+        self.profile = profile
+        self.tokens = blocks * h
+        self.keys: list[ObjectKey] = []
+        self.payloads: list[bytes] = []
+        self.digests: dict[str, bytes] = {g.name: profile.layout(g).digest for g in profile.groups}
+        templates = {g.name: bytearray(rng.integers(0, 256, g.object_bytes(h), dtype=np.uint8).tobytes()) for g in profile.groups}
+        for b in range(blocks):
+            for g in profile.groups:
+                if g.kind is GroupKind.STATE and b not in checkpoints:
+                    continue
+                self.keys.append(ObjectKey(profile.namespace, hashes[b], g.name, g.form))
+                t = templates[g.name]
+                t[:8] = len(self.payloads).to_bytes(8, "little")
+                self.payloads.append(bytes(t))
+        self.total_bytes = sum(map(len, self.payloads))
+        # integrity targets: a history object in the middle (flip) and the last object written (truncate: for
+        # kvtier the last record of its segment, so no other object is cut with it)
+        self.flip_index = next(i for i, k in enumerate(self.keys) if k.group == profile.groups[0].name and k.block_hash == hashes[blocks // 2])
+        self.trunc_index = len(self.keys) - 1
+
+    def describe(self) -> dict:
+        per_group: dict[str, dict[str, int]] = {}
+        for k, p in zip(self.keys, self.payloads):
+            c = per_group.setdefault(k.group, {"objects": 0, "bytes_each": len(p)})
+            c["objects"] += 1
+        return {"profile": self.profile.name, "tokens": self.tokens, "objects": len(self.keys), "bytes": self.total_bytes, "groups": per_group}
+
+    def batches(self, indices: Sequence[int]) -> Iterator[list[int]]:
+        for start in range(0, len(indices), BATCH):
+            yield list(indices[start : start + BATCH])
+
+
+def as_tensor(payload: bytes) -> torch.Tensor:
+    """A read-only uint8 view of the bytes (no copy); the stores only read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def fsync_tree(path: Path) -> None:
+    for d, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache_tree(path: Path) -> None:
+    """Evict every file of a store from the page cache (after fsync, so the pages are clean)."""
+    for d, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate(path: str, length: int) -> None:
+    os.truncate(path, length)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def verdict(store: "KvtierStore | DiskcacheStore | LmcacheStore", i: int) -> str:
+    """What reading a damaged object gives: the store refusing it (a miss or its own error) or bytes."""
+    try:
+        got = store.read([i])[0]
+    except Exception as exc:  # noqa: BLE001 - the store's own failure is the measurement
+        return f"{ERROR} ({type(exc).__name__})"
+    if got is None:
+        return f"{DETECTS} ({store.miss_label})"
+    return CORRECT if got == store.w.payloads[i] else SILENT
+
+
+# ----------------------------------------------------------------------------------------------- stores
+
+
+class KvtierStore:
+    """kvtier.store.DiskStore: LMDB index + checksummed, aligned segments; store_many / load_into batches."""
+
+    name = "kvtier"
+
+    def __init__(self, root: Path, w: Workload, *, writer: bool) -> None:
+        from kvtier.store import DiskStore, StoreConfig
+
+        self.root, self.w = root, w
+        self.store = DiskStore(str(root), StoreConfig(io_threads=IO_THREADS), writer=writer)
+        if writer:
+            self.store.register_namespace(w.profile.version)
+        self.outs: dict[int, torch.Tensor] = {}
+
+    @property
+    def details(self) -> dict:
+        return {"io_backend": self.store.io_backend, "durable_on_ack": True, "checksums": "xxh3_128 per record"}
+
+    def write(self, idx: list[int]) -> None:
+        w = self.w
+        self.store.store_many([(w.keys[i], as_tensor(w.payloads[i]), w.digests[w.keys[i].group]) for i in idx])
+
+    def read(self, idx: list[int]) -> list[bytes | None]:
+        w = self.w
+        outs = [self._out(j, len(w.payloads[i])) for j, i in enumerate(idx)]
+        reasons = self.store.load_into([LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)])
+        self.last_reasons = reasons
+        return [o.numpy().tobytes() if r is Reason.OK else None for r, o in zip(reasons, outs)]
+
+    @property
+    def miss_label(self) -> str:
+        why = ", ".join(sorted({r.label for r in self.last_reasons if r is not Reason.OK}))
+        return f"load answers {why}: RECOMPUTE, record quarantined"
+
+    def read_view(self, idx: list[int]) -> list[torch.Tensor | None]:
+        """Like read, without the copy to bytes (the timed path; the caller compares in place)."""
+        w = self.w
+        outs = [self._out(j, len(w.payloads[i])) for j, i in enumerate(idx)]
+        reasons = self.store.load_into([LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)])
+        return [o if r is Reason.OK else None for r, o in zip(reasons, outs)]
+
+    def _out(self, slot: int, n: int) -> torch.Tensor:
+        t = self.outs.get(slot)
+        if t is None or t.numel() < n:
+            t = self.outs[slot] = torch.empty(n, dtype=torch.uint8)
+        return t[:n]
+
+    def _entry(self, i: int):
+        key = self.w.keys[i]
+        for info in self.store.iter_records(namespace=key.namespace, limit=len(self.w.keys) + 1):
+            if info.key == key:
+                return info.entry
+        raise LookupError(f"kvtier has no record for object {i}")
+
+    def locate(self, i: int) -> tuple[str, int, int]:
+        """(file, offset of the payload in it, payload bytes)."""
+        from kvtier.store.record import HEADER_BYTES
+        from kvtier.store.segments import SEGMENTS_DIR, segment_name
+
+        e = self._entry(i)
+        return str(self.root / SEGMENTS_DIR / segment_name(e.segment)), e.offset + HEADER_BYTES, e.payload_len
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class DiskcacheStore:
+    """python-diskcache `Cache`: SQLite index, values >= 32 KiB as one file each (raw bytes, no pickling)."""
+
+    name = "diskcache"
+    miss_label = "miss"
+
+    def __init__(self, root: Path, w: Workload, *, writer: bool) -> None:
+        import diskcache
+
+        self.root, self.w = root, w
+        self.cache = diskcache.Cache(str(root), size_limit=1 << 40)
+
+    @property
+    def details(self) -> dict:
+        import diskcache
+
+        return {"version": diskcache.__version__, "durable_on_ack": False, "checksums": None}
+
+    def _key(self, i: int) -> bytes:
+        k = self.w.keys[i]
+        return k.namespace + k.block_hash + k.group.encode()
+
+    def write(self, idx: list[int]) -> None:
+        for i in idx:
+            self.cache.set(self._key(i), self.w.payloads[i])
+
+    def read(self, idx: list[int]) -> list[bytes | None]:
+        return [self.cache.get(self._key(i)) for i in idx]
+
+    read_view = read
+
+    def locate(self, i: int) -> tuple[str, int, int]:
+        with self.cache.get(self._key(i), read=True) as f:
+            return f.name, 0, len(self.w.payloads[i])
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class LmcacheStore:
+    """LMCache 0.5.6 `LocalDiskBackend` driven standalone: `LocalCPUBackend` allocates, one file per object."""
+
+    name = "lmcache"
+    miss_label = "miss"
+
+    def __init__(self, root: Path, w: Workload, *, writer: bool) -> None:
+        logging.getLogger("lmcache").setLevel(logging.ERROR)
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        self.root, self.w = root, w
+        self.fmt = MemoryFormat.KV_2LTD
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=w.profile.hash_block_tokens,
+            local_cpu=False,
+            max_local_cpu_size=1.0,
+            local_disk=str(root),
+            max_local_disk_size=64.0,
+            extra_config={"use_odirect": True, "disk_io_threads": IO_THREADS},
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        biggest = max(map(len, w.payloads))
+        self.cpu = LocalCPUBackend(config, memory_allocator=MixedMemoryAllocator(max(256 << 20, 2 * BATCH * biggest)))
+        self.disk = LocalDiskBackend(config, self.loop, self.cpu, dst_device="cpu")
+        self.ckeys = [CacheEngineKey(w.profile.name, 1, 0, _chunk_hash(k), torch.uint8) for k in w.keys]
+        self.done = threading.Semaphore(0)
+
+    @property
+    def details(self) -> dict:
+        import lmcache
+
+        bs = self.disk.os_disk_bs
+        direct = sum(len(p) % bs == 0 for p in self.w.payloads)
+        return {
+            "version": getattr(lmcache, "__version__", "0.5.6"),
+            "durable_on_ack": False,
+            "checksums": None,
+            "use_odirect": self.disk.use_odirect,
+            "odirect_objects": f"{direct} of {len(self.w.payloads)} (O_DIRECT only for sizes that are multiples of {bs} B)",
+        }
+
+    def write(self, idx: list[int]) -> None:
+        keys, objs = [], []
+        for i in idx:
+            obj = self.cpu.allocate(torch.Size([len(self.w.payloads[i])]), torch.uint8, self.fmt)
+            obj.tensor.copy_(as_tensor(self.w.payloads[i]))
+            keys.append(self.ckeys[i])
+            objs.append(obj)
+        self.disk.batched_submit_put_task(keys, objs, on_complete_callback=lambda _k: self.done.release())
+        for obj in objs:
+            obj.ref_count_down()  # the put task holds its own reference until written
+        for _ in idx:  # the ack: each object is on disk and in the backend's index
+            if not self.done.acquire(timeout=120):
+                raise TimeoutError("LMCache did not finish a put in 120 s")
+
+    def read(self, idx: list[int]) -> list[bytes | None]:
+        out = []
+        for obj in self._get(idx):
+            out.append(None if obj is None else bytes(obj.byte_array))
+            if obj is not None:
+                obj.ref_count_down()
+        return out
+
+    def read_view(self, idx: list[int]) -> list[torch.Tensor | None]:
+        objs = self._get(idx)
+        self._held = objs  # released by release_views()
+        return [None if o is None else o.tensor for o in objs]
+
+    def release_views(self) -> None:
+        for o in getattr(self, "_held", []):
+            if o is not None:
+                o.ref_count_down()
+        self._held = []
+
+    def _get(self, idx: list[int]):
+        keys = [self.ckeys[i] for i in idx]
+        found = [k for k in keys if self.disk.contains(k)]
+        got = dict(zip(found, self.disk.batched_get_blocking(found))) if found else {}
+        return [got.get(k) for k in keys]
+
+    def locate(self, i: int) -> tuple[str, int, int]:
+        return self.disk.dict[self.ckeys[i]].path, 0, len(self.w.payloads[i])
+
+    def close(self) -> None:
+        self.disk.close()
+        self.cpu.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _chunk_hash(key: ObjectKey) -> int:
+    """LMCache keys a chunk by an int: the block hash and the group, folded to 64 bits."""
+    return int.from_bytes(hashlib.blake2b(key.block_hash + key.group.encode(), digest_size=8).digest(), "little")
+
+
+STORE_CLASSES = {c.name: c for c in (KvtierStore, DiskcacheStore, LmcacheStore)}
+
+
+# ----------------------------------------------------------------------------------------------- phases
+
+
+def phase_main(store_name: str, root: Path, w: Workload) -> dict:
+    """Write, cold read (verified), then flip a byte and truncate a file and read both back."""
+    s = STORE_CLASSES[store_name](root, w, writer=True)
+    try:
+        everything = list(range(len(w.keys)))
+        t0 = time.perf_counter()
+        for idx in w.batches(everything):
+            s.write(idx)
+        ack_s = time.perf_counter() - t0
+        fsync_tree(root)
+        durable_s = time.perf_counter() - t0
+        drop_cache_tree(root)
+
+        read_s, wrong, missing = 0.0, 0, 0
+        for idx in w.batches(everything):
+            t0 = time.perf_counter()
+            views = s.read_view(idx)
+            read_s += time.perf_counter() - t0
+            for i, v in zip(idx, views):
+                if v is None:
+                    missing += 1
+                elif (bytes(v) if isinstance(v, bytes) else v.numpy().tobytes()) != w.payloads[i]:
+                    wrong += 1
+            if hasattr(s, "release_views"):
+                s.release_views()
+
+        flip_path, flip_off, flip_len = s.locate(w.flip_index)
+        flip_byte(flip_path, flip_off + flip_len // 2)
+        trunc_path, trunc_off, trunc_len = s.locate(w.trunc_index)
+        truncate(trunc_path, trunc_off + trunc_len // 2)
+        drop_cache_tree(root)
+        flipped = verdict(s, w.flip_index)
+        truncated = verdict(s, w.trunc_index)
+        details = s.details
+    finally:
+        s.close()
+    return {
+        "ack_s": ack_s,
+        "durable_s": durable_s,
+        "cold_read_s": read_s,
+        "read_wrong": wrong,
+        "read_missing": missing,
+        "flipped_byte": flipped,
+        "truncated_file": truncated,
+        "details": details,
+    }
+
+
+def phase_restart(store_name: str, root: Path, w: Workload) -> dict:
+    """A new process on the same directory: how many of the untouched objects come back, and right."""
+    s = STORE_CLASSES[store_name](root, w, writer=False)
+    try:
+        untouched = [i for i in range(len(w.keys)) if i not in (w.flip_index, w.trunc_index)]
+        found = right = 0
+        for idx in w.batches(untouched):
+            for i, got in zip(idx, s.read(idx)):
+                found += got is not None
+                right += got == w.payloads[i]
+    finally:
+        s.close()
+    return {"untouched": len(untouched), "found": found, "correct": right}
+
+
+def child(args: argparse.Namespace) -> None:
+    w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
+    fn = phase_main if args.phase == "main" else phase_restart
+    result = fn(args.store, Path(args.root), w)
+    Path(args.out).write_text(json.dumps(result))
+
+
+def run_child(store: str, phase: str, root: Path, args: argparse.Namespace) -> dict:
+    out = root.parent / f"{store}-{phase}.json"
+    cmd = [
+        sys.executable, __file__, "--child", "--store", store, "--phase", phase, "--root", str(root), "--out", str(out),
+        "--profile", args.profile, "--tokens", str(args.tokens), "--checkpoint-every", str(args.checkpoint_every),
+    ]
+    env = dict(os.environ, LMCACHE_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
+    res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        tail = res.stderr.strip().splitlines()[-3:]
+        return {"error": f"{store} {phase} exited {res.returncode}: " + " | ".join(tail)}
+    return json.loads(out.read_text())
+
+
+def summarize(store: str, passes: list[dict], restart: dict, total: int) -> dict:
+    good = [p for p in passes if "error" not in p]
+    if not good:
+        return {"error": passes[-1]["error"]}
+    best = lambda k: min(p[k] for p in good)  # noqa: E731
+    last = good[-1]
+    r = restart if "error" in restart else {
+        **restart,
+        "finds_its_data": restart["correct"] == restart["untouched"],
+    }
+    return {
+        "write_ack_MBps": round(total / best("ack_s") / MB, 1),
+        "write_durable_MBps": round(total / best("durable_s") / MB, 1),
+        "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
+        "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
+        "flipped_byte": last["flipped_byte"],
+        "truncated_file": last["truncated_file"],
+        "restart": r,
+        **last["details"],
+    }
+
+
+def ratios(stores: dict[str, dict]) -> dict:
+    """kvtier's throughput over each peer's (> 1: kvtier faster)."""
+    k = stores.get("kvtier", {})
+    out = {}
+    for name, s in stores.items():
+        if name == "kvtier" or "error" in s or "error" in k:
+            continue
+        out[name] = {m: round(k[m] / s[m], 2) for m in ("write_ack_MBps", "write_durable_MBps", "cold_read_MBps")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", default="deepseek-v4-flash")
+    ap.add_argument("--tokens", type=int, default=65536, help="Prefix length whose objects every store holds.")
+    ap.add_argument("--checkpoint-every", type=int, default=64, help="Hash blocks between state checkpoints.")
+    ap.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
+    ap.add_argument("--repeat", type=int, default=2, help="Alternate the stores' passes; report each one's best.")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="Directory on the filesystem to measure.")
+    ap.add_argument("--timeout", type=float, default=300, help="Seconds one store's phase may take.")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=("main", "restart"), help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
+    passes: dict[str, list[dict]] = {s: [] for s in args.stores}
+    restarts: dict[str, dict] = {}
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
+    try:
+        for r in range(args.repeat):
+            for store in args.stores:
+                root = work / f"{store}-{r}"
+                passes[store].append(run_child(store, "main", root, args))
+                if r == args.repeat - 1:
+                    restarts[store] = run_child(store, "restart", root, args) if "error" not in passes[store][-1] else {"error": "no store to restart"}
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes) for s in args.stores}
+    print(json.dumps({"workload": w.describe(), "batch": BATCH, "io_threads": IO_THREADS, "repeat": args.repeat, "stores": stores, "kvtier_over_peer": ratios(stores)}))
+
+
+if __name__ == "__main__":
+    main()
