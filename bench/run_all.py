@@ -89,7 +89,10 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
     quick = args.quick
     d = ["--dir", args.dir]
     return {
-        "restore": [py, "bench/restore.py", *d, "--tokens", *(["4096", "8192", "16384"] if quick else ["4096", "8192", "16384", "32768", "65536"])],
+        "restore": [
+            py, "bench/restore.py", *d, "--repeat", "1" if quick else "2",
+            "--tokens", *(["4096", "8192", "16384"] if quick else ["4096", "8192", "16384", "32768", "65536"]),
+        ],
         "store": [py, "bench/store.py", *d, "--gib", "0.25" if quick else "0.5", "--repeat", "1" if quick else "2"],
         "lookup": [py, "bench/lookup.py", "--tokens", "4096", "65536", *([] if quick else ["1048576"]), "--repeat", "50" if quick else "200"],
         "daemon": [py, "bench/daemon.py"],
