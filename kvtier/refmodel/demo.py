@@ -33,7 +33,7 @@ from kvtier.core.errors import KvtierError
 from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
 from kvtier.core.layout import POOL_ALIGNMENT, align_up
-from kvtier.core.profile import ModelProfile, load_profile
+from kvtier.core.profile import ModelProfile, bundled_profile_names, load_profile
 from kvtier.refmodel.engine import RefEngine, checkpoint_policy
 from kvtier.refmodel.model import RefModel
 
@@ -140,7 +140,7 @@ class DemoDaemon:
             tomli_w.dumps(
                 {
                     "device": "cpu",
-                    "profiles": [profile.name if profile.name in _bundled() else str(root / "profile.toml")],
+                    "profiles": [profile.name if profile.name in bundled_profile_names() else str(root / "profile.toml")],
                     "server": {"socket": str(self.socket), "socket_mode": "0600"},
                     "pool": {"budget_bytes": {form: pools.get(form, 1 << 20) for form in ("compressed", "indexer", "tail", "swa")}},
                     "store": {"root": str(root / "store"), "budget_bytes": "4GiB"},
@@ -149,7 +149,7 @@ class DemoDaemon:
                 }
             )
         )
-        if profile.name not in _bundled():
+        if profile.name not in bundled_profile_names():
             (root / "profile.toml").write_text(profile.to_toml())
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -203,12 +203,6 @@ class DemoDaemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-
-def _bundled() -> set[str]:
-    from kvtier.core.profile import bundled_profile_names
-
-    return set(bundled_profile_names())
 
 
 def run_demo(params: DemoParams) -> DemoReport:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.client import Client, LookupResult
+from kvtier.client import Client, LookupResult, OutOfOrder
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import VersionError
 from kvtier.refmodel.model import RefModel, Tokens
@@ -121,7 +121,7 @@ class RefEngine:
     def __init__(self, client: Client, model: RefModel, *, checkpoint_every: int = 16) -> None:
         att = client.attachment
         if att is None:
-            raise EngineVersionError("attach the client to the model's profile first (client.attach(name))")
+            raise OutOfOrder("attach the client to the model's profile first (client.attach(name))")
         if att.namespace != model.version.namespace or att.hash_block_tokens != model.hash_block_tokens:
             raise EngineVersionError(
                 f"the daemon serves {att.profile} as namespace {att.namespace.hex()}, this model is "

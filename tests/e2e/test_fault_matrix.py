@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import Client
+from kvtier.client import Client, OutOfOrder
 from kvtier.core.errors import KvtierError
 from kvtier.core.forms import Reason, Route
 from kvtier.core.hashing import block_hashes
@@ -255,6 +255,8 @@ def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: 
     assert profile.namespace != PROFILE.namespace and profile.version.model_id == PROFILE.version.model_id
     tokens = _b(21)
     with Client(d.socket) as client:  # an engine of the new version on the old namespace is refused outright
+        with pytest.raises(OutOfOrder):
+            RefEngine(client, RefModel(profile))  # not attached yet
         client.attach(PROFILE.name)
         with pytest.raises(EngineVersionError):
             RefEngine(client, RefModel(profile))
