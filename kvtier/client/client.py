@@ -159,7 +159,12 @@ class Client:
     def _call(self, req: P.Msg, fds: list[int] | None = None) -> Any:
         with self._lock:
             try:
-                P.send_frame(self._sock, req)
+                try:
+                    P.send_frame(self._sock, req)
+                except OSError:
+                    # A daemon that refuses us (permissions, busy) answers and closes before reading:
+                    # its error frame may already wait in our receive buffer.
+                    pass
                 reply = P.recv_reply(self._sock, fds=fds)
             except (OSError, E.DaemonUnavailable) as exc:
                 raise E.DaemonUnavailable(f"lost the kvtier daemon on {self.socket_path}: {exc}") from None

@@ -42,7 +42,7 @@ class LoadRequest:
 
 @runtime_checkable
 class LowerTier(Protocol):
-    """has / load_into / store / pin / remove, answering with the check vector's reasons."""
+    """has / load_into / store(_many) / pin / remove, answering with the check vector's reasons."""
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
         """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, corrupt)."""
@@ -54,6 +54,10 @@ class LowerTier(Protocol):
 
     def store(self, key: ObjectKey, payload: torch.Tensor, layout_digest: bytes) -> None:
         """Persist one sealed object (uint8 tensor); durable when it returns. Raises StoreFull when over budget."""
+        ...
+
+    def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
+        """Persist a batch (key, payload, layout digest) with one sync: all durable, or none (raises)."""
         ...
 
     def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:

@@ -844,14 +844,14 @@ class CacheManager:
                 key = ObjectKey(self._ns, t.r_hash[t.s_row[slot]], self._names[g], self._forms[g])
                 local = slot - int(t.base[g])
                 work.append((slot, int(t.s_gen[slot]), key, self._pools[g].slot_view(local), self._digests[g]))
-        done = []
-        for slot, gen, key, view, digest in work:
+        ok = True
+        if work:
             try:
-                self._lower.store(key, view, digest)
-                done.append((slot, gen, True))
+                self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
             except Exception:
-                log.exception("write-back of %s block %s failed; it stays cache-only", key.group, key.block_hash.hex())
-                done.append((slot, gen, False))
+                log.exception("write-back of %d objects failed; they stay cache-only", len(work))
+                ok = False
+        done = [(slot, gen, ok) for slot, gen, *_ in work]
         with self._lock:
             if self._topology_epoch != epoch:
                 return 0

@@ -53,9 +53,15 @@ class MemoryTier:
         return out
 
     def store(self, key: ObjectKey, payload: torch.Tensor, layout_digest: bytes) -> None:
-        data = payload.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.store_many([(key, payload, layout_digest)])
+
+    def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
+        encoded = []
+        for key, payload, layout_digest in items:
+            data = payload.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            encoded.append((key, (layout_digest, data, xxhash.xxh3_64_intdigest(data))))
         with self._lock:
-            self._objects[key] = (layout_digest, data, xxhash.xxh3_64_intdigest(data))
+            self._objects.update(encoded)
 
     def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
         with self._lock:
