@@ -43,12 +43,20 @@ def engine_kwargs(model: str, secondary_tiers: list[dict]) -> dict:
 
 
 def tier_counters(metrics) -> dict[str, float]:
-    """vllm:kv_offload_tiering_* counters summed per (name, tier)."""
+    """vllm:kv_offload_tiering_* counters summed per (name, tier); vllm:kvtier_* per (name, their own labels)."""
     out: dict[str, float] = {}
     for m in metrics:
-        if "kv_offload_tiering" in m.name and hasattr(m, "value"):
-            key = f"{m.name.split(':')[-1].removeprefix('kv_offload_')}{{{m.labels.get('tier', '')}}}"
-            out[key] = out.get(key, 0.0) + float(m.value)
+        if not hasattr(m, "value"):
+            continue
+        short = m.name.split(":")[-1]
+        if short.startswith("kv_offload_tiering"):
+            key = f"{short.removeprefix('kv_offload_')}{{{m.labels.get('tier', '')}}}"
+        elif short.startswith("kvtier_"):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k in ("form", "result", "outcome"))
+            key = f"{short}{{{labels}}}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(m.value)
     return out
 
 

@@ -28,6 +28,16 @@ class EngineRun:
         """Sum of `tiering_<name>` over labels naming `tier` (vLLM labels tiers "<index>:<type>")."""
         return sum(v for k, v in self.metrics.items() if k.startswith(f"tiering_{name}{{") and k.endswith(f":{tier}}}"))
 
+    def kvtier(self, name: str, **labels: str) -> float:
+        """Sum of the kvtier tier's `kvtier_<name>` over label sets that include all of `labels`."""
+        want = {f"{k}={v}" for k, v in labels.items()}
+        total = 0.0
+        for key, value in self.metrics.items():
+            metric, _, rest = key.partition("{")
+            if metric == f"kvtier_{name}" and want <= set(filter(None, rest.rstrip("}").split(","))):
+                total += value
+        return total
+
 
 def shared_prefix_prompts(seed: int, prefix_blocks: int = 4, n: int = 3, suffix: int = 20) -> list[list[int]]:
     """`n` prompts sharing `prefix_blocks` whole blocks, each with its own partial-block suffix."""
@@ -36,8 +46,8 @@ def shared_prefix_prompts(seed: int, prefix_blocks: int = 4, n: int = 3, suffix:
     return [prefix + [rng.randrange(3, VOCAB) for _ in range(suffix)] for _ in range(n)]
 
 
-def new_checkpoint(path: Path, seed: int) -> str:
-    return str(write_checkpoint(path, seed))
+def new_checkpoint(path: Path, seed: int, arch: str = "llama") -> str:
+    return str(write_checkpoint(path, seed, arch))
 
 
 def run_engine(work: Path, name: str, model: str, prompts: list[list[int]], tiers: list[dict], max_tokens: int = 8) -> EngineRun:
@@ -63,3 +73,43 @@ def assert_same_output(expected: EngineRun, got: EngineRun) -> None:
     for i, (a, b) in enumerate(zip(expected.results, got.results)):
         assert a["tokens"] == b["tokens"], f"prompt {i}: tokens differ: {a['tokens']} vs {b['tokens']}"
         assert a["logprobs"] == b["logprobs"], f"prompt {i}: logprobs differ: {a['logprobs']} vs {b['logprobs']}"
+
+
+KVTIER_TIER = "KvtierSecondaryTier"
+
+
+def kvtier_tiers(store_dir: Path) -> list[dict]:
+    """The secondary-tier config that puts kvtier under vLLM's CPU tier (as docs/vllm.md shows it)."""
+    return [{"type": KVTIER_TIER, "module_path": "kvtier.integrations.vllm", "store_dir": str(store_dir)}]
+
+
+def audit_namespaces(store_dir: Path) -> dict[str, dict]:
+    """Per namespace (hex): its version key and its records {group, form, state}, from the store's own listing."""
+    from kvtier.store import DiskStore
+
+    with DiskStore(str(store_dir), readonly=True) as store:
+        out = {ns.hex(): {"version_key": entry.version_key.to_dict(), "live": entry.live, "records": []} for ns, entry in store.namespaces().items()}
+        after = None
+        while batch := store.iter_records(after=after):
+            for info in batch:
+                state = "corrupt_index" if info.entry is None else info.entry.state.name.lower()
+                out[info.key.namespace.hex()]["records"].append({"group": info.key.group, "form": info.key.form.value, "state": state})
+            after = batch[-1].key
+    return out
+
+
+def flip_payload_byte(store_dir: Path, group: str, nth: int) -> None:
+    """Flip one payload bit of the `nth` live record (in key order) of `group`, in its segment file on disk."""
+    from kvtier.store import DiskStore, RecordState
+    from kvtier.store.record import HEADER_BYTES
+    from kvtier.store.segments import SEGMENTS_DIR, segment_name
+
+    with DiskStore(str(store_dir), readonly=True) as store:
+        infos = [i for i in store.iter_records(limit=10_000) if i.key.group == group and i.entry.state is RecordState.LIVE]
+    entry = infos[nth].entry
+    with open(store_dir / SEGMENTS_DIR / segment_name(entry.segment), "r+b") as f:
+        at = entry.offset + HEADER_BYTES + entry.payload_len // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))

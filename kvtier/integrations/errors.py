@@ -1,0 +1,11 @@
+"""Typed errors of the engine plug-ins."""
+
+from __future__ import annotations
+
+from kvtier.core.errors import KvtierError
+
+
+class VllmTierError(KvtierError):
+    """The vLLM tier cannot be set up as configured (unknown checkpoint, unsupported KV group, bad option)."""
+
+    code = "vllm_tier"

@@ -1,0 +1,429 @@
+"""kvtier as vLLM's disk tier: a `SecondaryTierManager` over a kvtier `DiskStore` opened in this process.
+
+vLLM's tier factory imports this module (`"module_path": "kvtier.integrations.vllm"`); kvtier never does,
+so kvtier imports without vLLM. Configuration, key mapping and limits: docs/vllm.md.
+
+All methods vLLM calls run on its scheduler thread and only look at the index or queue work: loads and
+stores run on two worker threads of their own and report back through `get_finished_jobs`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import vllm
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.core.errors import KvtierError
+from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
+from kvtier.integrations.errors import VllmTierError
+from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, text_config
+from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("vllm.kvtier")  # vLLM shows log lines of loggers under `vllm.` only
+
+LOOKUPS = "vllm:kvtier_lookups"
+STORE_CHUNKS = "vllm:kvtier_store_chunks"
+LOAD_CHUNKS = "vllm:kvtier_load_chunks"
+STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
+_WARN_EVERY_S = 30.0
+_MAX_FAILED_KEYS = 1 << 16
+
+
+@dataclasses.dataclass(slots=True)
+class _Done:
+    """A finished job as a worker thread hands it to the scheduler thread."""
+
+    result: JobResult
+    keys: list[OffloadKey]
+    is_load: bool
+    outcomes: collections.Counter[str]
+    failed: list[OffloadKey] = dataclasses.field(default_factory=list)
+    queued: bool = True  # False: refused at submission, never counted as in flight
+
+
+@dataclasses.dataclass(slots=True)
+class _KeyIndex:
+    """Per request: (group id, end token) -> key, from vLLM's record of every key's position."""
+
+    size: int
+    keys: dict[tuple[int, int], OffloadKey]
+
+
+class KvtierSecondaryTier(SecondaryTierManager):
+    """vLLM secondary tier backed by a kvtier disk store: verified loads, non-blocking stores, namespaced keys."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            LOOKUPS: OffloadingCounterMetadata(
+                "kvtier tier lookups by kvtier form and answer (hit, retry, or why not).", labelnames=("form", "result")
+            ),
+            STORE_CHUNKS: OffloadingCounterMetadata(
+                "Chunks offered to the kvtier tier by outcome (stored, present, dropped_backpressure, failed_*, read_only).",
+                labelnames=("outcome",),
+            ),
+            LOAD_CHUNKS: OffloadingCounterMetadata("Chunks the kvtier tier loaded, by outcome (ok or why not).", labelnames=("outcome",)),
+            STORE_QUEUE: OffloadingGaugeMetadata("Chunks queued or being written by the kvtier tier."),
+        }
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        store_dir: str,
+        model_dir: str | None = None,
+        weights_digest: str | None = None,
+        attention_backend: str | None = None,
+        max_pending_store_chunks: int = 256,
+        io_threads: int = 4,
+        io_backend: str = "auto",
+        budget_bytes: int = 0,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if max_pending_store_chunks < 1:
+            raise VllmTierError(f"max_pending_store_chunks must be >= 1, got {max_pending_store_chunks}")
+        self.locality = Locality(locality) if locality is not None else None
+        self.identity = engine_identity(offloading_spec, self.block_size_bytes, model_dir, weights_digest, attention_backend)
+        self._namespace = self.identity.namespace
+        self._plans: Mapping[int, GroupPlan] = self.identity.plans
+        self._digests: Mapping[int, bytes] = self.identity.layout_digests
+        self._store = _open_store(store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes))
+        self._store.register_namespace(self.identity.version_key)
+        self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
+        self._max_pending = max_pending_store_chunks
+
+        # Scheduler-thread state: keys in flight, keys whose load failed, stats since the last get_stats().
+        self._loading: collections.Counter[OffloadKey] = collections.Counter()
+        self._storing: collections.Counter[OffloadKey] = collections.Counter()
+        self._pending_store_chunks = 0
+        self._failed: dict[OffloadKey, None] = {}
+        self._stats = OffloadingConnectorStats()
+        self._dropped_since_warning = 0
+        self._last_warning = 0.0
+
+        self._done: collections.deque[_Done] = collections.deque()
+        self._loads: queue.Queue[TransferJob | None] = queue.Queue()
+        self._stores: queue.Queue[TransferJob | None] = queue.Queue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._serve, args=(self._loads, self._load), name="kvtier-vllm-load", daemon=True),
+            threading.Thread(target=self._serve, args=(self._stores, self._store_job), name="kvtier-vllm-store", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info(
+            "kvtier tier: store %s (%s, %s), namespace %s, groups %s",
+            self._store.root, "writer" if self._store.is_writer else "reader", self._store.io_backend,
+            self._namespace.hex(), ", ".join(f"{g}->{p.name}/{p.form.value}" for g, p in sorted(self._plans.items())),
+        )
+
+    # ----------------------------------------------------------------- keys
+
+    def _object_key(self, key: OffloadKey, plan: GroupPlan) -> ObjectKey:
+        """Namespace + xxh3-128 of vLLM's block hash + the group's kvtier name and form."""
+        return ObjectKey(self._namespace, xxhash.xxh3_128_digest(get_offload_block_hash(key)), plan.name, plan.form)
+
+    def _chunk(self, chunk_id: int) -> torch.Tensor:
+        size = self.block_size_bytes
+        return self._primary[chunk_id * size : (chunk_id + 1) * size]
+
+    def _reason(self, key: OffloadKey, plan: GroupPlan) -> Reason:
+        return self._store.has([self._object_key(key, plan)], [self._digests[plan.group_id]])[0]
+
+    # ----------------------------------------------------------------- lookups (scheduler thread)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        plan = self._plans.get(get_offload_group_idx(key))
+        if plan is None:
+            return self._answer("unknown", "unknown_group", LookupResult.MISS)
+        form = plan.form.value
+        if key in self._loading or key in self._storing:
+            return self._answer(form, "retry", LookupResult.RETRY)
+        if key in self._failed:
+            return self._answer(form, "failed", LookupResult.MISS)
+        reason = self._reason(key, plan)
+        if reason is not Reason.OK:
+            return self._answer(form, reason.label, LookupResult.MISS)
+        if plan.window_chunks and not self._in_window(key, plan, req_context):
+            return self._answer(form, Reason.OUTSIDE_WINDOW.label, LookupResult.MISS)
+        return self._answer(form, "hit", LookupResult.HIT)
+
+    def _answer(self, form: str, result: str, answer: LookupResult) -> LookupResult:
+        self._stats.increase_counter(LOOKUPS, 1, (form, result))
+        return answer
+
+    def _in_window(self, key: OffloadKey, plan: GroupPlan, req_context: ReqContext) -> bool:
+        """A state chunk is a hit only inside a whole window of this request's stored chunks (not by hash alone)."""
+        end = req_context.get_offload_key_position(key)
+        if end is None:
+            return False
+        keys = _request_keys(req_context)
+        seen: dict[int, bool] = {end: True}
+
+        def servable(e: int) -> bool:
+            if e not in seen:
+                k = keys.get((plan.group_id, e))
+                seen[e] = k is not None and k not in self._failed and (k in self._storing or self._reason(k, plan) is Reason.OK)
+            return seen[e]
+
+        return in_complete_window(end, plan, servable)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    # ----------------------------------------------------------------- jobs (scheduler thread)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._loading.update(job_metadata.keys)
+        self._loads.put(job_metadata)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        n = len(job_metadata.keys)
+        if not self._store.is_writer:
+            self._refuse(job_metadata, "read_only")
+            return
+        if self._pending_store_chunks + n > self._max_pending:
+            # Back-pressure: never block the scheduler; the chunks stay in vLLM's CPU tier only.
+            self._refuse(job_metadata, "dropped_backpressure")
+            self._warn_dropped(n)
+            return
+        self._pending_store_chunks += n
+        self._storing.update(job_metadata.keys)
+        self._stores.put(job_metadata)
+
+    def _refuse(self, job: TransferJob, outcome: str) -> None:
+        keys = list(job.keys)
+        self._done.append(_Done(JobResult(job.job_id, False), keys, False, collections.Counter({outcome: len(keys)}), queued=False))
+
+    def _warn_dropped(self, n: int) -> None:
+        self._dropped_since_warning += n
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            log.warning(
+                "kvtier tier: store queue full (%d chunks pending, max_pending_store_chunks=%d): dropped %d chunks since the last warning; "
+                "the disk is slower than the offload rate",
+                self._pending_store_chunks, self._max_pending, self._dropped_since_warning,
+            )
+            self._dropped_since_warning = 0
+            self._last_warning = now
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results: list[JobResult] = []
+        while self._done:
+            done = self._done.popleft()
+            if done.is_load:
+                self._loading.subtract(done.keys)
+                for key in done.failed:  # vLLM looks these up again: they must now be misses
+                    self._failed[key] = None
+                    if len(self._failed) > _MAX_FAILED_KEYS:
+                        del self._failed[next(iter(self._failed))]
+            elif done.queued:
+                self._storing.subtract(done.keys)
+                self._pending_store_chunks -= len(done.keys)
+                if done.result.success:
+                    for key in done.keys:
+                        self._failed.pop(key, None)
+            metric = LOAD_CHUNKS if done.is_load else STORE_CHUNKS
+            for outcome, n in done.outcomes.items():
+                self._stats.increase_counter(metric, n, (outcome,))
+            results.append(done.result)
+        self._loading = +self._loading  # drop zero counts
+        self._storing = +self._storing
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._loading or self._storing or self._done)
+
+    def drain_jobs(self) -> None:
+        self._loads.join()
+        self._stores.join()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        self._stats.set_gauge(STORE_QUEUE, self._pending_store_chunks)
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Finish queued jobs (their primary slots are still pinned), stop the threads, close the store."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in (self._loads, self._stores):
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        log.info("kvtier tier: shut down; store %s", self._store.stats())
+        self._store.close()
+
+    # ----------------------------------------------------------------- worker threads
+
+    def _serve(self, jobs: queue.Queue[TransferJob | None], run: Any) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                if job is None:
+                    return
+                self._done.append(run(job))
+            finally:
+                jobs.task_done()
+
+    def _load(self, job: TransferJob) -> _Done:
+        """Read, verify and copy each chunk into its primary slot; a chunk that fails verification is never written."""
+        started = time.monotonic()
+        keys = list(job.keys)
+        try:
+            requests = []
+            for key, chunk in zip(keys, job.chunk_ids):
+                plan = self._plans[get_offload_group_idx(key)]
+                requests.append(LoadRequest(self._object_key(key, plan), self._chunk(int(chunk)), self._digests[plan.group_id]))
+            reasons = self._store.load_into(requests)
+        except Exception:  # a worker must report every job, or vLLM waits for it forever
+            log.exception("kvtier tier: load job %d failed", job.job_id)
+            reasons = [None] * len(keys)
+        ok = [k for k, r in zip(keys, reasons) if r is Reason.OK]
+        failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
+        outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
+        if failed:
+            log.warning("kvtier tier: %d of %d chunks failed to load (%s): vLLM recomputes them", len(failed), len(keys), dict(outcomes))
+        result = JobResult(
+            job.job_id, success=not failed, successful_keys=tuple(ok) if ok and failed else None,
+            transfer_time=time.monotonic() - started, transfer_bytes=len(ok) * self.block_size_bytes,
+        )
+        return _Done(result, keys, True, outcomes, failed)
+
+    def _store_job(self, job: TransferJob) -> _Done:
+        """Persist the job's chunks not already live (one fdatasync + one index commit for the job)."""
+        started = time.monotonic()
+        keys = list(job.keys)
+        try:
+            okeys = [self._object_key(k, self._plans[get_offload_group_idx(k)]) for k in keys]
+            digests = [self._digests[get_offload_group_idx(k)] for k in keys]
+            present = self._store.has(okeys, digests)
+            items = [(ok, self._chunk(int(c)), d) for ok, c, d, r in zip(okeys, job.chunk_ids, digests, present) if r is not Reason.OK]
+            if items:
+                self._store.store_many(items)
+        except StoreFull as exc:
+            log.warning("kvtier tier: store job %d not stored: %s", job.job_id, exc)
+            return _Done(JobResult(job.job_id, False), keys, False, collections.Counter({f"failed_{exc.limit.split(':')[0]}": len(keys)}))
+        except Exception:  # a worker must report every job, or vLLM waits for it forever
+            log.exception("kvtier tier: store job %d failed", job.job_id)
+            return _Done(JobResult(job.job_id, False), keys, False, collections.Counter({"failed_error": len(keys)}))
+        outcomes = collections.Counter({"stored": len(items), "present": len(keys) - len(items)})
+        result = JobResult(job.job_id, True, transfer_time=time.monotonic() - started, transfer_bytes=len(items) * self.block_size_bytes)
+        return _Done(result, keys, False, +outcomes)
+
+
+def _request_keys(req_context: ReqContext) -> dict[tuple[int, int], OffloadKey]:
+    """(group id, end token) -> key for every key vLLM derived for this request so far.
+
+    vLLM 0.32 exposes a key's position (`get_offload_key_position`) but not the reverse map; it keeps the
+    forward map in `_offload_key_positions`, which only grows, so the index is rebuilt when it has grown.
+    """
+    positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+    index = req_context.get_state(_KeyIndex)
+    if index is None or index.size != len(positions):
+        index = _KeyIndex(len(positions), {(get_offload_group_idx(k), end): k for k, end in positions.items()})
+        req_context.set_state(index)
+    return index.keys
+
+
+def _open_store(root: str, config: StoreConfig) -> DiskStore:
+    """The writer role if free; else (another engine or the daemon writes here) a reader that only loads."""
+    try:
+        return DiskStore(root, config, writer=True)
+    except StoreLocked:
+        log.warning("kvtier tier: %s has another writer: this engine loads from it but stores nothing", root)
+        return DiskStore(root, config, writer=False)
+
+
+def engine_identity(
+    offloading_spec: OffloadingSpec, chunk_bytes: int, model_dir: str | None, weights_digest: str | None, attention_backend: str | None
+) -> EngineIdentity:
+    """Namespace and group plans from vLLM's offloading config, the checkpoint, the platform and vLLM's version."""
+    config = offloading_spec.config
+    ckpt = Path(model_dir or config.model.name)
+    groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups]
+    p = config.parallel
+    parallel = "agnostic" if p.is_parallelism_agnostic else f"world{p.world_size}.tp{p.tp_size}.pp{p.pp_size}.pcp{p.pcp_size}.dcp{p.dcp_size}"
+    layout = ChunkLayout(
+        kv_dtype=config.model.dtype,
+        kv_cache_layout=str(config.kv_cache_layout),
+        chunk_bytes=chunk_bytes,
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        tokens_per_hash=config.cache.tokens_per_hash,
+        parallel=f"{parallel};replicated={int(config.replicated_layout)};canonical={int(config.canonical_layout)}",
+    )
+    backend = attention_backend or _platform_attention_backend(ckpt, config.model.dtype, groups)
+    from vllm.platforms import current_platform
+
+    kernel_abi = f"vllm {vllm.__version__};{current_platform.device_type};attn={backend}"
+    return derive_identity(config.model.name, ckpt, groups, layout, kernel_abi, weights_digest)
+
+
+def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGroup]) -> str:
+    """The backend vLLM's platform selects for this model's attention (full / sliding), as vLLM's selector would."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from kvtier.integrations.kv_groups import layer_index, layer_window
+
+    try:
+        cfg = text_config(read_hf_config(ckpt))
+        heads = int(cfg["num_attention_heads"])
+        head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        torch_dtype = getattr(torch, kv_dtype, None)
+        model_dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else getattr(torch, str(cfg.get("torch_dtype", "bfloat16")))
+        cache_dtype = "auto" if isinstance(torch_dtype, torch.dtype) else kv_dtype
+        kinds = sorted({layer_window(cfg, layer_index(n)) > 0 for g in groups for n in g.layer_names})
+        names = []
+        for sliding in kinds:
+            selector = AttentionSelectorConfig(
+                head_size=head_size, dtype=model_dtype, kv_cache_dtype=cache_dtype, block_size=None,
+                use_mla=bool(cfg.get("kv_lora_rank")), has_sliding_window=sliding,
+            )
+            path = current_platform.get_attn_backend_cls(None, attn_selector_config=selector, num_heads=heads)
+            names.append(f"{'swa' if sliding else 'full'}:{path.rsplit('.', 1)[-1]}")
+    except KvtierError:
+        raise
+    except Exception as exc:  # vLLM's selectors differ by platform and version; say what to set instead
+        raise VllmTierError(
+            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set attention_backend in the kvtier tier config"
+        ) from exc
+    return ",".join(names)
