@@ -85,9 +85,10 @@ def _print(r: DemoReport) -> None:
     echo(f"bitwise    {verdict}: logits of {r.compared_tokens - req['decode_tokens']:,} prompt + {req['decode_tokens']} decoded tokens"
          " after the restore equal the uninterrupted run (torch.equal)")
     a = r.audit
-    echo(f"audit      ({a['source']}) {a['records']:,} records, {_mib(a['record_bytes'])} in {a['segments']} segments, "
-         f"{a['unverified']:,} not yet verified, io {a['io_backend']}")
+    verdict = "PROBLEMS" if a["problems"] else "clean"
+    echo(f"audit      ({a['source']}) {verdict}: {a['records']:,} records, {_mib(a['record_bytes'])}, {a['corrupt']} corrupt, "
+         f"{a['quarantined']} quarantined, {_mib(a['orphaned_bytes'])} orphaned")
     for form, f in sorted(a["forms"].items()):
-        echo(f"             {form:<11} {f['records']:>7,} records {_mib(f['record_bytes']):>12}")
+        echo(f"             {form:<11} {f['records']:>7,} records {_mib(f['record_bytes']):>12}, {f['verified']:,} verified")
     echo("")
     echo(f"{'ok' if r.ok else 'FAILED'} in {r.total_s:.1f} s")

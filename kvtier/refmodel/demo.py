@@ -6,7 +6,7 @@ durably. The daemon is killed with SIGKILL and started again: the pool is cold, 
 kept everything. The prompt is prewarmed (loaded from disk into the pool and pinned), then engine
 B, whose prompt shares most of A's and then diverges, restores at the usable hit through leases
 and continues. Its logits are compared bitwise with an uninterrupted run that recomputes the
-prefix, and the restore is timed against that recompute.
+prefix, and the restore is timed against that recompute. Last, `kvtier audit --deep` checks the store.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from kvtier.core.layout import POOL_ALIGNMENT, align_up
 from kvtier.core.profile import ModelProfile, bundled_profile_names, load_profile
 from kvtier.refmodel.engine import RefEngine, checkpoint_policy
 from kvtier.refmodel.model import RefModel
+from kvtier.verifier import VerifierSettings, audit_store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class DemoReport:
 
     @property
     def ok(self) -> bool:
-        return self.bitwise_match and self.restore_faster and self.hit_tokens > 0
+        return self.bitwise_match and self.restore_faster and self.hit_tokens > 0 and not self.audit["problems"]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -244,12 +245,12 @@ def run_demo(params: DemoParams) -> DemoReport:
             pre = client.prewarm(prompt_a, ttl_s=600.0)
             engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
             restored = engine.restore_and_continue(prompt_b, decode=params.decode)
-            store_doc = client.stats()["store"]
         recomputed = engine.recompute(prompt_b, restored.hit_tokens, decode=params.decode)
         bitwise = torch.equal(restored.logits, recomputed.logits) and restored.generated == recomputed.generated
         log.info("restore %.4f s vs recompute %.4f s; bitwise match: %s", restored.restore_s, recomputed.recompute_s, bitwise)
         if daemon.stop() != 0:
             log.warning("the daemon did not exit cleanly; see %s", daemon.log_path)
+        audit = _audit(root / "store")
     except BaseException:
         daemon.kill()
         raise
@@ -284,21 +285,32 @@ def run_demo(params: DemoParams) -> DemoReport:
         recompute_s=recomputed.recompute_s,
         bitwise_match=bitwise,
         compared_tokens=int(restored.logits.shape[0]),
-        audit=_store_summary(store_doc),
+        audit=audit,
         total_s=time.perf_counter() - started,
     )
 
 
-def _store_summary(doc: dict[str, Any]) -> dict[str, Any]:
-    """What the store holds after the run (from the daemon's stats): records and bytes per form, integrity backlog."""
-    forms = {f: {"records": int(v.get("records", 0)), "record_bytes": int(v.get("record_bytes", 0))} for f, v in doc.get("forms", {}).items()}
+def _audit(store_root: Path) -> dict[str, Any]:
+    """`kvtier audit --deep` of the store the run left (every record re-read and checksummed), summed over namespaces."""
+    with open_store(store_root, readonly=True) as store:
+        report = audit_store(store, VerifierSettings(), deep=True)
+    doc = report.to_json()
+    forms: dict[str, dict[str, int]] = {}
+    for ns in doc["namespaces"]:
+        for form, f in ns["forms"].items():
+            out = forms.setdefault(form, {"records": 0, "record_bytes": 0, "verified": 0, "corrupt": 0})
+            out["records"] += f["entries"]
+            out["record_bytes"] += f["bytes"]
+            out["verified"] += f["verified"]
+            out["corrupt"] += f["corrupt"] + f["quarantined"]
     return {
-        "source": "store stats",
-        "io_backend": doc.get("io_backend"),
-        "records": int(doc.get("records", 0)),
-        "record_bytes": int(doc.get("record_bytes", 0)),
-        "segments": int(doc.get("segments", 0)),
-        "unverified": int(doc.get("unverified", 0)),
-        "namespaces": doc.get("namespaces", {}),
+        "source": "kvtier audit --deep",
+        "records": sum(f["records"] for f in forms.values()),
+        "record_bytes": doc["used_bytes"],
+        "corrupt": doc["corrupt"],
+        "quarantined": doc["quarantined"],
+        "orphaned_bytes": doc["orphaned_bytes"],
+        "reclaimable_bytes": doc["reclaimable_bytes"],
+        "problems": report.problems,
         "forms": forms,
     }

@@ -28,6 +28,8 @@ from kvtier.core.tier import ObjectKey
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
 from kvtier.store import DiskStore
+from kvtier.store.store import StoreLimits
+from kvtier.verifier import Verifier, VerifierSettings, open_store
 from kvtier.store.index import IndexEntry, encode_key
 from support.daemon import DaemonProc
 from support.mounts import mounted
@@ -372,6 +374,50 @@ def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, faul
         assert d.terminate() == 0
 
 
-@pytest.mark.skip(reason="PENDING: needs the verifier (#5, kvtier/verifier) to evict while engine B loads")
-def test_verifier_evicts_while_engine_b_loads() -> None:
-    raise AssertionError("not written yet")
+class _SlowLoader(Client):
+    """An engine client that is slow between its lookup and its load; the verifier acts in that window."""
+
+    def __init__(self, *args, between, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.between = between
+
+    def load(self, result):
+        self.between()
+        return super().load(result)
+
+
+def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fault_table: list) -> None:
+    """TOCTOU: B's lookup saw the records (RECOVER); the verifier, its own process-level store handle, evicts them all
+    (and reclaims their segment) before B's load: the load finds them gone, nothing stale is read."""
+    seed = 61
+    d = DaemonProc(tmp_path)
+    try:
+        _offload(d, seed)
+        d.proc.send_signal(signal.SIGKILL)  # a cold pool: the restore must load from disk
+        d.proc.wait()
+    finally:
+        d.close()
+    d = DaemonProc(tmp_path)
+    actions: dict[str, int] = {}
+    try:
+        with open_store(tmp_path / "store") as store:
+            before = store.stats()["records"]
+
+            def evict_all() -> None:
+                if not actions:
+                    settings = VerifierSettings(limits=StoreLimits(budget_bytes=1, form_quotas=()), rate_bytes_per_s=0, evict_low=0.0)
+                    actions.update(Verifier(store, settings).run_once())
+
+            with _SlowLoader(d.socket, name="engine B", between=evict_all) as client:
+                client.attach(PROFILE.name)
+                tokens = _b(seed)
+                res = RefEngine(client, RefModel(PROFILE), checkpoint_every=CP).restore_and_continue(tokens)
+            assert store.stats()["records"] == 0 < before
+        assert actions.get("evicted", 0) == before, actions
+        assert res.lookup_cv.hit_tokens == BLOCKS * H and res.loaded_objects == 0
+        cv = res.final_cv
+        assert res.hit_tokens == 0 and (cv.route("c4", 0), cv.reason("c4", 0)) == (Route.RECOMPUTE, Reason.MISSING)
+        _row(fault_table, "verifier evicts between B's lookup and load (TOCTOU)", res, "c4", 0,
+             _outcome(res, tokens, oracle) + f"; {before} records evicted under B")
+    finally:
+        d.close()

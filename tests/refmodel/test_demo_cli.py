@@ -45,7 +45,9 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
     assert routes["swa"]["RECOVER"] == 2 and routes["tail"]["RECOVER"] == 2  # B's checkpoint is not A's end: from disk now
     assert doc["prewarm"]["hit_tokens"] == 16384 and doc["prewarm"]["bytes_loaded"] > 0
     assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["request"]["bytes_from_disk"]
-    assert doc["audit"]["records"] == offloaded and doc["audit"]["forms"]["compressed"]["records"] == 2 * 512
+    audit = doc["audit"]
+    assert audit["records"] == offloaded and audit["forms"]["compressed"]["records"] == 2 * 512
+    assert not audit["problems"] and audit["corrupt"] == 0 and all(f["verified"] == f["records"] for f in audit["forms"].values())
     assert (work / "store" / "index.lmdb").is_dir() and (work / "daemon.log").exists()
     assert not (work / "kvtier.sock").exists()  # the daemon was stopped cleanly at the end
 
