@@ -160,7 +160,10 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
     for c in r.get("cases", []):
         hit = "" if c["hit_tokens"] == c["tokens"] else f" (hit {c['hit_tokens'] // 1024}K)"
         out.append(
-            (f"restore {c['tokens'] // 1024}K tokens, {r['profile']}{hit}", _fmt(c["restore_s"], "s"), "recompute", _fmt(c["recompute_s"], "s"), f"{_speed(c['ratio'])} (whole request {c['request_ratio']:.2f}x)")
+            (
+                f"restore {c['tokens'] // 1024}K-token prefix from disk via the daemon ({r['profile']}){hit}", _fmt(c["restore_s"], "s"),
+                "recompute", _fmt(c["recompute_s"], "s"), f"{_speed(c['ratio'])}; whole request {_speed(c['request_ratio'])}",
+            )
         )
     s = sections.get("store", {})
     if "write_MBps" in s:
@@ -176,10 +179,14 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
     v = sections.get("verifier", {})
     if "pending" in v:
         out.append(("verifier interference", "pending", "", "", v["pending"]))
-    elif "error" not in v and v:
-        for key, val in v.items():
-            if "ratio" in key and isinstance(val, (int, float)):
-                out.append((f"verifier: {key}", "", "verifier off", "", f"{val}"))
+    elif "with" in v:
+        for q in ("p50", "p99"):
+            out.append(
+                (f"store load {q}, verifier sweeping/evicting/compacting", f"{v['with'][f'{q}_us']:,.0f} µs", "verifier stopped",
+                 f"{v['without'][f'{q}_us']:,.0f} µs", _speed(1 / v[f"{q}_ratio"]))
+            )
+        bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
+        out.append(("loads during verifier work: wrong / missing / errors", f"{bad} of {v['loads']:,}", "", "", ""))
     p = sections.get("peers", {})
     ks = p.get("stores", {}).get("kvtier", {})
     for peer, ps in p.get("stores", {}).items():
@@ -208,6 +215,12 @@ def markdown(report: dict) -> str:
         f"kvtier benchmarks, {report['date']}, commit {report['commit']}: {m['cpus']}-core {m['arch']} VM, "
         f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}{' (--quick)' if report['quick'] else ''}\n\n"
     )
+    workload = report["sections"].get("peers", {}).get("workload")
+    if workload:
+        head += (
+            f"Peers hold the same objects: {workload['profile']} history of a {workload['tokens'] // 1024}K-token prefix plus "
+            f"state checkpoints, {workload['objects']} objects, {workload['bytes'] / 1e6:.0f} MB.\n\n"
+        )
     lines = ["| benchmark | kvtier | compared with | its value | kvtier vs it |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(r)} |" for r in rows(report["sections"])]
     return head + "\n".join(lines) + "\n"
