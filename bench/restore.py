@@ -16,7 +16,7 @@ Steps 2-4 run `--repeat` times; each time's best is reported.
 
 `ratio` = recompute_s / restore_s at the same boundary (> 1: restoring is faster); `request_ratio` is the
 whole request (prefix + continuation + decode) without a cache over the same with it. One lookup hands
-out at most the daemon's recover queue (4,096 objects) for loading: past that the engine looks up a
+out at most the daemon's recover queue (AdmissionConfig.max_recover_queue objects) for loading: past that the engine looks up a
 second time (`lookups`), and `hit_tokens` < `tokens` says when the hit still fell short.
 """
 
@@ -40,6 +40,7 @@ from peers import drop_cache_tree  # noqa: E402
 
 from kvtier.client import Client  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
+from kvtier.gpu import AdmissionConfig  # noqa: E402
 from kvtier.refmodel import RefModel  # noqa: E402
 from kvtier.refmodel.demo import DemoDaemon, pool_budgets  # noqa: E402  (a real `kvtier serve` on its own config)
 from kvtier.refmodel.engine import RefEngine  # noqa: E402
@@ -145,7 +146,8 @@ def main() -> None:
     short = [c["tokens"] for c in cases if c["hit_tokens"] < c["tokens"]]
     note = (
         f"hit shorter than the prefix at {short} tokens: one lookup hands out at most the daemon's recover queue "
-        "(4,096 objects) for loading, and the engine looks up again only after a failed load; the rest is prefilled"
+        f"({AdmissionConfig().max_recover_queue:,} objects) for loading, and the engine looks up again only after a failed load; "
+        "the rest is prefilled"
         if short else None
     )
     print(json.dumps({"profile": profile.name, "path": "daemon", "note": note, "threads": args.threads, "continue_tokens": args.continue_tokens, "decode": args.decode, "repeat": args.repeat, "cases": cases}))
