@@ -16,8 +16,9 @@ Steps 2-4 run `--repeat` times; each time's best is reported.
 
 `ratio` = recompute_s / restore_s at the same boundary (> 1: restoring is faster); `request_ratio` is the
 whole request (prefix + continuation + decode) without a cache over the same with it. One lookup hands
-out at most the daemon's recover queue (AdmissionConfig.max_recover_queue objects) for loading: past that the engine looks up a
-second time (`lookups`), and `hit_tokens` < `tokens` says when the hit still fell short.
+out at most the daemon's recover queue (`AdmissionConfig.max_recover_queue` objects) for loading; past
+that the hit is shorter (`hit_tokens` < `tokens`, and `note` says so) and the continuation prefills the
+rest, on both sides alike.
 """
 
 from __future__ import annotations
