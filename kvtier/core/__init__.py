@@ -1,6 +1,6 @@
 """The shared vocabulary: forms, routes, versions, layouts, profiles, block hashes, check vectors. No I/O."""
 
-from kvtier.core.checkvector import CheckVector, usable_hit, window_blocks
+from kvtier.core.checkvector import CheckVector, HitGeometry, usable_hit, window_blocks
 from kvtier.core.errors import KvtierError, LayoutError, ProfileError, VersionError
 from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
 from kvtier.core.hashing import HASH_BYTES, BlockHasher, block_hashes, root_hash
@@ -23,6 +23,7 @@ __all__ = [
     "DISK_ALIGNMENT",
     "GroupKind",
     "HASH_BYTES",
+    "HitGeometry",
     "KvtierError",
     "LayoutError",
     "LayoutSpec",

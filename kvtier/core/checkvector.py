@@ -12,45 +12,81 @@ from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
 from kvtier.core.profile import ModelProfile
 
 
+_RECOMPUTE = int(Route.RECOMPUTE)
+_BEYOND_HIT = int(Reason.BEYOND_HIT)
+_OUTSIDE_WINDOW = int(Reason.OUTSIDE_WINDOW)
+
+
 def window_blocks(profile: ModelProfile) -> np.ndarray:
     """Per group: 0 for history groups, n_s = ceil(window / H) for state groups."""
     h = profile.hash_block_tokens
     return np.array([0 if g.kind is GroupKind.HISTORY else g.blocks_needed(h) for g in profile.groups], dtype=np.int64)
 
 
-def usable_hit(servable: np.ndarray, n_state: np.ndarray) -> int:
-    """The intersection of all groups: hit blocks k.
+@dataclasses.dataclass(frozen=True, slots=True)
+class HitGeometry:
+    """What the intersection needs of a profile, computed once (lookups build many check vectors)."""
 
-    `servable` is bool (groups, blocks); `n_state[g]` is 0 for history groups, else the trailing
-    blocks the state group needs. k_hist is the longest run of leading blocks servable by every
-    history group; k is the largest k <= k_hist at which every state group is servable over its
-    trailing n_s blocks.
-    """
-    n_blocks = servable.shape[1]
-    if n_blocks == 0:
-        return 0
+    hash_block_tokens: int
+    group_names: tuple[str, ...]
+    group_forms: tuple[CacheForm, ...]
+    n_state: np.ndarray  # per group: 0 history, else trailing blocks needed
+    history: np.ndarray  # bool per group
+    state_windows: tuple[tuple[int, np.ndarray, tuple[int, ...]], ...]  # (n_s, group mask, group indices)
+
+    @classmethod
+    def of(cls, profile: ModelProfile) -> "HitGeometry":
+        n_state = window_blocks(profile)
+        history = n_state == 0
+        windows = tuple(
+            (n, n_state == n, tuple(np.flatnonzero(n_state == n).tolist())) for n in sorted(set(n_state[~history].tolist()))
+        )
+        return cls(
+            profile.hash_block_tokens,
+            tuple(g.name for g in profile.groups),
+            tuple(g.form for g in profile.groups),
+            n_state,
+            history,
+            windows,
+        )
+
+    def hit(self, servable: np.ndarray) -> int:
+        """The intersection of all groups: hit blocks k.
+
+        `servable` is bool (groups, blocks). k_hist is the longest run of leading blocks servable by
+        every history group; k is the largest k <= k_hist at which every state group is servable over
+        its trailing n_s blocks.
+        """
+        n_blocks = servable.shape[1]
+        if n_blocks == 0:
+            return 0
+        if self.history.any():
+            all_hist = servable[self.history].all(axis=0)
+            k_hist = n_blocks if all_hist.all() else int(np.argmin(all_hist))
+        else:
+            k_hist = n_blocks
+        if k_hist == 0:
+            return 0
+        ok: np.ndarray | None = None  # ok[k-1]: every state group servable at boundary k
+        for n, mask, _ in self.state_windows:
+            # every state group with this window servable at each block, then a window-wide AND
+            m = servable[mask, :k_hist].all(axis=0)
+            if n > 1:
+                bad = np.concatenate(([0], np.cumsum(~m)))
+                ks = np.arange(1, k_hist + 1)
+                m = (bad[ks] - bad[np.maximum(ks - n, 0)]) == 0
+            ok = m if ok is None else ok & m
+        if ok is None or ok[-1]:
+            return k_hist
+        return k_hist - int(np.argmax(ok[::-1])) if ok.any() else 0
+
+
+def usable_hit(servable: np.ndarray, n_state: np.ndarray) -> int:
+    """The hit for bool `servable` (groups, blocks) and per-group trailing windows (0 = history group)."""
+    n_state = np.asarray(n_state)
     history = n_state == 0
-    if history.any():
-        all_hist = servable[history].all(axis=0)
-        k_hist = n_blocks if all_hist.all() else int(np.argmin(all_hist))
-    else:
-        k_hist = n_blocks
-    if k_hist == 0:
-        return 0
-    ok: np.ndarray | None = None  # ok[k-1]: every state group servable at boundary k
-    for n in sorted(set(n_state[~history].tolist())):
-        # every state group with this window servable at each block, then a window-wide AND
-        m = servable[n_state == n, :k_hist].all(axis=0)
-        if n > 1:
-            bad = np.concatenate(([0], np.cumsum(~m)))
-            ks = np.arange(1, k_hist + 1)
-            m = (bad[ks] - bad[np.maximum(ks - n, 0)]) == 0
-        ok = m if ok is None else ok & m
-    if ok is None:
-        return k_hist
-    if ok[-1]:
-        return k_hist
-    return k_hist - int(np.argmax(ok[::-1])) if ok.any() else 0
+    windows = tuple((n, n_state == n, ()) for n in sorted(set(n_state[~history].tolist())))
+    return HitGeometry(0, (), (), n_state, history, windows).hit(servable)
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,33 +101,28 @@ class CheckVector:
     hit_blocks: int
 
     @classmethod
-    def build(cls, profile: ModelProfile, routes: np.ndarray, reasons: np.ndarray) -> "CheckVector":
+    def build(cls, geometry: HitGeometry | ModelProfile, routes: np.ndarray, reasons: np.ndarray) -> "CheckVector":
         """Intersect per-group findings into the final vector.
 
         `routes` / `reasons` are what each group's manager found for each block on its own. Blocks at or
         past the hit become RECOMPUTE (`beyond_hit` where the object itself was fine); state blocks
         before their window become RECOMPUTE `outside_window` (not needed at this boundary).
         """
-        n_state = window_blocks(profile)
-        servable = routes != Route.RECOMPUTE
-        k = usable_hit(servable, n_state)
+        geo = geometry if isinstance(geometry, HitGeometry) else HitGeometry.of(geometry)
+        servable = routes != _RECOMPUTE
+        k = geo.hit(servable)
         routes = routes.astype(np.int8, copy=True)
         reasons = reasons.astype(np.int8, copy=True)
-        beyond = servable[:, k:]
-        routes[:, k:] = Route.RECOMPUTE
-        reasons[:, k:][beyond] = Reason.BEYOND_HIT
-        for g in np.flatnonzero(n_state):
-            lo = max(k - int(n_state[g]), 0)
-            routes[g, :lo] = Route.RECOMPUTE
-            reasons[g, :lo] = Reason.OUTSIDE_WINDOW
-        return cls(
-            profile.hash_block_tokens,
-            tuple(g.name for g in profile.groups),
-            tuple(g.form for g in profile.groups),
-            routes,
-            reasons,
-            k,
-        )
+        if k < routes.shape[1]:
+            reasons[:, k:][servable[:, k:]] = _BEYOND_HIT
+            routes[:, k:] = _RECOMPUTE
+        for n, _, groups in geo.state_windows:
+            lo = k - n
+            if lo > 0:
+                for g in groups:
+                    routes[g, :lo] = _RECOMPUTE
+                    reasons[g, :lo] = _OUTSIDE_WINDOW
+        return cls(geo.hash_block_tokens, geo.group_names, geo.group_forms, routes, reasons, k)
 
     @property
     def num_blocks(self) -> int:

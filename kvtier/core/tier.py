@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -13,22 +13,29 @@ from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.versions import NAMESPACE_BYTES
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ObjectKey:
-    """Identity of one cache object: namespace, chained block hash, and the cache group (which fixes the form)."""
-
+class _KeyFields(NamedTuple):
     namespace: bytes
     block_hash: bytes
     group: str
     form: CacheForm
 
-    def __post_init__(self) -> None:
-        if len(self.namespace) != NAMESPACE_BYTES or len(self.block_hash) != HASH_BYTES:
+
+class ObjectKey(_KeyFields):
+    """Identity of one cache object: namespace, chained block hash, and the cache group (which fixes the form).
+
+    A validated tuple: lookups build thousands per request, and tuple hashing / equality run in C.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, namespace: bytes, block_hash: bytes, group: str, form: CacheForm) -> "ObjectKey":
+        if len(namespace) != NAMESPACE_BYTES or len(block_hash) != HASH_BYTES:
             raise ValueError("namespace and block hash must be 16-byte digests")
-        if self.form is CacheForm.ON_DISK:
+        if form is CacheForm.ON_DISK:
             raise ValueError("on_disk is a residence: an object key names the form it carries")
-        if not self.group or len(self.group.encode()) > 32:
+        if not group or (len(group) > 32 if group.isascii() else len(group.encode()) > 32):
             raise ValueError("group name must be 1..32 bytes")
+        return tuple.__new__(cls, (namespace, block_hash, group, form))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,19 +19,22 @@ from kvtier.core.profile import ModelProfile
 Ask = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """Ask the lower tier about objects (groups, blocks); one Reason per object as int8 (OK: it would load)."""
 
-_ASKABLE = (Reason.MISSING, Reason.EVICTED)
+# Plain ints: numpy compares against IntEnum members slowly (a class __getattr__ per operation).
+_RECOVER, _RECOMPUTE = int(Route.RECOVER), int(Route.RECOMPUTE)
+_OK, _MISSING, _EVICTED = int(Reason.OK), int(Reason.MISSING), int(Reason.EVICTED)
+_ASKABLE = (_MISSING, _EVICTED)
 _FIRST_CHUNK = 64
 
 
 def _apply(routes: np.ndarray, reasons: np.ndarray, gs: np.ndarray, bs: np.ndarray, answers: np.ndarray) -> bool:
     """Record the lower tier's answers; True if every one was OK (RECOVER)."""
-    ok = answers == Reason.OK
-    routes[gs[ok], bs[ok]] = Route.RECOVER
-    reasons[gs[ok], bs[ok]] = Reason.OK
+    ok = answers == _OK
+    routes[gs[ok], bs[ok]] = _RECOVER
+    reasons[gs[ok], bs[ok]] = _OK
     if ok.all():
         return True
     fg, fb, fa = gs[~ok], bs[~ok], answers[~ok]
-    keep = (fa == Reason.MISSING) & (reasons[fg, fb] == Reason.EVICTED)  # "evicted" says more than "missing"
+    keep = (fa == _MISSING) & (reasons[fg, fb] == _EVICTED)  # "evicted" says more than "missing"
     reasons[fg[~keep], fb[~keep]] = fa[~keep]
     return False
 
@@ -87,10 +90,10 @@ class Coordinator:
         k_hist = n
         history_need = np.zeros(n, dtype=np.int64)
         if self._hist_idx.size:
-            run = (routes[self._hist_idx] != Route.RECOMPUTE).all(axis=0)
+            run = (routes[self._hist_idx] != _RECOMPUTE).all(axis=0)
             if not run.all():
                 k_hist = self._extend_history(routes, reasons, int(np.argmin(run)), ask)
-            history_need = np.cumsum((routes[self._hist_idx] == Route.RECOVER).sum(axis=0))
+            history_need = np.cumsum((routes[self._hist_idx] == _RECOVER).sum(axis=0))
         if self.state:
             # the largest boundary whose history recoveries alone still fit
             k_fit = int(np.searchsorted(history_need, room, side="right"))
@@ -104,9 +107,9 @@ class Coordinator:
         chunk = _FIRST_CHUNK
         while lo < n:
             hi = min(n, lo + chunk)
-            bad = routes[hist, lo:hi] == Route.RECOMPUTE
+            bad = routes[hist, lo:hi] == _RECOMPUTE
             sub = reasons[hist, lo:hi]
-            askable = bad & ((sub == Reason.MISSING) | (sub == Reason.EVICTED))
+            askable = bad & ((sub == _MISSING) | (sub == _EVICTED))
             hard = (bad & ~askable).any(axis=0)
             if hard.any():
                 askable[:, int(np.argmax(hard)) :] = False
@@ -114,7 +117,7 @@ class Coordinator:
             if gi.size:
                 gs, bs = hist[gi], bi + lo
                 _apply(routes, reasons, gs, bs, ask(gs, bs))
-            served = (routes[hist, lo:hi] != Route.RECOMPUTE).all(axis=0)
+            served = (routes[hist, lo:hi] != _RECOMPUTE).all(axis=0)
             if not served.all():
                 return lo + int(np.argmin(served))
             lo = hi
@@ -137,9 +140,9 @@ class Coordinator:
             for manager in self.state:
                 for g, b in manager.window(k):
                     route = routes[g, b]
-                    if route == Route.RECOVER:
+                    if route == _RECOVER:
                         recovering += 1
-                    if route != Route.RECOMPUTE:
+                    if route != _RECOMPUTE:
                         continue
                     if (g, b) in asked or reasons[g, b] not in _ASKABLE:
                         possible = False

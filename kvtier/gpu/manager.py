@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.core.checkvector import CheckVector, window_blocks
+from kvtier.core.checkvector import CheckVector, HitGeometry, window_blocks
 from kvtier.core.errors import LayoutError, VersionError
 from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
 from kvtier.core.layout import POOL_ALIGNMENT
@@ -38,6 +38,7 @@ from kvtier.gpu.states import BlockState, CacheBlockState
 from kvtier.gpu.table import IN_FLIGHT, BlockTable
 
 log = logging.getLogger(__name__)
+_REUSE = int(Route.REUSE)  # plain int: numpy compares against an IntEnum member slowly (__array_ufunc__ lookup)
 
 _NO_ROWS = np.zeros(0, dtype=np.intp)
 
@@ -96,6 +97,7 @@ class CacheManager:
         self._gform = [self._counters.form_index(f) for f in self._forms]
         self._ns_ids: dict[bytes, int] = {}
         self._profile = profile
+        self._geometry = HitGeometry.of(profile)
         self._use_version(profile.version)
         self._book = LeaseBook()
         self._queued = 0
@@ -229,7 +231,7 @@ class CacheManager:
             reasons = t.e_verdict.take(rows, axis=1)
             routes = np.minimum(reasons, 1)  # verdict OK -> REUSE (0), anything else -> RECOMPUTE (2)
             routes <<= 1
-            cv = CheckVector.build(self._profile, routes, reasons)
+            cv = CheckVector.build(self._geometry, routes, reasons)
             recovering = False
             if self._lower is not None and (cv.hit_blocks < n or t.n_recovering):
                 # the resident hit is short: ask the lower tier about what could extend it
@@ -247,7 +249,7 @@ class CacheManager:
                 squeezed = self._coordinator.find(routes, reasons, ask, room)
                 recovering = bool(asked[0]) or bool(t.n_recovering)
                 if recovering:
-                    cv = CheckVector.build(self._profile, routes, reasons)
+                    cv = CheckVector.build(self._geometry, routes, reasons)
             n_recover = 0
             if recovering:
                 cv, n_recover = self._admit_recoveries(cv, routes, reasons, squeezed)
@@ -318,7 +320,7 @@ class CacheManager:
         cut = (routes == Route.RECOVER) & ~keep
         routes[cut] = Route.RECOMPUTE
         reasons[cut] = Reason.ADMISSION
-        cv = CheckVector.build(self._profile, routes, reasons)
+        cv = CheckVector.build(self._geometry, routes, reasons)
         return cv, int(np.count_nonzero(cv.routes == Route.RECOVER))
 
     def _hold(self, lease: LeaseSet, cv: CheckVector) -> None:
@@ -331,7 +333,7 @@ class CacheManager:
         slots: list[tuple[int, int]] = []
         for g, n_s in self._state_windows:
             for b in range(max(0, k - n_s), k):
-                if cv.routes[g, b] == Route.REUSE:
+                if cv.routes[g, b] == _REUSE:
                     slot = int(t.e_slot[g, lease.rows[b]])
                     t.s_leases[slot] += 1
                     t.s_touch[slot] = t.tick
@@ -826,7 +828,7 @@ class CacheManager:
         lease.routes[:, :k][moved] = Route.RECOMPUTE
         lease.reasons[:, :k][moved] = Reason.EVICTED
         self._unhold(lease)
-        result.check_vector = CheckVector.build(self._profile, lease.routes, lease.reasons)
+        result.check_vector = CheckVector.build(self._geometry, lease.routes, lease.reasons)
         self._hold(lease, result.check_vector)
 
     def persist(self, limit: int | None = None) -> int:
