@@ -27,7 +27,12 @@ def main() -> None:
         ax.plot(tokens, [c["resident_s"] for c in cases], "^--", label="restore, objects resident in the pool")
     for c in cases:
         if c["hit_tokens"] < c["tokens"]:
-            ax.annotate(f"hit {c['hit_tokens'] // 1024}K", (c["tokens"], c["restore_s"]), textcoords="offset points", xytext=(-10, -14), fontsize=8)
+            ax.annotate(
+                f"hit {c['hit_tokens'] / 1024:.1f}K:\nboth sides stop there", (c["tokens"], c["recompute_s"]),
+                textcoords="offset points", xytext=(-112, -24), fontsize=7,
+            )
+        if c.get("resident_loaded_objects"):
+            ax.annotate(f"+{c['resident_loaded_objects']} objects\nloaded", (c["tokens"], c["resident_s"]), textcoords="offset points", xytext=(-70, -22), fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(tokens, [f"{t // 1024}K" for t in tokens])
