@@ -17,7 +17,7 @@ IOPRIO_CLASS_SHIFT = 13
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 283, "riscv64": 30}
 
 
-def lower_priority(nice: int = 10) -> dict[str, object]:
+def lower_priority(nice: int = 19) -> dict[str, object]:
     """Raise niceness to at least `nice` and ask for the idle I/O class; returns what was achieved.
 
     Call before starting threads: the I/O class is per task and only threads started later inherit it.
