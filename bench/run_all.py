@@ -229,9 +229,15 @@ def markdown(report: dict) -> str:
 # ----------------------------------------------------------------------------------------------- main
 
 
+def save(report: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Smaller sizes and fewer repeats (about a third of the time).")
+    ap.add_argument("--quick", action="store_true", help="Smaller sizes, fewer repeats, restore up to 16K tokens.")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, help="Run only these sections.")
     ap.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], help="Leave these sections out.")
     ap.add_argument("--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure.")
@@ -265,8 +271,8 @@ def main() -> None:
             sections[name] = {"error": f"no peers venv: {venv['error']}"}
             continue
         print(f"run_all: {name} ...", file=sys.stderr, flush=True)
-        sections[name], durations[name] = run_section(name, cmds[name], args.timeout, env)
-        durations[name] = round(durations[name], 1)
+        sections[name], took = run_section(name, cmds[name], args.timeout, env)
+        durations[name] = round(took, 1)
     if "peers" in sections and venv.get("missing"):
         sections["peers"]["not_measured"] = venv["missing"]
 
@@ -279,15 +285,12 @@ def main() -> None:
         "sections": sections,
         "durations_s": {**durations, "total": round(time.perf_counter() - started, 1)},
     }
-    tmp = out_dir / "latest.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(out_dir / "latest.json")
+    save(report, out_dir / "latest.json")
     if "cases" in sections.get("restore", {}) and "error" not in venv:
         png = out_dir / "restore_vs_recompute.png"
         res = subprocess.run([peers_python, str(BENCH / "plot.py"), str(out_dir / "latest.json"), str(png)], capture_output=True, text=True)
-        report["plot"] = str(png.relative_to(ROOT)) if res.returncode == 0 and png.is_relative_to(ROOT) else (str(png) if res.returncode == 0 else f"error: {_tail(res.stderr)}")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        tmp.replace(out_dir / "latest.json")
+        report["plot"] = png.name if res.returncode == 0 else f"error: {_tail(res.stderr)}"
+        save(report, out_dir / "latest.json")
     print(json.dumps(report))
     print()
     print(markdown(report))
