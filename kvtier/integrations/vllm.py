@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,6 +23,8 @@ import torch
 import vllm
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.platforms import current_platform
+from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -39,11 +41,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.core.errors import KvtierError
-from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, text_config
+from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, layer_index, layer_window, text_config
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
 if TYPE_CHECKING:
@@ -293,7 +295,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     # ----------------------------------------------------------------- worker threads
 
-    def _serve(self, jobs: queue.Queue[TransferJob | None], run: Any) -> None:
+    def _serve(self, jobs: queue.Queue[TransferJob | None], run: Callable[[TransferJob], _Done]) -> None:
         while True:
             job = jobs.get()
             try:
@@ -391,18 +393,12 @@ def engine_identity(
         parallel=f"{parallel};replicated={int(config.replicated_layout)};canonical={int(config.canonical_layout)}",
     )
     backend = attention_backend or _platform_attention_backend(ckpt, config.model.dtype, groups)
-    from vllm.platforms import current_platform
-
     kernel_abi = f"vllm {vllm.__version__};{current_platform.device_type};attn={backend}"
     return derive_identity(config.model.name, ckpt, groups, layout, kernel_abi, weights_digest)
 
 
 def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGroup]) -> str:
     """The backend vLLM's platform selects for this model's attention (full / sliding), as vLLM's selector would."""
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.selector import AttentionSelectorConfig
-
-    from kvtier.integrations.kv_groups import layer_index, layer_window
 
     try:
         cfg = text_config(read_hf_config(ckpt))

@@ -44,21 +44,22 @@ if ! venv_complete; then
     echo "$VLLM_SPEC" >"$STAMP"
 fi
 
-# kvtier itself, editable and without letting pip move vLLM's pins; its own deps that vLLM lacks,
-# read from pyproject (torch stays vLLM's), plus the test runner. Redone when pyproject changes.
+# kvtier itself, editable and without letting pip move vLLM's pins; its own deps and its test extra,
+# read from pyproject (torch stays vLLM's). Redone when pyproject changes.
 KV_STAMP="$VENV/.kvtier-editable"
 want="$ROOT $(sha256sum pyproject.toml | cut -c1-64)"
 if [[ ! -f $KV_STAMP || $(cat "$KV_STAMP") != "$want" ]]; then
     mapfile -t deps < <("$PY" - <<'PY'
 import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["test"]
 print("\n".join(d for d in deps if re.split(r"[<>=!~ \[]", d, maxsplit=1)[0].lower() != "torch"))
 PY
     )
     quiet "$PY" -m pip install --no-deps -e .
-    quiet "$PY" -m pip install "${deps[@]}" pytest pytest-timeout
+    quiet "$PY" -m pip install "${deps[@]}"
     echo "$want" >"$KV_STAMP"
 fi
 
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu KVTIER_VLLM_REQUIRED=1
 exec "$PY" -m pytest -q -p no:cacheprovider tests/vllm "$@"

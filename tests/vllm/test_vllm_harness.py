@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from vllm_harness import require_vllm
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)")
+require_vllm()
 
 from vllm_harness import assert_same_output, new_checkpoint, run_engine, shared_prefix_prompts  # noqa: E402
 

@@ -2,23 +2,24 @@
 
 One flow over one store, as an operator would see it: engine 1 computes and stores; engine 2 (a new
 process) hits kvtier and reproduces engine 1 exactly; then (a) a flipped bit on disk is recomputed, never
-served, (b) a new checkpoint under the same path is a new namespace (no hit across weights), and (c) the
-store's records are listed under the namespace of the engine that wrote them.
+served, (b) a new checkpoint under the same path is a new namespace (no hit across weights), and (c)
+`kvtier audit` sees the records under the namespace of the engine that wrote them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from vllm_harness import require_vllm
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)")
+require_vllm()
 
 from vllm_harness import (  # noqa: E402
     KVTIER_TIER,
     assert_same_output,
     audit_namespaces,
     flip_payload_byte,
+    kvtier_audit,
     kvtier_tiers,
     new_checkpoint,
     run_engine,
@@ -66,15 +67,19 @@ def test_engine_hits_kvtier_and_never_serves_corrupt_or_foreign_records(tmp_path
     assert reweighted.kvtier("lookups", result="hit") == 0
     assert [r["tokens"] for r in reweighted.results] != [r["tokens"] for r in first.results]
 
-    # (c) The records are seen under the namespace of the engine that wrote them.
-    listing = audit_namespaces(store)
-    assert len(listing) == 2
-    new_ns = next(ns for ns in listing if ns != namespace)
-    old_key, new_key = listing[namespace]["version_key"], listing[new_ns]["version_key"]
+    # (c) `kvtier audit` (its own process, every record re-read and checksummed) sees each engine's records
+    # under that engine's namespace, all intact.
+    code, report = kvtier_audit(store)
+    assert code == 0 and report["corrupt"] == report["quarantined"] == 0
+    audited = {n["namespace"]: n for n in report["namespaces"]}
+    assert set(audited) == set(audit_namespaces(store)) and namespace in audited and len(audited) == 2
+    new_ns = next(ns for ns in audited if ns != namespace)
+    old_key, new_key = audited[namespace]["version_key"], audited[new_ns]["version_key"]
     assert old_key["model_id"] == new_key["model_id"] == model
     assert old_key["weights_digest"] != new_key["weights_digest"]
-    assert old_key["kernel_abi"].startswith("vllm 0.32.0;cpu;attn=full:CPUAttentionBackend")
+    assert old_key["kernel_abi"] == new_key["kernel_abi"] == "vllm 0.32.0;cpu;attn=full:CPUAttentionBackend"
     for ns in (namespace, new_ns):
-        groups = {(r["group"], r["form"]) for r in listing[ns]["records"]}
-        assert groups == {(FULL, "compressed")}
-        assert sum(r["state"] == "live" for r in listing[ns]["records"]) == PREFIX_CHUNKS
+        forms = audited[ns]["forms"]
+        assert forms["compressed"]["entries"] == PREFIX_CHUNKS and forms["compressed"]["corrupt"] == 0
+        assert sum(f["entries"] for f in forms.values()) == PREFIX_CHUNKS
+        assert {(r["group"], r["form"]) for r in audit_namespaces(store)[ns]["records"]} == {(FULL, "compressed")}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
+from vllm_harness import require_vllm
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)")
+require_vllm()
 
 from engine_run import BLOCK_SIZE  # noqa: E402
 from tiny_model import GEMMA2_WINDOW, VOCAB  # noqa: E402

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from engine_run import BLOCK_SIZE
 from tiny_model import VOCAB, write_checkpoint
 
+from kvtier.store import DiskStore, RecordState
+from kvtier.store.record import HEADER_BYTES
+from kvtier.store.segments import SEGMENTS_DIR, segment_name
+
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 240
+REQUIRED_ENV = "KVTIER_VLLM_REQUIRED"  # set by run.sh: there a missing or broken vLLM fails, never skips
+
+
+def require_vllm() -> None:
+    """Skip the calling test module unless a real vLLM (with the tiering API) imports.
+
+    Not `importorskip("vllm")`: with `tests/` on sys.path, this very folder imports as a namespace package
+    named `vllm` where vLLM is absent.
+    """
+    if os.environ.get(REQUIRED_ENV) == "1":
+        import vllm.v1.kv_offload.tiering.base  # noqa: F401
+        return
+    pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,14 +103,33 @@ def kvtier_tiers(store_dir: Path) -> list[dict]:
     return [{"type": KVTIER_TIER, "module_path": "kvtier.integrations.vllm", "store_dir": str(store_dir)}]
 
 
-def audit_namespaces(store_dir: Path) -> dict[str, dict]:
-    """Per namespace (hex): its version key and its records {group, form, state}, from the store's own listing."""
-    from kvtier.store import DiskStore
+def kvtier_audit(store_dir: Path) -> tuple[int, dict]:
+    """`kvtier audit --store DIR --json --deep` in a process of its own: (exit code, report); 0 means clean."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "audit", "--store", str(store_dir), "--json", "--deep"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    if proc.returncode not in (0, 1):
+        raise AssertionError(f"kvtier audit exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc.returncode, json.loads(proc.stdout)
 
-    with DiskStore(str(store_dir), readonly=True) as store:
-        out = {ns.hex(): {"version_key": entry.version_key.to_dict(), "live": entry.live, "records": []} for ns, entry in store.namespaces().items()}
+
+@contextlib.contextmanager
+def _reading(store_dir: Path, store: DiskStore | None) -> Iterator[DiskStore]:
+    """`store` if the caller has it open (LMDB allows one environment per process), else a read-only open."""
+    if store is not None:
+        yield store
+        return
+    with DiskStore(str(store_dir), readonly=True) as opened:
+        yield opened
+
+
+def audit_namespaces(store_dir: Path, store: DiskStore | None = None) -> dict[str, dict]:
+    """Per namespace (hex): its version key and its records {group, form, state}, from the store's own listing."""
+    with _reading(store_dir, store) as s:
+        out = {ns.hex(): {"version_key": entry.version_key.to_dict(), "live": entry.live, "records": []} for ns, entry in s.namespaces().items()}
         after = None
-        while batch := store.iter_records(after=after):
+        while batch := s.iter_records(after=after):
             for info in batch:
                 state = "corrupt_index" if info.entry is None else info.entry.state.name.lower()
                 out[info.key.namespace.hex()]["records"].append({"group": info.key.group, "form": info.key.form.value, "state": state})
@@ -98,14 +137,10 @@ def audit_namespaces(store_dir: Path) -> dict[str, dict]:
     return out
 
 
-def flip_payload_byte(store_dir: Path, group: str, nth: int) -> None:
+def flip_payload_byte(store_dir: Path, group: str, nth: int, store: DiskStore | None = None) -> None:
     """Flip one payload bit of the `nth` live record (in key order) of `group`, in its segment file on disk."""
-    from kvtier.store import DiskStore, RecordState
-    from kvtier.store.record import HEADER_BYTES
-    from kvtier.store.segments import SEGMENTS_DIR, segment_name
-
-    with DiskStore(str(store_dir), readonly=True) as store:
-        infos = [i for i in store.iter_records(limit=10_000) if i.key.group == group and i.entry.state is RecordState.LIVE]
+    with _reading(store_dir, store) as s:
+        infos = [i for i in s.iter_records(limit=10_000) if i.key.group == group and i.entry.state is RecordState.LIVE]
     entry = infos[nth].entry
     with open(store_dir / SEGMENTS_DIR / segment_name(entry.segment), "r+b") as f:
         at = entry.offset + HEADER_BYTES + entry.payload_len // 2

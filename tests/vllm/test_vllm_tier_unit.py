@@ -1,0 +1,216 @@
+"""The kvtier vLLM tier driven directly, as vLLM's tiering manager drives it, over a real store and a real buffer.
+
+No engine: vLLM's own config and key types, a primary buffer the size vLLM would map, and jobs submitted
+the way `TieringOffloadingManager` submits them. Covers what an engine run cannot force: a store that is
+blocked (RETRY, back-pressure without blocking the scheduler), a second engine on the same store.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_harness import require_vllm
+
+require_vllm()
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
+
+from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
+from vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
+
+ROW = 8192
+CHUNKS = 16
+T = 32  # tokens per chunk
+FULL, SWA = 1, 0  # vLLM group ids, as in a Gemma2: layer 0 sliding (window 64), layer 1 full
+HOLD_WRITER = "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); print('holding', flush=True); sys.stdin.read(); s.close()"
+
+
+def write_model(path: Path, weights: bytes) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"num_attention_heads": 2, "head_dim": 32, "hidden_size": 64, "sliding_window": 2 * T, "layer_types": ["sliding_attention", "full_attention"]}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def make_tier(model: Path, store: Path, primary: np.ndarray, **options) -> KvtierSecondaryTier:
+    config = OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(T, ("model.layers.0.self_attn.attn",), SWA),
+            OffloadingGroupConfig(T, ("model.layers.1.self_attn.attn",), FULL),
+        ),
+        worker_kv_bytes_per_block=ROW,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="unit",
+        model=OffloadingModelConfig(name=str(model), dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=T, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="NHD",
+    )
+    return KvtierSecondaryTier(SimpleNamespace(config=config), memoryview(primary), "KvtierSecondaryTier", str(store), **options)
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    rng = np.random.default_rng(0)
+    primary = np.zeros((CHUNKS, ROW), dtype=np.uint8)
+    primary[:8] = rng.integers(0, 256, (8, ROW), dtype=np.uint8)
+    tiers: list[KvtierSecondaryTier] = []
+
+    def tier(model_bytes: bytes = b"weights" * 1000, **options) -> KvtierSecondaryTier:
+        t = make_tier(write_model(tmp_path / "model", model_bytes), tmp_path / "store", primary, **options)
+        tiers.append(t)
+        return t
+
+    yield SimpleNamespace(primary=primary, tier=tier, store=tmp_path / "store")
+    for t in tiers:
+        t.shutdown()
+
+
+def key(i: int, group: int = FULL) -> bytes:
+    return make_offload_key(i.to_bytes(32, "big"), group)
+
+
+_job_ids = iter(range(1_000_000))
+
+
+def job(keys: list[bytes], chunks: list[int], ctx: ReqContext | None = None, promotion: bool = False) -> TransferJob:
+    return TransferJob(next(_job_ids), keys, np.array(chunks, dtype=np.int32), promotion, ctx or ReqContext("r"))
+
+
+def finish(tier: KvtierSecondaryTier) -> dict[int, JobResult]:
+    tier.drain_jobs()
+    return {r.job_id: r for r in tier.get_finished_jobs()}
+
+
+def counters(tier: KvtierSecondaryTier) -> dict[tuple[str, tuple[str, ...]], float]:
+    data = tier.get_stats().data["data"]
+    return {(name, labels): v for name, by_label in data.items() for labels, v in by_label.items()}
+
+
+def test_stored_chunk_hits_and_loads_bit_exact(env) -> None:
+    tier = env.tier()
+    ctx = ReqContext("r")
+    assert tier.lookup(key(0), ctx) is LookupResult.MISS
+    store = job([key(0), key(1)], [0, 1])
+    tier.submit_store(store)
+    assert finish(tier)[store.job_id].success
+    assert [tier.lookup(key(i), ctx) for i in (0, 1, 2)] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+    load = job([key(0), key(1)], [10, 11], promotion=True)
+    tier.submit_load(load)
+    result = finish(tier)[load.job_id]
+    assert result.success and result.transfer_bytes == 2 * ROW
+    assert np.array_equal(env.primary[10:12], env.primary[0:2])
+    c = counters(tier)
+    assert c[("vllm:kvtier_lookups", ("compressed", "hit"))] == 2
+    assert c[("vllm:kvtier_store_chunks", ("stored",))] == 2
+    assert c[("vllm:kvtier_load_chunks", ("ok",))] == 2
+
+
+def test_pending_store_is_retry_and_a_full_queue_drops_without_blocking(env) -> None:
+    tier = env.tier(max_pending_store_chunks=2)
+    ctx = ReqContext("r")
+    with tier._store._write_lock:  # the disk "stalls": the store worker waits inside store_many
+        first, second, third = job([key(0)], [0]), job([key(1)], [1]), job([key(2)], [2])
+        for j in (first, second, third):
+            tier.submit_store(j)  # returns at once every time: the scheduler never waits for the disk
+        assert tier.lookup(key(0), ctx) is LookupResult.RETRY
+        dropped = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert list(dropped) == [third.job_id] and not dropped[third.job_id].success
+        c = counters(tier)
+        assert c[("vllm:kvtier_store_chunks", ("dropped_backpressure",))] == 1
+        assert c[("vllm:kvtier_store_queue_chunks", ())] == 2
+    done = finish(tier)
+    assert done[first.job_id].success and done[second.job_id].success
+    assert [tier.lookup(key(i), ctx) for i in (0, 1, 2)] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+
+def test_corrupt_record_fails_the_load_and_never_reaches_the_buffer(env) -> None:
+    tier = env.tier()
+    ctx = ReqContext("r")
+    tier.submit_store(job([key(0), key(1)], [0, 1]))
+    finish(tier)
+    flip_payload_byte(env.store, "vllm.g1.full", nth=0, store=tier._store)
+    env.primary[10:12] = 0xAB
+    load = job([key(0), key(1)], [10, 11], promotion=True)
+    assert tier.lookup(key(0), ctx) is LookupResult.HIT  # the index cannot know yet: the load finds out
+    tier.submit_load(load)
+    result = finish(tier)[load.job_id]
+    assert not result.success and len(result.successful_keys) == 1
+    (bad,) = {key(0), key(1)} - set(result.successful_keys)
+    bad_i = 0 if bad == key(0) else 1
+    assert (env.primary[10 + bad_i] == 0xAB).all()  # the failed chunk's slot was never written
+    assert np.array_equal(env.primary[10 + 1 - bad_i], env.primary[1 - bad_i])
+    assert tier.lookup(bad, ctx) is LookupResult.MISS  # vLLM asks again after a failed promotion
+    (listing,) = audit_namespaces(env.store, store=tier._store).values()
+    assert sorted(r["state"] for r in listing["records"]) == ["live", "quarantined"]
+
+
+def test_swa_chunk_hits_only_inside_a_whole_window(env) -> None:
+    tier = env.tier()
+    stored = ReqContext("stored")  # chunks ending at 96 and 128: the window vLLM keeps at boundary 128
+    for i in (2, 3):
+        stored.set_offload_key_position(key(i, SWA), (i + 1) * T)
+    tier.submit_store(job([key(2, SWA), key(3, SWA)], [2, 3], stored))
+    finish(tier)
+
+    same = ReqContext("same")  # the same prefix: boundary 128's window (96, 128] is whole
+    other = ReqContext("other")  # shares chunks 0-2, then differs: chunk 2 is in no whole window
+    for i in range(4):
+        same.set_offload_key_position(key(i, SWA), (i + 1) * T)
+        other.set_offload_key_position(key(i if i < 3 else 99, SWA), (i + 1) * T)
+    assert [tier.lookup(key(i, SWA), same) for i in (3, 2, 1)] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    assert tier.lookup(key(2, SWA), other) is LookupResult.MISS
+    c = counters(tier)
+    assert c[("vllm:kvtier_lookups", ("swa", "hit"))] == 2
+    assert c[("vllm:kvtier_lookups", ("swa", "outside_window"))] == 1
+
+
+def test_second_engine_on_the_store_reads_but_does_not_write(env) -> None:
+    writer = env.tier()
+    writer.submit_store(job([key(0)], [0]))
+    finish(writer)
+    writer.shutdown()
+    # Another process (another engine, or the kvtier daemon) holds the store's writer lock.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WRITER, str(env.store)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        reader = env.tier()
+        assert reader.lookup(key(0), ReqContext("r")) is LookupResult.HIT
+        refused = job([key(1)], [1])
+        reader.submit_store(refused)
+        assert not finish(reader)[refused.job_id].success
+        assert counters(reader)[("vllm:kvtier_store_chunks", ("read_only",))] == 1
+        load = job([key(0)], [12], promotion=True)
+        reader.submit_load(load)
+        assert finish(reader)[load.job_id].success and np.array_equal(env.primary[12], env.primary[0])
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=30) == 0
+
+
+def test_new_weights_under_the_same_path_miss(env) -> None:
+    tier = env.tier()
+    tier.submit_store(job([key(0)], [0]))
+    finish(tier)
+    tier.shutdown()
+    reweighted = env.tier(model_bytes=b"other weights" * 1000)
+    assert reweighted.lookup(key(0), ReqContext("r")) is LookupResult.MISS
+    assert counters(reweighted)[("vllm:kvtier_lookups", ("compressed", "missing"))] == 1
