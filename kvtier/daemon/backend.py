@@ -227,7 +227,7 @@ class DaemonBackend:
                     budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
                     device=self.device,
                     lower=self.store,
-                    admission=AdmissionConfig(max_recovering=cfg.recovering_cap),
+                    admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
                     lease_ttl_s=cfg.lease_ttl_s,
                 )
                 sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)

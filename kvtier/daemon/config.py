@@ -87,6 +87,7 @@ class DaemonConfig:
     metrics: MetricsConfig
     lease_ttl_s: float = 30.0
     recovering_cap: int = 64
+    recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
     source: str = "embedded default"
@@ -348,6 +349,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         metrics=metrics,
         lease_ttl_s=float(top.number("lease_ttl_s", base.lease_ttl_s)),
         recovering_cap=top.number("recovering_cap", base.recovering_cap, integer=True, minimum=1),
+        recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
         source=source,

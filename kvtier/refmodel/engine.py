@@ -24,6 +24,7 @@ import torch
 from kvtier.client import Client, LookupResult, OutOfOrder
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import VersionError
+from kvtier.core.forms import Reason
 from kvtier.refmodel.model import RefModel, Tokens
 from kvtier.refmodel.objects import required_objects
 from kvtier.refmodel.state import RefState
@@ -66,7 +67,7 @@ class RestoreResult:
     prompt_tokens: int
     lookup_cv: CheckVector
     final_cv: CheckVector
-    lookups: int  # 2 when a failed load made a second lookup worthwhile
+    lookups: int  # > 1 when a failed load or the recovery queue made another lookup worthwhile
     loaded_objects: int
     bytes_from_disk: int
     read_objects: int
@@ -164,12 +165,14 @@ class RefEngine:
 
     # -- read ----------------------------------------------------------------------------------------
 
-    def restore_and_continue(self, tokens: Tokens, *, decode: int = 0, lookups: int = 2) -> RestoreResult:
+    def restore_and_continue(self, tokens: Tokens, *, decode: int = 0, lookups: int = 8) -> RestoreResult:
         """Resume at the usable hit from the daemon's objects, then prefill the rest and decode greedily.
 
-        A load that fails (corrupt or vanished records) shrinks the hit to what was already servable;
-        the store has then quarantined what failed, so one more lookup (up to `lookups` in all) finds
-        the best hit that is left, e.g. an earlier checkpoint whose state was never asked for.
+        Looks up again (up to `lookups` in all) while that can lengthen the hit: after a load that
+        failed (corrupt or vanished records shrink the hit; the store has quarantined them, so the next
+        lookup finds the best hit left, e.g. an earlier checkpoint), and after a hit the daemon's
+        recovery queue cut short (RECOMPUTE `admission`: the next lookup finds the loaded objects
+        resident and queues the rest).
         """
         if lookups < 1:
             raise ValueError(f"lookups must be >= 1, got {lookups}")
@@ -178,6 +181,7 @@ class RefEngine:
         lookup_cv: CheckVector | None = None
         loaded_objects = loaded_bytes = 0
         lookup_s = load_s = 0.0
+        best = 0
         for attempt in range(1, lookups + 1):
             t0 = time.perf_counter()
             result = self.client.lookup(ids)
@@ -191,8 +195,13 @@ class RefEngine:
                     load_s += time.perf_counter() - t0
                     loaded_objects += rep.loaded_objects
                     loaded_bytes += rep.loaded_bytes
-                if result.check_vector.hit_blocks < wanted and attempt < lookups:
-                    log.info("load shrank the hit from %d to %d blocks; looking up again", wanted, result.check_vector.hit_blocks)
+                got = result.check_vector.hit_blocks
+                if attempt < lookups and got < wanted:
+                    log.info("load shrank the hit from %d to %d blocks; looking up again", wanted, got)
+                    continue
+                if attempt < lookups and got > best and _admission_cut(result.check_vector):
+                    log.info("recovery queue cut the hit at %d blocks; looking up again", got)
+                    best = got
                     continue
                 state, n_read = self._restore(result)
                 break
@@ -220,6 +229,11 @@ class RefEngine:
     def recompute(self, tokens: Tokens, boundary_tokens: int, *, decode: int = 0) -> RecomputeResult:
         """No cache: prefill [0, boundary) fresh (timed), then the same continuation as a restore at that boundary."""
         return recompute(self.model, tokens, boundary_tokens, checkpoint_every=self.checkpoint_every, decode=decode)
+
+
+def _admission_cut(cv: CheckVector) -> bool:
+    """True if some object was refused only by the recovery queue's cap (a later lookup may serve it)."""
+    return bool((cv.reasons == int(Reason.ADMISSION)).any())
 
 
 def recompute(model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoint_every: int = 16, decode: int = 0) -> RecomputeResult:

@@ -81,3 +81,26 @@ def test_engine_b_resumes_from_engine_a_bitwise_warm_and_after_restart(tmp_path:
             assert not (np.array(cold[name]["routes"]) == Route.RECOVER).any(), name
     finally:
         assert d.terminate() == 0
+
+
+def test_a_hit_cut_by_the_recovery_queue_grows_over_lookups_bitwise(tmp_path: Path, oracle: Oracle) -> None:
+    """A cold pool and a recover queue far smaller than the prefix: each lookup queues what fits (the rest
+    RECOMPUTE `admission`); the engine looks up again and gets the whole hit, bitwise."""
+    work = tmp_path / "work"
+    work.mkdir()
+    a, b, hits = _prompts()
+    save_prompts(work, {"a0": a["a0"], "exact_then_more": b["exact_then_more"]})
+    d = DaemonProc(tmp_path)
+    try:
+        assert run_engine(d, work, "offload", "a0")["a0"]["persisted"]
+    finally:
+        assert d.terminate() == 0
+    d = DaemonProc(tmp_path, top_toml="recover_queue = 16\n")  # a0's hit needs 64 objects from disk
+    try:
+        rep = run_engine(d, work, "continue", "exact_then_more")["exact_then_more"]
+    finally:
+        assert d.terminate() == 0
+    assert rep["hit_tokens"] == hits["exact_then_more"]
+    assert rep["lookups"] >= 4, rep["lookups"]
+    assert rep["loaded_objects"] >= 64
+    oracle.check_file(work, "exact_then_more", b["exact_then_more"], rep["hit_tokens"])

@@ -42,12 +42,13 @@ class DaemonProc:
         pools: str = 'compressed = "2MiB"\nindexer = "1MiB"\ntail = "2MiB"\nswa = "2MiB"\n',
         profiles: tuple[str, ...] = ("ref-tiny",),
         store_root: Path | None = None,
+        top_toml: str = "",
     ) -> None:
         self.tmp = tmp
         self.socket = socket_path or tmp / "kvtier.sock"
         self.config = tmp / "kvtier.toml"
         self.config.write_text(
-            f'device = "cpu"\nprofiles = {json.dumps(list(profiles))}\nshutdown_timeout_s = 20\n'
+            f'device = "cpu"\nprofiles = {json.dumps(list(profiles))}\nshutdown_timeout_s = 20\n{top_toml}'
             f'[server]\nsocket = "{self.socket}"\nframe_timeout_s = 1.0\n{server_toml}'
             f'[store]\nroot = "{store_root or tmp / "store"}"\nbudget_bytes = "256MiB"\n'
             f'[pool.budget_bytes]\n{pools}'
