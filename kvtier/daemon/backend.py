@@ -35,6 +35,7 @@ from kvtier.daemon.errors import OutOfOrder, WrongType
 from kvtier.daemon.server import Session
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupResult, WriteHandle
 from kvtier.store import DiskStore, StoreConfig
+from kvtier.verifier import verifier_status
 
 log = logging.getLogger(__name__)
 PERSIST_BATCH = 32
@@ -446,9 +447,7 @@ class DaemonBackend:
     def reload(self, cfg: DaemonConfig) -> None:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
-        # DiskStore reads its limits from `config` and `_quotas` at every write; it has no setter yet.
-        self.store.config = dataclasses.replace(self.store.config, budget_bytes=new.budget_bytes, form_quotas=new.form_quotas)
-        self.store._quotas = dict(new.form_quotas)
+        self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
@@ -505,7 +504,10 @@ class DaemonBackend:
         store["persisted"] = self.persister.persisted
         with self._lock:
             prewarm_pins = len(self._pins)
-        return {"profiles": profiles, "forms": forms, "store": store, "prewarm_pins": prewarm_pins, "verifier": {}}
+        return {
+            "profiles": profiles, "forms": forms, "store": store, "prewarm_pins": prewarm_pins,
+            "verifier": verifier_status(self.store),  # what the verifier last published in the index
+        }
 
 
 def _empty_form() -> dict[str, Any]:

@@ -118,7 +118,7 @@ def embedded_default(cwd: Path | None = None) -> DaemonConfig:
         server=ServerConfig(socket=base / SOCKET_NAME),
         pool=PoolConfig({f: 8 * 2**20 for f in FORMS}),
         store=StoreConfig(root=base / "store", budget_bytes=1 * 2**30, quota_bytes={}),
-        verifier=VerifierConfig(),
+        verifier=VerifierConfig(mode="supervise"),
         metrics=MetricsConfig(),
         source="embedded default",
     )

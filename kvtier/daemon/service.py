@@ -78,9 +78,18 @@ class Daemon:
         st = self.supervisor.state()
         return {"mode": mode, "state": st.state, "pid": st.pid, "restarts": st.restarts, "last_exit": st.last_exit}
 
+    def readiness(self) -> tuple[bool, str]:
+        """Serving health plus the supervised verifier's state (a verifier down degrades, it never stops serving)."""
+        healthy, why = self.backend.health()
+        if healthy and self.supervisor is not None:
+            st = self.supervisor.state()
+            if st.state == "backoff":
+                return False, f"the verifier exited ({st.last_exit}) and waits to restart ({st.restarts} restarts)"
+        return healthy, why
+
     def stats_doc(self) -> dict[str, Any]:
         doc = self.backend.stats_doc()
-        healthy, why = self.backend.health()
+        healthy, why = self.readiness()
         doc["daemon"] = {
             "version": __version__,
             "pid": os.getpid(),

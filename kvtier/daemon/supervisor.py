@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
+PARENT_PID_ENV = "KVTIER_PARENT_PID"
 
 STABLE_AFTER_S = 60.0  # a child that ran this long resets the backoff
 
@@ -51,7 +52,8 @@ class Supervisor:
 
     def _spawn(self) -> None:
         try:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+            env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # the child ends itself if we die (see kvtier.verifier.process)
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env)
         except OSError as exc:
             log.error("%s: cannot start %s: %s", self.name, self.command[0], exc)
             self._proc = None

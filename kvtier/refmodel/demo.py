@@ -145,7 +145,7 @@ class DemoDaemon:
                     "server": {"socket": str(self.socket), "socket_mode": "0600"},
                     "pool": {"budget_bytes": {form: pools.get(form, 1 << 20) for form in ("compressed", "indexer", "tail", "swa")}},
                     "store": {"root": str(root / "store"), "budget_bytes": "4GiB"},
-                    "verifier": {"mode": "off"},
+                    "verifier": {"mode": "supervise"},
                     "metrics": {"address": ""},
                 }
             )

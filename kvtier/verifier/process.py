@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import fcntl
 import logging
 import os
 import signal
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError
+from kvtier.daemon.supervisor import PARENT_PID_ENV
 from kvtier.store import DiskStore, StoreConfig, StoreError
 from kvtier.store.index import INDEX_DIR
 from kvtier.verifier.errors import StoreNotFound
@@ -20,6 +23,8 @@ from kvtier.verifier.settings import VerifierSettings, settings_from_config
 from kvtier.verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
+VERIFIER_LOCK = "verifier.lock"
+_PR_SET_PDEATHSIG = 1
 
 
 def store_exists(root: str | Path) -> bool:
@@ -49,6 +54,7 @@ def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> Ve
 def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any], *, wait_for_store_s: float = 600.0) -> int:
     """Run until SIGTERM/SIGINT (exit 0); SIGHUP re-reads --config. Waits for a store the daemon has yet to create."""
     settings = load_settings(config, overrides)
+    _die_with_parent()
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -59,6 +65,8 @@ def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any
                 waited += 0.5
             if stop.is_set():
                 return 0
+        if not _lock_instance(root, stop):
+            return 0
         prio = lower_priority()
         store = open_store(root)
         try:
@@ -77,6 +85,38 @@ def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _die_with_parent() -> None:
+    """Supervised by a daemon (it sets KVTIER_PARENT_PID): get SIGTERM when it dies, so a kill -9 of the
+    daemon leaves no orphan verifier; exit at once if it is already gone."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != int(parent):
+        log.info("the supervising daemon (pid %s) is gone; exiting", parent)
+        raise SystemExit(0)
+
+
+def _lock_instance(root: str | Path, stop: threading.Event) -> bool:
+    """Hold <store>/verifier.lock for the life of the process: one verifier per store; a second one waits.
+    False if asked to stop while waiting."""
+    fd = os.open(os.path.join(root, VERIFIER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True  # fd stays open (and locked) until the process exits
+        except BlockingIOError:
+            if not waited:
+                log.warning("another verifier holds %s; waiting for it to exit", os.path.join(root, VERIFIER_LOCK))
+                waited = True
+            if stop.wait(1.0):
+                os.close(fd)
+                return False
 
 
 def _reload(verifier: Verifier, config: str | Path | None, overrides: Mapping[str, Any]) -> None:

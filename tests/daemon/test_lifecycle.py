@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Client
+from kvtier.store import DiskStore, StoreConfig
 
 from .conftest import DaemonProc
 
@@ -55,6 +56,8 @@ def test_sighup_reloads_quotas_and_rates(daemon: DaemonProc) -> None:
     after = doc["reloadable"]
     assert before["store_budget_bytes"] == 256 * 2**20 and after["store_budget_bytes"] == 300 * 2**20
     assert doc["store"]["budget_bytes"] == 300 * 2**20  # the store itself enforces the new budget
+    with DiskStore(str(daemon.tmp / "store"), StoreConfig(io_backend="buffered"), readonly=True) as s:
+        assert s.limits().budget_bytes == 300 * 2**20  # and published it for the verifier and audit
     assert after["verifier_rate_bytes_per_s"] == 5 * 2**20
     # a broken config on reload keeps the running one, and says so
     daemon.config.write_text(text.replace('mode = "off"', 'mode = "off"\nrate_bytes_per_s = -1'))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 
@@ -17,7 +18,7 @@ from kvtier.daemon.config import default_verifier_command, embedded_default
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.verifier import LayoutOracle, Verifier, VerifierSettings, verifier_status
-from verifier_helpers import VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
+from verifier_helpers import REPO, VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
 
 
 def test_layout_digest_that_contradicts_the_version_key_is_quarantined(tmp_path) -> None:
@@ -86,3 +87,59 @@ def test_daemon_supervisor_runs_the_verifier_and_reads_its_state(tmp_path) -> No
     assert st["phase"] == "stopped" and not st["running"]
     assert_consistent(str(root))
     assert os.path.isdir(root / "segments")
+
+
+def _running_pid(root: str) -> int | None:
+    with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
+        st = verifier_status(s)
+    return st["verifier_pid"] if st["running"] and st["ready"] else None
+
+
+def test_a_second_verifier_waits_for_the_first_then_takes_over(tmp_path) -> None:
+    """One verifier per store (verifier.lock): a second one waits, and runs once the first has gone."""
+    root = str(tmp_path / "store")
+    populate(root, [(VK, "r", CacheForm.COMPRESSED, 5000)])
+    first = start_verifier(root)
+    second = None
+    try:
+        assert wait_for(lambda: _running_pid(root), 30.0, first, "the first verifier is ready") == first.pid
+        second = start_verifier(root)
+        line = wait_for(lambda: second.stderr.readline(), 30.0, second, "the second verifier says it waits")
+        while "another verifier holds" not in line:
+            line = wait_for(lambda: second.stderr.readline(), 30.0, second, "the second verifier says it waits")
+        assert _running_pid(root) == first.pid
+        assert stop(first) is not None and first.returncode == 0
+        wait_for(lambda: _running_pid(root) == second.pid, 30.0, second, "the second verifier takes over")
+    finally:
+        stop(first)
+        if second is not None:
+            stop(second)
+    assert second.returncode == 0
+
+
+def test_a_supervised_verifier_ends_with_its_daemon(tmp_path) -> None:
+    """kill -9 of the supervising daemon leaves no orphan verifier (PR_SET_PDEATHSIG via KVTIER_PARENT_PID)."""
+    root = str(tmp_path / "store")
+    populate(root, [])
+    cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", root]
+    daemon = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom kvtier.daemon.supervisor import Supervisor\n"
+         f"Supervisor('verifier', {cmd!r}).start()\nsys.stdin.read()\n"],
+        stdin=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    try:
+        pid = wait_for(lambda: _running_pid(root), 30.0, None, "the supervised verifier is ready")
+        daemon.kill()
+        daemon.wait(10)
+
+        def gone() -> bool:
+            try:
+                return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+            except FileNotFoundError:
+                return True
+
+        wait_for(gone, 20.0, None, f"verifier {pid} exits after its daemon was killed")
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
