@@ -54,33 +54,40 @@ def plan_eviction(
     candidates: Iterable[Candidate], usage: Mapping[CacheForm, int], limits: StoreLimits, now: float,
     *, high: float = 0.95, low: float = 0.85,
 ) -> list[Candidate]:
-    """The records to drop so the store gets under its budget and every per-form quota.
+    """The records to drop so the store gets under its budget and every per-form quota, in rank order.
 
-    Unpinned records are taken while they help bring the total or their form's usage to the low watermark;
-    a pinned record is taken only while the store (or its form) is over the hard limit itself.
+    First each form over its quota gives up its own records, then the store as a whole gives up records
+    in rank order: unpinned records are taken while they help bring the total (or their form) to the low
+    watermark; a pinned record only while the store (or its form) is over the hard limit itself.
     """
     total = pressure(sum(usage.values()), limits.budget_bytes, high, low)
     forms = {f: pressure(usage.get(f, 0), q, high, low) for f, q in limits.form_quotas}
-    soft_total, hard_total = total.soft, total.hard
     soft = {f: p.soft for f, p in forms.items()}
     hard = {f: p.hard for f, p in forms.items()}
-    if not (soft_total or hard_total or any(soft.values()) or any(hard.values())):
+    totals = [total.soft, total.hard]
+    if not (any(totals) or any(soft.values()) or any(hard.values())):
         return []
+    ordered = sorted(candidates, key=lambda c: c.rank(now))
+    chosen: set[int] = set()
     victims: list[Candidate] = []
-    for c in sorted(candidates, key=lambda c: c.rank(now)):
-        form = c.key.form
-        if c.pinned(now) and not c.quarantined:
-            wanted = hard_total > 0 or hard.get(form, 0) > 0
-        else:
-            wanted = soft_total > 0 or hard_total > 0 or soft.get(form, 0) > 0 or hard.get(form, 0) > 0
-        if not wanted:
-            continue
+
+    def take(c: Candidate) -> None:
+        chosen.add(id(c))
         victims.append(c)
-        soft_total -= c.record_len
-        hard_total -= c.record_len
-        if form in soft:
-            soft[form] -= c.record_len
-            hard[form] -= c.record_len
-        if soft_total <= 0 and hard_total <= 0 and all(v <= 0 for v in soft.values()) and all(v <= 0 for v in hard.values()):
+        totals[0] -= c.record_len
+        totals[1] -= c.record_len
+        if c.key.form in soft:
+            soft[c.key.form] -= c.record_len
+            hard[c.key.form] -= c.record_len
+
+    for c in ordered:  # per-form quotas, from the form itself
+        form = c.key.form
+        if form in soft and (hard[form] > 0 or (soft[form] > 0 and not (c.pinned(now) and not c.quarantined))):
+            take(c)
+    for c in ordered:  # the store's budget, from anything
+        if totals[0] <= 0 and totals[1] <= 0:
             break
+        if id(c) not in chosen and (totals[1] > 0 or (totals[0] > 0 and not (c.pinned(now) and not c.quarantined))):
+            take(c)
+    victims.sort(key=lambda c: c.rank(now))
     return victims

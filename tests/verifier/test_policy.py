@@ -64,8 +64,10 @@ def test_plan_properties(rows, budget_frac, quota_frac) -> None:
         assert swa_left <= quota or not any(c.key.form is CacheForm.SWA for c in kept)
     for v in victims:
         if v.pinned(NOW) and not v.quarantined:
-            assert total > budget or (v.key.form is CacheForm.SWA and swa > quota > 0), "a pin broken under the hard limit"
-            assert not any(breakable(c) and (total > budget or c.key.form is v.key.form) for c in kept), "a pin broken before an unpinned record"
+            form_forced = v.key.form is CacheForm.SWA and swa > quota > 0  # its form is over its own hard quota
+            assert total > budget or form_forced, "a pin broken under the hard limit"
+            rivals = [c for c in kept if breakable(c) and (c.key.form is v.key.form or not form_forced)]
+            assert not rivals, "a pin broken before an unpinned record that would have served the same limit"
     ranks = [v.rank(NOW) for v in victims]
     assert ranks == sorted(ranks), "quarantined, then unpinned state, then unpinned history (LRU), then pinned"
 
