@@ -1,4 +1,5 @@
-"""What an inference engine links: attach, lookup (check vector + leases), load, read, release, offload, prewarm."""
+"""What an inference engine links: attach, lookup (check vector + leases), load, read, release, offload, prewarm;
+`TierClient` for an engine that brings its own keys (the daemon's store as its disk tier)."""
 
 from kvtier.client.client import (
     Attachment,
@@ -10,10 +11,12 @@ from kvtier.client.client import (
     PrewarmReport,
     default_socket,
 )
-from kvtier.daemon.errors import DaemonBusy, DaemonUnavailable, OutOfOrder, PermissionDenied, RemoteError
+from kvtier.client.tier import TierClient
+from kvtier.daemon.errors import BadRange, DaemonBusy, DaemonUnavailable, OutOfOrder, PermissionDenied, RemoteError
 
 __all__ = [
     "Attachment",
+    "BadRange",
     "Client",
     "DaemonBusy",
     "DaemonUnavailable",
@@ -25,5 +28,6 @@ __all__ = [
     "PermissionDenied",
     "PrewarmReport",
     "RemoteError",
+    "TierClient",
     "default_socket",
 ]

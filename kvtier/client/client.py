@@ -31,7 +31,7 @@ _ERRORS: dict[str, type[KvtierError]] = {
     cls.code: cls
     for cls in (
         E.ProtocolError, E.FrameTooLarge, E.UnknownOp, E.WrongType, E.UnsupportedVersion, E.OutOfOrder,
-        E.PermissionDenied, E.DaemonBusy,
+        E.PermissionDenied, E.DaemonBusy, E.BadRange,
     )
 }
 
@@ -136,8 +136,8 @@ def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").reshape(cv.routes.shape)
 
 
-class Client:
-    """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm."""
+class Connection:
+    """One socket to the daemon, greeted with hello; one request at a time (a lock serialises threads)."""
 
     def __init__(self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = "") -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket()
@@ -152,15 +152,13 @@ class Client:
         hello = self._call(P.Hello(list(P.SUPPORTED_VERSIONS), name or f"pid {os.getpid()}"))
         assert isinstance(hello, P.HelloOk)
         self.daemon = hello.daemon
-        self.attachment: Attachment | None = None
 
-    # -- plumbing -----------------------------------------------------------------------------------
-
-    def _call(self, req: P.Msg, fds: list[int] | None = None) -> Any:
+    def _call(self, req: P.Msg, fds: list[int] | None = None, *, send_fds: list[int] | None = None) -> Any:
+        """Send `req` (with `send_fds` as SCM_RIGHTS) and return its reply; descriptors riding back go to `fds`."""
         with self._lock:
             try:
                 try:
-                    P.send_frame(self._sock, req)
+                    P.send_frame(self._sock, req, send_fds)
                 except OSError:
                     # A daemon that refuses us (permissions, busy) answers and closes before reading:
                     # its error frame may already wait in our receive buffer.
@@ -171,6 +169,30 @@ class Client:
         if isinstance(reply, P.Error):
             _raise(reply)
         return reply
+
+    def stats(self) -> dict[str, Any]:
+        reply: P.StatsOk = self._call(P.Stats())
+        return reply.stats
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases everything this connection held."""
+        self._sock.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client(Connection):
+    """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = "") -> None:
+        super().__init__(socket_path, timeout_s=timeout_s, name=name)
+        self.attachment: Attachment | None = None
+
+    # -- plumbing -----------------------------------------------------------------------------------
 
     def _attached(self) -> Attachment:
         if self.attachment is None:
@@ -289,19 +311,12 @@ class Client:
             raise E.RemoteError("flush_timeout", f"{reply.pending} objects still waiting for the store after {timeout_s}s")
         return reply.persisted
 
-    def stats(self) -> dict[str, Any]:
-        reply: P.StatsOk = self._call(P.Stats())
-        return reply.stats
-
     def close(self) -> None:
         """Disconnect; the daemon releases every lease this client still holds."""
         if self.attachment is not None:
             for pool in self.attachment.pools.values():
                 pool.close()
-        self._sock.close()
+        super().close()
 
     def __enter__(self) -> "Client":
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -10,11 +10,14 @@ for the store commit.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import heapq
 import itertools
 import logging
+import mmap
 import os
 import pickle
+import stat
 import threading
 import time
 from collections.abc import Hashable
@@ -28,13 +31,14 @@ from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import ModelProfile, load_profile
-from kvtier.core.tier import ObjectKey
+from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.versions import VersionKey
 from kvtier.daemon import protocol as P
 from kvtier.daemon.config import DaemonConfig
-from kvtier.daemon.errors import OutOfOrder, WrongType
+from kvtier.daemon.errors import BadRange, OutOfOrder, WrongType
 from kvtier.daemon.server import Session
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupResult, WriteHandle
-from kvtier.store import DiskStore, StoreConfig
+from kvtier.store import DiskStore, StoreConfig, StoreFull
 from kvtier.verifier import verifier_status
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,64 @@ class Held:
     lookup: LookupResult | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
+
+
+@dataclasses.dataclass(slots=True)
+class TierConn:
+    """A raw tier connection: its namespace, its groups (by index), and the client's staging region mapped here."""
+
+    namespace: bytes
+    groups: list[tuple[str, CacheForm]]
+    staging: torch.Tensor  # uint8 over `mapping`; empty when the client asked for none
+    mapping: mmap.mmap | None = None
+
+    def keys(self, items: list[P.TierItem]) -> tuple[list[ObjectKey], list[bytes]]:
+        keys: list[ObjectKey] = []
+        for it in items:
+            if not 0 <= it.group < len(self.groups):
+                raise WrongType(f"group index {it.group} is not one of the {len(self.groups)} groups sent with tier_open")
+            if len(it.block_hash) != HASH_BYTES or len(it.layout_digest) != 16:
+                raise WrongType(f"block_hash and layout_digest must be {HASH_BYTES}-byte digests")
+            name, form = self.groups[it.group]
+            keys.append(ObjectKey(self.namespace, it.block_hash, name, form))
+        return keys, [it.layout_digest for it in items]
+
+    def ranges(self, items: list[P.TierItem]) -> list[torch.Tensor]:
+        """Each item's bytes in the staging region; any range outside it is a BadRange (nothing is read or written)."""
+        size = self.staging.numel()
+        for it in items:
+            if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
+                raise BadRange(f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range of the {size}-byte staging region")
+        return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
+
+    def close(self) -> None:
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:  # a load still holds a view; the mapping goes with it
+                pass
+            self.mapping = None
+
+
+def _map_staging(fds: list[int], size: int) -> mmap.mmap:
+    """Map the client's staging memfd; it must be sealed against shrinking (a shrunk mapping would SIGBUS the daemon)."""
+    if len(fds) != 1:
+        raise WrongType(f"tier_open with staging_bytes needs exactly one memfd as SCM_RIGHTS, got {len(fds)}")
+    fd = fds[0]
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+        raise WrongType(f"the staging descriptor must be a memfd of at least {size} bytes")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise WrongType("the staging memfd must carry F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)")
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise WrongType(f"cannot map the staging memfd read-write ({exc.strerror}): open it O_RDWR") from None
 
 
 class Persister:
@@ -243,6 +305,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
+        self._tiers: dict[int, TierConn] = {}  # by owner (connection)
         self._closed = False
 
     @staticmethod
@@ -414,11 +477,79 @@ class DaemonBackend:
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
 
+    # -- raw tier ops (a client's own keys and namespace over the store; no pools) ---------------------
+
+    def tier_open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk:
+        """Register the client's namespace and map its staging memfd (the server closes `fds` afterwards)."""
+        fields = {f.name for f in dataclasses.fields(VersionKey)}
+        if set(req.version_key) != fields:
+            raise WrongType(f"version_key must have exactly the fields {sorted(fields)}")
+        version_key = VersionKey.from_dict(req.version_key)
+        groups: list[tuple[str, CacheForm]] = []
+        for name, form in req.groups:
+            if not name or len(name.encode()) > 32 or name in (g for g, _ in groups):
+                raise WrongType(f"group names must be distinct and 1..32 bytes, got {name!r}")
+            try:
+                parsed = CacheForm(form)
+            except ValueError:
+                parsed = CacheForm.ON_DISK
+            if parsed is CacheForm.ON_DISK:
+                raise WrongType(f"group {name!r}: form must be one of compressed, indexer, tail, swa, not {form!r}")
+            groups.append((name, parsed))
+        if not groups:
+            raise WrongType("tier_open needs at least one group")
+        if req.staging_bytes < 0:
+            raise WrongType(f"staging_bytes must be >= 0, got {req.staging_bytes}")
+        mapping = _map_staging(fds, req.staging_bytes) if req.staging_bytes else None
+        try:
+            codecs = {form: self.cfg.store.codec for _, form in groups} if self.cfg.store.codec != "none" else None
+            namespace = self.store.register_namespace(version_key, codecs=codecs)
+        except BaseException:
+            if mapping is not None:
+                mapping.close()
+            raise
+        staging = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            self._tiers[session.owner] = TierConn(namespace, groups, staging, mapping)
+        log.info("connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
+                 session.owner, session.peer.pid, namespace.hex(), len(groups), req.staging_bytes)
+        return P.TierOpenOk(namespace, str(self.store.root), self.store.io_backend)
+
+    def _tier(self, session: Session) -> TierConn:
+        with self._lock:
+            return self._tiers[session.owner]
+
+    def tier_has(self, session: Session, req: P.TierHas) -> P.TierReasons:
+        keys, digests = self._tier(session).keys(req.items)
+        return P.TierReasons(bytes(self.store.has(keys, digests)))
+
+    def tier_store(self, session: Session, req: P.TierStore) -> P.TierStored:
+        """Persist the staged objects with one store_many (one fdatasync + one commit); answered after the commit."""
+        conn = self._tier(session)
+        keys, digests = conn.keys(req.items)
+        payloads = conn.ranges(req.items)
+        try:
+            self.store.store_many(list(zip(keys, payloads, digests)))
+        except StoreFull as exc:
+            return P.TierStored(0, exc.limit, str(exc))
+        return P.TierStored(len(keys))
+
+    def tier_load(self, session: Session, req: P.TierLoad) -> P.TierReasons:
+        """Read and verify each record into its staged range (a failed one is quarantined; its range is not to be used)."""
+        conn = self._tier(session)
+        keys, digests = conn.keys(req.items)
+        outs = conn.ranges(req.items)
+        reasons = self.store.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
+        return P.TierReasons(bytes(reasons))
+
     def release_owner(self, owner: int) -> int:
         with self._lock:
             mine = [i for i, h in self._held.items() if h.owner == owner]
             for i in mine:
                 del self._held[i]
+            tier = self._tiers.pop(owner, None)
+        if tier is not None:
+            tier.close()
         return sum(rt.manager.release_owner(owner) for rt in self.runtimes.values())
 
     # -- life cycle ----------------------------------------------------------------------------------

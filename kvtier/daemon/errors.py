@@ -41,6 +41,12 @@ class UnsupportedVersion(ProtocolError):
     code = "unsupported_version"
 
 
+class BadRange(ProtocolError):
+    """A raw tier item names bytes outside the connection's staging region."""
+
+    code = "bad_range"
+
+
 class OutOfOrder(ProtocolError):
     """A request that needs an earlier step (hello, attach, a lookup) that this connection has not made."""
 

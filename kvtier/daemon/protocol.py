@@ -5,6 +5,12 @@ Requests and replies are tagged unions keyed by `op`. Per connection the order i
 (first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
 never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
 with the attach reply on cpu; CUDA IPC handles on cuda), and requests only name slots.
+
+The raw tier ops serve the daemon's store to a client that brings its own keys and namespace (an
+engine's own offloading, e.g. vLLM): `tier_open` (once per connection, no attach needed) registers the
+namespace and maps the client's staging memfd, which rides along with the request as SCM_RIGHTS; then
+`tier_has`, `tier_store` and `tier_load` name objects by (block hash, group index) and bytes by offset
+in that staging region.
 """
 
 from __future__ import annotations
@@ -90,7 +96,41 @@ class Stats(Msg, tag="stats"):
     pass
 
 
-Request = Hello | Attach | Lookup | Release | Load | Offload | Seal | Flush | Prewarm | Stats
+class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One object of a raw tier request: its key (block hash, index into the opened groups), layout digest, staged bytes."""
+
+    block_hash: bytes
+    group: int
+    layout_digest: bytes
+    offset: int = 0  # in the staging region (tier_store / tier_load only)
+    nbytes: int = 0
+
+
+class TierOpen(Msg, tag="tier_open"):
+    """Register `version_key`'s namespace and its groups [(name, form)]; a staging memfd of `staging_bytes` rides along."""
+
+    version_key: dict[str, str]
+    groups: list[tuple[str, str]]
+    staging_bytes: int = 0
+
+
+class TierHas(Msg, tag="tier_has"):
+    items: list[TierItem]
+
+
+class TierStore(Msg, tag="tier_store"):
+    """Persist the staged bytes of each item; answered after the store commit (fdatasync + index commit)."""
+
+    items: list[TierItem]
+
+
+class TierLoad(Msg, tag="tier_load"):
+    """Read and verify each record into its staged range; the range holds the payload only where the reason is OK."""
+
+    items: list[TierItem]
+
+
+Request = Hello | Attach | Lookup | Release | Load | Offload | Seal | Flush | Prewarm | Stats | TierOpen | TierHas | TierStore | TierLoad
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
 
 
@@ -192,12 +232,35 @@ class StatsOk(Msg, tag="stats_ok"):
     stats: dict[str, Any]
 
 
+class TierOpenOk(Msg, tag="tier_open_ok"):
+    namespace: bytes
+    store: str
+    io_backend: str
+
+
+class TierReasons(Msg, tag="tier_reasons"):
+    """One `kvtier.core.forms.Reason` code per item, in order (OK = 0)."""
+
+    reasons: bytes
+
+
+class TierStored(Msg, tag="tier_stored"):
+    """`stored` items committed (live ones are skipped); `full_limit` names the limit a refused batch hit (nothing visible)."""
+
+    stored: int
+    full_limit: str = ""
+    full_message: str = ""
+
+
 class Error(Msg, tag="error"):
     code: str
     message: str
 
 
-Reply = HelloOk | AttachOk | LookupOk | LoadOk | OffloadOk | SealOk | FlushOk | PrewarmOk | Released | StatsOk | Error
+Reply = (
+    HelloOk | AttachOk | LookupOk | LoadOk | OffloadOk | SealOk | FlushOk | PrewarmOk | Released | StatsOk
+    | TierOpenOk | TierReasons | TierStored | Error
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -47,6 +47,7 @@ class Session:
     peer: Peer
     requests: int = 0
     attached: str | None = None
+    tier_open: bool = False
 
 
 class Backend(Protocol):
@@ -60,6 +61,10 @@ class Backend(Protocol):
     def seal(self, session: Session, req: P.Seal) -> P.SealOk: ...
     def flush(self, session: Session, req: P.Flush) -> P.FlushOk: ...
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk: ...
+    def tier_open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk: ...
+    def tier_has(self, session: Session, req: P.TierHas) -> P.TierReasons: ...
+    def tier_store(self, session: Session, req: P.TierStore) -> P.TierStored: ...
+    def tier_load(self, session: Session, req: P.TierLoad) -> P.TierReasons: ...
     def release_owner(self, owner: int) -> int: ...
 
 
@@ -148,6 +153,11 @@ class SocketServer:
             P.Seal: backend.seal,
             P.Prewarm: backend.prewarm,
         }
+        self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
+            P.TierHas: backend.tier_has,
+            P.TierStore: backend.tier_store,
+            P.TierLoad: backend.tier_load,
+        }
 
     # -- accepting -------------------------------------------------------------------------------
 
@@ -202,19 +212,24 @@ class SocketServer:
     def _serve(self, conn: socket.socket, session: Session) -> None:
         try:
             while True:
-                body = self._read_frame(conn)
-                if body is None:
-                    return
-                with self._lock:
-                    self._inflight += 1
+                received: list[int] = []
                 try:
-                    reply, fds = self._handle(session, body)
-                    conn.settimeout(self.cfg.frame_timeout_s)
-                    P.send_frame(conn, reply, fds)
-                finally:
+                    body = self._read_frame(conn, received)
+                    if body is None:
+                        return
                     with self._lock:
-                        self._inflight -= 1
-                        self._idle.notify_all()
+                        self._inflight += 1
+                    try:
+                        reply, fds = self._handle(session, body, received)
+                        conn.settimeout(self.cfg.frame_timeout_s)
+                        P.send_frame(conn, reply, fds)
+                    finally:
+                        with self._lock:
+                            self._inflight -= 1
+                            self._idle.notify_all()
+                finally:
+                    for fd in received:  # a handler maps what it keeps: no descriptor a client sends outlives its request
+                        os.close(fd)
         except ProtocolError as exc:
             log.info("connection %d (pid %d): %s; closing", session.owner, session.peer.pid, exc)
             try:
@@ -233,26 +248,29 @@ class SocketServer:
                 self._threads.pop(session.owner, None)
                 self._idle.notify_all()
 
-    def _read_frame(self, conn: socket.socket) -> bytes | None:
-        """The next request body; None when the peer closed between frames. Framing errors raise (and close)."""
+    def _read_frame(self, conn: socket.socket, fds: list[int]) -> bytes | None:
+        """The next request body; None when the peer closed between frames. Framing errors raise (and close).
+
+        SCM_RIGHTS descriptors riding along with the frame are appended to `fds` (the caller closes them).
+        """
         conn.settimeout(None)
-        first = conn.recv(1)
+        first = P.recv_exact(conn, 1, fds)
         if not first:
             return None
         conn.settimeout(self.cfg.frame_timeout_s)
         try:
-            header = first + P.recv_exact(conn, P.HEADER.size - 1)
+            header = first + P.recv_exact(conn, P.HEADER.size - 1, fds)
             if len(header) < P.HEADER.size:
                 raise ProtocolError("truncated frame header")
             length = P.parse_header(header, self.cfg.max_frame_bytes)
-            body = P.recv_exact(conn, length)
+            body = P.recv_exact(conn, length, fds)
         except TimeoutError:
             raise ProtocolError(f"frame not completed within {self.cfg.frame_timeout_s}s") from None
         if len(body) < length:
             raise ProtocolError("truncated frame body")
         return body
 
-    def _handle(self, session: Session, body: bytes) -> tuple[P.Msg, list[int]]:
+    def _handle(self, session: Session, body: bytes, received: list[int]) -> tuple[P.Msg, list[int]]:
         """One request to its reply; every KvtierError (including bad requests) becomes an error frame."""
         started = time.perf_counter()
         op = "?"
@@ -260,7 +278,7 @@ class SocketServer:
             req = P.decode_request(body)
             op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
             session.requests += 1
-            reply, fds = self._route(session, req)
+            reply, fds = self._route(session, req, received)
         except KvtierError as exc:
             reply, fds = P.Error(exc.code, str(exc)), []
         except Exception as exc:  # a bug must not take the daemon (or other clients) down
@@ -270,7 +288,7 @@ class SocketServer:
             self.on_request(op, time.perf_counter() - started, reply.code if isinstance(reply, P.Error) else "ok")
         return reply, fds
 
-    def _route(self, session: Session, req: P.Msg) -> tuple[P.Msg, list[int]]:
+    def _route(self, session: Session, req: P.Msg, received: list[int]) -> tuple[P.Msg, list[int]]:
         if isinstance(req, P.Hello):
             if session.requests != 1:
                 raise OutOfOrder("hello must be the first request on a connection")
@@ -288,6 +306,17 @@ class SocketServer:
             return P.StatsOk(self.stats_doc()), []
         if isinstance(req, P.Flush):
             return self.backend.flush(session, req), []
+        if isinstance(req, P.TierOpen):
+            if session.tier_open:
+                raise OutOfOrder("tier_open was already sent on this connection; open another connection for another namespace")
+            reply = self.backend.tier_open(session, req, received)
+            session.tier_open = True
+            return reply, []
+        if type(req) in self._tier_dispatch:
+            if not session.tier_open:
+                op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
+                raise OutOfOrder(f"{op} before tier_open: open the namespace and staging region first")
+            return self._tier_dispatch[type(req)](session, req), []
         if session.attached is None:
             op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
             raise OutOfOrder(f"{op} before attach: attach to a profile first")

@@ -144,7 +144,7 @@ _ops = st.sampled_from(sorted(P.REQUEST_OPS) + ["", "Lookup", "attach\0", "stats
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(op=_ops, fields=st.dictionaries(st.sampled_from(["profile", "hashes", "lookup_id", "handle", "versions", "ttl_s", "durable", "groups", "blocks", "offload_id", "timeout_s", "x"]), _values, max_size=4))
+@given(op=_ops, fields=st.dictionaries(st.sampled_from(["profile", "hashes", "lookup_id", "handle", "versions", "ttl_s", "durable", "groups", "blocks", "offload_id", "timeout_s", "version_key", "staging_bytes", "items", "x"]), _values, max_size=4))
 def test_fuzzed_requests_get_an_answer(shared_daemon: DaemonProc, op: str, fields: dict) -> None:
     s = _conn(shared_daemon)
     try:
