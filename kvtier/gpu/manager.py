@@ -229,8 +229,8 @@ class CacheManager:
             self._expire(now)
             rows = np.fromiter(map(t.index.get, block_hashes, itertools.repeat(t.sentinel)), dtype=np.intp, count=n)
             reasons = t.e_verdict.take(rows, axis=1)
-            routes = np.minimum(reasons, 1)  # verdict OK -> REUSE (0), anything else -> RECOMPUTE (2)
-            routes <<= 1
+            routes = (reasons != 0).view(np.int8)  # verdict OK -> REUSE (0), anything else -> RECOMPUTE (2)
+            routes += routes  # (np.minimum / <<= with a Python scalar take numpy's slow casting path)
             cv = CheckVector.build(self._geometry, routes, reasons)
             recovering = False
             if self._lower is not None and (cv.hit_blocks < n or t.n_recovering):
