@@ -1,4 +1,5 @@
-"""kvtier as vLLM's disk tier: a `SecondaryTierManager` over a kvtier `DiskStore` opened in this process.
+"""kvtier as vLLM's disk tier: a `SecondaryTierManager` over kvtier's disk store, through the kvtier daemon
+(`daemon_socket`) or opened in this process (`store_dir`); both answer `has` / `load_into` / `store_many`.
 
 vLLM's tier factory imports this module (`"module_path": "kvtier.integrations.vllm"`); kvtier never does,
 so kvtier imports without vLLM. Configuration, key mapping and limits: docs/vllm.md.
@@ -43,6 +44,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.core.errors import KvtierError
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, layer_index, layer_window, text_config
@@ -83,7 +85,7 @@ class _KeyIndex:
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
-    """vLLM secondary tier backed by a kvtier disk store: verified loads, non-blocking stores, namespaced keys."""
+    """vLLM secondary tier backed by a kvtier disk store (the daemon's, or one opened here): verified loads, non-blocking stores, namespaced keys."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -106,7 +108,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        store_dir: str,
+        store_dir: str | None = None,
+        daemon_socket: str | None = None,
+        staging_chunks: int = 32,
         model_dir: str | None = None,
         weights_digest: str | None = None,
         attention_backend: str | None = None,
@@ -118,15 +122,23 @@ class KvtierSecondaryTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if max_pending_store_chunks < 1:
-            raise VllmTierError(f"max_pending_store_chunks must be >= 1, got {max_pending_store_chunks}")
+        if max_pending_store_chunks < 1 or staging_chunks < 1:
+            raise VllmTierError(f"max_pending_store_chunks and staging_chunks must be >= 1, got {max_pending_store_chunks}, {staging_chunks}")
+        if (store_dir is None) == (daemon_socket is None):
+            raise VllmTierError("set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened in this engine) in the kvtier tier config")
         self.locality = Locality(locality) if locality is not None else None
         self.identity = engine_identity(offloading_spec, self.block_size_bytes, model_dir, weights_digest, attention_backend)
         self._namespace = self.identity.namespace
         self._plans: Mapping[int, GroupPlan] = self.identity.plans
         self._digests: Mapping[int, bytes] = self.identity.layout_digests
-        self._store = _open_store(store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes))
-        self._store.register_namespace(self.identity.version_key)
+        self._store: DiskStore | DaemonStore
+        if daemon_socket is not None:
+            groups = [(p.name, p.form) for _, p in sorted(self._plans.items())]
+            self._store = DaemonStore(daemon_socket, self.identity.version_key, groups, staging_chunks * self.block_size_bytes)
+        else:
+            assert store_dir is not None
+            self._store = _open_store(store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes))
+            self._store.register_namespace(self.identity.version_key)
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
 
@@ -166,7 +178,12 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return self._primary[chunk_id * size : (chunk_id + 1) * size]
 
     def _reason(self, key: OffloadKey, plan: GroupPlan) -> Reason:
-        return self._store.has([self._object_key(key, plan)], [self._digests[plan.group_id]])[0]
+        """Why the store would (OK) or would not load this chunk; a store that cannot answer (daemon gone) is a miss."""
+        try:
+            return self._store.has([self._object_key(key, plan)], [self._digests[plan.group_id]])[0]
+        except KvtierError as exc:
+            self._warn(f"kvtier tier: lookups miss while the store cannot answer: {exc}")
+            return Reason.MISSING
 
     # ----------------------------------------------------------------- lookups (scheduler thread)
 
@@ -235,15 +252,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def _warn_dropped(self, n: int) -> None:
         self._dropped_since_warning += n
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY_S:
-            log.warning(
-                "kvtier tier: store queue full (%d chunks pending, max_pending_store_chunks=%d): dropped %d chunks since the last warning; "
-                "the disk is slower than the offload rate",
-                self._pending_store_chunks, self._max_pending, self._dropped_since_warning,
-            )
+        if self._warn(
+            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, max_pending_store_chunks={self._max_pending}): "
+            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower than the offload rate"
+        ):
             self._dropped_since_warning = 0
-            self._last_warning = now
+
+    def _warn(self, message: str) -> bool:
+        """Log `message` unless a warning went out in the last _WARN_EVERY_S seconds; True if it was logged."""
+        now = time.monotonic()
+        if now - self._last_warning < _WARN_EVERY_S:
+            return False
+        log.warning("%s", message)
+        self._last_warning = now
+        return True
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []

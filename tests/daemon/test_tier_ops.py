@@ -24,7 +24,8 @@ from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.daemon import protocol as P
-from kvtier.daemon.errors import WrongType
+from kvtier.daemon.errors import DaemonUnavailable, WrongType
+from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.segments import SEGMENTS_DIR, segment_name
@@ -209,3 +210,26 @@ def test_descriptors_sent_with_other_ops_are_not_kept(tier_daemon: DaemonProc) -
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_an_engine_tier_store_through_the_daemon_and_the_daemon_going_away(tmp_path: Path) -> None:
+    """`DaemonStore` (what the vLLM tier uses with daemon_socket): stores, lookups and loads on their own connections;
+    once the daemon is gone every call is a typed DaemonUnavailable (the tier answers MISS / fails the job)."""
+    d = DaemonProc(tmp_path)
+    try:
+        ds = DaemonStore(d.socket, VKEY, GROUPS, 2 * OBJ)
+        keys = [_key(100 + i) for i in range(3)]
+        ds.store_many([(k, _payload(100 + i), DIGEST) for i, k in enumerate(keys)])  # two staging batches
+        assert ds.has(keys, [DIGEST] * 3) == [Reason.OK] * 3
+        out = torch.zeros(OBJ, dtype=torch.uint8)
+        assert ds.load_into([LoadRequest(keys[2], out, DIGEST)]) == [Reason.OK] and torch.equal(out, _payload(102))
+        d.proc.kill()
+        d.proc.wait()
+        with pytest.raises(DaemonUnavailable):
+            ds.has(keys, [DIGEST] * 3)
+        with pytest.raises(DaemonUnavailable):
+            ds.load_into([LoadRequest(keys[0], out, DIGEST)])
+        assert torch.equal(out, _payload(102))  # untouched
+        ds.close()
+    finally:
+        d.close()

@@ -103,6 +103,11 @@ def kvtier_tiers(store_dir: Path) -> list[dict]:
     return [{"type": KVTIER_TIER, "module_path": "kvtier.integrations.vllm", "store_dir": str(store_dir)}]
 
 
+def kvtier_daemon_tiers(socket_path: Path) -> list[dict]:
+    """The same tier, through a running kvtier daemon that owns the store (as docs/vllm.md shows it)."""
+    return [{"type": KVTIER_TIER, "module_path": "kvtier.integrations.vllm", "daemon_socket": str(socket_path)}]
+
+
 def kvtier_audit(store_dir: Path) -> tuple[int, dict]:
     """`kvtier audit --store DIR --json --deep` in a process of its own: (exit code, report); 0 means clean."""
     proc = subprocess.run(

@@ -1,0 +1,55 @@
+"""An engine tier's store through the kvtier daemon: what a `DiskStore` answers, over the daemon's raw tier ops.
+
+A node running `kvtier serve` has the daemon as its store's one writer; an engine plug-in on that node
+stores and loads through it instead of opening the store itself. Three connections, one per calling
+thread (the engine's scheduler looks up, a load worker loads, a store worker stores), so a lookup never
+waits behind a store's fdatasync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.client.tier import TierClient
+from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.versions import VersionKey
+
+
+class DaemonStore:
+    """`has` / `load_into` / `store_many` of one namespace, served by the daemon on `socket_path`."""
+
+    is_writer = True  # the daemon writes; it refuses with a typed error where it cannot
+
+    def __init__(self, socket_path: str | Path, version_key: VersionKey, groups: Sequence[tuple[str, CacheForm]], staging_bytes: int) -> None:
+        self.socket_path = Path(socket_path)
+        self._clients: list[TierClient] = []
+        try:
+            for role, staging in (("lookups", 0), ("loads", staging_bytes), ("stores", staging_bytes)):
+                self._clients.append(TierClient(self.socket_path, version_key, groups, staging, name=f"engine tier {role}"))
+        except BaseException:
+            self.close()
+            raise
+        self._lookups, self._loads, self._stores = self._clients
+        self.root = f"{self._lookups.store_root} (through the daemon on {self.socket_path})"
+        self.io_backend = self._lookups.io_backend
+
+    def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
+        return self._lookups.has(keys, layout_digests)
+
+    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+        return self._loads.load_into(requests)
+
+    def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
+        self._stores.store_many(items)
+
+    def stats(self) -> dict[str, Any]:
+        return {"daemon": self._lookups.daemon, "socket": str(self.socket_path)}
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
