@@ -115,3 +115,14 @@ class DaemonProc:
             self.proc.wait()
         self.notify.close()
         self.log.close()
+
+
+def wait_leases_released(socket_path: Path, timeout_s: float = 20.0) -> None:
+    """Poll the daemon's stats until no lease is live: a dead client's are released on its disconnect."""
+    from kvtier.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(socket_path) as c:
+        while c.stats()["profiles"][0]["live_leases"]:
+            assert time.monotonic() < deadline, "the dead client's leases were never released"
+            time.sleep(0.02)  # polling interval of a real condition, not synchronisation
