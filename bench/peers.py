@@ -45,6 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pagecache import drop_cache_tree  # noqa: E402
+
 from kvtier.core.forms import GroupKind, Reason  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
@@ -121,18 +123,6 @@ def fsync_tree(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def drop_cache_tree(path: Path) -> None:
-    """Evict every file of a store from the page cache (after fsync, so the pages are clean)."""
-    for d, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def flip_byte(path: str, offset: int) -> None:

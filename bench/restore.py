@@ -37,7 +37,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from peers import drop_cache_tree  # noqa: E402
+from pagecache import drop_cache_tree  # noqa: E402
 
 from kvtier.client import Client  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402

@@ -25,6 +25,7 @@ from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.segments import SEGMENTS_DIR
+from pagecache import drop_cache_tree
 
 MB = 1e6
 
@@ -35,17 +36,6 @@ def dd_seconds(args: list[str]) -> float:
     if not m:
         raise RuntimeError(f"cannot parse dd output: {res.stderr!r}")
     return float(m.group(1))
-
-
-def drop_cache(root: str) -> None:
-    seg_dir = os.path.join(root, SEGMENTS_DIR)
-    for name in os.listdir(seg_dir):
-        fd = os.open(os.path.join(seg_dir, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def raw_pass(work: str, record_mib: int, count: int) -> tuple[float, float]:
@@ -74,7 +64,7 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
             store.store_many([(keys[i], payloads[i % len(payloads)], digest) for i in idx])
         write_s = time.perf_counter() - t0
     if backend == "buffered":
-        drop_cache(root)
+        drop_cache_tree(os.path.join(root, SEGMENTS_DIR))
     with DiskStore(root, cfg) as store:
         outs = [torch.empty(record, dtype=torch.uint8) for _ in range(args.batch)]
         bad = 0
