@@ -342,17 +342,20 @@ class CacheManager:
         lease.held_slots = slots
 
     def _unhold(self, lease: LeaseSet) -> None:
+        self._let_go(lease.held_rows, lease.held_slots)
+        lease.held_rows = _NO_ROWS
+        lease.held_slots = []
+
+    def _let_go(self, held: np.ndarray, held_slots: list[tuple[int, int]]) -> None:
+        """Undo one `_hold`; rows left with no slot and no lease are unindexed."""
         t = self._table
-        held = lease.held_rows
         t.r_leases[held] -= 1
-        for slot, gen in lease.held_slots:
+        for slot, gen in held_slots:
             if t.s_gen[slot] == gen:
                 t.s_leases[slot] -= 1
         dead = held[(t.r_live[held] == 0) & (t.r_leases[held] == 0)]
         for row in np.unique(dead).tolist():
             t.drop_row_if_dead(row)
-        lease.held_rows = _NO_ROWS
-        lease.held_slots = []
 
     # ------------------------------------------------------------------------------------------
     # leases
@@ -743,6 +746,9 @@ class CacheManager:
 
     def _claim(self, lease: LeaseSet, g: int, b: int, adopted: list[int]) -> Any:
         """Decide one pending object: None (settled now), "wait", or a load-batch entry with its slot."""
+        if lease.namespace != self._ns:  # the version moved since the lookup: never load stale objects
+            self._fail(lease, g, b, Reason.STALE_VERSION)
+            return None
         t = self._table
         row = int(lease.rows[b])
         if row == t.sentinel:
@@ -827,9 +833,12 @@ class CacheManager:
         moved = (lease.routes[:, :k] == Route.REUSE) & (current != lease.gens[:, :k])
         lease.routes[:, :k][moved] = Route.RECOMPUTE
         lease.reasons[:, :k][moved] = Reason.EVICTED
-        self._unhold(lease)
         result.check_vector = CheckVector.build(self._geometry, lease.routes, lease.reasons)
+        # hold the new hit before letting go of the old one: a row kept indexed only by this lease
+        # must not be unindexed (and its row reused by another hash) in between
+        old_rows, old_slots = lease.held_rows, lease.held_slots
         self._hold(lease, result.check_vector)
+        self._let_go(old_rows, old_slots)
 
     def persist(self, limit: int | None = None) -> int:
         """Store sealed objects the lower tier lacks (write-back); they become recoverable. Returns how many."""
@@ -945,6 +954,9 @@ class CacheManager:
                     slot_leases[slot] += 1
         if not np.array_equal(leases[:-1], t.r_leases[:-1]) or not np.array_equal(slot_leases, t.s_leases):
             bad.append("lease counts disagree with live leases")
+        unindexed = np.fromiter((h is None for h in t.r_hash), dtype=bool, count=len(t.r_hash))
+        if (t.r_leases[:-1][unindexed] > 0).any():
+            bad.append("a leased row was unindexed under its lease")
         used = np.zeros_like(self._quotas.used)
         np.add.at(used, np.array(self._gform)[t.s_group[bound]], 1)
         if not np.array_equal(used, self._quotas.used):

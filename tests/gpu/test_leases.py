@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
+from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused, StaleHandle
 
 
@@ -92,3 +93,37 @@ def test_pinned_objects_are_never_evicted() -> None:
     m.release(r)
     assert m.unpin([key(m, hs[0], "c4")]) == 1 and m.unpin([key(m, hs[0], "c4")]) == 0
     assert m.evict([key(m, hs[0], "c4")]) == 1
+
+
+def test_recovery_keeps_rows_that_only_another_released_lease_kept_indexed() -> None:
+    """A row with nothing resident stays indexed only while a lease holds it. Lease `a` keeps the rows
+    of an evicted prefix; `b` looks them up (RECOVER) and `a` is released: b's recovery must re-hold
+    the rows before letting go of the old hold, or the rows are unindexed (and may be reused by
+    another hash) under b's feet."""
+    m, _, _, hs = _filled(blocks=8)
+    assert m.persist() > 0
+    a = m.lookup(hs, owner="a")
+    assert m.evict([key(m, h, g.name) for h in hs for g in PROFILE.groups]) > 0
+    b = m.lookup(hs, owner="b")
+    assert b.check_vector.hit_blocks == len(hs) and (b.check_vector.routes == Route.RECOVER).any()
+    m.release(a)
+    m.recover(b)
+    assert b.check_vector.hit_blocks == len(hs) and not (b.check_vector.routes == Route.RECOVER).any()
+    for blk, group, _form, route, _reason in b.check_vector.entries():
+        if route is Route.REUSE:
+            assert torch.equal(m.read(m.handle(b, group, blk)), payload(PROFILE, group, hs[blk], m.namespace))
+    assert m.audit() == []
+
+
+def test_recovery_after_a_version_bump_loads_nothing_of_the_old_namespace() -> None:
+    m, tier, _, hs = _filled(blocks=8)
+    assert m.persist() > 0
+    m.evict([key(m, h, g.name) for h in hs for g in PROFILE.groups])
+    old = m.lookup(hs)
+    assert (old.check_vector.routes == Route.RECOVER).any()
+    m.set_version(PROFILE.version.bumped(indexer_version="ref-indexer/2"))
+    m.recover(old)
+    cv = old.check_vector
+    assert not (cv.routes == Route.RECOVER).any() and cv.hit_blocks == 0
+    assert Reason.STALE_VERSION in {r for *_, route, r in cv.entries() if route is Route.RECOMPUTE}
+    assert m.counters()["forms"]["compressed"]["recovers_ok"] == 0

@@ -50,11 +50,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(j=st.integers(0, 20))
     def recover_old_lookup(self, j: int) -> None:
         if self.results:
-            result, i = self.results[j % len(self.results)]
-            try:
-                self.d.check(self.d.m.recover(result, timeout_s=5.0), i)
-            except EXPECTED:
-                pass
+            self.d.recover_later(*self.results[j % len(self.results)])
 
     @rule(j=st.integers(0, 20))
     def release(self, j: int) -> None:
@@ -108,9 +104,10 @@ def _random_op(d: Driver, rng: random.Random, owner: int, held: list[tuple[Looku
             held.append((result, i))
     elif op < 0.62 and held:
         d.m.release(held.pop(rng.randrange(len(held)))[0])
+    elif op < 0.66 and held:
+        d.read_all(*held[rng.randrange(len(held))])
     elif op < 0.70 and held:
-        result, i = held[rng.randrange(len(held))]
-        d.read_all(result, i)
+        d.recover_later(*held[rng.randrange(len(held))])
     elif op < 0.78:
         d.evict(i, b, g)
     elif op < 0.82:
