@@ -1,7 +1,8 @@
 """Run one vLLM engine (in this process) over a prompt set and write tokens, logprobs and tier metrics as JSON.
 
 Usage: python engine_run.py SPEC.json OUT.json   (SPEC: model, prompts, max_tokens, secondary_tiers)
-Each call is a fresh process, so a second call sees only what the first left in the secondary tier.
+The tests call `main` in a new process per engine (vllm_harness.run_engine), so a second engine sees only
+what the first left in the secondary tier.
 """
 
 from __future__ import annotations
