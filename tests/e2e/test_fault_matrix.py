@@ -31,6 +31,7 @@ from kvtier.store.store import StoreLimits
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 from kvtier.store.index import IndexEntry, encode_key
 from support.daemon import DaemonProc, wait_leases_released
+from support.fault_table import FaultRows
 from support.mounts import mounted
 
 from .engine_proc import CHECKPOINT_EVERY
@@ -82,7 +83,7 @@ def _outcome(res: RestoreResult, tokens: np.ndarray, oracle: Oracle) -> str:
     return "full recompute, bitwise"
 
 
-def _row(table: list, case: str, res: RestoreResult, group: str, block: int, outcome: str) -> None:
+def _row(table: FaultRows, case: str, res: RestoreResult, group: str, block: int, outcome: str) -> None:
     cv = res.final_cv
     table.append((case, cv.route(group, block).name, cv.reason(group, block).label, outcome))
 
@@ -197,7 +198,7 @@ DISK_CASES = {
 
 
 @pytest.mark.parametrize("case", list(DISK_CASES))
-def test_disk_fault(case: str, disk_world: DiskWorld, oracle: Oracle, fault_table: list) -> None:
+def test_disk_fault(case: str, disk_world: DiskWorld, oracle: Oracle, fault_table: FaultRows) -> None:
     f = DISK_CASES[case]
     tokens = _b(f.seed)
     res = _serve(disk_world.daemon, tokens)
@@ -250,7 +251,7 @@ def version_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Da
 
 
 @pytest.mark.parametrize("case", list(BUMPS))
-def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: list) -> None:
+def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: FaultRows) -> None:
     d, profiles = version_world
     profile = profiles[case]
     assert profile.namespace != PROFILE.namespace and profile.version.model_id == PROFILE.version.model_id
@@ -275,7 +276,7 @@ def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: 
 # Processes killed with -9, and a full disk.
 
 
-def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: Oracle, fault_table: list) -> None:
+def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: Oracle, fault_table: FaultRows) -> None:
     work = tmp_path / "work"
     work.mkdir()
     seeds = list(range(31, 37))
@@ -310,7 +311,7 @@ def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: 
         assert d.terminate() == 0
 
 
-def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table: list) -> None:
+def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table: FaultRows) -> None:
     with mounted("tmpfs", 3) as mnt:
         d = DaemonProc(tmp_path, store_root=Path(mnt) / "store")
         try:
@@ -347,7 +348,7 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
             d.close()
 
 
-def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, fault_table: list) -> None:
+def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, fault_table: FaultRows) -> None:
     work = tmp_path / "work"
     work.mkdir()
     save_prompts(work, {"held": _b(51)})
@@ -381,7 +382,7 @@ class _SlowLoader(Client):
         return super().load(result)
 
 
-def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fault_table: list) -> None:
+def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fault_table: FaultRows) -> None:
     """TOCTOU: B's lookup saw the records (RECOVER); the verifier, its own process-level store handle, evicts them all
     (and reclaims their segment) before B's load: the load finds them gone, nothing stale is read."""
     seed = 61

