@@ -32,14 +32,17 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
 @click.option("--store", "root", required=True, type=click.Path(exists=True, file_okay=False), help="Store root directory.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def stats_cmd(root: str, as_json: bool) -> None:
-    """Records and bytes per form, codec ratios, segments, namespaces, I/O backend."""
+    """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""
     with DiskStore(root, readonly=True) as s:
         stats = s.stats()
     if as_json:
         click.echo(json.dumps(stats))
         return
     click.echo(f"store      {stats['root']}  ({stats['io_backend']})")
-    click.echo(f"records    {stats['records']}  ({stats['record_bytes']} bytes, budget {stats['budget_bytes']})")
+    click.echo(
+        f"records    {stats['records']}  ({stats['record_bytes']} bytes, budget {stats['budget_bytes']}); "
+        f"{stats['evicted_tombstones']} evicted keys remembered"
+    )
     click.echo(f"segments   {stats['segments']}  unverified {stats['unverified']}  namespaces {stats['namespaces']}")
     for form, f in stats["forms"].items():
         click.echo(f"  {form:<11} {f['records']:>8} records {f['record_bytes']:>14} B  codec ratio {f['codec_ratio']}")

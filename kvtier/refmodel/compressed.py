@@ -51,7 +51,7 @@ class CompressedLayer:
 
     def forward(self, state: CompressedState, x: torch.Tensor, pos: int) -> torch.Tensor:
         """Attend for tokens [pos, pos + T) (x: (T, d_model)) and advance the state past them."""
-        t, r = x.shape[0], self.spec.ratio
+        r = self.spec.ratio
         base = pos - state.pending.shape[0]
         proj = torch.cat((state.pending, x @ self.w.compressor.proj))
         local = torch.cat((state.local, x @ self.w.wraw))

@@ -11,7 +11,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import xxhash
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INDEX_DIR = "index.lmdb"
-DB_NAMES = ("meta", "ns", "obj", "seg", "dirty", "atime")
+DB_NAMES = ("meta", "ns", "obj", "seg", "dirty", "atime", "gone")
 INITIAL_MAP_BYTES = 64 << 20
 KEY_PREFIX_BYTES = 33  # namespace(16) + block hash(16) + form code(1), then the group name
 
@@ -257,11 +257,21 @@ class Index:
                 raise StoreError(f"{path} is already open in this process: share that DiskStore, or close it first") from None
             raise
         if readonly:  # handles opened inside a read txn die with it: open them without one
-            self.dbs = {n: self.env.open_db(n.encode(), create=False) for n in DB_NAMES}
+            self.dbs = {n: self._open_existing(n) for n in DB_NAMES}
         else:
             with self.env.begin(write=True) as txn:
                 self.dbs = {n: self.env.open_db(n.encode(), txn=txn) for n in DB_NAMES}
         self._check_format()
+
+    def _open_existing(self, name: str) -> Any:
+        """A named DB of a read-only environment. A store no writer has opened since `gone` was added lacks it:
+        None stands in (no eviction tombstones: absent keys read as missing)."""
+        try:
+            return self.env.open_db(name.encode(), create=False)
+        except lmdb.NotFoundError:
+            if name != "gone":
+                raise
+            return None
 
     def _check_format(self) -> None:
         with self.read() as txn:

@@ -239,9 +239,11 @@ class DiskStore:
             return Reason.MISSING, None
         if not ns.live:
             return Reason.STALE_VERSION, None
-        raw = txn.get(encode_key(key), db=self.index.dbs["obj"])
+        raw_key = encode_key(key)
+        raw = txn.get(raw_key, db=self.index.dbs["obj"])
         if raw is None:
-            return Reason.MISSING, None
+            gone = self.index.dbs["gone"]
+            return (Reason.EVICTED if gone is not None and txn.get(raw_key, db=gone) is not None else Reason.MISSING), None
         try:
             entry = IndexEntry.unpack(raw)
         except CorruptRecord:
@@ -537,6 +539,7 @@ class DiskStore:
                 self._unaccount(txn, old, usage, seg_entries, raw_key)
             usage[h.form].add(h.record_len, h.payload_len, h.stored_len, +1)
             txn.put(raw_key, entry.pack(), db=obj_db)
+            txn.delete(raw_key, db=self.index.dbs["gone"])  # stored again after an eviction
             txn.put(u64_key(seq), raw_key, db=self.index.dbs["dirty"])
             txn.put(raw_key, seal(_ATIME.pack(h.created)), db=self.index.dbs["atime"])
             seg = seg_entries[seg_id]
@@ -612,7 +615,14 @@ class DiskStore:
     def remove(self, keys: Sequence[ObjectKey]) -> int:
         return self.drop(keys)
 
-    def drop(self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None) -> int:
+    def evict(self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None) -> int:
+        """`drop` to make room, leaving a tombstone per key (`gone`): until it is stored again or the cleaner
+        prunes the tombstone, lookups and loads answer `evicted` rather than `missing`."""
+        return self.drop(keys, when=when, tombstone=True)
+
+    def drop(
+        self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None, tombstone: bool = False,
+    ) -> int:
         """Delete index entries (the bytes stay until their segment is reclaimed); returns how many were deleted.
 
         `when`, if given, is asked inside the write transaction about each indexed key's current entry (None: its
@@ -620,6 +630,7 @@ class DiskStore:
         """
         self._check_pid()
         pairs = [(k, encode_key(k)) for k in keys]
+        stamp = seal(_ATIME.pack(time.time()))
 
         def put(txn: lmdb.Transaction) -> int:
             usage = self.index.usage(txn)
@@ -632,6 +643,8 @@ class DiskStore:
                 self._unaccount(txn, raw, usage, seg_entries, raw_key)
                 txn.delete(raw_key, db=self.index.dbs["obj"])
                 txn.delete(raw_key, db=self.index.dbs["atime"])
+                if tombstone:
+                    txn.put(raw_key, stamp, db=self.index.dbs["gone"])
                 n += 1
             for seg_id, seg in seg_entries.items():
                 txn.put(u64_key(seg_id), seg.pack(), db=self.index.dbs["seg"])
@@ -641,6 +654,33 @@ class DiskStore:
         return self.index.update(put)
 
     # ----------------------------------------------------------------- verifier / cleaner primitives
+
+    def prune_tombstones(self, older_than: float, *, start: bytes = b"", scan: int = 4096) -> tuple[int, bytes]:
+        """Forget eviction tombstones written before `older_than` (unix time; a corrupt one goes too): those
+        keys read as missing again. Looks at most `scan` tombstones from key `start` in one short transaction;
+        returns (how many went, the key to resume from: b"" once the end was reached)."""
+        self._check_pid()
+
+        def put(txn: lmdb.Transaction) -> tuple[int, bytes]:
+            n = 0
+            with txn.cursor(db=self.index.dbs["gone"]) as cur:
+                more = cur.set_range(start) if start else cur.first()
+                for _ in range(scan):
+                    if not more:
+                        return n, b""
+                    try:
+                        expired = _ATIME.unpack(unseal(cur.value()))[0] < older_than
+                    except (CorruptRecord, struct.error):
+                        expired = True
+                    if expired:
+                        cur.delete()  # moves to the next entry; past the last one the cursor is unset
+                        more = bool(cur.key())
+                        n += 1
+                    else:
+                        more = cur.next()
+                return n, (bytes(cur.key()) if more else b"")
+
+        return self.index.update(put)
 
     def quarantine(self, key: ObjectKey, reason: QuarantineReason) -> bool:
         """Take a record out of service with reason and time (readers get a miss); False if it is not indexed."""
@@ -986,6 +1026,8 @@ class DiskStore:
             usage = self.index.usage(txn)
             nseg = txn.stat(self.index.dbs["seg"])["entries"]
             ndirty = txn.stat(self.index.dbs["dirty"])["entries"]
+            gone = self.index.dbs["gone"]
+            ntomb = txn.stat(gone)["entries"] if gone is not None else 0
         namespaces = self.namespaces()
         forms = {
             f.value: {
@@ -998,7 +1040,7 @@ class DiskStore:
         return {
             "root": self.root, "io_backend": self.io_backend, "budget_bytes": self.config.budget_bytes or None,
             "record_bytes": sum(u.record_bytes for u in usage.values()), "records": sum(u.records for u in usage.values()),
-            "forms": forms, "segments": nseg, "unverified": ndirty,
+            "forms": forms, "segments": nseg, "unverified": ndirty, "evicted_tombstones": ntomb,
             "namespaces": {"live": sum(n.live for n in namespaces.values()), "retired": sum(not n.live for n in namespaces.values())},
         }
 

@@ -1,4 +1,5 @@
-"""The cleaner's actions on one inventory: quarantine, retire, drop expired quarantines, evict, reclaim, compact, unlink.
+"""The cleaner's actions on one inventory: quarantine, retire, drop expired quarantines, evict (leaving tombstones,
+pruned after their retention), reclaim, compact, unlink.
 
 Every removal is a conditional drop (the record must still be what the inventory saw) in bounded write
 transactions; bytes are unlinked only through `DiskStore.try_unlink_segment` (flock + reader epochs).
@@ -36,6 +37,7 @@ class Cleaner:
         self.settings = settings
         self.limiter = limiter
         self.actions = actions
+        self._tombstone_cursor = b""  # where the next bounded tombstone scan resumes
 
     def limits(self) -> StoreLimits:
         return self.settings.limits or self.store.limits() or StoreLimits()
@@ -46,6 +48,7 @@ class Cleaner:
         self.retire(inv.stale, namespaces)
         remaining = self.drop_expired_quarantine(inv.candidates, now)
         self.evict(remaining, now)
+        self.prune_tombstones(now)
         self.remove_strays(survey)
         self.trim_tails(survey)
         self.compact(survey, inv)
@@ -94,9 +97,15 @@ class Cleaner:
 
         for start in range(0, len(victims), self.settings.batch_records):
             batch = victims[start : start + self.settings.batch_records]
-            dropped = self.store.drop([c.key for c in batch], when=accept)
+            dropped = self.store.evict([c.key for c in batch], when=accept)
             self.actions["evicted"] += dropped
         log.info("evicted up to %d records (%d bytes) to stay within %s", len(victims), sum(c.record_len for c in victims), self.limits())
+
+    def prune_tombstones(self, now: float) -> None:
+        """Forget evictions older than the retention: those keys read as missing again."""
+        n, self._tombstone_cursor = self.store.prune_tombstones(now - self.settings.tombstone_retention_s, start=self._tombstone_cursor)
+        if n:
+            self.actions["tombstones_pruned"] += n
 
     def _drop(self, keyed: Sequence[tuple[ObjectKey, int]], accept: Callable[[IndexEntry | None, int], bool]) -> int:
         seqs = dict(keyed)

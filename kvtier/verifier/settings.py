@@ -21,6 +21,7 @@ class VerifierSettings:
     batch_bytes: int = 8 << 20  # payload bytes read under one read transaction
     compact_below: float = 0.5  # compact a sealed segment whose live fraction is below this
     quarantine_retention_s: float = 3600.0  # quarantined records stay visible to audits this long, then are dropped
+    tombstone_retention_s: float = 3600.0  # an evicted key reads as `evicted` (not `missing`) this long
     orphan_grace_s: float = 300.0  # stray files and uncommitted tails untouched for less than this are left alone
     evict_high: float = 0.95  # start evicting at this fraction of the budget / a quota ...
     evict_low: float = 0.85  # ... and evict down to this fraction

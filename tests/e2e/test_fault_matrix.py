@@ -103,8 +103,8 @@ RECORD_FLIPS = {
     "bit flip in a tail record": Fault(14, "c16_tail", 11, Reason.CORRUPT, 8),
 }
 EVICTIONS = {
-    "tail evicted (cleaner dropped it)": Fault(15, "c4_tail", 11, Reason.MISSING, 8),
-    "one swa block of the window evicted": Fault(16, "swa", 10, Reason.MISSING, 8),
+    "tail evicted by the cleaner": Fault(15, "c4_tail", 11, Reason.EVICTED, 8),
+    "one swa block of the window evicted": Fault(16, "swa", 10, Reason.EVICTED, 8),
 }
 LMDB_FLIP = Fault(17, "c16", 5, Reason.CORRUPT, 4)
 TRUNCATED = Fault(18, "c4", 9, Reason.CORRUPT, 8)  # the segment ends inside this record (hit at most 8 blocks)
@@ -170,7 +170,7 @@ def disk_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiskWorld]:
         for f in RECORD_FLIPS.values():
             _flip_segment_bit(root, store, _keys(_a(f.seed), f.group, f.block))
         for f in EVICTIONS.values():
-            assert store.drop([_keys(_a(f.seed), f.group, f.block)]) == 1
+            assert store.evict([_keys(_a(f.seed), f.group, f.block)]) == 1  # what the cleaner does: a tombstone stays
         _flip_lmdb_value(root, store, _keys(_a(LMDB_FLIP.seed), LMDB_FLIP.group, LMDB_FLIP.block))
         cut = _entry(store, _keys(_a(TRUNCATED.seed), TRUNCATED.group, TRUNCATED.block))
         deleted = _entry(store, _keys(_a(DELETED.seed), DELETED.group, DELETED.block)).segment
@@ -412,7 +412,7 @@ def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fa
         assert actions.get("evicted", 0) == before, actions
         assert res.lookup_cv.hit_tokens == BLOCKS * H and res.loaded_objects == 0
         cv = res.final_cv
-        assert res.hit_tokens == 0 and (cv.route("c4", 0), cv.reason("c4", 0)) == (Route.RECOMPUTE, Reason.MISSING)
+        assert res.hit_tokens == 0 and (cv.route("c4", 0), cv.reason("c4", 0)) == (Route.RECOMPUTE, Reason.EVICTED)
         _row(fault_table, "verifier evicts between B's lookup and load (TOCTOU)", res, "c4", 0,
              _outcome(res, tokens, oracle) + f"; {before} records evicted under B")
     finally:

@@ -9,7 +9,7 @@ import threading
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from driver import EXPECTED, GROUPS, N_BLOCKS, N_PROMPTS, Driver
+from driver import GROUPS, N_BLOCKS, N_PROMPTS, Driver
 from kvtier.gpu import LookupResult
 
 prompts = st.integers(0, N_PROMPTS - 1)

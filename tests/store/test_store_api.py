@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import lmdb
 import pytest
@@ -140,6 +142,41 @@ def test_remove_makes_a_miss_and_updates_accounting(store: DiskStore) -> None:
     assert seg.referenced == 2 * record_length(9000) and seg.records == 2
 
 
+def test_eviction_leaves_a_tombstone_until_stored_again_or_pruned(store: DiskStore) -> None:
+    ns = store.register_namespace(VK)
+    keys = [make_key(ns, f"e{i}") for i in range(4)]
+    store.store_many([(k, make_payload(f"e{i}", 9000), DIGEST) for i, k in enumerate(keys)])
+    assert store.evict(keys[:3], when=lambda key, e: key != keys[2]) == 2  # the cleaner's condition holds
+    assert store.remove([keys[3]]) == 1  # removal is not eviction: no tombstone
+    assert store.has(keys, [DIGEST] * 4) == [Reason.EVICTED, Reason.EVICTED, Reason.OK, Reason.MISSING]
+    assert _load(store, keys[0], 9000)[0] is Reason.EVICTED
+    assert store.stats()["records"] == 1 and store.stats()["evicted_tombstones"] == 2
+    store.store(keys[0], make_payload("e0", 9000), DIGEST)  # stored again: the tombstone goes in the same commit
+    assert _load(store, keys[0], 9000)[0] is Reason.OK and store.stats()["evicted_tombstones"] == 1
+    # pruning: nothing is older than a minute ago; everything is older than a minute from now, in bounded scans
+    assert store.prune_tombstones(time.time() - 60) == (0, b"")
+    store.evict([keys[2]])
+    _, second = sorted(index_mod.encode_key(k) for k in keys[1:3])
+    assert store.prune_tombstones(time.time() + 60, scan=1) == (1, second)
+    assert store.prune_tombstones(time.time() + 60, start=second, scan=1) == (1, b"")
+    assert store.has(keys[1:3], [DIGEST] * 2) == [Reason.MISSING, Reason.MISSING]
+    assert store.stats()["evicted_tombstones"] == 0
+
+
+def test_a_store_without_the_tombstone_db_opens_read_only(tmp_path) -> None:
+    """An index written before `gone` existed (no writer since): readers see plain misses."""
+    with DiskStore(str(tmp_path), writer=True) as s:
+        ns = s.register_namespace(VK)
+        s.store(make_key(ns, "old"), make_payload("old", 9000), DIGEST)
+    env = lmdb.open(os.path.join(str(tmp_path), index_mod.INDEX_DIR), max_dbs=len(index_mod.DB_NAMES))
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"gone", txn=txn), delete=True)
+    env.close()
+    with DiskStore(str(tmp_path), readonly=True) as s:
+        assert s.has([make_key(ns, "old"), make_key(ns, "new")], [DIGEST] * 2) == [Reason.OK, Reason.MISSING]
+        assert s.stats()["evicted_tombstones"] == 0
+
+
 def test_budget_and_quota_refuse_with_nothing_visible_nothing_deleted(tmp_path) -> None:
     rec = record_length(50_000)
     cfg = StoreConfig(budget_bytes=3 * rec, form_quotas=StoreConfig.quotas({CacheForm.SWA: rec}))
@@ -252,3 +289,20 @@ def test_one_batch_spanning_several_segments(tmp_path) -> None:
         outs = [torch.empty(30_000 + i, dtype=torch.uint8) for i in range(40)]
         assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * 40
         assert all(torch.equal(o, make_payload(f"roll{i}", 30_000 + i)) for i, o in enumerate(outs))
+
+
+def test_store_stats_cli_reports_records_and_remembered_evictions(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from kvtier.cli.main import cli
+
+    with DiskStore(str(tmp_path), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"c{i}") for i in range(3)]
+        s.store_many([(k, make_payload(f"c{i}", 9000), DIGEST) for i, k in enumerate(keys)])
+        s.evict(keys[:2])
+    human = CliRunner().invoke(cli, ["store", "stats", "--store", str(tmp_path)])
+    assert human.exit_code == 0, human.output
+    assert f"records    1  ({record_length(9000)} bytes, budget None); 2 evicted keys remembered" in human.output
+    as_json = CliRunner().invoke(cli, ["store", "stats", "--store", str(tmp_path), "--json"])
+    assert json.loads(as_json.output)["evicted_tombstones"] == 2

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from kvtier.core import CacheForm
+from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, StoreConfig, StoreLimits
 from kvtier.store.record import record_length
 from kvtier.verifier import Verifier, VerifierSettings
-from verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
+from verifier_helpers import DIGEST, VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
 
 SIZE = 20_000
 REC = record_length(SIZE)
@@ -68,3 +68,22 @@ def test_form_quota_evicts_only_that_form(tmp_path) -> None:
         assert v.actions["evicted"] == 6
     assert_consistent(root)
     assert all(r.key in {k for k in _keys(root)} for r in recs[:6])
+
+
+def test_evicted_keys_read_evicted_until_their_tombstones_expire(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    recs = populate(root, _specs("s", CacheForm.SWA, 10))
+    digests = [DIGEST] * len(recs)
+    with DiskStore(root) as s:
+        v = Verifier(s, VerifierSettings(limits=StoreLimits(0, StoreConfig.quotas({CacheForm.SWA: 5 * REC}))))
+        v.maintain()
+        answers = s.has([r.key for r in recs], digests)
+        assert answers.count(Reason.EVICTED) == v.actions["evicted"] == 6 and answers.count(Reason.OK) == 4
+        v.maintain()  # within the retention: the tombstones stay
+        assert s.stats()["evicted_tombstones"] == 6 and "tombstones_pruned" not in v.actions
+        expired = Verifier(s, v.settings.replace(tombstone_retention_s=-1.0))  # every tombstone is past it
+        expired.maintain()
+        assert expired.actions["tombstones_pruned"] == 6, dict(expired.actions)
+        assert s.stats()["evicted_tombstones"] == 0
+        assert sorted(s.has([r.key for r in recs], digests)) == sorted([Reason.OK] * 4 + [Reason.MISSING] * 6)
+    assert_consistent(root)
