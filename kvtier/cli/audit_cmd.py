@@ -8,8 +8,6 @@ import sys
 import click
 from tqdm import tqdm
 
-from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
-
 
 @click.command()
 @click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
@@ -22,6 +20,8 @@ def audit(root: str, as_json: bool, deep: bool, fix: bool) -> None:
     Exit 0 when clean; 1 when corruption or orphaned bytes were found (with --fix: found before or left after);
     2 for usage errors (a missing store included).
     """
+    from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
+
     settings = VerifierSettings()
     with open_store(root, readonly=not fix) as store:
         bar = None

@@ -107,12 +107,12 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
 
     Exit code 0 when healthy, 1 when degraded, 3 when no daemon answers.
     """
-    from kvtier.client import Client
+    from kvtier.daemon.connection import Connection  # not kvtier.client: status needs no torch
 
     path = _socket(config_path, socket_path)
     try:
-        with Client(path, timeout_s=10.0, name="kvtier status") as client:
-            doc = client.stats()
+        with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
+            doc = conn.stats()
     except DaemonUnavailable as exc:
         click.echo(f"kvtier: {exc}", err=True)
         sys.exit(3)

@@ -6,10 +6,12 @@ import json
 import sys
 from pathlib import Path
 
-import click
-import torch
+from typing import TYPE_CHECKING
 
-from kvtier.refmodel.demo import DemoParams, DemoReport, run_demo
+import click
+
+if TYPE_CHECKING:
+    from kvtier.refmodel.demo import DemoReport
 
 FAILED_EXIT = 1
 
@@ -32,6 +34,10 @@ def demo(tokens: int, decode_steps: int, checkpoint_every: int, seed: int, profi
     Exit 1 when the continuation differs from the uninterrupted run or the restore is not faster than
     recomputing the prefix.
     """
+    import torch  # here, not at import: every other command starts without torch
+
+    from kvtier.refmodel.demo import DemoParams, run_demo
+
     torch.set_num_threads(threads)
     try:
         report = run_demo(DemoParams(tokens, decode_steps, checkpoint_every, seed, profile_name, workdir))

@@ -6,8 +6,6 @@ import json
 
 import click
 
-from kvtier.store import DiskStore, rebuild_index
-
 
 @click.group()
 def store() -> None:
@@ -20,6 +18,8 @@ def store() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
     """Rebuild index.lmdb from the segments alone (the daemon must be stopped)."""
+    from kvtier.store import rebuild_index
+
     report = rebuild_index(root, dry_run=dry_run).to_dict()
     if as_json:
         click.echo(json.dumps(report))
@@ -33,6 +33,8 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def stats_cmd(root: str, as_json: bool) -> None:
     """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""
+    from kvtier.store import DiskStore
+
     with DiskStore(root, readonly=True) as s:
         stats = s.stats()
     if as_json:

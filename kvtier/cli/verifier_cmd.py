@@ -7,9 +7,6 @@ import sys
 
 import click
 
-from kvtier.verifier import open_store, verifier_status
-from kvtier.verifier import process
-
 _OVERRIDES = {
     "rate": ("rate_bytes_per_s", int, "Payload bytes per second to read (verify) and copy (compaction); 0: unlimited."),
     "sweep_interval": ("sweep_interval_s", float, "Seconds between full sweeps."),
@@ -40,6 +37,8 @@ def _override_options(fn):  # type: ignore[no-untyped-def]
 @_override_options
 def run_cmd(root: str, config: str | None, wait_for_store: float, **given: object) -> None:
     """Verify, quarantine, retire, evict and compact until SIGTERM; SIGHUP re-reads --config."""
+    from kvtier.verifier import process
+
     overrides = {_OVERRIDES[k][0]: v for k, v in given.items() if v is not None}
     sys.exit(process.run(root, config, overrides, wait_for_store_s=wait_for_store))
 
@@ -49,6 +48,8 @@ def run_cmd(root: str, config: str | None, wait_for_store: float, **given: objec
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status_cmd(root: str, as_json: bool) -> None:
     """What the verifier last published: phase, heartbeat, sweep progress, actions. Exit 1 if it is not running."""
+    from kvtier.verifier import open_store, verifier_status
+
     with open_store(root, readonly=True) as store:
         doc = verifier_status(store)
     if as_json:

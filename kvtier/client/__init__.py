@@ -9,9 +9,9 @@ from kvtier.client.client import (
     LookupResult,
     OffloadReport,
     PrewarmReport,
-    default_socket,
 )
 from kvtier.client.tier import TierClient
+from kvtier.daemon.connection import default_socket
 from kvtier.daemon.errors import BadRange, DaemonBusy, DaemonUnavailable, OutOfOrder, PermissionDenied, RemoteError
 
 __all__ = [

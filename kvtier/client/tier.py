@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.client.client import Connection
+from kvtier.daemon.connection import Connection
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey

@@ -43,6 +43,24 @@ def test_status_text_and_json(daemon: DaemonProc) -> None:
     assert text.returncode == 0 and "health     ok" in text.stdout and "pool compressed" in text.stdout and "backend" in text.stdout
 
 
+_NO_TORCH = """
+import sys
+from click.testing import CliRunner
+from kvtier.cli.main import cli
+for args in (["--help"], ["config", "show", "--json"], ["profile", "show", "ref-tiny"], ["status", "--socket", sys.argv[1]]):
+    assert CliRunner().invoke(cli, args).exit_code == 0, args
+print(sorted(m for m in ("torch", "lmdb", "kvtier.store", "kvtier.client") if m in sys.modules))
+"""
+
+
+def test_operator_commands_start_without_torch(daemon: DaemonProc) -> None:
+    """`--help`, `config show`, `profile show` and `status` (against a live daemon) import neither torch nor
+    the store nor the engine client: a node's CLI answers in a fraction of a second, not after torch's ~2 s."""
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH, str(daemon.socket)], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_status_without_daemon_exits_3(tmp_path: Path) -> None:
     out = _kvtier("status", "--socket", str(tmp_path / "none.sock"))
     assert out.returncode == 3 and len(out.stderr.strip().splitlines()) == 1 and "kvtier serve" in out.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvtier.cli import demo_cmd
+from kvtier.refmodel import demo as demo_mod
 from kvtier.cli.main import cli
 from kvtier.core import load_profile
 from kvtier.refmodel.demo import DemoParams, run_demo
@@ -53,14 +54,14 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
 
 
 def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
-    real = demo_cmd.run_demo
+    real = demo_mod.run_demo  # the command imports it when it runs
     reports = []
 
     def spy(params: DemoParams):
         reports.append(real(params))
         return reports[-1]
 
-    monkeypatch.setattr(demo_cmd, "run_demo", spy)
+    monkeypatch.setattr(demo_mod, "run_demo", spy)
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096", "--decode", "2", "--checkpoint-every", "8"])
     assert result.exit_code == (0 if reports[0].restore_faster else demo_cmd.FAILED_EXIT), result.output
     out = result.stdout
@@ -68,10 +69,10 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
     for form in ("compressed", "indexer", "swa", "tail"):
         assert f"             {form:<11} " in out
 
-    monkeypatch.setattr(demo_cmd, "run_demo", lambda p: dataclasses.replace(reports[0], bitwise_match=False))
+    monkeypatch.setattr(demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], bitwise_match=False))
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
-    monkeypatch.setattr(demo_cmd, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2))
+    monkeypatch.setattr(demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2))
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "SLOWER" in result.stdout
 
