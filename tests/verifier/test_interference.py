@@ -22,6 +22,7 @@ def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None
     assert doc["with"]["loads"] > 500 and doc["without"]["loads"] > 500
     actions = doc["verifier_actions"]
     # the verifier really worked during the 'with' windows: swept, evicted, relocated pinned records, unlinked segments
-    assert actions["verified"] >= doc["records"] // 2 and actions["evicted"] > 0
+    # (--quick adds windows until it has, up to 4x: at nice 19 on a busy machine it may need longer)
+    assert doc["windows"] >= 24 and actions["verified"] >= doc["records"] // 2 and actions["evicted"] > 0
     assert actions["relocated"] > 0 and actions["segments_unlinked"] > 0 and actions.get("quarantined", 0) == 0
     assert doc["window_p99_median_ratio"] <= 1.5, doc
