@@ -14,6 +14,7 @@ _OVERRIDES = {
     "poll": ("poll_s", float, "Idle wake-up in seconds when no watchdog hint arrives."),
     "compact_below": ("compact_below", float, "Compact sealed segments whose live fraction is below this."),
     "quarantine_retention": ("quarantine_retention_s", float, "Seconds a quarantined record stays visible before it is dropped."),
+    "tombstone_retention": ("tombstone_retention_s", float, "Seconds an evicted key reads as `evicted` (not `missing`)."),
     "batch_records": ("batch_records", int, "Records per read / write transaction."),
     "orphan_grace": ("orphan_grace_s", float, "Seconds before an unreferenced file or tail counts as orphaned and is reclaimed."),
 }
