@@ -47,6 +47,21 @@ def unseal(value: bytes | memoryview) -> bytes:
     return body
 
 
+TIME = struct.Struct("<d")  # body of an `atime` or `gone` value: unix time as f64
+
+
+def pack_time(t: float) -> bytes:
+    return seal(TIME.pack(t))
+
+
+def unpack_time(value: bytes | memoryview) -> float:
+    """A sealed time value; CorruptRecord if its seal or length is wrong."""
+    body = unseal(value)
+    if len(body) != TIME.size:
+        raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"time value of {len(body)} bytes, not {TIME.size}")
+    return TIME.unpack(body)[0]
+
+
 def encode_key(key: ObjectKey) -> bytes:
     """namespace(16) || block hash(16) || form code(1) || group (utf-8, 1..32 B)."""
     return key.namespace + key.block_hash + bytes((FORM_CODES[key.form],)) + key.group.encode()

@@ -22,8 +22,9 @@ from kvtier.store.index import (
     NamespaceEntry,
     RecordState,
     SegmentEntry,
+    TIME,
     encode_key,
-    seal,
+    pack_time,
     u64_key,
 )
 from kvtier.store.io import BufferPool, select_backend
@@ -32,7 +33,6 @@ from kvtier.store.segments import SEGMENTS_DIR, WriterLock, fsync_dir, list_segm
 
 log = logging.getLogger(__name__)
 
-_ATIME = struct.Struct("<d")
 _TXN_RECORDS = 4096
 
 
@@ -138,7 +138,7 @@ def _read_old_index(root: str) -> tuple[dict[bytes, IndexEntry], dict[bytes, Nam
                     continue
             for k, v in txn.cursor(db=old.dbs["atime"]):
                 try:
-                    atimes[bytes(k)] = _ATIME.unpack(v[:8])[0]
+                    atimes[bytes(k)] = TIME.unpack(v[: TIME.size])[0]
                 except struct.error:
                     continue
             next_segment = old.get_meta_u64(txn, b"next_segment", 1)
@@ -231,7 +231,7 @@ def _write_index(
                         h.stored_len, h.payload_checksum, h.layout_digest, start + i + 1, h.created, now, pin,
                     )
                     txn.put(raw_key, entry.pack(), db=index.dbs["obj"])
-                    txn.put(raw_key, seal(_ATIME.pack(old_atimes.get(raw_key, h.created))), db=index.dbs["atime"])
+                    txn.put(raw_key, pack_time(old_atimes.get(raw_key, h.created)), db=index.dbs["atime"])
 
             index.update(put)
             for _, rec in chunk:

@@ -8,7 +8,6 @@ import errno
 import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,8 +37,10 @@ from kvtier.store.index import (
     SegmentEntry,
     decode_key,
     encode_key,
+    pack_time,
     seal,
     u64_key,
+    unpack_time,
     unseal,
 )
 from kvtier.store.io import AlignedBuffer, BufferPool, PosixBackend, SegmentFile, select_backend
@@ -58,7 +59,6 @@ from kvtier.store.segments import SEGMENTS_DIR, Appender, WriterLock, seal_segme
 log = logging.getLogger(__name__)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-_ATIME = struct.Struct("<d")
 _META_DOCS = frozenset({"verifier"})  # JSON documents other processes may keep in `meta` (FORMAT.md)
 
 
@@ -541,7 +541,7 @@ class DiskStore:
             txn.put(raw_key, entry.pack(), db=obj_db)
             txn.delete(raw_key, db=self.index.dbs["gone"])  # stored again after an eviction
             txn.put(u64_key(seq), raw_key, db=self.index.dbs["dirty"])
-            txn.put(raw_key, seal(_ATIME.pack(h.created)), db=self.index.dbs["atime"])
+            txn.put(raw_key, pack_time(h.created), db=self.index.dbs["atime"])
             seg = seg_entries[seg_id]
             seg_entries[seg_id] = dataclasses.replace(
                 seg, tail=max(seg.tail, offset + h.record_len), referenced=seg.referenced + h.record_len, records=seg.records + 1
@@ -630,7 +630,7 @@ class DiskStore:
         """
         self._check_pid()
         pairs = [(k, encode_key(k)) for k in keys]
-        stamp = seal(_ATIME.pack(time.time()))
+        stamp = pack_time(time.time())
 
         def put(txn: lmdb.Transaction) -> int:
             usage = self.index.usage(txn)
@@ -669,8 +669,8 @@ class DiskStore:
                     if not more:
                         return n, b""
                     try:
-                        expired = _ATIME.unpack(unseal(cur.value()))[0] < older_than
-                    except (CorruptRecord, struct.error):
+                        expired = unpack_time(cur.value()) < older_than
+                    except CorruptRecord:
                         expired = True
                     if expired:
                         cur.delete()  # moves to the next entry; past the last one the cursor is unset
@@ -1068,7 +1068,7 @@ class DiskStore:
         def put(txn: lmdb.Transaction) -> None:
             for k, t in pending.items():
                 if txn.get(k, db=self.index.dbs["obj"]) is not None:
-                    txn.put(k, seal(_ATIME.pack(t)), db=self.index.dbs["atime"])
+                    txn.put(k, pack_time(t), db=self.index.dbs["atime"])
 
         self.index.update(put)
 
@@ -1132,7 +1132,7 @@ def _entry_or_none(raw: bytes | memoryview) -> IndexEntry | None:
 
 def _atime(raw: bytes | memoryview | None) -> float:
     try:
-        return _ATIME.unpack(unseal(raw))[0] if raw is not None else 0.0
+        return unpack_time(raw) if raw is not None else 0.0
     except CorruptRecord:
         return 0.0
 
