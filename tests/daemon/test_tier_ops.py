@@ -27,8 +27,7 @@ from kvtier.daemon import protocol as P
 from kvtier.daemon.errors import DaemonUnavailable, WrongType
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
-from kvtier.store.record import HEADER_BYTES
-from kvtier.store.segments import SEGMENTS_DIR, segment_name
+from support.corrupt import flip_payload_bit
 
 from .conftest import DaemonProc, child_env
 
@@ -89,13 +88,7 @@ def stored(tier_daemon: DaemonProc) -> DaemonProc:
 def _flip(store_root: Path, key: ObjectKey) -> None:
     with DiskStore(str(store_root), readonly=True) as s:
         (info,) = s.records([key])
-    entry = info.entry
-    with open(store_root / SEGMENTS_DIR / segment_name(entry.segment), "r+b") as f:
-        at = entry.offset + HEADER_BYTES + entry.payload_len // 3
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x04]))
+    flip_payload_bit(store_root, info.entry, info.entry.payload_len // 3, 2)
 
 
 def test_store_in_one_process_load_in_another(stored: DaemonProc) -> None:

@@ -31,6 +31,7 @@ from kvtier.store.store import StoreLimits
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 from kvtier.store.index import IndexEntry, encode_key
 from support.daemon import DaemonProc, wait_leases_released
+from support.corrupt import flip_payload_bit
 from support.fault_table import FaultRows
 from support.mounts import mounted
 
@@ -119,13 +120,7 @@ class DiskWorld:
 
 def _flip_segment_bit(store_root: Path, store: DiskStore, key: ObjectKey) -> None:
     """Flip one bit in the middle of the object's payload in its segment file."""
-    entry = _entry(store, key)
-    path = store_root / "segments" / f"{entry.segment:016x}.seg"
-    with open(path, "r+b") as f:
-        f.seek(entry.offset + 4096 + 100)
-        byte = f.read(1)[0]
-        f.seek(entry.offset + 4096 + 100)
-        f.write(bytes([byte ^ 0x10]))
+    flip_payload_bit(store_root, _entry(store, key), 100, 4)
 
 
 def _entry(store: DiskStore, key: ObjectKey) -> IndexEntry:

@@ -15,8 +15,8 @@ from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, RecordState
 from kvtier.store.index import encode_key
 from kvtier.store.record import HEADER_BYTES
-from kvtier.store.segments import segment_name
 from store_helpers import DIGEST, VK, make_key, make_payload
+from support.corrupt import flip_bit, flip_payload_bit, segment_path
 
 SIZES = (10_000, 70_000, 4096, 33_333)
 
@@ -51,20 +51,6 @@ def _entry(store: DiskStore, key):
     return info.entry
 
 
-def _segment_path(root: str, seg_id: int) -> str:
-    return os.path.join(root, "segments", segment_name(seg_id))
-
-
-def _flip(path: str, offset: int, bit: int = 3) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte[0] ^ (1 << bit)]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _load_all(store: DiskStore, keys) -> tuple[list[Reason], list[torch.Tensor]]:
     outs = [torch.full((n,), 0xAA, dtype=torch.uint8) for n in SIZES]
     return store.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]), outs
@@ -94,7 +80,7 @@ def test_bit_flip_in_segment_is_corrupt_and_quarantined(populated, victim, where
     root, keys = populated
     with DiskStore(root) as s:
         e = _entry(s, keys[victim])
-        _flip(_segment_path(root, e.segment), e.offset + where)
+        flip_bit(segment_path(root, e.segment), e.offset + where, 3)
         assert s.has(keys, [DIGEST] * 4) == [Reason.OK] * 4  # index-only: not yet known
         _assert_only_victim_fails(s, keys, victim, Reason.CORRUPT)
         q = _entry(s, keys[victim])
@@ -122,7 +108,7 @@ def test_truncated_segment_is_corrupt_for_records_past_the_cut(populated) -> Non
     root, keys = populated
     with DiskStore(root) as s:
         e = _entry(s, keys[2])
-        os.truncate(_segment_path(root, e.segment), e.offset + 2 * HEADER_BYTES - 100)
+        os.truncate(segment_path(root, e.segment), e.offset + 2 * HEADER_BYTES - 100)
         reasons, outs = _load_all(s, keys)
         assert reasons[:2] == [Reason.OK, Reason.OK] and reasons[2:] == [Reason.CORRUPT] * 2
         assert all((o == 0xAA).all() for o in outs[2:])
@@ -132,7 +118,7 @@ def test_truncated_segment_is_corrupt_for_records_past_the_cut(populated) -> Non
 def test_deleted_segment_is_missing_and_quarantined(populated) -> None:
     root, keys = populated
     with DiskStore(root) as s:
-        os.unlink(_segment_path(root, _entry(s, keys[0]).segment))
+        os.unlink(segment_path(root, _entry(s, keys[0]).segment))
         reasons, outs = _load_all(s, keys)
         assert reasons == [Reason.MISSING] * 4 and all((o == 0xAA).all() for o in outs)
         assert {r.entry.quarantine for r in s.iter_records()} == {QuarantineReason.SEGMENT_MISSING}
@@ -153,7 +139,7 @@ def test_verify_catches_corruption_before_a_load_and_clears_dirty(populated) -> 
     with DiskStore(root) as s:
         assert [k for _, k in s.iter_dirty()] == keys
         e = _entry(s, keys[1])
-        _flip(_segment_path(root, e.segment), e.offset + HEADER_BYTES + 7)
+        flip_payload_bit(root, e, 7, 3)
         assert [s.verify(k) for k in keys] == [Reason.OK, Reason.CORRUPT, Reason.OK, Reason.OK]
         assert [k for _, k in s.iter_dirty()] == [keys[1]]
         assert _entry(s, keys[0]).verified_at > 0 and _entry(s, keys[1]).quarantine is QuarantineReason.PAYLOAD
@@ -168,7 +154,7 @@ def pristine(tmp_path_factory):
     keys = _populate(root)
     with DiskStore(root) as s:
         (seg,) = {r.entry.segment for r in s.iter_records()}
-    return root, keys, _segment_path(root, seg)
+    return root, keys, segment_path(root, seg)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -179,7 +165,7 @@ def test_any_single_bit_flip_never_yields_wrong_bytes(pristine, tmp_path, data) 
     shutil.copytree(root, work)
     size = os.path.getsize(seg_path)
     offset = data.draw(st.integers(0, size - 1), label="offset")
-    _flip(os.path.join(work, "segments", os.path.basename(seg_path)), offset, data.draw(st.integers(0, 7)))
+    flip_bit(os.path.join(work, "segments", os.path.basename(seg_path)), offset, data.draw(st.integers(0, 7)))
     with DiskStore(work) as s:
         reasons, outs = _load_all(s, keys)
     for i, (r, o) in enumerate(zip(reasons, outs)):

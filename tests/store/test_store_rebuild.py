@@ -17,8 +17,8 @@ from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, FormatVersionError, StoreConfig, StoreLocked, rebuild_index
 from kvtier.store.record import HEADER_BYTES, record_length
-from kvtier.store.segments import segment_name
 from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
+from support.corrupt import flip_payload_bit
 
 VK2 = VK.bumped(kernel_abi="abi-2")
 
@@ -102,12 +102,7 @@ def test_dry_run_reports_orphans_and_corruption_without_changing_anything(tmp_pa
     with DiskStore(root) as s:
         victim = [r.entry for r in s.iter_records() if r.key == rows[5][0]][0]
         s.remove([rows[6][0]])
-    path = os.path.join(root, "segments", segment_name(victim.segment))
-    with open(path, "r+b") as f:
-        f.seek(victim.offset + HEADER_BYTES + 1)
-        b = f.read(1)
-        f.seek(victim.offset + HEADER_BYTES + 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_payload_bit(root, victim, 1, 0)
     index_mtime = os.path.getmtime(os.path.join(root, "index.lmdb", "data.mdb"))
     res = _cli("rebuild-index", "--store", root, "--dry-run", "--json")
     assert res.returncode == 0, res.stderr

@@ -6,8 +6,9 @@ import signal
 
 from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
-from kvtier.store.record import HEADER_BYTES, record_length
-from verifier_helpers import VK, assert_consistent, entries, flip, load, populate, segment_path, start_verifier, stop, wait_for
+from kvtier.store.record import record_length
+from support.corrupt import flip_payload_bit
+from verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
 
 
 def _doc(root: str) -> dict:
@@ -22,7 +23,7 @@ def test_kill_mid_sweep_then_restart_resumes_and_finds_late_corruption(tmp_path)
         assert all(r.reason is Reason.OK for r in s.verify_many([r.key for r in recs]))  # nothing dirty: only the sweep reads
         es = entries(s)
     last = max(es, key=lambda k: (k.namespace, k.block_hash))  # the sweep walks key order: this one comes last
-    flip(segment_path(root, es[last].segment), es[last].offset + HEADER_BYTES + 5)  # bit rot after verification
+    flip_payload_bit(root, es[last], 5, 2)  # bit rot after verification
     proc = start_verifier(root, "--rate", "1500000", "--batch-records", "8")
     try:
         saved = wait_for(lambda: (d := _doc(root).get("sweep", {})).get("in_progress") and d.get("records", 0) >= 24 and d, 40.0, proc, "sweep under way")

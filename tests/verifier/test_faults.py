@@ -11,6 +11,7 @@ from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.store.record import HEADER_BYTES
 from kvtier.verifier import VerifierSettings, audit_store
+from support.corrupt import flip_bit, flip_payload_bit, segment_path
 from verifier_helpers import (
     VK,
     VK_OLD,
@@ -20,11 +21,9 @@ from verifier_helpers import (
     audit_json,
     cli,
     entries,
-    flip,
     load,
     main_inprocess,
     populate,
-    segment_path,
     start_verifier,
     stop,
     totals,
@@ -61,8 +60,8 @@ def build_faulty(root: str) -> Faulty:
     assert len(segs) >= 6 and all(r.key.namespace != old_ns for s in segs[:4] for r in by_seg[s])
     s0, s1, s2, s3 = segs[:4]
     p, h = by_seg[s0][0], by_seg[s0][1]
-    flip(segment_path(root, s0), es[p.key].offset + HEADER_BYTES + 777)  # payload bit flip
-    flip(segment_path(root, s0), es[h.key].offset + 20)  # header bit flip (namespace field)
+    flip_payload_bit(root, es[p.key], 777, 2)  # payload bit flip
+    flip_bit(segment_path(root, s0), es[h.key].offset + 20, 2)  # header bit flip (namespace field)
     cut = es[by_seg[s1][1].key].offset + HEADER_BYTES + 50
     os.truncate(segment_path(root, s1), cut)  # truncation: records past the cut
     truncated = [r for r in by_seg[s1] if es[r.key].offset + es[r.key].record_len > cut]

@@ -20,7 +20,7 @@ from kvtier.cli.main import main
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, IndexEntry, RecordState, StoreConfig
-from kvtier.store.segments import segment_name
+from support.corrupt import segment_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGEST = b"L" * 16
@@ -71,20 +71,6 @@ def entries(store: DiskStore) -> dict[ObjectKey, IndexEntry]:
         after = rows[-1].key
         out.update({r.key: r.entry for r in rows})
     return out
-
-
-def segment_path(root: str, seg_id: int) -> str:
-    return os.path.join(root, "segments", segment_name(seg_id))
-
-
-def flip(path: str, offset: int, bit: int = 2) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        b = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b[0] ^ (1 << bit)]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def age(path: str, seconds: float = 3600.0) -> None:

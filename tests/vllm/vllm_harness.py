@@ -20,8 +20,7 @@ from engine_run import main as engine_main
 from tiny_model import VOCAB, write_checkpoint
 
 from kvtier.store import DiskStore, RecordState
-from kvtier.store.record import HEADER_BYTES
-from kvtier.store.segments import SEGMENTS_DIR, segment_name
+from support.corrupt import flip_payload_bit
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 240
@@ -173,9 +172,4 @@ def flip_payload_byte(store_dir: Path, group: str, nth: int, store: DiskStore | 
     with _reading(store_dir, store) as s:
         infos = [i for i in s.iter_records(limit=10_000) if i.key.group == group and i.entry.state is RecordState.LIVE]
     entry = infos[nth].entry
-    with open(store_dir / SEGMENTS_DIR / segment_name(entry.segment), "r+b") as f:
-        at = entry.offset + HEADER_BYTES + entry.payload_len // 2
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x10]))
+    flip_payload_bit(store_dir, entry, entry.payload_len // 2, 4)
