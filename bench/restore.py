@@ -24,10 +24,12 @@ rest, on both sides alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,30 +61,30 @@ def measure(profile: ModelProfile, lengths: list[int], extra: int, decode: int, 
     ps = prompts(model, lengths, extra)
     daemon = DemoDaemon(work, profile, pool_budgets(profile, sum(lengths), CHECKPOINT_EVERY))  # pools hold every prompt at once
     out: dict[int, dict] = {}
+    with _engine_on(daemon, model) as engine:
+        for n in lengths:
+            off = engine.prefill_and_offload(ps[n][:n], durable=True)
+            if off.refused or not off.persisted:
+                raise SystemExit(f"offload of {n} tokens incomplete (refused {off.refused}, persisted {off.persisted})")
+            out[n] = {"prefill_s": off.prefill_s, "offload_s": off.offload_s, "objects": off.objects}
+    for _ in range(repeat):
+        drop_cache_tree(work / "store")
+        with _engine_on(daemon, model) as engine:
+            for n in lengths:
+                _merge(out[n], _restore_vs_recompute(engine, ps[n], decode))
+    return out
+
+
+@contextlib.contextmanager
+def _engine_on(daemon: DemoDaemon, model: RefModel) -> Iterator[RefEngine]:
+    """Start the daemon and attach an engine of `model` to it; stop the daemon (a cold pool next time) after."""
     daemon.start()
     try:
         with Client(daemon.socket) as c:
-            c.attach(profile.name)
-            engine = RefEngine(c, model, checkpoint_every=CHECKPOINT_EVERY)
-            for n in lengths:
-                off = engine.prefill_and_offload(ps[n][:n], durable=True)
-                if off.refused or not off.persisted:
-                    raise SystemExit(f"offload of {n} tokens incomplete (refused {off.refused}, persisted {off.persisted})")
-                out[n] = {"prefill_s": off.prefill_s, "offload_s": off.offload_s, "objects": off.objects}
+            c.attach(model.profile.name)
+            yield RefEngine(c, model, checkpoint_every=CHECKPOINT_EVERY)
     finally:
         _stop(daemon)
-    for _ in range(repeat):
-        drop_cache_tree(work / "store")
-        daemon.start()
-        try:
-            with Client(daemon.socket) as c:
-                c.attach(profile.name)
-                engine = RefEngine(c, model, checkpoint_every=CHECKPOINT_EVERY)
-                for n in lengths:
-                    _merge(out[n], _restore_vs_recompute(engine, ps[n], decode))
-        finally:
-            _stop(daemon)
-    return out
 
 
 def _restore_vs_recompute(engine: RefEngine, tokens: np.ndarray, decode: int) -> dict:
