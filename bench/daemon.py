@@ -73,7 +73,9 @@ def _start(tmp: Path, profile: str, pools: dict[str, str]) -> tuple[subprocess.P
     notify.bind(str(notify_path))
     notify.settimeout(120)
     env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(cfg)], env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(cfg)], env=env, stderr=subprocess.DEVNULL
+    )
     while b"READY=1" not in notify.recv(4096):
         pass
     return proc, sock_path, notify
@@ -105,7 +107,9 @@ def bench_lookup(profile: ModelProfile, sock: Path, tokens: int, n: int) -> dict
             c.release(r)
         assert r.hit_tokens == blocks * h and not r.needs_load, "the lookup prefix must be resident"
     # the same lookup in process, on a manager holding the same blocks
-    mgr = CacheManager(profile, budgets_bytes={"compressed": 256 << 20, "indexer": 64 << 20, "swa": 64 << 20, "tail": 64 << 20})
+    mgr = CacheManager(
+        profile, budgets_bytes={"compressed": 256 << 20, "indexer": 64 << 20, "swa": 64 << 20, "tail": 64 << 20}
+    )
     hs = block_hashes(profile.namespace, toks, h)
     for name, objs in caches.items():
         g = profile.group(name)
@@ -125,8 +129,13 @@ def bench_lookup(profile: ModelProfile, sock: Path, tokens: int, n: int) -> dict
     p50, p99 = np.percentile(times, [50, 99]) * 1e3
     local_p50 = float(np.percentile(local, 50) * 1e3)
     return {
-        "tokens": blocks * h, "blocks": blocks, "n": n, "p50_ms": round(float(p50), 3), "p99_ms": round(float(p99), 3),
-        "inproc_p50_ms": round(local_p50, 3), "ratio_p50": round(float(p50) / local_p50, 2),
+        "tokens": blocks * h,
+        "blocks": blocks,
+        "n": n,
+        "p50_ms": round(float(p50), 3),
+        "p99_ms": round(float(p99), 3),
+        "inproc_p50_ms": round(local_p50, 3),
+        "ratio_p50": round(float(p50) / local_p50, 2),
     }
 
 
@@ -159,7 +168,11 @@ def bench_load(profile: ModelProfile, sock: Path, tokens: int, rounds: int) -> t
                 for gi, b in zip(*np.nonzero(recover)):
                     g = profile.groups[gi]
                     loaded.append((ObjectKey(profile.namespace, hs[b], g.name, g.form), g.object_bytes(h)))
-    return {"objects": objects, "bytes": total_bytes, "daemon_MBps": round(total_bytes / total_s / 1e6, 1) if total_s else None}, loaded
+    return {
+        "objects": objects,
+        "bytes": total_bytes,
+        "daemon_MBps": round(total_bytes / total_s / 1e6, 1) if total_s else None,
+    }, loaded
 
 
 def bench_direct(profile: ModelProfile, root: Path, loaded: list[tuple[ObjectKey, int]], rounds: int) -> dict:
@@ -210,7 +223,15 @@ def main() -> None:
             _stop(proc, notify)
         direct = bench_direct(profile, tmp / "store", loaded, args.rounds)
     ratio = round(load["daemon_MBps"] / direct["direct_MBps"], 2) if load["daemon_MBps"] else None
-    print(json.dumps({"profile": args.profile, "lookup": lookup, "load": {**load, **direct, "ratio": ratio, "tokens": load_blocks * h}}))
+    print(
+        json.dumps(
+            {
+                "profile": args.profile,
+                "lookup": lookup,
+                "load": {**load, **direct, "ratio": ratio, "tokens": load_blocks * h},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def _write(m: CacheManager, hashes: list[bytes]) -> None:
         for g in PROFILE.groups:
             if g.kind is GroupKind.STATE and b < BLOCKS - g.blocks_needed(H):
                 continue
-            m.write_block(ObjectKey(m.namespace, h, g.name, g.form), _payload(g.name, h), layout_digest=m.layout_digest(g.name))
+            m.write_block(
+                ObjectKey(m.namespace, h, g.name, g.form), _payload(g.name, h), layout_digest=m.layout_digest(g.name)
+            )
 
 
 def run(device: torch.device) -> dict:
@@ -99,7 +101,9 @@ def run(device: torch.device) -> dict:
                 expected = _checksum(_payload(handle.group, hashes[handle.block]))
                 got = float(sums[handle.group][handle.slot])
                 if abs(got - expected) > 0.5:
-                    raise AssertionError(f"{step}: graph read {got} from {handle.group} slot {handle.slot}, expected {expected}")
+                    raise AssertionError(
+                        f"{step}: graph read {got} from {handle.group} slot {handle.slot}, expected {expected}"
+                    )
                 checked += 1
         if m.pool_addresses() != addresses or m.topology_epoch != 0:
             raise AssertionError(f"{step}: pool addresses moved outside a recompile window")
@@ -126,7 +130,13 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"skipped": "CUDA is not available on this machine; run on a GPU host (or --device cpu for the scenario alone)"}))
+        print(
+            json.dumps(
+                {
+                    "skipped": "CUDA is not available on this machine; run on a GPU host (or --device cpu for the scenario alone)"
+                }
+            )
+        )
         return 0
     try:
         print(json.dumps(run(device)))

@@ -54,7 +54,9 @@ def _write(m: CacheManager, profile: ModelProfile, hashes: list[bytes], blocks: 
         for g in profile.groups:
             if g.kind is GroupKind.STATE and not checkpoint:
                 continue
-            handle = m.begin_write(ObjectKey(m.namespace, hashes[b], g.name, g.form), layout_digest=m.layout_digest(g.name))
+            handle = m.begin_write(
+                ObjectKey(m.namespace, hashes[b], g.name, g.form), layout_digest=m.layout_digest(g.name)
+            )
             if handle is not None:
                 m.seal(handle, written_bytes=handle.nbytes)
 
@@ -99,7 +101,9 @@ def run(token_counts: list[int], repeat: int) -> dict:
             first = m.lookup(hashes)
             expect = len(hashes) if mix == "reuse" else len(hashes) - CHECKPOINT_EVERY
             if first.check_vector.hit_blocks != expect:
-                raise SystemExit(f"bench setup is wrong: {mix} hit {first.check_vector.hit_blocks} blocks, expected {expect}")
+                raise SystemExit(
+                    f"bench setup is wrong: {mix} hit {first.check_vector.hit_blocks} blocks, expected {expect}"
+                )
             m.release(first)
             lookup_times = []
             for _ in range(repeat):

@@ -76,7 +76,9 @@ class Workload:
         self.keys: list[ObjectKey] = []
         self.payloads: list[bytes] = []
         self.digests: dict[str, bytes] = {g.name: profile.layout(g).digest for g in profile.groups}
-        templates = {g.name: bytearray(rng.integers(0, 256, g.object_bytes(h), dtype=np.uint8).tobytes()) for g in profile.groups}
+        templates = {
+            g.name: bytearray(rng.integers(0, 256, g.object_bytes(h), dtype=np.uint8).tobytes()) for g in profile.groups
+        }
         for b in range(blocks):
             for g in profile.groups:
                 if g.kind is GroupKind.STATE and b not in checkpoints:
@@ -88,7 +90,11 @@ class Workload:
         self.total_bytes = sum(map(len, self.payloads))
         # integrity targets: a history object in the middle (flip) and the last object written (truncate: for
         # kvtier the last record of its segment, so no other object is cut with it)
-        self.flip_index = next(i for i, k in enumerate(self.keys) if k.group == profile.groups[0].name and k.block_hash == hashes[blocks // 2])
+        self.flip_index = next(
+            i
+            for i, k in enumerate(self.keys)
+            if k.group == profile.groups[0].name and k.block_hash == hashes[blocks // 2]
+        )
         self.trunc_index = len(self.keys) - 1
 
     def describe(self) -> dict:
@@ -96,7 +102,13 @@ class Workload:
         for k, p in zip(self.keys, self.payloads):
             c = per_group.setdefault(k.group, {"objects": 0, "bytes_each": len(p)})
             c["objects"] += 1
-        return {"profile": self.profile.name, "tokens": self.tokens, "objects": len(self.keys), "bytes": self.total_bytes, "groups": per_group}
+        return {
+            "profile": self.profile.name,
+            "tokens": self.tokens,
+            "objects": len(self.keys),
+            "bytes": self.total_bytes,
+            "groups": per_group,
+        }
 
     def batches(self, indices: Sequence[int]) -> Iterator[list[int]]:
         for start in range(0, len(indices), BATCH):
@@ -145,11 +157,11 @@ def truncate(path: str, length: int) -> None:
         os.close(fd)
 
 
-def verdict(store: "KvtierStore | DiskcacheStore | LmcacheStore", i: int) -> str:
+def verdict(store: KvtierStore | DiskcacheStore | LmcacheStore, i: int) -> str:
     """What reading a damaged object gives: the store refusing it (a miss or its own error) or bytes."""
     try:
         got = store.read([i])[0]
-    except Exception as exc:  # noqa: BLE001 - the store's own failure is the measurement
+    except Exception as exc:
         return f"{ERROR} ({type(exc).__name__})"
     if got is None:
         return f"{DETECTS} ({store.miss_label})"
@@ -184,7 +196,9 @@ class KvtierStore:
     def read(self, idx: list[int]) -> list[bytes | None]:
         w = self.w
         outs = [self._out(j, len(w.payloads[i])) for j, i in enumerate(idx)]
-        reasons = self.store.load_into([LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)])
+        reasons = self.store.load_into(
+            [LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)]
+        )
         self.last_reasons = reasons
         return [o.numpy().tobytes() if r is Reason.OK else None for r, o in zip(reasons, outs)]
 
@@ -197,7 +211,9 @@ class KvtierStore:
         """Like read, without the copy to bytes (the timed path; the caller compares in place)."""
         w = self.w
         outs = [self._out(j, len(w.payloads[i])) for j, i in enumerate(idx)]
-        reasons = self.store.load_into([LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)])
+        reasons = self.store.load_into(
+            [LoadRequest(w.keys[i], o, w.digests[w.keys[i].group]) for i, o in zip(idx, outs)]
+        )
         return [o if r is Reason.OK else None for r, o in zip(reasons, outs)]
 
     def _out(self, slot: int, n: int) -> torch.Tensor:
@@ -448,11 +464,28 @@ def child(args: argparse.Namespace) -> None:
 def run_child(store: str, phase: str, root: Path, args: argparse.Namespace) -> dict:
     out = root.parent / f"{store}-{phase}.json"
     cmd = [
-        sys.executable, __file__, "--child", "--store", store, "--phase", phase, "--root", str(root), "--out", str(out),
-        "--profile", args.profile, "--tokens", str(args.tokens), "--checkpoint-every", str(args.checkpoint_every),
+        sys.executable,
+        __file__,
+        "--child",
+        "--store",
+        store,
+        "--phase",
+        phase,
+        "--root",
+        str(root),
+        "--out",
+        str(out),
+        "--profile",
+        args.profile,
+        "--tokens",
+        str(args.tokens),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
     ]
     env = dict(os.environ, LMCACHE_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
-    res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=args.timeout)
+    res = subprocess.run(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=args.timeout
+    )
     if res.returncode != 0:
         tail = res.stderr.strip().splitlines()[-3:]
         return {"error": f"{store} {phase} exited {res.returncode}: " + " | ".join(tail)}
@@ -465,10 +498,14 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int) -> dict
         return {"error": passes[-1]["error"]}
     best = lambda k: min(p[k] for p in good)  # noqa: E731
     last = good[-1]
-    r = restart if "error" in restart else {
-        **restart,
-        "finds_its_data": restart["correct"] == restart["untouched"],
-    }
+    r = (
+        restart
+        if "error" in restart
+        else {
+            **restart,
+            "finds_its_data": restart["correct"] == restart["untouched"],
+        }
+    )
     return {
         "write_ack_MBps": round(total / best("ack_s") / MB, 1),
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
@@ -521,12 +558,27 @@ def main() -> None:
                 root = work / f"{store}-{r}"
                 passes[store].append(run_child(store, "main", root, args))
                 if r == args.repeat - 1:
-                    restarts[store] = run_child(store, "restart", root, args) if "error" not in passes[store][-1] else {"error": "no store to restart"}
+                    restarts[store] = (
+                        run_child(store, "restart", root, args)
+                        if "error" not in passes[store][-1]
+                        else {"error": "no store to restart"}
+                    )
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes) for s in args.stores}
-    print(json.dumps({"workload": w.describe(), "batch": BATCH, "io_threads": IO_THREADS, "repeat": args.repeat, "stores": stores, "kvtier_over_peer": ratios(stores)}))
+    print(
+        json.dumps(
+            {
+                "workload": w.describe(),
+                "batch": BATCH,
+                "io_threads": IO_THREADS,
+                "repeat": args.repeat,
+                "stores": stores,
+                "kvtier_over_peer": ratios(stores),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main() -> None:
@@ -28,11 +28,20 @@ def main() -> None:
     for c in cases:
         if c["hit_tokens"] < c["tokens"]:
             ax.annotate(
-                f"hit {c['hit_tokens'] / 1024:.1f}K:\nboth sides stop there", (c["tokens"], c["recompute_s"]),
-                textcoords="offset points", xytext=(-112, -24), fontsize=7,
+                f"hit {c['hit_tokens'] / 1024:.1f}K:\nboth sides stop there",
+                (c["tokens"], c["recompute_s"]),
+                textcoords="offset points",
+                xytext=(-112, -24),
+                fontsize=7,
             )
         if c.get("resident_loaded_objects"):
-            ax.annotate(f"+{c['resident_loaded_objects']} objects\nloaded", (c["tokens"], c["resident_s"]), textcoords="offset points", xytext=(-70, -22), fontsize=7)
+            ax.annotate(
+                f"+{c['resident_loaded_objects']} objects\nloaded",
+                (c["tokens"], c["resident_s"]),
+                textcoords="offset points",
+                xytext=(-70, -22),
+                fontsize=7,
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(tokens, [f"{t // 1024}K" for t in tokens])

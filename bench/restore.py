@@ -56,10 +56,14 @@ def prompts(model: RefModel, lengths: list[int], extra: int) -> dict[int, np.nda
     return {n: np.random.default_rng(n).integers(0, vocab, n + extra, dtype=np.int64) for n in lengths}
 
 
-def measure(profile: ModelProfile, lengths: list[int], extra: int, decode: int, repeat: int, work: Path) -> dict[int, dict]:
+def measure(
+    profile: ModelProfile, lengths: list[int], extra: int, decode: int, repeat: int, work: Path
+) -> dict[int, dict]:
     model = RefModel(profile)
     ps = prompts(model, lengths, extra)
-    daemon = DemoDaemon(work, profile, pool_budgets(profile, sum(lengths), CHECKPOINT_EVERY))  # pools hold every prompt at once
+    daemon = DemoDaemon(
+        work, profile, pool_budgets(profile, sum(lengths), CHECKPOINT_EVERY)
+    )  # pools hold every prompt at once
     out: dict[int, dict] = {}
     with _engine_on(daemon, model) as engine:
         for n in lengths:
@@ -133,8 +137,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--continue-tokens", type=int, default=64, help="New prompt tokens after the cached prefix.")
     ap.add_argument("--decode", type=int, default=8, help="Greedy decode steps after the prompt.")
-    ap.add_argument("--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure.")
-    ap.add_argument("--repeat", type=int, default=2, help="Restart + cold restore + recompute rounds; each time's best is reported.")
+    ap.add_argument(
+        "--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure."
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="Restart + cold restore + recompute rounds; each time's best is reported."
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides).")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,15 +153,31 @@ def main() -> None:
     for n, r in sorted(results.items()):
         r = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
         request = (r["recompute_s"] + r["recompute_continue_s"]) / (r["restore_s"] + r["continue_s"])
-        cases.append({"tokens": n, **r, "ratio": round(r["recompute_s"] / r["restore_s"], 2), "request_ratio": round(request, 2)})
+        cases.append(
+            {"tokens": n, **r, "ratio": round(r["recompute_s"] / r["restore_s"], 2), "request_ratio": round(request, 2)}
+        )
     short = [c["tokens"] for c in cases if c["hit_tokens"] < c["tokens"]]
     note = (
         f"hit shorter than the prefix at {short} tokens: one lookup hands out at most the daemon's recover queue "
         f"({AdmissionConfig().max_recover_queue:,} objects) for loading, and the engine looks up again only after a failed load; "
         "the rest is prefilled"
-        if short else None
+        if short
+        else None
     )
-    print(json.dumps({"profile": profile.name, "path": "daemon", "note": note, "threads": args.threads, "continue_tokens": args.continue_tokens, "decode": args.decode, "repeat": args.repeat, "cases": cases}))
+    print(
+        json.dumps(
+            {
+                "profile": profile.name,
+                "path": "daemon",
+                "note": note,
+                "threads": args.threads,
+                "continue_tokens": args.continue_tokens,
+                "decode": args.decode,
+                "repeat": args.repeat,
+                "cases": cases,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers")
 
 
 def _pip(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args], capture_output=True, text=True
+    )
 
 
 def _tail(text: str, lines: int = 3) -> str:
@@ -70,12 +72,20 @@ def ensure_peers_venv(venv: Path = PEERS_VENV) -> dict:
     if res.returncode:
         raise RuntimeError(f"cannot install kvtier into {venv}: {_tail(res.stderr)}")
     probe = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"],
-        capture_output=True, text=True, check=True,
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     version, cuda = json.loads(probe.stdout)
     if cuda is not None or not version.startswith("2.13.0"):
-        raise RuntimeError(f"the peers venv has torch {version} (cuda {cuda}), not the CPU {TORCH}: remove {venv} and rerun")
+        raise RuntimeError(
+            f"the peers venv has torch {version} (cuda {cuda}), not the CPU {TORCH}: remove {venv} and rerun"
+        )
     state.update(torch=version, setup_s=round(time.perf_counter() - t0, 1))
     marker.write_text(json.dumps(state))
     return state
@@ -90,14 +100,36 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
     d = ["--dir", args.dir]
     return {
         "restore": [
-            py, "bench/restore.py", *d, "--repeat", "1" if quick else "2",
-            "--tokens", *(["4096", "8192", "16384"] if quick else ["4096", "8192", "16384", "32768", "65536"]),
+            py,
+            "bench/restore.py",
+            *d,
+            "--repeat",
+            "1" if quick else "2",
+            "--tokens",
+            *(["4096", "8192", "16384"] if quick else ["4096", "8192", "16384", "32768", "65536"]),
         ],
         "store": [py, "bench/store.py", *d, "--gib", "0.25" if quick else "0.5", "--repeat", "1" if quick else "2"],
-        "lookup": [py, "bench/lookup.py", "--tokens", "4096", "65536", *([] if quick else ["1048576"]), "--repeat", "50" if quick else "200"],
+        "lookup": [
+            py,
+            "bench/lookup.py",
+            "--tokens",
+            "4096",
+            "65536",
+            *([] if quick else ["1048576"]),
+            "--repeat",
+            "50" if quick else "200",
+        ],
         "daemon": [py, "bench/daemon.py"],
         "verifier": [py, "bench/verifier.py", *(["--quick"] if quick else [])],
-        "peers": [peers_python, "bench/peers.py", *d, "--tokens", "16384" if quick else "65536", "--repeat", "1" if quick else "2"],
+        "peers": [
+            peers_python,
+            "bench/peers.py",
+            *d,
+            "--tokens",
+            "16384" if quick else "65536",
+            "--repeat",
+            "1" if quick else "2",
+        ],
     }
 
 
@@ -161,29 +193,77 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
         hit = "" if c["hit_tokens"] == c["tokens"] else f" (hit {c['hit_tokens'] // 1024}K)"
         out.append(
             (
-                f"restore {c['tokens'] // 1024}K-token prefix from disk via the daemon ({r['profile']}){hit}", _fmt(c["restore_s"], "s"),
-                "recompute", _fmt(c["recompute_s"], "s"), f"{_speed(c['ratio'])}; whole request {_speed(c['request_ratio'])}",
+                f"restore {c['tokens'] // 1024}K-token prefix from disk via the daemon ({r['profile']}){hit}",
+                _fmt(c["restore_s"], "s"),
+                "recompute",
+                _fmt(c["recompute_s"], "s"),
+                f"{_speed(c['ratio'])}; whole request {_speed(c['request_ratio'])}",
             )
         )
     s = sections.get("store", {})
     if "write_MBps" in s:
-        out.append(("store write (durable), MB/s", _fmt(s["write_MBps"]), "dd oflag=direct", _fmt(s["raw_write_MBps"]), f"{s['write_ratio']:.2f} of raw"))
-        out.append(("store cold read, MB/s", _fmt(s["read_MBps"]), "dd iflag=direct", _fmt(s["raw_read_MBps"]), f"{s['read_ratio']:.2f} of raw"))
+        out.append(
+            (
+                "store write (durable), MB/s",
+                _fmt(s["write_MBps"]),
+                "dd oflag=direct",
+                _fmt(s["raw_write_MBps"]),
+                f"{s['write_ratio']:.2f} of raw",
+            )
+        )
+        out.append(
+            (
+                "store cold read, MB/s",
+                _fmt(s["read_MBps"]),
+                "dd iflag=direct",
+                _fmt(s["raw_read_MBps"]),
+                f"{s['read_ratio']:.2f} of raw",
+            )
+        )
     for c in sections.get("lookup", {}).get("cases", []):
-        out.append((f"lookup {c['tokens'] // 1024}K tokens ({c['mix']})", _fmt(c["lookup_ms"], "ms"), "bare dict", _fmt(c["bare_ms"], "ms"), _speed(1 / c["ratio"])))
+        out.append(
+            (
+                f"lookup {c['tokens'] // 1024}K tokens ({c['mix']})",
+                _fmt(c["lookup_ms"], "ms"),
+                "bare dict",
+                _fmt(c["bare_ms"], "ms"),
+                _speed(1 / c["ratio"]),
+            )
+        )
     dm = sections.get("daemon", {})
     if "lookup" in dm:
         lk, ld = dm["lookup"], dm["load"]
-        out.append((f"lookup over the socket p50, {lk['tokens'] // 1024}K tokens", _fmt(lk["p50_ms"], "ms"), "in process", _fmt(lk["inproc_p50_ms"], "ms"), _speed(1 / lk["ratio_p50"])))
-        out.append(("load via the daemon, MB/s", _fmt(ld["daemon_MBps"]), "store direct", _fmt(ld["direct_MBps"]), _speed(ld["ratio"])))
+        out.append(
+            (
+                f"lookup over the socket p50, {lk['tokens'] // 1024}K tokens",
+                _fmt(lk["p50_ms"], "ms"),
+                "in process",
+                _fmt(lk["inproc_p50_ms"], "ms"),
+                _speed(1 / lk["ratio_p50"]),
+            )
+        )
+        out.append(
+            (
+                "load via the daemon, MB/s",
+                _fmt(ld["daemon_MBps"]),
+                "store direct",
+                _fmt(ld["direct_MBps"]),
+                _speed(ld["ratio"]),
+            )
+        )
     v = sections.get("verifier", {})
     if "pending" in v:
         out.append(("verifier interference", "pending", "", "", v["pending"]))
     elif "with" in v:
         for q in ("p50", "p99"):
             out.append(
-                (f"store load {q}, verifier sweeping/evicting/compacting", f"{v['with'][f'{q}_us']:,.0f} µs", "verifier stopped",
-                 f"{v['without'][f'{q}_us']:,.0f} µs", _speed(1 / v[f"{q}_ratio"]))
+                (
+                    f"store load {q}, verifier sweeping/evicting/compacting",
+                    f"{v['with'][f'{q}_us']:,.0f} µs",
+                    "verifier stopped",
+                    f"{v['without'][f'{q}_us']:,.0f} µs",
+                    _speed(1 / v[f"{q}_ratio"]),
+                )
             )
         bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
         out.append(("loads during verifier work: wrong / missing / errors", f"{bad} of {v['loads']:,}", "", "", ""))
@@ -196,9 +276,33 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((f"vs {peer}", "", peer, "error", ps["error"][:80]))
             continue
         ratio = p["kvtier_over_peer"][peer]
-        out.append(("same objects: write, acknowledged, MB/s", _fmt(ks["write_ack_MBps"]), peer, _fmt(ps["write_ack_MBps"]), _speed(ratio["write_ack_MBps"])))
-        out.append(("same objects: write + fsync of its files, MB/s", _fmt(ks["write_durable_MBps"]), peer, _fmt(ps["write_durable_MBps"]), _speed(ratio["write_durable_MBps"])))
-        out.append(("same objects: cold read, MB/s", _fmt(ks["cold_read_MBps"]), peer, _fmt(ps["cold_read_MBps"]), _speed(ratio["cold_read_MBps"])))
+        out.append(
+            (
+                "same objects: write, acknowledged, MB/s",
+                _fmt(ks["write_ack_MBps"]),
+                peer,
+                _fmt(ps["write_ack_MBps"]),
+                _speed(ratio["write_ack_MBps"]),
+            )
+        )
+        out.append(
+            (
+                "same objects: write + fsync of its files, MB/s",
+                _fmt(ks["write_durable_MBps"]),
+                peer,
+                _fmt(ps["write_durable_MBps"]),
+                _speed(ratio["write_durable_MBps"]),
+            )
+        )
+        out.append(
+            (
+                "same objects: cold read, MB/s",
+                _fmt(ks["cold_read_MBps"]),
+                peer,
+                _fmt(ps["cold_read_MBps"]),
+                _speed(ratio["cold_read_MBps"]),
+            )
+        )
         out.append(("one byte of an object flipped", ks["flipped_byte"], peer, ps["flipped_byte"], ""))
         out.append(("object's file truncated", ks["truncated_file"], peer, ps["truncated_file"], ""))
         restart = lambda x: f"{x['correct']}/{x['untouched']} back" if "error" not in x else x["error"]  # noqa: E731
@@ -240,7 +344,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="Smaller sizes, fewer repeats, restore up to 16K tokens.")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, help="Run only these sections.")
     ap.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], help="Leave these sections out.")
-    ap.add_argument("--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure.")
+    ap.add_argument(
+        "--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure."
+    )
     ap.add_argument("--out", default=str(RESULTS), help="Where latest.json and restore_vs_recompute.png go.")
     ap.add_argument("--timeout", type=float, default=600, help="Seconds one section may take.")
     args = ap.parse_args()
@@ -288,7 +394,11 @@ def main() -> None:
     save(report, out_dir / "latest.json")
     if "cases" in sections.get("restore", {}) and "error" not in venv:
         png = out_dir / "restore_vs_recompute.png"
-        res = subprocess.run([peers_python, str(BENCH / "plot.py"), str(out_dir / "latest.json"), str(png)], capture_output=True, text=True)
+        res = subprocess.run(
+            [peers_python, str(BENCH / "plot.py"), str(out_dir / "latest.json"), str(png)],
+            capture_output=True,
+            text=True,
+        )
         report["plot"] = png.name if res.returncode == 0 else f"error: {_tail(res.stderr)}"
         save(report, out_dir / "latest.json")
     print(json.dumps(report))

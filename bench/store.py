@@ -20,12 +20,12 @@ import time
 
 import torch
 import xxhash
+from pagecache import drop_cache_tree
 
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.segments import SEGMENTS_DIR
-from pagecache import drop_cache_tree
 
 MB = 1e6
 
@@ -41,7 +41,9 @@ def dd_seconds(args: list[str]) -> float:
 def raw_pass(work: str, record_mib: int, count: int) -> tuple[float, float]:
     """dd O_DIRECT write (fsync at the end) and read of the same bytes, with the store's record size as block size."""
     raw = os.path.join(work, "dd.bin")
-    write_s = dd_seconds(["if=/dev/zero", f"of={raw}", f"bs={record_mib}M", f"count={count}", "oflag=direct", "conv=fsync"])
+    write_s = dd_seconds(
+        ["if=/dev/zero", f"of={raw}", f"bs={record_mib}M", f"count={count}", "oflag=direct", "conv=fsync"]
+    )
     read_s = dd_seconds([f"if={raw}", "of=/dev/null", f"bs={record_mib}M", "iflag=direct"])
     os.unlink(raw)
     return write_s, read_s
@@ -53,7 +55,9 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
     vk = VersionKey("bench", "w", "abi", "c", "i", "fp8")
     payloads = [torch.randint(0, 256, (record,), dtype=torch.uint8) for _ in range(4)]
     digest = b"B" * 16
-    keys = [ObjectKey(vk.namespace, xxhash.xxh3_128_digest(b"%d" % i), "c4", CacheForm.COMPRESSED) for i in range(count)]
+    keys = [
+        ObjectKey(vk.namespace, xxhash.xxh3_128_digest(b"%d" % i), "c4", CacheForm.COMPRESSED) for i in range(count)
+    ]
     cfg = StoreConfig(io_threads=args.io_threads, io_backend=args.io_backend, segment_bytes=1 << 30)
     batches = [range(start, min(count, start + args.batch)) for start in range(0, count, args.batch)]
     with DiskStore(root, cfg, writer=True) as store:

@@ -67,7 +67,9 @@ def build(root: str, n: int, size: int, segment_bytes: int) -> tuple[list[Object
 class Readers:
     """Threads that load random batches of pinned records and time each load_into call."""
 
-    def __init__(self, root: str, keys: list[ObjectKey], payloads: list[torch.Tensor], threads: int, batch: int) -> None:
+    def __init__(
+        self, root: str, keys: list[ObjectKey], payloads: list[torch.Tensor], threads: int, batch: int
+    ) -> None:
         self.store = DiskStore(root, StoreConfig(io_backend="odirect", atime_flush_s=1e12, io_threads=4))
         self.keys, self.payloads, self.batch = keys, payloads, batch
         self.label: str | None = None
@@ -91,12 +93,14 @@ class Readers:
             t0 = time.perf_counter()
             try:
                 reasons = self.store.load_into([LoadRequest(self.keys[i], o, DIGEST) for i, o in zip(picks, outs)])
-            except Exception:  # noqa: BLE001 - counted, never expected
+            except Exception:
                 with self._lock:
                     self.errors += 1
                 continue
             dt = time.perf_counter() - t0
-            wrong = sum(1 for i, o, r in zip(picks, outs, reasons) if r is Reason.OK and not torch.equal(o, self.payloads[i]))
+            wrong = sum(
+                1 for i, o, r in zip(picks, outs, reasons) if r is Reason.OK and not torch.equal(o, self.payloads[i])
+            )
             misses = sum(1 for r in reasons if r is not Reason.OK)
             with self._lock:
                 self.loads += 1
@@ -119,8 +123,10 @@ def _pct(xs: list[float], q: float) -> float:
 def _worked(actions: dict[str, int], records: int) -> bool:
     """The verifier did every kind of work the windows are meant to overlap: swept half, evicted, compacted, unlinked."""
     return (
-        actions.get("verified", 0) >= records // 2 and actions.get("evicted", 0) > 0
-        and actions.get("relocated", 0) > 0 and actions.get("segments_unlinked", 0) > 0
+        actions.get("verified", 0) >= records // 2
+        and actions.get("evicted", 0) > 0
+        and actions.get("relocated", 0) > 0
+        and actions.get("segments_unlinked", 0) > 0
     )
 
 
@@ -131,9 +137,27 @@ def run(args: argparse.Namespace) -> dict:
     try:
         keys, payloads = build(root, args.records, args.size, args.segment_bytes)
         readers = Readers(root, keys, payloads, args.readers, args.batch)
-        cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", root, "--rate", str(args.rate),
-               "--sweep-interval", "0", "--maintenance-interval", "0.5", "--poll", "0.05", *args.verifier_arg]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "verifier",
+            "run",
+            "--store",
+            root,
+            "--rate",
+            str(args.rate),
+            "--sweep-interval",
+            "0",
+            "--maintenance-interval",
+            "0.5",
+            "--poll",
+            "0.05",
+            *args.verifier_arg,
+        ]
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 60
         while verifier_status(readers.store)["phase"] in ("never ran", "starting"):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -152,7 +176,9 @@ def run(args: argparse.Namespace) -> dict:
                 time.sleep(args.window_s)
                 windows += 1
             actions = verifier_status(readers.store)["actions"]
-            if windows >= args.windows and (not args.until_worked or _worked(actions, args.records) or windows >= 4 * args.windows):
+            if windows >= args.windows and (
+                not args.until_worked or _worked(actions, args.records) or windows >= 4 * args.windows
+            ):
                 break
         readers.label = None
         os.kill(proc.pid, signal.SIGCONT)
@@ -160,13 +186,22 @@ def run(args: argparse.Namespace) -> dict:
         w, wo = (sum(readers.samples[k], []) for k in ("with", "without"))
         wp99, wop99 = (float(np.median([_pct(x, 99) for x in readers.samples[k] if x])) for k in ("with", "without"))
         out = {
-            "records": args.records, "record_payload_bytes": args.size, "readers": args.readers, "batch": args.batch,
-            "rate_bytes_per_s": args.rate, "windows": windows, "window_s": args.window_s,
+            "records": args.records,
+            "record_payload_bytes": args.size,
+            "readers": args.readers,
+            "batch": args.batch,
+            "rate_bytes_per_s": args.rate,
+            "windows": windows,
+            "window_s": args.window_s,
             "without": {"p50_us": round(_pct(wo, 50), 1), "p99_us": round(_pct(wo, 99), 1), "loads": len(wo)},
             "with": {"p50_us": round(_pct(w, 50), 1), "p99_us": round(_pct(w, 99), 1), "loads": len(w)},
-            "p50_ratio": round(_pct(w, 50) / _pct(wo, 50), 3), "p99_ratio": round(_pct(w, 99) / _pct(wo, 99), 3),
+            "p50_ratio": round(_pct(w, 50) / _pct(wo, 50), 3),
+            "p99_ratio": round(_pct(w, 99) / _pct(wo, 99), 3),
             "window_p99_median_ratio": round(wp99 / wop99, 3),
-            "loads": readers.loads, "wrong_bytes": readers.wrong, "pinned_misses": readers.misses, "errors": readers.errors,
+            "loads": readers.loads,
+            "wrong_bytes": readers.wrong,
+            "pinned_misses": readers.misses,
+            "errors": readers.errors,
             "verifier_actions": actions,
         }
         return out
@@ -189,14 +224,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--windows", type=int, default=40, help="at least this many windows, in ABBA groups of 4")
     p.add_argument(
-        "--until-worked", action="store_true",
+        "--until-worked",
+        action="store_true",
         help="add ABBA groups (up to 4x --windows) until the verifier has swept half, evicted, compacted and unlinked: "
         "a verifier at nice 19 on a busy machine may need longer than the windows give it",
     )
     p.add_argument("--window-s", type=float, default=0.5)
     p.add_argument("--rate", type=int, default=32 << 20)
     p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
-    p.add_argument("--verifier-arg", action="append", default=[], help="extra argument for `kvtier verifier run` (repeat)")
+    p.add_argument(
+        "--verifier-arg", action="append", default=[], help="extra argument for `kvtier verifier run` (repeat)"
+    )
     args = p.parse_args()
     if args.quick:
         args.records, args.windows, args.window_s, args.segment_bytes, args.until_worked = 240, 24, 0.25, 2 << 20, True

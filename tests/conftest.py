@@ -4,7 +4,6 @@ everywhere. Report hooks live here because only this conftest is loaded by a pyt
 from __future__ import annotations
 
 import pytest
-
 from support.fault_table import rows_of, write_table
 
 _FAULT_ROWS: list[tuple[str, ...]] = []

@@ -26,7 +26,9 @@ def audit(root: str, as_json: bool, deep: bool, fix: bool) -> None:
     with open_store(root, readonly=not fix) as store:
         bar = None
         if deep and not as_json:
-            bar = tqdm(total=int(store.stats()["records"]), unit="rec", desc="audit", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(
+                total=int(store.stats()["records"]), unit="rec", desc="audit", file=sys.stderr, dynamic_ncols=True
+            )
         try:
             before = audit_store(store, settings, deep=deep, progress=bar.update if bar else None)
         finally:

@@ -16,9 +16,15 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.errors import ConfigError, DaemonUnavailable
 
 config_option = click.option(
-    "--config", "config_path", type=click.Path(dir_okay=False), envvar="KVTIER_CONFIG", help="Daemon config TOML (default: built-in defaults)."
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="KVTIER_CONFIG",
+    help="Daemon config TOML (default: built-in defaults).",
 )
-socket_option = click.option("--socket", "socket_path", type=click.Path(), envvar="KVTIER_SOCKET", help="Daemon socket (default: the config's).")
+socket_option = click.option(
+    "--socket", "socket_path", type=click.Path(), envvar="KVTIER_SOCKET", help="Daemon socket (default: the config's)."
+)
 
 
 def _socket(config_path: str | None, socket_path: str | None) -> Path:
@@ -75,7 +81,9 @@ def _rate(bucket: dict[str, Any], key: str) -> str:
 def _render_status(doc: dict[str, Any]) -> None:
     d = doc["daemon"]
     click.echo(f"health     {d['health']}")
-    click.echo(f"daemon     {d['version']}, pid {d['pid']}, up {d['uptime_s']:.0f}s, {d['connections']} connections, config: {d['config_source']}")
+    click.echo(
+        f"daemon     {d['version']}, pid {d['pid']}, up {d['uptime_s']:.0f}s, {d['connections']} connections, config: {d['config_source']}"
+    )
     click.echo(f"socket     {d['socket']}" + (f"   metrics http://{d['metrics']}/metrics" if d.get("metrics") else ""))
     v = doc.get("verifier", {})
     click.echo(f"verifier   {v.get('state', 'unknown')} (mode {v.get('mode', '?')}, restarts {v.get('restarts', 0)})")
@@ -86,16 +94,22 @@ def _render_status(doc: dict[str, Any]) -> None:
             f" of {s.get('budget_bytes', 0) / 2**20:.0f} MiB  persist queue {s.get('persist_queue', 0)}"
         )
     for prof in doc.get("profiles", []):
-        click.echo(f"profile    {prof['name']}  namespace {prof['namespace']}  H={prof['hash_block_tokens']}  device {prof.get('device', '?')}")
+        click.echo(
+            f"profile    {prof['name']}  namespace {prof['namespace']}  H={prof['hash_block_tokens']}  device {prof.get('device', '?')}"
+        )
         for form, p in sorted(prof.get("pools", {}).items()):
             slots = int(p.get("slots", 0))
             used = int(p.get("used", 0))
-            click.echo(f"  pool {form:<11} {used:>7}/{slots:<7} slots used ({used / slots if slots else 0:6.1%}), quota {int(p.get('quota', 0))}")
+            click.echo(
+                f"  pool {form:<11} {used:>7}/{slots:<7} slots used ({used / slots if slots else 0:6.1%}), quota {int(p.get('quota', 0))}"
+            )
     forms = doc.get("forms", {})
     if forms:
         click.echo(f"{'form':<11} {'lookups':>9} {'reuse':>7} {'recover':>7} {'recompute':>9}")
         for form, f in sorted(forms.items()):
-            click.echo(f"{form:<11} {int(f.get('lookups', 0)):>9} {_rate(f, 'reuse'):>7} {_rate(f, 'recover'):>7} {_rate(f, 'recompute'):>9}")
+            click.echo(
+                f"{form:<11} {int(f.get('lookups', 0)):>9} {_rate(f, 'reuse'):>7} {_rate(f, 'recover'):>7} {_rate(f, 'recompute'):>9}"
+            )
 
 
 @click.command()
@@ -137,7 +151,11 @@ def _manifest_tokens(entry: dict[str, Any], base: Path, where: str) -> np.ndarra
             return np.load(path).astype(np.int64).reshape(-1)
         return np.asarray([int(t) for t in path.read_text().replace(",", " ").split()], dtype=np.int64)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc} (.npy, or integers separated by spaces or commas)", key="token_file", source=where) from None
+        raise ConfigError(
+            f"cannot read token file {path}: {exc} (.npy, or integers separated by spaces or commas)",
+            key="token_file",
+            source=where,
+        ) from None
 
 
 def read_manifest(path: Path) -> list[dict[str, Any]]:

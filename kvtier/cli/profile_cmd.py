@@ -20,7 +20,11 @@ def list_(as_json: bool) -> None:
     """List the bundled profiles."""
     rows = [load_profile(n) for n in bundled_profile_names()]
     if as_json:
-        click.echo(json.dumps([{"name": p.name, "hash_block_tokens": p.hash_block_tokens, "description": p.description} for p in rows]))
+        click.echo(
+            json.dumps(
+                [{"name": p.name, "hash_block_tokens": p.hash_block_tokens, "description": p.description} for p in rows]
+            )
+        )
         return
     width = max(len(p.name) for p in rows)
     for p in rows:
@@ -49,7 +53,9 @@ def show(name_or_path: str, as_json: bool) -> None:
     click.echo(f"namespace  {summary['namespace']}")
     click.echo(f"hash block {summary['hash_block_tokens']} tokens")
     click.echo("")
-    click.echo(f"{'group':<12} {'form':<11} {'kind':<8} {'layers':>6} {'tok/blk':>8} {'ratio':>5} {'window':>6} {'bytes/obj':>10}")
+    click.echo(
+        f"{'group':<12} {'form':<11} {'kind':<8} {'layers':>6} {'tok/blk':>8} {'ratio':>5} {'window':>6} {'bytes/obj':>10}"
+    )
     for g in summary["groups"]:
         click.echo(
             f"{g['name']:<12} {g['form']:<11} {g['kind']:<8} {g['layers']:>6} {g['tokens_per_block']:>8} "

@@ -14,7 +14,9 @@ def store() -> None:
 
 @store.command("rebuild-index")
 @click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
-@click.option("--dry-run", is_flag=True, help="Only report what the segments hold against the index (orphans, corruption).")
+@click.option(
+    "--dry-run", is_flag=True, help="Only report what the segments hold against the index (orphans, corruption)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
     """Rebuild index.lmdb from the segments alone (the daemon must be stopped)."""
@@ -29,7 +31,9 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
 
 
 @store.command("stats")
-@click.option("--store", "root", required=True, type=click.Path(exists=True, file_okay=False), help="Store root directory.")
+@click.option(
+    "--store", "root", required=True, type=click.Path(exists=True, file_okay=False), help="Store root directory."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def stats_cmd(root: str, as_json: bool) -> None:
     """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""

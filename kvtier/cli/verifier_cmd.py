@@ -13,10 +13,22 @@ _OVERRIDES = {
     "maintenance_interval": ("maintenance_interval_s", float, "Seconds between index scans + cleaner actions."),
     "poll": ("poll_s", float, "Idle wake-up in seconds when no watchdog hint arrives."),
     "compact_below": ("compact_below", float, "Compact sealed segments whose live fraction is below this."),
-    "quarantine_retention": ("quarantine_retention_s", float, "Seconds a quarantined record stays visible before it is dropped."),
-    "tombstone_retention": ("tombstone_retention_s", float, "Seconds an evicted key reads as `evicted` (not `missing`)."),
+    "quarantine_retention": (
+        "quarantine_retention_s",
+        float,
+        "Seconds a quarantined record stays visible before it is dropped.",
+    ),
+    "tombstone_retention": (
+        "tombstone_retention_s",
+        float,
+        "Seconds an evicted key reads as `evicted` (not `missing`).",
+    ),
     "batch_records": ("batch_records", int, "Records per read / write transaction."),
-    "orphan_grace": ("orphan_grace_s", float, "Seconds before an unreferenced file or tail counts as orphaned and is reclaimed."),
+    "orphan_grace": (
+        "orphan_grace_s",
+        float,
+        "Seconds before an unreferenced file or tail counts as orphaned and is reclaimed.",
+    ),
 }
 
 
@@ -33,8 +45,19 @@ def _override_options(fn):  # type: ignore[no-untyped-def]
 
 @verifier.command("run")
 @click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
-@click.option("--config", type=click.Path(dir_okay=False), default=None, help="The daemon's TOML config: rates, budget, quotas, profiles.")
-@click.option("--wait-for-store", type=float, default=600.0, show_default=True, help="Seconds to wait for the daemon to create the store.")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The daemon's TOML config: rates, budget, quotas, profiles.",
+)
+@click.option(
+    "--wait-for-store",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for the daemon to create the store.",
+)
 @_override_options
 def run_cmd(root: str, config: str | None, wait_for_store: float, **given: object) -> None:
     """Verify, quarantine, retire, evict and compact until SIGTERM; SIGHUP re-reads --config."""
@@ -56,7 +79,9 @@ def status_cmd(root: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc))
     else:
-        click.echo(f"verifier   {'running' if doc['running'] else 'not running'} ({doc['phase']}, ready {doc['ready']})")
+        click.echo(
+            f"verifier   {'running' if doc['running'] else 'not running'} ({doc['phase']}, ready {doc['ready']})"
+        )
         if "heartbeat_age_s" in doc:
             click.echo(f"heartbeat  {doc['heartbeat_age_s']}s ago (pid {doc['verifier_pid']})")
         for action, n in sorted(doc["actions"].items()):

@@ -60,7 +60,14 @@ class LookupResult:
         cv = self.check_vector
         gi, bi = np.nonzero(self.slots >= 0)
         return [
-            Lease(cv.group_names[g], cv.group_forms[g], int(b), int(self.slots[g, b]), int(self.generations[g, b]), Route(int(cv.routes[g, b])))
+            Lease(
+                cv.group_names[g],
+                cv.group_forms[g],
+                int(b),
+                int(self.slots[g, b]),
+                int(self.generations[g, b]),
+                Route(int(cv.routes[g, b])),
+            )
             for g, b in zip(gi.tolist(), bi.tolist())
         ]
 
@@ -114,7 +121,9 @@ def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
 class Client(Connection):
     """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm."""
 
-    def __init__(self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = "") -> None:
+    def __init__(
+        self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = ""
+    ) -> None:
         super().__init__(socket_path, timeout_s=timeout_s, name=name)
         self.attachment: Attachment | None = None
 
@@ -143,10 +152,14 @@ class Client(Connection):
         finally:
             for fd in fds:
                 os.close(fd)
-        self.attachment = Attachment(reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools)
+        self.attachment = Attachment(
+            reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools
+        )
         return self.attachment
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None) -> LookupResult:
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None
+    ) -> LookupResult:
         """Longest usable hit for `tokens` (or precomputed concatenated `hashes`); leases every REUSE / RECOVER slot."""
         if hashes is None:
             hashes = self.hashes(tokens if tokens is not None else [])
@@ -223,18 +236,28 @@ class Client(Connection):
         skipped = sum(len(bs) for bs in blocks) - written - reply.refused
         return OffloadReport(sealed.sealed, skipped, reply.refused, sealed.persisted)
 
-    def prewarm(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None, ttl_s: float = 600.0) -> PrewarmReport:
+    def prewarm(
+        self,
+        tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+        *,
+        hashes: bytes | None = None,
+        ttl_s: float = 600.0,
+    ) -> PrewarmReport:
         """Longest usable hit loaded into the pool and pinned for `ttl_s` (nothing leased to this client)."""
         if hashes is None:
             hashes = self.hashes(tokens if tokens is not None else [])
         reply: P.PrewarmOk = self._call(P.Prewarm(hashes, ttl_s))
-        return PrewarmReport(_cv(reply.check_vector), reply.loaded_objects, reply.loaded_bytes, reply.pinned, reply.seconds)
+        return PrewarmReport(
+            _cv(reply.check_vector), reply.loaded_objects, reply.loaded_bytes, reply.pinned, reply.seconds
+        )
 
     def flush(self, timeout_s: float = 60.0) -> int:
         """Wait until every sealed object is committed to the store; returns how many were persisted meanwhile."""
         reply: P.FlushOk = self._call(P.Flush(timeout_s))
         if reply.pending:
-            raise E.RemoteError("flush_timeout", f"{reply.pending} objects still waiting for the store after {timeout_s}s")
+            raise E.RemoteError(
+                "flush_timeout", f"{reply.pending} objects still waiting for the store after {timeout_s}s"
+            )
         return reply.persisted
 
     def close(self) -> None:
@@ -244,5 +267,5 @@ class Client(Connection):
                 pool.close()
         super().close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self

@@ -47,9 +47,13 @@ def map_pool(info: PoolInfo, fds: list[int]) -> MappedPool:
     if info.ipc:
         rebuild, args = pickle.loads(info.ipc)  # the daemon's own torch.multiprocessing.reductions.reduce_tensor
         flat = rebuild(*args).view(torch.uint8).reshape(-1)
-        return MappedPool(info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes))
+        return MappedPool(
+            info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes)
+        )
     fd = fds[info.fd_index]
     size = info.pool_bytes or os.fstat(fd).st_size
     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     flat = torch.frombuffer(mm, dtype=torch.uint8)
-    return MappedPool(info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes), mm)
+    return MappedPool(
+        info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes), mm
+    )

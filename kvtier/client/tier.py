@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from kvtier.daemon.connection import Connection
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.daemon import errors as E
 from kvtier.daemon import protocol as P
+from kvtier.daemon.connection import Connection
 from kvtier.store import StoreFull
 
 
@@ -72,7 +72,9 @@ class TierClient(Connection):
         """The wire item for `key` (its namespace and group must be the ones this connection opened)."""
         group = self._groups.get(key.group)
         if key.namespace != self.namespace or group is None:
-            raise E.WrongType(f"key {key.namespace.hex()}/{key.group} is not in the namespace and groups this TierClient opened")
+            raise E.WrongType(
+                f"key {key.namespace.hex()}/{key.group} is not in the namespace and groups this TierClient opened"
+            )
         return P.TierItem(key.block_hash, group, layout_digest, offset, nbytes)
 
     def load_staged(self, items: list[P.TierItem]) -> list[Reason]:
@@ -101,7 +103,9 @@ class TierClient(Connection):
         outs = [_flat(r.out, writable=True) for r in requests]
         with self._staged:
             for batch in self._batches([o.numel() for o in outs]):
-                items = [self.item(requests[i].key, requests[i].layout_digest, off, outs[i].numel()) for i, off in batch]
+                items = [
+                    self.item(requests[i].key, requests[i].layout_digest, off, outs[i].numel()) for i, off in batch
+                ]
                 for (i, off), reason in zip(batch, self.load_staged(items)):
                     reasons[i] = reason
                     if reason is Reason.OK:
@@ -127,7 +131,9 @@ class TierClient(Connection):
         used = 0
         for i, n in enumerate(sizes):
             if n > cap:
-                raise E.WrongType(f"an object of {n} bytes does not fit the {cap}-byte staging region: open the TierClient with more staging_bytes")
+                raise E.WrongType(
+                    f"an object of {n} bytes does not fit the {cap}-byte staging region: open the TierClient with more staging_bytes"
+                )
             if used + n > cap:
                 yield batch
                 batch, used = [], 0
@@ -146,7 +152,7 @@ class TierClient(Connection):
             self._mapping = None
         super().close()
 
-    def __enter__(self) -> "TierClient":
+    def __enter__(self) -> TierClient:
         return self
 
 

@@ -16,19 +16,19 @@ from kvtier.core.profile import (
 from kvtier.core.versions import VersionKey
 
 __all__ = [
+    "DISK_ALIGNMENT",
+    "HASH_BYTES",
+    "POOL_ALIGNMENT",
     "BlockHasher",
     "CacheForm",
     "CacheGroup",
     "CheckVector",
-    "DISK_ALIGNMENT",
     "GroupKind",
-    "HASH_BYTES",
     "HitGeometry",
     "KvtierError",
     "LayoutError",
     "LayoutSpec",
     "ModelProfile",
-    "POOL_ALIGNMENT",
     "ProfileError",
     "Reason",
     "Route",

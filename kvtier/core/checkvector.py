@@ -11,7 +11,6 @@ import numpy as np
 from kvtier.core.forms import CacheForm, GroupKind, Reason, Route
 from kvtier.core.profile import ModelProfile
 
-
 _RECOMPUTE = int(Route.RECOMPUTE)
 _BEYOND_HIT = int(Reason.BEYOND_HIT)
 _OUTSIDE_WINDOW = int(Reason.OUTSIDE_WINDOW)
@@ -35,11 +34,12 @@ class HitGeometry:
     state_windows: tuple[tuple[int, np.ndarray, tuple[int, ...]], ...]  # (n_s, group mask, group indices)
 
     @classmethod
-    def of(cls, profile: ModelProfile) -> "HitGeometry":
+    def of(cls, profile: ModelProfile) -> HitGeometry:
         n_state = window_blocks(profile)
         history = n_state == 0
         windows = tuple(
-            (n, n_state == n, tuple(np.flatnonzero(n_state == n).tolist())) for n in sorted(set(n_state[~history].tolist()))
+            (n, n_state == n, tuple(np.flatnonzero(n_state == n).tolist()))
+            for n in sorted(set(n_state[~history].tolist()))
         )
         return cls(
             profile.hash_block_tokens,
@@ -101,7 +101,7 @@ class CheckVector:
     hit_blocks: int
 
     @classmethod
-    def build(cls, geometry: HitGeometry | ModelProfile, routes: np.ndarray, reasons: np.ndarray) -> "CheckVector":
+    def build(cls, geometry: HitGeometry | ModelProfile, routes: np.ndarray, reasons: np.ndarray) -> CheckVector:
         """Intersect per-group findings into the final vector.
 
         `routes` / `reasons` are what each group's manager found for each block on its own. Blocks at or
@@ -171,7 +171,7 @@ class CheckVector:
         }
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "CheckVector":
+    def from_wire(cls, data: dict[str, Any]) -> CheckVector:
         shape = tuple(data["shape"])
         return cls(
             int(data["hash_block_tokens"]),

@@ -15,13 +15,13 @@ class CacheForm(enum.Enum):
     ON_DISK = "on_disk"
 
     @property
-    def kind(self) -> "GroupKind":
+    def kind(self) -> GroupKind:
         if self is CacheForm.ON_DISK:
             raise ValueError("on_disk is a residence, not a cache kind: its record names the form it carries")
         return GroupKind.HISTORY if self in (CacheForm.COMPRESSED, CacheForm.INDEXER) else GroupKind.STATE
 
     @classmethod
-    def gpu_forms(cls) -> tuple["CacheForm", ...]:
+    def gpu_forms(cls) -> tuple[CacheForm, ...]:
         return (cls.COMPRESSED, cls.TAIL, cls.SWA, cls.INDEXER)
 
 

@@ -42,7 +42,7 @@ def block_hashes(namespace: bytes, tokens: Sequence[int] | np.ndarray, hash_bloc
 class BlockHasher:
     """Incremental hashing for engines that see tokens as they arrive."""
 
-    __slots__ = ("_prev", "_pending", "_step", "hashes")
+    __slots__ = ("_pending", "_prev", "_step", "hashes")
 
     def __init__(self, namespace: bytes, hash_block_tokens: int) -> None:
         self._prev = root_hash(namespace)

@@ -204,7 +204,9 @@ def _parse_group(raw: Any, index: int, source: str | None) -> CacheGroup:
         raise ProfileError("on_disk is a residence, not a group's form", field=f"{where}form", source=source)
     kind = _parse_enum(GroupKind, raw["kind"], f"{where}kind", source)
     if kind is not form.kind:
-        raise ProfileError(f"form {form.value} is a {form.kind.value} form, not {kind.value}", field=f"{where}kind", source=source)
+        raise ProfileError(
+            f"form {form.value} is a {form.kind.value} form, not {kind.value}", field=f"{where}kind", source=source
+        )
     layers = raw["layers"]
     if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and x >= 0 for x in layers):
         raise ProfileError("must be a non-empty list of layer indices", field=f"{where}layers", source=source)
@@ -213,7 +215,9 @@ def _parse_group(raw: Any, index: int, source: str | None) -> CacheGroup:
     ratio = _positive_int(raw.get("ratio", 1), f"{where}ratio", source)
     if form in (CacheForm.COMPRESSED, CacheForm.INDEXER) and rpb * ratio != tpb:
         raise ProfileError(
-            f"rows_per_block x ratio must equal tokens_per_block ({rpb} x {ratio} != {tpb})", field=f"{where}ratio", source=source
+            f"rows_per_block x ratio must equal tokens_per_block ({rpb} x {ratio} != {tpb})",
+            field=f"{where}ratio",
+            source=source,
         )
     if kind is GroupKind.STATE:
         if "window" not in raw:
@@ -232,7 +236,11 @@ def _parse_group(raw: Any, index: int, source: str | None) -> CacheGroup:
     shape = _require(row_raw, "shape", f"{where}row.", source)
     if not isinstance(shape, list) or not shape or not all(isinstance(x, int) and x > 0 for x in shape):
         raise ProfileError("must be a non-empty list of positive integers", field=f"{where}row.shape", source=source)
-    row = RowLayout(dtype, tuple(shape), _positive_int(_require(row_raw, "bytes", f"{where}row.", source), f"{where}row.bytes", source))
+    row = RowLayout(
+        dtype,
+        tuple(shape),
+        _positive_int(_require(row_raw, "bytes", f"{where}row.", source), f"{where}row.bytes", source),
+    )
     if dtype != "packed" and row.natural_bytes != row.bytes:
         raise ProfileError(
             f"{dtype} x {shape} is {row.natural_bytes} bytes, not {row.bytes}", field=f"{where}row.bytes", source=source

@@ -28,7 +28,7 @@ class ObjectKey(_KeyFields):
 
     __slots__ = ()
 
-    def __new__(cls, namespace: bytes, block_hash: bytes, group: str, form: CacheForm) -> "ObjectKey":
+    def __new__(cls, namespace: bytes, block_hash: bytes, group: str, form: CacheForm) -> ObjectKey:
         if len(namespace) != NAMESPACE_BYTES or len(block_hash) != HASH_BYTES:
             raise ValueError("namespace and block hash must be 16-byte digests")
         if form is CacheForm.ON_DISK:

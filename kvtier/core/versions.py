@@ -33,7 +33,7 @@ class VersionKey:
     def namespace_hex(self) -> str:
         return self.namespace.hex()
 
-    def bumped(self, **changes: str) -> "VersionKey":
+    def bumped(self, **changes: str) -> VersionKey:
         """A copy with some fields changed: a new model, kernel or compressor version is a new namespace."""
         return dataclasses.replace(self, **changes)
 
@@ -41,5 +41,5 @@ class VersionKey:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, str]) -> "VersionKey":
+    def from_dict(cls, data: dict[str, str]) -> VersionKey:
         return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls)})

@@ -87,7 +87,11 @@ class Runtime:
                 shape=list(layout.shape),
             )
             if pool.fd is not None:
-                infos.append(P.PoolInfo(**common, fd_index=len(fds), pool_bytes=os.fstat(pool.fd).st_size, offset=pool.base_offset))
+                infos.append(
+                    P.PoolInfo(
+                        **common, fd_index=len(fds), pool_bytes=os.fstat(pool.fd).st_size, offset=pool.base_offset
+                    )
+                )
                 fds.append(pool.fd)
             else:
                 from torch.multiprocessing.reductions import reduce_tensor
@@ -132,7 +136,9 @@ class TierConn:
         keys: list[ObjectKey] = []
         for it in items:
             if not 0 <= it.group < len(self.groups):
-                raise WrongType(f"group index {it.group} is not one of the {len(self.groups)} groups sent with tier_open")
+                raise WrongType(
+                    f"group index {it.group} is not one of the {len(self.groups)} groups sent with tier_open"
+                )
             if len(it.block_hash) != HASH_BYTES or len(it.layout_digest) != 16:
                 raise WrongType(f"block_hash and layout_digest must be {HASH_BYTES}-byte digests")
             name, form = self.groups[it.group]
@@ -144,7 +150,9 @@ class TierConn:
         size = self.staging.numel()
         for it in items:
             if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
-                raise BadRange(f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range of the {size}-byte staging region")
+                raise BadRange(
+                    f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range of the {size}-byte staging region"
+                )
         return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
 
     def close(self) -> None:
@@ -170,7 +178,9 @@ def _map_staging(fds: list[int], size: int) -> mmap.mmap:
     except OSError:
         seals = 0
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise WrongType("the staging memfd must carry F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)")
+        raise WrongType(
+            "the staging memfd must carry F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)"
+        )
     try:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
@@ -217,7 +227,9 @@ class Persister:
             while self._waiting > self.depth and not self._stop:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    log.warning("persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s)
+                    log.warning(
+                        "persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s
+                    )
                     return
                 self._cond.wait(remaining)
 
@@ -333,7 +345,9 @@ class DaemonBackend:
             held = self._held.get(ident)
         if held is None or held.owner != session.owner or (held.lookup is not None) != lookup:
             what = "lookup" if lookup else "offload"
-            raise OutOfOrder(f"no {what} {ident} held by this connection (released, expired, or never made): {what} first")
+            raise OutOfOrder(
+                f"no {what} {ident} held by this connection (released, expired, or never made): {what} first"
+            )
         return held
 
     def _pop(self, ident: int) -> Held | None:
@@ -345,9 +359,13 @@ class DaemonBackend:
     def attach(self, session: Session, req: P.Attach) -> tuple[P.AttachOk, list[int]]:
         rt = self.runtimes.get(req.profile)
         if rt is None:
-            raise ProfileError(f"this daemon serves {sorted(self.runtimes)}, not {req.profile!r}; add it to `profiles` in the config")
+            raise ProfileError(
+                f"this daemon serves {sorted(self.runtimes)}, not {req.profile!r}; add it to `profiles` in the config"
+            )
         infos, fds = rt.pool_infos()
-        ok = P.AttachOk(rt.name, rt.manager.namespace, rt.profile.hash_block_tokens, self.device, self.cfg.lease_ttl_s, infos)
+        ok = P.AttachOk(
+            rt.name, rt.manager.namespace, rt.profile.hash_block_tokens, self.device, self.cfg.lease_ttl_s, infos
+        )
         return ok, fds
 
     def lookup(self, session: Session, req: P.Lookup) -> P.LookupOk:
@@ -367,7 +385,9 @@ class DaemonBackend:
         loaded = before & (result.check_vector.routes == Route.REUSE)
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         slots, gens = rt.grids(result)
-        return P.LoadOk(_wire_cv(result.check_vector), slots, gens, int(loaded.sum()), n_bytes, time.perf_counter() - started)
+        return P.LoadOk(
+            _wire_cv(result.check_vector), slots, gens, int(loaded.sum()), n_bytes, time.perf_counter() - started
+        )
 
     def release(self, session: Session, req: P.Release) -> P.Released:
         with self._lock:
@@ -404,7 +424,11 @@ class DaemonBackend:
                 row: list[int] = []
                 for b in blocks:
                     try:
-                        handle = manager.begin_write(ObjectKey(manager.namespace, hashes[b], name, group.form), layout_digest=digest, owner=session.owner)
+                        handle = manager.begin_write(
+                            ObjectKey(manager.namespace, hashes[b], name, group.form),
+                            layout_digest=digest,
+                            owner=session.owner,
+                        )
                     except AdmissionRefused:
                         handle = None
                         refused += 1
@@ -438,10 +462,13 @@ class DaemonBackend:
         self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
         done, _ = self.persister.wait_pass(max(60.0, self.cfg.shutdown_timeout_s))
         persisted = done and all(
-            (st := manager.block_state(w.key.group, w.slot)).recoverable and st.generation == w.generation for w in held.writes
+            (st := manager.block_state(w.key.group, w.slot)).recoverable and st.generation == w.generation
+            for w in held.writes
         )
         if not persisted:
-            raise KvtierError("the store did not commit these objects (evicted first, or a store error; see the daemon log); offload again")
+            raise KvtierError(
+                "the store did not commit these objects (evicted first, or a store error; see the daemon log); offload again"
+            )
         return P.SealOk(sealed, True)
 
     def flush(self, session: Session, req: P.Flush) -> P.FlushOk:
@@ -508,11 +535,19 @@ class DaemonBackend:
             if mapping is not None:
                 mapping.close()
             raise
-        staging = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
+        staging = (
+            torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
+        )
         with self._lock:
             self._tiers[session.owner] = TierConn(namespace, groups, staging, mapping)
-        log.info("connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
-                 session.owner, session.peer.pid, namespace.hex(), len(groups), req.staging_bytes)
+        log.info(
+            "connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
+            session.owner,
+            session.peer.pid,
+            namespace.hex(),
+            len(groups),
+            req.staging_bytes,
+        )
         return P.TierOpenOk(namespace, str(self.store.root), self.store.io_backend)
 
     def _tier(self, session: Session) -> TierConn:
@@ -562,7 +597,11 @@ class DaemonBackend:
             while self._pins and self._pins[0][0] <= now:
                 _, _, rt, keys = heapq.heappop(self._pins)
                 due.append((rt, keys))
-            dead = [i for i, h in self._held.items() if (h.lookup is not None and not h.lookup.leases.live) or h.expires_at <= now]
+            dead = [
+                i
+                for i, h in self._held.items()
+                if (h.lookup is not None and not h.lookup.leases.live) or h.expires_at <= now
+            ]
             stale = [self._held.pop(i) for i in dead]
         for rt, keys in due:
             rt.manager.unpin(keys)
@@ -636,15 +675,26 @@ class DaemonBackend:
         with self._lock:
             prewarm_pins = len(self._pins)
         return {
-            "profiles": profiles, "forms": forms, "store": store, "prewarm_pins": prewarm_pins,
+            "profiles": profiles,
+            "forms": forms,
+            "store": store,
+            "prewarm_pins": prewarm_pins,
             "verifier": verifier_status(self.store),  # what the verifier last published in the index
         }
 
 
 def _empty_form() -> dict[str, Any]:
     return {
-        "lookups": 0, "reuse": 0, "recover": 0, "recompute": 0, "recover_ok": 0, "recover_failed": 0,
-        "admission_rejections": 0, "evictions": 0, "recompute_reasons": {}, "recovery_latency": None,
+        "lookups": 0,
+        "reuse": 0,
+        "recover": 0,
+        "recompute": 0,
+        "recover_ok": 0,
+        "recover_failed": 0,
+        "admission_rejections": 0,
+        "evictions": 0,
+        "recompute_reasons": {},
+        "recovery_latency": None,
     }
 
 
@@ -666,7 +716,11 @@ def _merge_form(out: dict[str, Any], f: dict[str, Any]) -> None:
     hist = out["recovery_latency"]
     if hist is None:
         les = ["+Inf" if le == float("inf") else le for le in lat["le"]]
-        out["recovery_latency"] = {"buckets": [[le, c] for le, c in zip(les, cumulative)], "sum": lat["sum"], "count": lat["count"]}
+        out["recovery_latency"] = {
+            "buckets": [[le, c] for le, c in zip(les, cumulative)],
+            "sum": lat["sum"],
+            "count": lat["count"],
+        }
     else:
         for bucket, c in zip(hist["buckets"], cumulative):
             bucket[1] += c

@@ -22,7 +22,17 @@ FORMS = tuple(f.value for f in CacheForm.gpu_forms())
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 VERIFIER_MODES = ("supervise", "external", "off")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,9 +191,13 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """
     return dataclasses.replace(
         current,
-        store=dataclasses.replace(current.store, budget_bytes=new.store.budget_bytes, quota_bytes=new.store.quota_bytes),
+        store=dataclasses.replace(
+            current.store, budget_bytes=new.store.budget_bytes, quota_bytes=new.store.quota_bytes
+        ),
         verifier=dataclasses.replace(
-            current.verifier, rate_bytes_per_s=new.verifier.rate_bytes_per_s, sweep_interval_s=new.verifier.sweep_interval_s
+            current.verifier,
+            rate_bytes_per_s=new.verifier.rate_bytes_per_s,
+            sweep_interval_s=new.verifier.sweep_interval_s,
         ),
     )
 
@@ -210,11 +224,13 @@ class _Reader:
         self.seen.add(key)
         return self.table.get(key, default)
 
-    def sub(self, key: str) -> "_Reader":
+    def sub(self, key: str) -> _Reader:
         self.seen.add(key)
         return _Reader(self.table.get(key, {}), f"{self.prefix}{key}.", self.source)
 
-    def string(self, key: str, default: str, pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] = ()) -> str:
+    def string(
+        self, key: str, default: str, pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] = ()
+    ) -> str:
         value = self.get(key, default)
         if not isinstance(value, str):
             raise self.error(key, f"must be a string, got {value!r}")
@@ -224,7 +240,9 @@ class _Reader:
             raise self.error(key, f"must be one of {', '.join(choices)}; got {value!r}")
         return value
 
-    def number(self, key: str, default: float, *, integer: bool = False, minimum: float = 0, allow_zero: bool = False) -> Any:
+    def number(
+        self, key: str, default: float, *, integer: bool = False, minimum: float = 0, allow_zero: bool = False
+    ) -> Any:
         value = self.get(key, default)
         ok_types = (int,) if integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_types):
@@ -238,7 +256,9 @@ class _Reader:
 
     def ids(self, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
         value = self.get(key, list(default))
-        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        if not isinstance(value, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+        ):
             raise self.error(key, f"must be a list of non-negative integers, got {value!r}")
         return tuple(value)
 
@@ -263,7 +283,9 @@ def parse_size(value: Any, key: str, source: str | None = None) -> int:
         return value
     if isinstance(value, str) and (m := _SIZE.match(value)):
         return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
-    raise ConfigError(f"must be a byte size (an integer or a string like '64MiB'), got {value!r}", key=key, source=source)
+    raise ConfigError(
+        f"must be a byte size (an integer or a string like '64MiB'), got {value!r}", key=key, source=source
+    )
 
 
 def _socket_mode(value: Any, key: str, source: str) -> int:

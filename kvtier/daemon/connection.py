@@ -16,8 +16,15 @@ from kvtier.daemon import protocol as P
 _ERRORS: dict[str, type[KvtierError]] = {
     cls.code: cls
     for cls in (
-        E.ProtocolError, E.FrameTooLarge, E.UnknownOp, E.WrongType, E.UnsupportedVersion, E.OutOfOrder,
-        E.PermissionDenied, E.DaemonBusy, E.BadRange,
+        E.ProtocolError,
+        E.FrameTooLarge,
+        E.UnknownOp,
+        E.WrongType,
+        E.UnsupportedVersion,
+        E.OutOfOrder,
+        E.PermissionDenied,
+        E.DaemonBusy,
+        E.BadRange,
     )
 }
 
@@ -39,7 +46,9 @@ def default_socket() -> Path:
 class Connection:
     """One socket to the daemon, greeted with hello; one request at a time (a lock serialises threads)."""
 
-    def __init__(self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = "") -> None:
+    def __init__(
+        self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = ""
+    ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else default_socket()
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -48,7 +57,9 @@ class Connection:
             self._sock.connect(str(self.socket_path))
         except OSError as exc:
             self._sock.close()
-            raise E.DaemonUnavailable(f"no kvtier daemon on {self.socket_path} ({exc.strerror}); start one with `kvtier serve`") from None
+            raise E.DaemonUnavailable(
+                f"no kvtier daemon on {self.socket_path} ({exc.strerror}); start one with `kvtier serve`"
+            ) from None
         hello = self._call(P.Hello(list(P.SUPPORTED_VERSIONS), name or f"pid {os.getpid()}"))
         assert isinstance(hello, P.HelloOk)
         self.daemon = hello.daemon
@@ -78,7 +89,7 @@ class Connection:
         """Disconnect; the daemon releases everything this connection held."""
         self._sock.close()
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, *exc: object) -> None:

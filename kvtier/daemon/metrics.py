@@ -34,13 +34,27 @@ class BackendCollector(Collector):
             log.exception("stats for a metrics scrape failed")
             return
         forms: dict[str, Any] = doc.get("forms", {})
-        routes = CounterMetricFamily("kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"])
-        hit_rate = GaugeMetricFamily("kvtier_hit_rate", "Share of the objects lookups needed that were served (REUSE or RECOVER), by form", labels=["form"])
-        recov = CounterMetricFamily("kvtier_recoveries", "Loads of RECOVER objects into pool slots, by outcome", labels=["form", "outcome"])
-        recov_rate = GaugeMetricFamily("kvtier_recovery_success_rate", "Share of recoveries that succeeded, by form", labels=["form"])
+        routes = CounterMetricFamily(
+            "kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"]
+        )
+        hit_rate = GaugeMetricFamily(
+            "kvtier_hit_rate",
+            "Share of the objects lookups needed that were served (REUSE or RECOVER), by form",
+            labels=["form"],
+        )
+        recov = CounterMetricFamily(
+            "kvtier_recoveries", "Loads of RECOVER objects into pool slots, by outcome", labels=["form", "outcome"]
+        )
+        recov_rate = GaugeMetricFamily(
+            "kvtier_recovery_success_rate", "Share of recoveries that succeeded, by form", labels=["form"]
+        )
         reasons = CounterMetricFamily("kvtier_recomputes", "RECOMPUTE routes by reason", labels=["form", "reason"])
-        admission = CounterMetricFamily("kvtier_admission_rejections", "Objects refused by the admission caps", labels=["form"])
-        latency = HistogramMetricFamily("kvtier_recovery_latency_seconds", "Time to recover one batch into the pool", labels=["form"])
+        admission = CounterMetricFamily(
+            "kvtier_admission_rejections", "Objects refused by the admission caps", labels=["form"]
+        )
+        latency = HistogramMetricFamily(
+            "kvtier_recovery_latency_seconds", "Time to recover one batch into the pool", labels=["form"]
+        )
         for form, f in sorted(forms.items()):
             reuse, recover, recompute = (int(f.get(k, 0)) for k in ("reuse", "recover", "recompute"))
             routes.add_metric([form, "reuse"], reuse)
@@ -61,7 +75,11 @@ class BackendCollector(Collector):
                 latency.add_metric([form], buckets, float(hist.get("sum", 0.0)))
         yield from (routes, hit_rate, recov, recov_rate, reasons, admission, latency)
 
-        pool = GaugeMetricFamily("kvtier_pool_slots", "Pool slots by profile and form: capacity, occupied, and the admission quota", labels=["profile", "form", "state"])
+        pool = GaugeMetricFamily(
+            "kvtier_pool_slots",
+            "Pool slots by profile and form: capacity, occupied, and the admission quota",
+            labels=["profile", "form", "state"],
+        )
         for prof in doc.get("profiles", []):
             for form, p in sorted(prof.get("pools", {}).items()):
                 for state in ("slots", "used", "quota"):
@@ -97,7 +115,9 @@ class Metrics:
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(BackendCollector(stats))
-        self.requests = Counter("kvtier_requests", "Requests served, by op and result code", ["op", "code"], registry=self.registry)
+        self.requests = Counter(
+            "kvtier_requests", "Requests served, by op and result code", ["op", "code"], registry=self.registry
+        )
         self.request_seconds = Histogram(
             "kvtier_request_seconds",
             "Time to serve one request, by op",
@@ -117,9 +137,14 @@ class Metrics:
         """Start the HTTP endpoint on HOST:PORT (port 0 picks one); returns the bound address."""
         host, _, port = address.rpartition(":")
         try:
-            self._server, self._thread = start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+            self._server, self._thread = start_http_server(
+                int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry
+            )
         except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {address}: {exc.strerror}; pick another address or '' to disable", key="metrics.address") from None
+            raise ConfigError(
+                f"cannot serve metrics on {address}: {exc.strerror}; pick another address or '' to disable",
+                key="metrics.address",
+            ) from None
         bound = self._server.server_address
         return str(bound[0]), int(bound[1])
 

@@ -130,7 +130,22 @@ class TierLoad(Msg, tag="tier_load"):
     items: list[TierItem]
 
 
-Request = Hello | Attach | Lookup | Release | Load | Offload | Seal | Flush | Prewarm | Stats | TierOpen | TierHas | TierStore | TierLoad
+Request = (
+    Hello
+    | Attach
+    | Lookup
+    | Release
+    | Load
+    | Offload
+    | Seal
+    | Flush
+    | Prewarm
+    | Stats
+    | TierOpen
+    | TierHas
+    | TierStore
+    | TierLoad
+)
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
 
 
@@ -258,8 +273,20 @@ class Error(Msg, tag="error"):
 
 
 Reply = (
-    HelloOk | AttachOk | LookupOk | LoadOk | OffloadOk | SealOk | FlushOk | PrewarmOk | Released | StatsOk
-    | TierOpenOk | TierReasons | TierStored | Error
+    HelloOk
+    | AttachOk
+    | LookupOk
+    | LoadOk
+    | OffloadOk
+    | SealOk
+    | FlushOk
+    | PrewarmOk
+    | Released
+    | StatsOk
+    | TierOpenOk
+    | TierReasons
+    | TierStored
+    | Error
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -277,9 +304,13 @@ def parse_header(header: bytes, max_frame: int) -> int:
     """Body length of a frame; a bad magic, version or size is a ProtocolError (the stream cannot be resynced)."""
     magic, version, _flags, length = HEADER.unpack(header)
     if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {magic!r}: this socket speaks the kvtier protocol (frames start with b'KT')")
+        raise ProtocolError(
+            f"bad frame magic {magic!r}: this socket speaks the kvtier protocol (frames start with b'KT')"
+        )
     if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)}); upgrade the client or daemon")
+        raise UnsupportedVersion(
+            f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)}); upgrade the client or daemon"
+        )
     if length > max_frame:
         raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {max_frame}; split the request")
     return length

@@ -178,14 +178,18 @@ class SocketServer:
         peer = peer_credentials(conn)
         refusal: KvtierError | None = None
         if not peer_allowed(peer, self.cfg):
-            refusal = PermissionDenied(f"uid {peer.uid} / gid {peer.gid} may not use this daemon; add it to server.allowed_uids or allowed_gids")
+            refusal = PermissionDenied(
+                f"uid {peer.uid} / gid {peer.gid} may not use this daemon; add it to server.allowed_uids or allowed_gids"
+            )
         with self._lock:
             if refusal is None and (self._closing or len(self._conns) >= self.cfg.max_connections):
                 refusal = DaemonBusy("the daemon is shutting down or at server.max_connections; retry later")
             if refusal is None:
                 owner = next(self._owners)
                 self._conns[owner] = conn
-                thread = threading.Thread(target=self._serve, args=(conn, Session(owner, peer)), name=f"kvtier-conn-{owner}", daemon=True)
+                thread = threading.Thread(
+                    target=self._serve, args=(conn, Session(owner, peer)), name=f"kvtier-conn-{owner}", daemon=True
+                )
                 self._threads[owner] = thread
         if refusal is not None:
             log.warning("refused pid %d uid %d: %s", peer.pid, peer.uid, refusal)
@@ -228,7 +232,9 @@ class SocketServer:
                             self._inflight -= 1
                             self._idle.notify_all()
                 finally:
-                    for fd in received:  # a handler maps what it keeps: no descriptor a client sends outlives its request
+                    for (
+                        fd
+                    ) in received:  # a handler maps what it keeps: no descriptor a client sends outlives its request
                         os.close(fd)
         except ProtocolError as exc:
             log.info("connection %d (pid %d): %s; closing", session.owner, session.peer.pid, exc)
@@ -283,7 +289,10 @@ class SocketServer:
             reply, fds = P.Error(exc.code, str(exc)), []
         except Exception as exc:  # a bug must not take the daemon (or other clients) down
             log.exception("internal error serving %s for connection %d", op, session.owner)
-            reply, fds = P.Error("internal", f"internal error in the daemon ({type(exc).__name__}: {exc}); see its log"), []
+            reply, fds = (
+                P.Error("internal", f"internal error in the daemon ({type(exc).__name__}: {exc}); see its log"),
+                [],
+            )
         if self.on_request is not None:
             self.on_request(op, time.perf_counter() - started, reply.code if isinstance(reply, P.Error) else "ok")
         return reply, fds
@@ -294,11 +303,15 @@ class SocketServer:
                 raise OutOfOrder("hello must be the first request on a connection")
             common = set(req.versions) & set(P.SUPPORTED_VERSIONS)
             if not common:
-                raise P.UnsupportedVersion(f"no common protocol version: client {req.versions}, daemon {list(P.SUPPORTED_VERSIONS)}")
+                raise P.UnsupportedVersion(
+                    f"no common protocol version: client {req.versions}, daemon {list(P.SUPPORTED_VERSIONS)}"
+                )
             return P.HelloOk(max(common), f"kvtier {__version__}", os.getpid()), []
         if isinstance(req, P.Attach):
             if session.attached is not None:
-                raise OutOfOrder(f"this connection is already attached to {session.attached!r}; open another connection for another profile")
+                raise OutOfOrder(
+                    f"this connection is already attached to {session.attached!r}; open another connection for another profile"
+                )
             reply, fds = self.backend.attach(session, req)
             session.attached = reply.profile
             return reply, fds
@@ -308,7 +321,9 @@ class SocketServer:
             return self.backend.flush(session, req), []
         if isinstance(req, P.TierOpen):
             if session.tier_open:
-                raise OutOfOrder("tier_open was already sent on this connection; open another connection for another namespace")
+                raise OutOfOrder(
+                    "tier_open was already sent on this connection; open another connection for another namespace"
+                )
             reply = self.backend.tier_open(session, req, received)
             session.tier_open = True
             return reply, []
@@ -339,7 +354,9 @@ class SocketServer:
             conns = list(self._conns.values())
         for conn in conns:
             try:
-                conn.shutdown(socket.SHUT_RD)  # a thread waiting for its next request sees EOF; one mid-request finishes
+                conn.shutdown(
+                    socket.SHUT_RD
+                )  # a thread waiting for its next request sees EOF; one mid-request finishes
             except OSError:
                 pass
         while True:

@@ -74,7 +74,11 @@ class Daemon:
     def verifier_doc(self) -> dict[str, Any]:
         mode = self.cfg.verifier.mode
         if self.supervisor is None:
-            return {"mode": mode, "state": "external (its own unit)" if mode == "external" else "not running", "restarts": 0}
+            return {
+                "mode": mode,
+                "state": "external (its own unit)" if mode == "external" else "not running",
+                "restarts": 0,
+            }
         st = self.supervisor.state()
         return {"mode": mode, "state": st.state, "pid": st.pid, "restarts": st.restarts, "last_exit": st.last_exit}
 

@@ -33,7 +33,9 @@ class SupervisorState:
 class Supervisor:
     """Keeps one command running; restarts after exits with backoff doubling from `backoff_s` to `max_backoff_s`."""
 
-    def __init__(self, name: str, command: Sequence[str], *, backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> None:
+    def __init__(
+        self, name: str, command: Sequence[str], *, backoff_s: float = 1.0, max_backoff_s: float = 60.0
+    ) -> None:
         self.name = name
         self.command = list(command)
         self.backoff_s = backoff_s
@@ -52,8 +54,13 @@ class Supervisor:
 
     def _spawn(self) -> None:
         try:
-            env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # the child ends itself if we die (see kvtier.verifier.process)
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env)
+            env = {
+                **os.environ,
+                PARENT_PID_ENV: str(os.getpid()),
+            }  # the child ends itself if we die (see kvtier.verifier.process)
+            self._proc = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env
+            )
         except OSError as exc:
             log.error("%s: cannot start %s: %s", self.name, self.command[0], exc)
             self._proc = None

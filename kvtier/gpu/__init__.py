@@ -2,7 +2,15 @@
 the block state machine, four-layer validation, leases, admission caps and static topology."""
 
 from kvtier.gpu.admission import AdmissionConfig
-from kvtier.gpu.errors import AdmissionRefused, BadKey, BudgetError, IllegalTransition, PartialBlock, StaleHandle, TopologyError
+from kvtier.gpu.errors import (
+    AdmissionRefused,
+    BadKey,
+    BudgetError,
+    IllegalTransition,
+    PartialBlock,
+    StaleHandle,
+    TopologyError,
+)
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
 from kvtier.gpu.manager import CacheManager, LookupResult
 from kvtier.gpu.memtier import MemoryTier

@@ -41,7 +41,7 @@ class AdmissionConfig:
 class FormQuotas:
     """Occupied-slot counts per form against per-form quotas and the global cap."""
 
-    __slots__ = ("capacity", "max_entries", "used", "quota", "share", "_demand", "_since", "_cfg")
+    __slots__ = ("_cfg", "_demand", "_since", "capacity", "max_entries", "quota", "share", "used")
 
     def __init__(self, capacity: np.ndarray, cfg: AdmissionConfig) -> None:
         self._cfg = cfg

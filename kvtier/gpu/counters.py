@@ -17,7 +17,7 @@ _EVENTS = ("recovers_ok", "recovers_failed", "evictions", "writes_sealed", "writ
 class Counters:
     """Monotonic counters; `record_lookup` is one vectorised bincount, the rest are integer bumps."""
 
-    __slots__ = ("forms", "_group_form", "_codes", "_offsets", "_events", "_lat_counts", "_lat_sum", "totals")
+    __slots__ = ("_codes", "_events", "_group_form", "_lat_counts", "_lat_sum", "_offsets", "forms", "totals")
 
     def __init__(self, group_forms: tuple[CacheForm, ...]) -> None:
         self.forms = tuple(dict.fromkeys(group_forms))
@@ -63,7 +63,9 @@ class Counters:
                 "reuse": int(codes[Route.REUSE]),
                 "recover": int(codes[Route.RECOVER]),
                 "recompute": {
-                    Reason(r).label: int(codes[Route.RECOMPUTE + r]) for r in range(1, max(Reason) + 1) if codes[Route.RECOMPUTE + r]
+                    Reason(r).label: int(codes[Route.RECOMPUTE + r])
+                    for r in range(1, max(Reason) + 1)
+                    if codes[Route.RECOMPUTE + r]
                 },
                 **{name: int(arr[fi]) for name, arr in self._events.items()},
                 "recovery_latency_s": {

@@ -68,7 +68,7 @@ class LeaseSet:
 class LeaseBook:
     """Live leases and write handles by id and by owner, and one expiry heap for both (lazy deletion)."""
 
-    __slots__ = ("leases", "writes", "_owners", "_heap", "_ids")
+    __slots__ = ("_heap", "_ids", "_owners", "leases", "writes")
 
     def __init__(self) -> None:
         self.leases: dict[int, LeaseSet] = {}

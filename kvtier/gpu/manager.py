@@ -114,7 +114,9 @@ class CacheManager:
         slots_for: dict[CacheForm, int] = {}
         for form in dict.fromkeys(self._forms):
             if form not in budgets:
-                raise BudgetError(f"budgets_bytes has no entry for form {form.value}; give every form of the profile a byte budget")
+                raise BudgetError(
+                    f"budgets_bytes has no entry for form {form.value}; give every form of the profile a byte budget"
+                )
             groups = [g for g in self._profile.groups if g.form is form]
             per_block = sum(-(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT for g in groups)
             slots_for[form] = budgets[form] // per_block
@@ -123,12 +125,20 @@ class CacheManager:
                     f"the {form.value} budget ({budgets[form]} B) holds no block of its groups ({per_block} B per block); raise it"
                 )
         self._pools = tuple(
-            allocate_pool(g.name, g.form, g.object_bytes(h), slots_for[g.form] * -(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT, self.device)
+            allocate_pool(
+                g.name,
+                g.form,
+                g.object_bytes(h),
+                slots_for[g.form] * -(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT,
+                self.device,
+            )
             for g in self._profile.groups
         )
         for pool in self._pools:
             if pool.address % POOL_ALIGNMENT or pool.slot_stride % POOL_ALIGNMENT:
-                raise LayoutError(f"pool {pool.group} is not {POOL_ALIGNMENT}-B aligned; this is a kvtier bug, please report it")
+                raise LayoutError(
+                    f"pool {pool.group} is not {POOL_ALIGNMENT}-B aligned; this is a kvtier bug, please report it"
+                )
         self._table = BlockTable([p.n_slots for p in self._pools], self._history)
         capacity = np.zeros(len(self._counters.forms), dtype=np.int64)
         for g, pool in enumerate(self._pools):
@@ -139,7 +149,7 @@ class CacheManager:
         self._s_form = np.array(self._gform)[t.s_group]
 
     @contextlib.contextmanager
-    def recompile_window(self) -> Iterator["CacheManager"]:
+    def recompile_window(self) -> Iterator[CacheManager]:
         """The only place pool addresses may change; holds the manager for its duration."""
         with self._lock:
             self._window_depth += 1
@@ -281,7 +291,9 @@ class CacheManager:
         try:
             keys = [ObjectKey(ns, block_hashes[b], names[g], forms[g]) for g, b in zip(gs.tolist(), bs.tolist())]
         except ValueError as exc:
-            raise BadKey(f"block hashes must be 16-byte digests ({exc}); hash blocks with kvtier.core.block_hashes") from None
+            raise BadKey(
+                f"block hashes must be 16-byte digests ({exc}); hash blocks with kvtier.core.block_hashes"
+            ) from None
         missing = np.full(len(keys), Reason.MISSING, dtype=np.int8)
         try:
             answers = np.fromiter(self._lower.has(keys, [self._digests[g] for g in gs.tolist()]), dtype=np.int8)
@@ -366,7 +378,9 @@ class CacheManager:
         g = self._group(group)
         cv = result.check_vector
         if not 0 <= block < cv.hit_blocks or cv.routes[g, block] != Route.REUSE:
-            raise BadKey(f"{group} block {block} is not REUSE in this lookup; read only the objects the check vector routes REUSE")
+            raise BadKey(
+                f"{group} block {block} is not REUSE in this lookup; read only the objects the check vector routes REUSE"
+            )
         with self._lock:
             self._expire(self._clock())
             self._require_live(lease)
@@ -376,11 +390,24 @@ class CacheManager:
                 raise StaleHandle(f"{group} block {block} was evicted after the lookup; look the prefix up again")
         local = slot - int(self._table.base[g])
         pool = self._pools[g]
-        return Handle(lease.lease_id, group, block, local, gen, self._forms[g], lease.namespace, local * pool.slot_stride, pool.slot_nbytes)
+        return Handle(
+            lease.lease_id,
+            group,
+            block,
+            local,
+            gen,
+            self._forms[g],
+            lease.namespace,
+            local * pool.slot_stride,
+            pool.slot_nbytes,
+        )
 
     def handles(self, result: LookupResult) -> list[Handle]:
         """Handles of every REUSE object of a lookup, block-major."""
-        return [self.handle(result, self._names[g], int(b)) for b, g in np.argwhere(result.check_vector.routes.T == Route.REUSE)]
+        return [
+            self.handle(result, self._names[g], int(b))
+            for b, g in np.argwhere(result.check_vector.routes.T == Route.REUSE)
+        ]
 
     def read(self, handle: Handle, *, copy: bool = False) -> torch.Tensor:
         """The object's bytes (uint8): a view of the slot, or with copy=True a copy taken while it is known good."""
@@ -408,7 +435,9 @@ class CacheManager:
         g = self._group_ix[handle.group]
         slot = int(self._table.base[g]) + handle.slot
         if self._table.s_gen[slot] != handle.generation or self._table.s_state[slot] != BlockState.SEALED:
-            raise StaleHandle(f"{handle.group} block {handle.block} was evicted (generation moved); recompute or look up again")
+            raise StaleHandle(
+                f"{handle.group} block {handle.block} was evicted (generation moved); recompute or look up again"
+            )
 
     def _require_live(self, lease: LeaseSet) -> None:
         if not lease.live:
@@ -496,7 +525,9 @@ class CacheManager:
             gen = t.bind(slot, row, Reason.PARTIAL_BLOCK, self._ns_id)
             local = self._check_slot(g, slot)
             pool = self._pools[g]
-            handle = WriteHandle(self._book.next_id(), key, local, gen, local * pool.slot_stride, pool.slot_nbytes, owner)
+            handle = WriteHandle(
+                self._book.next_id(), key, local, gen, local * pool.slot_stride, pool.slot_nbytes, owner
+            )
             self._book.add_write(handle, now + self._ttl)
             return handle
 
@@ -529,7 +560,9 @@ class CacheManager:
             self._abort_write(handle)
             return True
 
-    def write_block(self, key: ObjectKey, payload: torch.Tensor, *, layout_digest: bytes, owner: Hashable = None) -> bool:
+    def write_block(
+        self, key: ObjectKey, payload: torch.Tensor, *, layout_digest: bytes, owner: Hashable = None
+    ) -> bool:
         """begin_write + copy + seal for in-process writers; False if the object was already cached."""
         data = payload.detach().contiguous().reshape(-1).view(torch.uint8)
         with self._lock:
@@ -554,9 +587,13 @@ class CacheManager:
     def _check_key(self, key: ObjectKey) -> int:
         g = self._group_ix.get(key.group)
         if g is None or self._forms[g] is not key.form:
-            raise BadKey(f"profile {self._profile.name} has no {key.form.value} group {key.group!r}; name a group of the profile")
+            raise BadKey(
+                f"profile {self._profile.name} has no {key.form.value} group {key.group!r}; name a group of the profile"
+            )
         if key.namespace != self._ns:
-            raise VersionError(f"namespace {key.namespace.hex()} is not live ({self._ns.hex()}); write under the live version key")
+            raise VersionError(
+                f"namespace {key.namespace.hex()} is not live ({self._ns.hex()}); write under the live version key"
+            )
         return g
 
     def _check_slot(self, g: int, slot: int) -> int:
@@ -898,8 +935,16 @@ class CacheManager:
             namespace = next((ns for ns, i in self._ns_ids.items() if i == ns_id), None) if t.s_state[s] else None
             touch = t.r_touch[t.s_row[s]] if t.s_history[s] else t.s_touch[s]
             return CacheBlockState(
-                group, slot, self._forms[g], namespace, int(t.s_gen[s]), bool(t.s_recoverable[s]), int(touch),
-                BlockState(int(t.s_state[s])), int(t.s_pins[s]), int(t.s_leases[s]),
+                group,
+                slot,
+                self._forms[g],
+                namespace,
+                int(t.s_gen[s]),
+                bool(t.s_recoverable[s]),
+                int(touch),
+                BlockState(int(t.s_state[s])),
+                int(t.s_pins[s]),
+                int(t.s_leases[s]),
             )
 
     def audit(self) -> list[str]:

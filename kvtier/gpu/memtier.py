@@ -30,7 +30,9 @@ class MemoryTier:
             objects = self._objects
             for key, digest in zip(keys, layout_digests):
                 found = objects.get(key)
-                out.append(Reason.MISSING if found is None else Reason.OK if found[0] == digest else Reason.ABI_MISMATCH)
+                out.append(
+                    Reason.MISSING if found is None else Reason.OK if found[0] == digest else Reason.ABI_MISMATCH
+                )
         return out
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:

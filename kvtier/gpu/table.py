@@ -63,7 +63,9 @@ class BlockTable:
         row = self.index.get(block_hash)
         if row is None:
             if not self._free_rows:
-                raise AdmissionRefused("the block index is full of rows held only by leases; release leases (or wait for their TTL)")
+                raise AdmissionRefused(
+                    "the block index is full of rows held only by leases; release leases (or wait for their TTL)"
+                )
             row = self._free_rows.pop()
             self.index[block_hash] = row
             self.r_hash[row] = block_hash

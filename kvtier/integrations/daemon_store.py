@@ -25,12 +25,20 @@ class DaemonStore:
 
     is_writer = True  # the daemon writes; it refuses with a typed error where it cannot
 
-    def __init__(self, socket_path: str | Path, version_key: VersionKey, groups: Sequence[tuple[str, CacheForm]], staging_bytes: int) -> None:
+    def __init__(
+        self,
+        socket_path: str | Path,
+        version_key: VersionKey,
+        groups: Sequence[tuple[str, CacheForm]],
+        staging_bytes: int,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self._clients: list[TierClient] = []
         try:
             for role, staging in (("lookups", 0), ("loads", staging_bytes), ("stores", staging_bytes)):
-                self._clients.append(TierClient(self.socket_path, version_key, groups, staging, name=f"engine tier {role}"))
+                self._clients.append(
+                    TierClient(self.socket_path, version_key, groups, staging, name=f"engine tier {role}")
+                )
         except BaseException:
             self.close()
             raise

@@ -30,9 +30,13 @@ _READ_BYTES = 16 << 20
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The files whose bytes fix what the model computes: config.json and the top-level weight files, by name."""
-    files = sorted(p for p in model_dir.iterdir() if p.is_file() and (p.name == CONFIG_FILE or p.name.endswith(WEIGHT_SUFFIXES)))
+    files = sorted(
+        p for p in model_dir.iterdir() if p.is_file() and (p.name == CONFIG_FILE or p.name.endswith(WEIGHT_SUFFIXES))
+    )
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
-        raise VllmTierError(f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): point model_dir at the checkpoint vLLM loads")
+        raise VllmTierError(
+            f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): point model_dir at the checkpoint vLLM loads"
+        )
     return files
 
 
@@ -120,7 +124,9 @@ def derive_identity(
         dtype_layout=dtype_layout,
     )
     digests = {
-        p.group_id: hashlib.blake2b(f"{kernel_abi}|{dtype_layout}|{p.describe()}".encode(), digest_size=16, person=b"kvtier-vllm-lay1").digest()
+        p.group_id: hashlib.blake2b(
+            f"{kernel_abi}|{dtype_layout}|{p.describe()}".encode(), digest_size=16, person=b"kvtier-vllm-lay1"
+        ).digest()
         for p in ordered
     }
     return EngineIdentity(key, plans, digests)

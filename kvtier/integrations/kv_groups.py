@@ -57,7 +57,9 @@ def layer_index(layer_name: str) -> int:
     """`model.layers.7.self_attn.attn` -> 7."""
     m = _LAYER_INDEX.search(layer_name)
     if m is None:
-        raise VllmTierError(f"KV layer '{layer_name}' has no 'layers.<n>' index: this model's layers cannot be matched to config.json")
+        raise VllmTierError(
+            f"KV layer '{layer_name}' has no 'layers.<n>' index: this model's layers cannot be matched to config.json"
+        )
     return int(m.group(1))
 
 
@@ -71,7 +73,9 @@ def layer_window(cfg: Mapping[str, Any], index: int) -> int:
     types = cfg.get("layer_types")
     if types is not None:
         if not 0 <= index < len(types):
-            raise VllmTierError(f"layer {index} is beyond config.json's layer_types ({len(types)} entries): is model_dir the checkpoint vLLM loaded?")
+            raise VllmTierError(
+                f"layer {index} is beyond config.json's layer_types ({len(types)} entries): is model_dir the checkpoint vLLM loaded?"
+            )
         kind = types[index]
         if kind == "full_attention":
             return 0
@@ -85,7 +89,9 @@ def layer_window(cfg: Mapping[str, Any], index: int) -> int:
     return max(window, 0)
 
 
-def plan_groups(groups: Sequence[EngineGroup], hf_config: Mapping[str, Any], blocks_per_chunk: int) -> dict[int, GroupPlan]:
+def plan_groups(
+    groups: Sequence[EngineGroup], hf_config: Mapping[str, Any], blocks_per_chunk: int
+) -> dict[int, GroupPlan]:
     """One plan per vLLM group id; every layer of a group must share one window."""
     cfg = text_config(hf_config)
     plans: dict[int, GroupPlan] = {}
@@ -94,13 +100,19 @@ def plan_groups(groups: Sequence[EngineGroup], hf_config: Mapping[str, Any], blo
             raise VllmTierError(f"KV group {g.group_id} names no layers: the kvtier vLLM tier cannot classify it")
         windows = {layer_window(cfg, layer_index(n)) for n in g.layer_names}
         if len(windows) != 1:
-            raise VllmTierError(f"KV group {g.group_id} mixes sliding windows {sorted(windows)}: the kvtier vLLM tier needs one attention type per group")
+            raise VllmTierError(
+                f"KV group {g.group_id} mixes sliding windows {sorted(windows)}: the kvtier vLLM tier needs one attention type per group"
+            )
         window = windows.pop()
         name = f"vllm.g{g.group_id}.swa{window}" if window else f"vllm.g{g.group_id}.full"
         layers = hashlib.blake2b("\n".join(g.layer_names).encode(), digest_size=4).hexdigest()
         plans[g.group_id] = GroupPlan(
-            g.group_id, name, CacheForm.SWA if window else CacheForm.COMPRESSED,
-            g.tokens_per_block * blocks_per_chunk, window, layers,
+            g.group_id,
+            name,
+            CacheForm.SWA if window else CacheForm.COMPRESSED,
+            g.tokens_per_block * blocks_per_chunk,
+            window,
+            layers,
         )
     return plans
 

@@ -47,7 +47,14 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, layer_index, layer_window, text_config
+from kvtier.integrations.kv_groups import (
+    EngineGroup,
+    GroupPlan,
+    in_complete_window,
+    layer_index,
+    layer_window,
+    text_config,
+)
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
 if TYPE_CHECKING:
@@ -99,7 +106,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "Chunks offered to the kvtier tier by outcome (stored, present, dropped_backpressure, failed_*, read_only).",
                 labelnames=("outcome",),
             ),
-            LOAD_CHUNKS: OffloadingCounterMetadata("Chunks the kvtier tier loaded, by outcome (ok or why not).", labelnames=("outcome",)),
+            LOAD_CHUNKS: OffloadingCounterMetadata(
+                "Chunks the kvtier tier loaded, by outcome (ok or why not).", labelnames=("outcome",)
+            ),
             STORE_QUEUE: OffloadingGaugeMetadata("Chunks queued or being written by the kvtier tier."),
         }
 
@@ -123,21 +132,31 @@ class KvtierSecondaryTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if max_pending_store_chunks < 1 or staging_chunks < 1:
-            raise VllmTierError(f"max_pending_store_chunks and staging_chunks must be >= 1, got {max_pending_store_chunks}, {staging_chunks}")
+            raise VllmTierError(
+                f"max_pending_store_chunks and staging_chunks must be >= 1, got {max_pending_store_chunks}, {staging_chunks}"
+            )
         if (store_dir is None) == (daemon_socket is None):
-            raise VllmTierError("set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened in this engine) in the kvtier tier config")
+            raise VllmTierError(
+                "set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened in this engine) in the kvtier tier config"
+            )
         self.locality = Locality(locality) if locality is not None else None
-        self.identity = engine_identity(offloading_spec, self.block_size_bytes, model_dir, weights_digest, attention_backend)
+        self.identity = engine_identity(
+            offloading_spec, self.block_size_bytes, model_dir, weights_digest, attention_backend
+        )
         self._namespace = self.identity.namespace
         self._plans: Mapping[int, GroupPlan] = self.identity.plans
         self._digests: Mapping[int, bytes] = self.identity.layout_digests
         self._store: DiskStore | DaemonStore
         if daemon_socket is not None:
             groups = [(p.name, p.form) for _, p in sorted(self._plans.items())]
-            self._store = DaemonStore(daemon_socket, self.identity.version_key, groups, staging_chunks * self.block_size_bytes)
+            self._store = DaemonStore(
+                daemon_socket, self.identity.version_key, groups, staging_chunks * self.block_size_bytes
+            )
         else:
             assert store_dir is not None
-            self._store = _open_store(store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes))
+            self._store = _open_store(
+                store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes)
+            )
             self._store.register_namespace(self.identity.version_key)
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
@@ -157,14 +176,19 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._closed = False
         self._threads = [
             threading.Thread(target=self._serve, args=(self._loads, self._load), name="kvtier-vllm-load", daemon=True),
-            threading.Thread(target=self._serve, args=(self._stores, self._store_job), name="kvtier-vllm-store", daemon=True),
+            threading.Thread(
+                target=self._serve, args=(self._stores, self._store_job), name="kvtier-vllm-store", daemon=True
+            ),
         ]
         for t in self._threads:
             t.start()
         log.info(
             "kvtier tier: store %s (%s, %s), namespace %s, groups %s",
-            self._store.root, "writer" if self._store.is_writer else "reader", self._store.io_backend,
-            self._namespace.hex(), ", ".join(f"{g}->{p.name}/{p.form.value}" for g, p in sorted(self._plans.items())),
+            self._store.root,
+            "writer" if self._store.is_writer else "reader",
+            self._store.io_backend,
+            self._namespace.hex(),
+            ", ".join(f"{g}->{p.name}/{p.form.value}" for g, p in sorted(self._plans.items())),
         )
 
     # ----------------------------------------------------------------- keys
@@ -218,7 +242,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
         def servable(e: int) -> bool:
             if e not in seen:
                 k = keys.get((plan.group_id, e))
-                seen[e] = k is not None and k not in self._failed and (k in self._storing or self._reason(k, plan) is Reason.OK)
+                seen[e] = (
+                    k is not None
+                    and k not in self._failed
+                    and (k in self._storing or self._reason(k, plan) is Reason.OK)
+                )
             return seen[e]
 
         return in_complete_window(end, plan, servable)
@@ -248,7 +276,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def _refuse(self, job: TransferJob, outcome: str) -> None:
         keys = list(job.keys)
-        self._done.append(_Done(JobResult(job.job_id, False), keys, False, collections.Counter({outcome: len(keys)}), queued=False))
+        self._done.append(
+            _Done(JobResult(job.job_id, False), keys, False, collections.Counter({outcome: len(keys)}), queued=False)
+        )
 
     def _warn_dropped(self, n: int) -> None:
         self._dropped_since_warning += n
@@ -335,7 +365,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
             requests = []
             for key, chunk in zip(keys, job.chunk_ids):
                 plan = self._plans[get_offload_group_idx(key)]
-                requests.append(LoadRequest(self._object_key(key, plan), self._chunk(int(chunk)), self._digests[plan.group_id]))
+                requests.append(
+                    LoadRequest(self._object_key(key, plan), self._chunk(int(chunk)), self._digests[plan.group_id])
+                )
             reasons = self._store.load_into(requests)
         except Exception:  # a worker must report every job, or vLLM waits for it forever
             log.exception("kvtier tier: load job %d failed", job.job_id)
@@ -344,10 +376,18 @@ class KvtierSecondaryTier(SecondaryTierManager):
         failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
         if failed:
-            log.warning("kvtier tier: %d of %d chunks failed to load (%s): vLLM recomputes them", len(failed), len(keys), dict(outcomes))
+            log.warning(
+                "kvtier tier: %d of %d chunks failed to load (%s): vLLM recomputes them",
+                len(failed),
+                len(keys),
+                dict(outcomes),
+            )
         result = JobResult(
-            job.job_id, success=not failed, successful_keys=tuple(ok) if ok and failed else None,
-            transfer_time=time.monotonic() - started, transfer_bytes=len(ok) * self.block_size_bytes,
+            job.job_id,
+            success=not failed,
+            successful_keys=tuple(ok) if ok and failed else None,
+            transfer_time=time.monotonic() - started,
+            transfer_bytes=len(ok) * self.block_size_bytes,
         )
         return _Done(result, keys, True, outcomes, failed)
 
@@ -359,17 +399,31 @@ class KvtierSecondaryTier(SecondaryTierManager):
             okeys = [self._object_key(k, self._plans[get_offload_group_idx(k)]) for k in keys]
             digests = [self._digests[get_offload_group_idx(k)] for k in keys]
             present = self._store.has(okeys, digests)
-            items = [(ok, self._chunk(int(c)), d) for ok, c, d, r in zip(okeys, job.chunk_ids, digests, present) if r is not Reason.OK]
+            items = [
+                (ok, self._chunk(int(c)), d)
+                for ok, c, d, r in zip(okeys, job.chunk_ids, digests, present)
+                if r is not Reason.OK
+            ]
             if items:
                 self._store.store_many(items)
         except StoreFull as exc:
             log.warning("kvtier tier: store job %d not stored: %s", job.job_id, exc)
-            return _Done(JobResult(job.job_id, False), keys, False, collections.Counter({f"failed_{exc.limit.split(':')[0]}": len(keys)}))
+            return _Done(
+                JobResult(job.job_id, False),
+                keys,
+                False,
+                collections.Counter({f"failed_{exc.limit.split(':')[0]}": len(keys)}),
+            )
         except Exception:  # a worker must report every job, or vLLM waits for it forever
             log.exception("kvtier tier: store job %d failed", job.job_id)
             return _Done(JobResult(job.job_id, False), keys, False, collections.Counter({"failed_error": len(keys)}))
         outcomes = collections.Counter({"stored": len(items), "present": len(keys) - len(items)})
-        result = JobResult(job.job_id, True, transfer_time=time.monotonic() - started, transfer_bytes=len(items) * self.block_size_bytes)
+        result = JobResult(
+            job.job_id,
+            True,
+            transfer_time=time.monotonic() - started,
+            transfer_bytes=len(items) * self.block_size_bytes,
+        )
         return _Done(result, keys, False, +outcomes)
 
 
@@ -397,14 +451,22 @@ def _open_store(root: str, config: StoreConfig) -> DiskStore:
 
 
 def engine_identity(
-    offloading_spec: OffloadingSpec, chunk_bytes: int, model_dir: str | None, weights_digest: str | None, attention_backend: str | None
+    offloading_spec: OffloadingSpec,
+    chunk_bytes: int,
+    model_dir: str | None,
+    weights_digest: str | None,
+    attention_backend: str | None,
 ) -> EngineIdentity:
     """Namespace and group plans from vLLM's offloading config, the checkpoint, the platform and vLLM's version."""
     config = offloading_spec.config
     ckpt = Path(model_dir or config.model.name)
     groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups]
     p = config.parallel
-    parallel = "agnostic" if p.is_parallelism_agnostic else f"world{p.world_size}.tp{p.tp_size}.pp{p.pp_size}.pcp{p.pcp_size}.dcp{p.dcp_size}"
+    parallel = (
+        "agnostic"
+        if p.is_parallelism_agnostic
+        else f"world{p.world_size}.tp{p.tp_size}.pp{p.pp_size}.pcp{p.pcp_size}.dcp{p.dcp_size}"
+    )
     layout = ChunkLayout(
         kv_dtype=config.model.dtype,
         kv_cache_layout=str(config.kv_cache_layout),
@@ -427,14 +489,22 @@ def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGr
         heads = int(cfg["num_attention_heads"])
         head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         torch_dtype = getattr(torch, kv_dtype, None)
-        model_dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else getattr(torch, str(cfg.get("torch_dtype", "bfloat16")))
+        model_dtype = (
+            torch_dtype
+            if isinstance(torch_dtype, torch.dtype)
+            else getattr(torch, str(cfg.get("torch_dtype", "bfloat16")))
+        )
         cache_dtype = "auto" if isinstance(torch_dtype, torch.dtype) else kv_dtype
         kinds = sorted({layer_window(cfg, layer_index(n)) > 0 for g in groups for n in g.layer_names})
         names = []
         for sliding in kinds:
             selector = AttentionSelectorConfig(
-                head_size=head_size, dtype=model_dtype, kv_cache_dtype=cache_dtype, block_size=None,
-                use_mla=bool(cfg.get("kv_lora_rank")), has_sliding_window=sliding,
+                head_size=head_size,
+                dtype=model_dtype,
+                kv_cache_dtype=cache_dtype,
+                block_size=None,
+                use_mla=bool(cfg.get("kv_lora_rank")),
+                has_sliding_window=sliding,
             )
             path = current_platform.get_attn_backend_cls(None, attn_selector_config=selector, num_heads=heads)
             names.append(f"{'swa' if sliding else 'full'}:{path.rsplit('.', 1)[-1]}")

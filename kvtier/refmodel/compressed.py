@@ -35,7 +35,7 @@ class CompressedState:
 class CompressedLayer:
     """MQA over shared K=V latents: compressed rows (dense, or indexer top-k) plus the current group's raw tokens."""
 
-    __slots__ = ("spec", "w", "heads", "latent", "index_dim", "topk", "scale")
+    __slots__ = ("heads", "index_dim", "latent", "scale", "spec", "topk", "w")
 
     def __init__(self, cfg: RefConfig, spec: CompressedSpec, weights: CompressedWeights) -> None:
         self.spec, self.w = spec, weights
@@ -78,7 +78,9 @@ class CompressedLayer:
             return rows, None
         return rows, torch.cat((state.index_keys, new_rows @ self.w.indexer.wk))
 
-    def _attend(self, state: CompressedState, x: torch.Tensor, pos: int, base: int, local: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, state: CompressedState, x: torch.Tensor, pos: int, base: int, local: torch.Tensor
+    ) -> torch.Tensor:
         t, r, h = x.shape[0], self.spec.ratio, self.heads
         q = (x @ self.w.wq).view(t, h, self.latent)
         qpos = torch.arange(pos, pos + t).unsqueeze(1)
@@ -90,7 +92,9 @@ class CompressedLayer:
         n_rows = rows.shape[0]
         hidden = torch.arange(n_rows).unsqueeze(0) >= qpos // r  # (T, rows): row i is visible to t iff i < floor(t / r)
         if self.w.indexer is None:
-            row_scores = torch.einsum("thd,rd->thr", q, rows).mul_(self.scale).masked_fill_(hidden.unsqueeze(1), _NEG_INF)
+            row_scores = (
+                torch.einsum("thd,rd->thr", q, rows).mul_(self.scale).masked_fill_(hidden.unsqueeze(1), _NEG_INF)
+            )
             probs = torch.softmax(torch.cat((row_scores, local_scores), dim=-1), dim=-1)
             out = torch.einsum("thr,rd->thd", probs[..., :n_rows], rows)
         else:

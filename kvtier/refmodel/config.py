@@ -9,7 +9,17 @@ from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm
 from kvtier.core.profile import CacheGroup, ModelProfile
 
-_MODEL_KEYS = ("vocab_size", "d_model", "n_heads", "head_dim", "latent_dim", "index_dim", "index_topk", "ffn_dim", "prefill_chunk")
+_MODEL_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_heads",
+    "head_dim",
+    "latent_dim",
+    "index_dim",
+    "index_topk",
+    "ffn_dim",
+    "prefill_chunk",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,14 +68,16 @@ class RefConfig:
     layers: tuple[LayerSpec, ...]
 
     @classmethod
-    def from_profile(cls, profile: ModelProfile) -> "RefConfig":
+    def from_profile(cls, profile: ModelProfile) -> RefConfig:
         """Validate the profile against the architecture; every mismatch is a ProfileError naming the field."""
         src = f"<profile {profile.name}>"
         values = {key: _model_int(profile.model, key, src) for key in _MODEL_KEYS}
         seed = _model_int(profile.model, "seed", src, allow_zero=True)
         h = profile.hash_block_tokens
         if values["prefill_chunk"] % h:
-            raise ProfileError(f"must be a multiple of the hash block ({h} tokens)", field="model.prefill_chunk", source=src)
+            raise ProfileError(
+                f"must be a multiple of the hash block ({h} tokens)", field="model.prefill_chunk", source=src
+            )
         by_layer: dict[int, LayerSpec] = {}
         for g in profile.groups_of(CacheForm.SWA):
             _row(g, (2, values["n_heads"] * values["head_dim"]), src)
@@ -89,18 +101,31 @@ class RefConfig:
             if index is not None:
                 _row(index, (values["index_dim"],), src)
                 if index.ratio != g.ratio:
-                    raise ProfileError(f"must equal {g.name}'s ratio {g.ratio}", field=f"groups.{index.name}.ratio", source=src)
+                    raise ProfileError(
+                        f"must equal {g.name}'s ratio {g.ratio}", field=f"groups.{index.name}.ratio", source=src
+                    )
             for layer in g.layer_ids:
-                _claim(by_layer, layer, CompressedSpec(layer, g.name, tail.name, index.name if index else None, g.ratio), src)
+                _claim(
+                    by_layer,
+                    layer,
+                    CompressedSpec(layer, g.name, tail.name, index.name if index else None, g.ratio),
+                    src,
+                )
         if sorted(by_layer) != list(range(len(by_layer))) or not by_layer:
-            raise ProfileError(f"layers must be 0..n-1 with no gaps, got {sorted(by_layer)}", field="groups.layers", source=src)
+            raise ProfileError(
+                f"layers must be 0..n-1 with no gaps, got {sorted(by_layer)}", field="groups.layers", source=src
+            )
         return cls(**values, seed=seed, hash_block_tokens=h, layers=tuple(by_layer[i] for i in range(len(by_layer))))
 
 
 def _model_int(model: dict[str, Any], key: str, src: str, *, allow_zero: bool = False) -> int:
     value = model.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
-        raise ProfileError(f"the reference model needs a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}", field=f"model.{key}", source=src)
+        raise ProfileError(
+            f"the reference model needs a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}",
+            field=f"model.{key}",
+            source=src,
+        )
     return value
 
 
@@ -117,7 +142,9 @@ def _partner(group: CacheGroup, candidates: tuple[CacheGroup, ...], what: str, s
     for c in candidates:
         if c.layer_ids == group.layer_ids:
             return c
-    raise ProfileError(f"no {what} group covers layers {list(group.layer_ids)}", field=f"groups.{group.name}.layers", source=src)
+    raise ProfileError(
+        f"no {what} group covers layers {list(group.layer_ids)}", field=f"groups.{group.name}.layers", source=src
+    )
 
 
 def _claim(by_layer: dict[int, LayerSpec], layer: int, spec: LayerSpec, src: str) -> None:

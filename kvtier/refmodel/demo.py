@@ -141,9 +141,15 @@ class DemoDaemon:
             tomli_w.dumps(
                 {
                     "device": "cpu",
-                    "profiles": [profile.name if profile.name in bundled_profile_names() else str(root / "profile.toml")],
+                    "profiles": [
+                        profile.name if profile.name in bundled_profile_names() else str(root / "profile.toml")
+                    ],
                     "server": {"socket": str(self.socket), "socket_mode": "0600"},
-                    "pool": {"budget_bytes": {form: pools.get(form, 1 << 20) for form in ("compressed", "indexer", "tail", "swa")}},
+                    "pool": {
+                        "budget_bytes": {
+                            form: pools.get(form, 1 << 20) for form in ("compressed", "indexer", "tail", "swa")
+                        }
+                    },
                     "store": {"root": str(root / "store"), "budget_bytes": "4GiB"},
                     "verifier": {"mode": "supervise"},
                     "metrics": {"address": ""},
@@ -159,20 +165,33 @@ class DemoDaemon:
         started = time.perf_counter()
         notify_path = self.root / "notify.sock"
         notify_path.unlink(missing_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "KVTIER_CONFIG", "KVTIER_SOCKET")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "KVTIER_CONFIG", "KVTIER_SOCKET")
+        }
         env["NOTIFY_SOCKET"] = str(notify_path)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify, open(self.log_path, "ab") as log_file:
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify,
+            open(self.log_path, "ab") as log_file,
+        ):
             notify.bind(str(notify_path))
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
-                env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
             )
             deadline = time.monotonic() + DAEMON_START_S
             while True:
                 remaining = deadline - time.monotonic()
                 if self.proc.poll() is not None or remaining <= 0:
                     self.kill()
-                    raise DemoError(f"the daemon did not become ready (exit {self.proc.returncode}); see {self.log_path}:\n{self.log_tail()}")
+                    raise DemoError(
+                        f"the daemon did not become ready (exit {self.proc.returncode}); see {self.log_path}:\n{self.log_tail()}"
+                    )
                 notify.settimeout(min(remaining, 0.5))
                 try:
                     msg = notify.recv(4096).decode(errors="replace")
@@ -234,7 +253,9 @@ def run_demo(params: DemoParams) -> DemoReport:
             engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
             offload = engine.prefill_and_offload(prompt_a, durable=True)
         if not offload.persisted or offload.refused:
-            raise DemoError(f"the daemon refused {offload.refused} objects or did not persist them; see {daemon.log_path}")
+            raise DemoError(
+                f"the daemon refused {offload.refused} objects or did not persist them; see {daemon.log_path}"
+            )
         log.info("engine A: %d tokens, %d objects written", offload.tokens, offload.written)
 
         daemon.kill()
@@ -247,7 +268,9 @@ def run_demo(params: DemoParams) -> DemoReport:
             restored = engine.restore_and_continue(prompt_b, decode=params.decode)
         recomputed = engine.recompute(prompt_b, restored.hit_tokens, decode=params.decode)
         bitwise = torch.equal(restored.logits, recomputed.logits) and restored.generated == recomputed.generated
-        log.info("restore %.4f s vs recompute %.4f s; bitwise match: %s", restored.restore_s, recomputed.recompute_s, bitwise)
+        log.info(
+            "restore %.4f s vs recompute %.4f s; bitwise match: %s", restored.restore_s, recomputed.recompute_s, bitwise
+        )
         if daemon.stop() != 0:
             log.warning("the daemon did not exit cleanly; see %s", daemon.log_path)
         audit = _audit(root / "store")
@@ -259,7 +282,9 @@ def run_demo(params: DemoParams) -> DemoReport:
             shutil.rmtree(root, ignore_errors=True)
 
     hashes_a, hashes_b = block_hashes(profile.namespace, prompt_a, h), block_hashes(profile.namespace, prompt_b, h)
-    hash_hit = next((i for i, (x, y) in enumerate(zip(hashes_a, hashes_b)) if x != y), min(len(hashes_a), len(hashes_b)))
+    hash_hit = next(
+        (i for i, (x, y) in enumerate(zip(hashes_a, hashes_b)) if x != y), min(len(hashes_a), len(hashes_b))
+    )
     return DemoReport(
         profile=profile.name,
         namespace=profile.version.namespace_hex,

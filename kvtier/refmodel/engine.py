@@ -143,7 +143,9 @@ class RefEngine:
 
     # -- write ---------------------------------------------------------------------------------------
 
-    def prefill_and_offload(self, tokens: Tokens, checkpoints: Iterable[int] | None = None, durable: bool = False) -> OffloadResult:
+    def prefill_and_offload(
+        self, tokens: Tokens, checkpoints: Iterable[int] | None = None, durable: bool = False
+    ) -> OffloadResult:
         """Prefill from scratch; offload every history object and the state objects of each checkpoint."""
         ids = _np(tokens)
         cps = tuple(sorted(self.checkpoints(len(ids)) if checkpoints is None else set(checkpoints)))
@@ -160,8 +162,25 @@ class RefEngine:
         started = time.perf_counter()
         rep = self.client.offload(ids, caches, durable=durable)
         offload_s = time.perf_counter() - started
-        log.info("offloaded %d tokens: %d written, %d cached already, %d refused", len(ids), rep.written, rep.skipped, rep.refused)
-        return OffloadResult(len(ids), cps, per_form, rep.written, rep.skipped, rep.refused, rep.persisted, prefill_s, offload_s, out.logits)
+        log.info(
+            "offloaded %d tokens: %d written, %d cached already, %d refused",
+            len(ids),
+            rep.written,
+            rep.skipped,
+            rep.refused,
+        )
+        return OffloadResult(
+            len(ids),
+            cps,
+            per_form,
+            rep.written,
+            rep.skipped,
+            rep.refused,
+            rep.persisted,
+            prefill_s,
+            offload_s,
+            out.logits,
+        )
 
     # -- read ----------------------------------------------------------------------------------------
 
@@ -213,8 +232,19 @@ class RefEngine:
         continue_s = time.perf_counter() - t0
         assert lookup_cv is not None
         return RestoreResult(
-            len(ids), lookup_cv, result.check_vector, attempt, loaded_objects, loaded_bytes, n_read,
-            lookup_s, load_s, restore_s, continue_s, logits, generated,
+            len(ids),
+            lookup_cv,
+            result.check_vector,
+            attempt,
+            loaded_objects,
+            loaded_bytes,
+            n_read,
+            lookup_s,
+            load_s,
+            restore_s,
+            continue_s,
+            logits,
+            generated,
         )
 
     def _restore(self, result: LookupResult) -> tuple[RefState, int]:
@@ -236,7 +266,9 @@ def _admission_cut(cv: CheckVector) -> bool:
     return bool((cv.reasons == int(Reason.ADMISSION)).any())
 
 
-def recompute(model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoint_every: int = 16, decode: int = 0) -> RecomputeResult:
+def recompute(
+    model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoint_every: int = 16, decode: int = 0
+) -> RecomputeResult:
     """The oracle without a daemon: a fresh state through [0, boundary) (the engine's checkpoint cuts), then the rest."""
     ids = _np(tokens)
     h = model.hash_block_tokens
@@ -253,7 +285,9 @@ def recompute(model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoi
     return RecomputeResult(boundary_tokens, recompute_s, time.perf_counter() - t0, logits, generated)
 
 
-def continue_greedy(model: RefModel, state: RefState, tokens: np.ndarray, decode: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def continue_greedy(
+    model: RefModel, state: RefState, tokens: np.ndarray, decode: int
+) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Prefill tokens[state.pos:] in one call (nothing is exported, so no checkpoint cuts), then decode greedily."""
     rows = []
     if state.pos < len(tokens):

@@ -42,16 +42,22 @@ class RefModel:
     after it is the same computation either way (bitwise).
     """
 
-    def __init__(self, profile: ModelProfile, version: VersionKey | None = None, *, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self, profile: ModelProfile, version: VersionKey | None = None, *, chunk_tokens: int | None = None
+    ) -> None:
         self.profile = profile
         self.version = version or profile.version
         self.config = RefConfig.from_profile(profile)
         self.chunk_tokens = chunk_tokens or self.config.prefill_chunk
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.hash_block_tokens:
-            raise ValueError(f"chunk_tokens must be a positive multiple of {self.hash_block_tokens}, got {self.chunk_tokens}")
+            raise ValueError(
+                f"chunk_tokens must be a positive multiple of {self.hash_block_tokens}, got {self.chunk_tokens}"
+            )
         self.weights = build_weights(self.config, self.version)
         self.layers = tuple(
-            SwaLayer(self.config, spec, bw.attn) if isinstance(spec, SwaSpec) else CompressedLayer(self.config, spec, bw.attn)  # type: ignore[arg-type]
+            SwaLayer(self.config, spec, bw.attn)
+            if isinstance(spec, SwaSpec)
+            else CompressedLayer(self.config, spec, bw.attn)  # type: ignore[arg-type]
             for spec, bw in zip(self.config.layers, self.weights.blocks)
         )
 
@@ -84,7 +90,9 @@ class RefModel:
         cps = set(checkpoints)
         bad = sorted(c for c in cps if not (start < c <= end) or c % h)
         if bad:
-            raise BoundaryError(f"checkpoints {bad} are not hash-block boundaries (multiples of {h}) in ({start}, {end}]")
+            raise BoundaryError(
+                f"checkpoints {bad} are not hash-block boundaries (multiples of {h}) in ({start}, {end}]"
+            )
         logits, objects = [], {}
         for a, b in self.schedule(start, end, cps):
             logits.append(self.forward(state, ids[a - start : b - start]))
@@ -106,7 +114,9 @@ class RefModel:
             out.update(export_checkpoint(self.profile, state))
         return out
 
-    def restore(self, objects: Mapping[ObjectId, Payload], boundary_blocks: int, *, allow_missing: bool = False) -> RefState:
+    def restore(
+        self, objects: Mapping[ObjectId, Payload], boundary_blocks: int, *, allow_missing: bool = False
+    ) -> RefState:
         """A state at token boundary_blocks * H rebuilt from exported objects (see `objects.restore_state`)."""
         return restore_state(self.profile, self.new_state(), objects, boundary_blocks, allow_missing=allow_missing)
 
@@ -116,7 +126,9 @@ class RefModel:
             raise TokenError(f"tokens must be a flat sequence of integer ids, got {tuple(ids.shape)} {ids.dtype}")
         ids = ids.to(torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise TokenError(f"token ids must be in [0, {self.config.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+            raise TokenError(
+                f"token ids must be in [0, {self.config.vocab_size}), got {int(ids.min())}..{int(ids.max())}"
+            )
         return ids
 
 

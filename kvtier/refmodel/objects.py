@@ -44,7 +44,9 @@ def export_history(profile: ModelProfile, state: RefState, blocks: Iterable[int]
     out: dict[ObjectId, torch.Tensor] = {}
     for j in blocks:
         if (j + 1) * h > state.pos:
-            raise BoundaryError(f"block {j} ends at token {(j + 1) * h}, past the {state.pos} tokens seen: prefill it first")
+            raise BoundaryError(
+                f"block {j} ends at token {(j + 1) * h}, past the {state.pos} tokens seen: prefill it first"
+            )
         for g in profile.groups:
             if g.kind is GroupKind.HISTORY:
                 rows = g.rows_per_hash_block(h)

@@ -21,7 +21,7 @@ class SwaState:
 class SwaLayer:
     """Multi-head attention of each token over the `window` tokens ending at itself."""
 
-    __slots__ = ("spec", "w", "heads", "head_dim", "scale")
+    __slots__ = ("head_dim", "heads", "scale", "spec", "w")
 
     def __init__(self, cfg: RefConfig, spec: SwaSpec, weights: SwaWeights) -> None:
         self.spec, self.w = spec, weights

@@ -79,7 +79,9 @@ def build_weights(cfg: RefConfig, version: VersionKey) -> RefWeights:
         attn: SwaWeights | CompressedWeights
         if isinstance(spec, SwaSpec):
             inner = cfg.n_heads * cfg.head_dim
-            attn = SwaWeights(_dense(gen, d, inner), _dense(gen, d, inner), _dense(gen, d, inner), _dense(gen, inner, d, out_gain))
+            attn = SwaWeights(
+                _dense(gen, d, inner), _dense(gen, d, inner), _dense(gen, d, inner), _dense(gen, inner, d, out_gain)
+            )
         else:
             attn = _compressed(cfg, spec, version, gen, out_gain)
         blocks.append(BlockWeights(attn, _dense(gen, d, cfg.ffn_dim), _dense(gen, cfg.ffn_dim, d, out_gain)))
@@ -87,13 +89,19 @@ def build_weights(cfg: RefConfig, version: VersionKey) -> RefWeights:
     return RefWeights(torch.randn(cfg.vocab_size, d, generator=gen), tuple(blocks), _dense(gen, d, cfg.vocab_size))
 
 
-def _compressed(cfg: RefConfig, spec: CompressedSpec, version: VersionKey, gen: torch.Generator, out_gain: float) -> CompressedWeights:
+def _compressed(
+    cfg: RefConfig, spec: CompressedSpec, version: VersionKey, gen: torch.Generator, out_gain: float
+) -> CompressedWeights:
     d, lat = cfg.d_model, cfg.latent_dim
     wq, wraw, wo = _dense(gen, d, cfg.n_heads * lat), _dense(gen, d, lat), _dense(gen, cfg.n_heads * lat, d, out_gain)
-    cgen = _generator(cfg.seed, version.model_id, version.weights_digest, version.compression_version, "compressor", spec.layer)
+    cgen = _generator(
+        cfg.seed, version.model_id, version.weights_digest, version.compression_version, "compressor", spec.layer
+    )
     compressor = CompressorWeights(_dense(cgen, d, 4 * lat), 0.5 * torch.randn(2 * spec.ratio, lat, generator=cgen))
     indexer = None
     if spec.sparse:
-        igen = _generator(cfg.seed, version.model_id, version.weights_digest, version.indexer_version, "indexer", spec.layer)
+        igen = _generator(
+            cfg.seed, version.model_id, version.weights_digest, version.indexer_version, "indexer", spec.layer
+        )
         indexer = IndexerWeights(_dense(igen, d, cfg.index_dim), _dense(igen, lat, cfg.index_dim))
     return CompressedWeights(wq, wraw, wo, compressor, indexer)

@@ -106,22 +106,50 @@ class IndexEntry:
     def pack(self) -> bytes:
         return seal(
             self._S.pack(
-                1, self.state, FORM_CODES[self.form], self.codec, self.quarantine_reason, self.segment, self.offset,
-                self.record_len, self.payload_len, self.stored_len, self.payload_checksum, self.layout_digest,
-                self.seq, self.created, self.verified_at, self.pin_until, self.quarantined_at,
+                1,
+                self.state,
+                FORM_CODES[self.form],
+                self.codec,
+                self.quarantine_reason,
+                self.segment,
+                self.offset,
+                self.record_len,
+                self.payload_len,
+                self.stored_len,
+                self.payload_checksum,
+                self.layout_digest,
+                self.seq,
+                self.created,
+                self.verified_at,
+                self.pin_until,
+                self.quarantined_at,
             )
         )
 
     @classmethod
-    def unpack(cls, value: bytes | memoryview) -> "IndexEntry":
+    def unpack(cls, value: bytes | memoryview) -> IndexEntry:
         body = unseal(value)
         try:
             (_v, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
                 cls._S.unpack(body)
             )
             return cls(
-                RecordState(state), FORMS_BY_CODE[form], Codec(codec), seg, off, rlen, plen, slen, psum, ld, seq,
-                created, ver, pin, qr, qat,
+                RecordState(state),
+                FORMS_BY_CODE[form],
+                Codec(codec),
+                seg,
+                off,
+                rlen,
+                plen,
+                slen,
+                psum,
+                ld,
+                seq,
+                created,
+                ver,
+                pin,
+                qr,
+                qat,
             )
         except (struct.error, KeyError, ValueError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
@@ -146,18 +174,24 @@ class NamespaceEntry:
 
     def pack(self) -> bytes:
         doc = {
-            "version_key": self.version_key.to_dict(), "live": self.live, "registered_at": self.registered_at,
-            "retired_at": self.retired_at, "codecs": dict(self.codecs),
+            "version_key": self.version_key.to_dict(),
+            "live": self.live,
+            "registered_at": self.registered_at,
+            "retired_at": self.retired_at,
+            "codecs": dict(self.codecs),
         }
         return seal(json.dumps(doc, sort_keys=True).encode())
 
     @classmethod
-    def unpack(cls, value: bytes | memoryview) -> "NamespaceEntry":
+    def unpack(cls, value: bytes | memoryview) -> NamespaceEntry:
         try:
             doc = json.loads(unseal(value))
             return cls(
-                VersionKey.from_dict(doc["version_key"]), bool(doc["live"]), float(doc["registered_at"]),
-                float(doc["retired_at"]), tuple(sorted(doc["codecs"].items())),
+                VersionKey.from_dict(doc["version_key"]),
+                bool(doc["live"]),
+                float(doc["registered_at"]),
+                float(doc["retired_at"]),
+                tuple(sorted(doc["codecs"].items())),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable namespace entry: {exc}") from None
@@ -177,10 +211,12 @@ class SegmentEntry:
     _S = struct.Struct("<BxxxxxxxdQQQQ")
 
     def pack(self) -> bytes:
-        return seal(self._S.pack(self.sealed, self.created, self.tail, self.referenced, self.records, self.last_drop_txn))
+        return seal(
+            self._S.pack(self.sealed, self.created, self.tail, self.referenced, self.records, self.last_drop_txn)
+        )
 
     @classmethod
-    def unpack(cls, value: bytes | memoryview) -> "SegmentEntry":
+    def unpack(cls, value: bytes | memoryview) -> SegmentEntry:
         sealed, created, tail, ref, n, drop = cls._S.unpack(unseal(value))
         return cls(bool(sealed), created, tail, ref, n, drop)
 
@@ -264,12 +300,22 @@ class Index:
         self._gate = _Gate()
         try:
             self.env = lmdb.open(
-                path, map_size=INITIAL_MAP_BYTES, max_dbs=len(DB_NAMES), readonly=readonly, writemap=False,
-                readahead=False, sync=True, metasync=True, max_readers=256, subdir=True,
+                path,
+                map_size=INITIAL_MAP_BYTES,
+                max_dbs=len(DB_NAMES),
+                readonly=readonly,
+                writemap=False,
+                readahead=False,
+                sync=True,
+                metasync=True,
+                max_readers=256,
+                subdir=True,
             )
         except lmdb.Error as exc:
             if "already open" in str(exc):
-                raise StoreError(f"{path} is already open in this process: share that DiskStore, or close it first") from None
+                raise StoreError(
+                    f"{path} is already open in this process: share that DiskStore, or close it first"
+                ) from None
             raise
         if readonly:  # handles opened inside a read txn die with it: open them without one
             self.dbs = {n: self._open_existing(n) for n in DB_NAMES}

@@ -25,7 +25,7 @@ _MIN_BUFFER = 64 * 1024
 class AlignedBuffer:
     """Page-aligned anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor."""
 
-    __slots__ = ("capacity", "_map", "mv", "tensor")
+    __slots__ = ("_map", "capacity", "mv", "tensor")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -62,7 +62,7 @@ class BufferPool:
 class SegmentFile:
     """One open segment file; positional, thread-safe reads and writes of aligned buffers."""
 
-    __slots__ = ("path", "fd", "device_handle")
+    __slots__ = ("device_handle", "fd", "path")
 
     def __init__(self, path: str, fd: int) -> None:
         self.path = path

@@ -16,13 +16,13 @@ from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, StoreError
 from kvtier.store.index import (
     INDEX_DIR,
+    TIME,
     FormUsage,
     Index,
     IndexEntry,
     NamespaceEntry,
     RecordState,
     SegmentEntry,
-    TIME,
     encode_key,
     pack_time,
     u64_key,
@@ -90,14 +90,20 @@ def scan_segment(path: str, seg_id: int, pool: BufferPool, report: RebuildReport
                 header = None
             finally:
                 pool.release(buf)
-            if header is None or offset + header.record_len > size or header.version_key_namespace() != header.namespace:
+            if (
+                header is None
+                or offset + header.record_len > size
+                or header.version_key_namespace() != header.namespace
+            ):
                 report.corrupt_bytes += HEADER_BYTES if header is None else 0
                 offset += HEADER_BYTES
                 continue
             buf = pool.acquire(header.record_len)
             try:
                 seg.pread_into(buf.mv[: header.record_len], offset)
-                good = payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + header.stored_len]) == header.payload_checksum
+                good = (
+                    payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + header.stored_len]) == header.payload_checksum
+                )
             finally:
                 pool.release(buf)
             if good:
@@ -112,7 +118,9 @@ def scan_segment(path: str, seg_id: int, pool: BufferPool, report: RebuildReport
         seg.close()
 
 
-def _read_old_index(root: str) -> tuple[dict[bytes, IndexEntry], dict[bytes, NamespaceEntry], dict[bytes, float], int] | None:
+def _read_old_index(
+    root: str,
+) -> tuple[dict[bytes, IndexEntry], dict[bytes, NamespaceEntry], dict[bytes, float], int] | None:
     """The existing index's entries (corrupt values skipped), namespaces, atimes, next segment id; None if unreadable."""
     if not os.path.isdir(os.path.join(root, INDEX_DIR)):
         return None
@@ -193,7 +201,9 @@ def rebuild_index(root: str, *, dry_run: bool = False) -> RebuildReport:
 
 
 def _write_index(
-    root: str, found: dict[bytes, ScannedRecord], sizes: dict[int, int],
+    root: str,
+    found: dict[bytes, ScannedRecord],
+    sizes: dict[int, int],
     old: tuple[dict[bytes, IndexEntry], dict[bytes, NamespaceEntry], dict[bytes, float], int] | None,
 ) -> int:
     """Write the new index next to the old one, then swap directories. Returns the namespace count."""
@@ -221,14 +231,26 @@ def _write_index(
         for start in range(0, len(items), _TXN_RECORDS):
             chunk = items[start : start + _TXN_RECORDS]
 
-            def put(txn: lmdb.Transaction, chunk=chunk, start=start) -> None:  # noqa: B023 (bound by default args)
+            def put(txn: lmdb.Transaction, chunk=chunk, start=start) -> None:
                 for i, (raw_key, rec) in enumerate(chunk):
                     h = rec.header
                     prev = old_entries.get(raw_key)
                     pin = prev.pin_until if prev is not None else 0.0
                     entry = IndexEntry(
-                        RecordState.LIVE, h.form, h.codec, rec.seg_id, rec.offset, h.record_len, h.payload_len,
-                        h.stored_len, h.payload_checksum, h.layout_digest, start + i + 1, h.created, now, pin,
+                        RecordState.LIVE,
+                        h.form,
+                        h.codec,
+                        rec.seg_id,
+                        rec.offset,
+                        h.record_len,
+                        h.payload_len,
+                        h.stored_len,
+                        h.payload_checksum,
+                        h.layout_digest,
+                        start + i + 1,
+                        h.created,
+                        now,
+                        pin,
                     )
                     txn.put(raw_key, entry.pack(), db=index.dbs["obj"])
                     txn.put(raw_key, pack_time(old_atimes.get(raw_key, h.created)), db=index.dbs["atime"])
@@ -238,7 +260,9 @@ def _write_index(
                 h = rec.header
                 usage[h.form].add(h.record_len, h.payload_len, h.stored_len, +1)
                 seg = segs[rec.seg_id]
-                segs[rec.seg_id] = dataclasses.replace(seg, referenced=seg.referenced + rec.header.record_len, records=seg.records + 1)
+                segs[rec.seg_id] = dataclasses.replace(
+                    seg, referenced=seg.referenced + rec.header.record_len, records=seg.records + 1
+                )
 
         def finish(txn: lmdb.Transaction) -> None:
             for ns, entry in namespaces.items():
@@ -261,4 +285,3 @@ def _write_index(
     shutil.rmtree(retired, ignore_errors=True)
     log.info("rebuilt %s: %d records, %d namespaces", live, len(items), len(namespaces))
     return len(namespaces)
-

@@ -38,7 +38,7 @@ class Codec(enum.IntEnum):
     ZSTD = 1
 
     @classmethod
-    def parse(cls, name: str) -> "Codec":
+    def parse(cls, name: str) -> Codec:
         try:
             return cls[name.upper()]
         except KeyError:
@@ -82,9 +82,23 @@ class RecordHeader:
         """Write the 4096-byte header block (zero padded, checksummed) into buf[:HEADER_BYTES]."""
         group = self.group.encode()
         fixed = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, HEADER_BYTES, FORM_CODES[self.form], int(self.codec), len(group), 0,
-            self.namespace, self.block_hash, self.layout_digest, group, self.payload_len, self.stored_len,
-            self.record_len, self.created, self.payload_checksum, len(self.version_key),
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            FORM_CODES[self.form],
+            int(self.codec),
+            len(group),
+            0,
+            self.namespace,
+            self.block_hash,
+            self.layout_digest,
+            group,
+            self.payload_len,
+            self.stored_len,
+            self.record_len,
+            self.created,
+            self.payload_checksum,
+            len(self.version_key),
         )
         end = _FIXED.size + len(self.version_key)
         buf[: _FIXED.size] = fixed
@@ -93,7 +107,7 @@ class RecordHeader:
         _CHECKSUM.pack_into(buf, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(buf[:_CHECKSUM_AT]))
 
     @classmethod
-    def unpack(cls, buf: memoryview | bytes) -> "RecordHeader":
+    def unpack(cls, buf: memoryview | bytes) -> RecordHeader:
         """Parse and check a header block; CorruptRecord if it is not one, FormatVersionError if newer."""
         if len(buf) < HEADER_BYTES:
             raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, f"header is {len(buf)} bytes")
@@ -111,7 +125,16 @@ class RecordHeader:
             )
         try:
             header = cls(
-                ns, bh, group[:glen].decode(), FORMS_BY_CODE[form], ld, Codec(codec), plen, slen, created, psum,
+                ns,
+                bh,
+                group[:glen].decode(),
+                FORMS_BY_CODE[form],
+                ld,
+                Codec(codec),
+                plen,
+                slen,
+                created,
+                psum,
                 bytes(buf[_FIXED.size : _FIXED.size + vklen]),
             )
         except (KeyError, ValueError, UnicodeDecodeError) as exc:

@@ -57,7 +57,9 @@ class WriterLock:
         except OSError as exc:
             os.close(self.fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise StoreLocked(f"{path} is held by another writer: stop the kvtier daemon (or wait) and retry") from None
+                raise StoreLocked(
+                    f"{path} is held by another writer: stop the kvtier daemon (or wait) and retry"
+                ) from None
             raise
 
     def release(self) -> None:

@@ -24,8 +24,8 @@ from kvtier.store.errors import (
     CorruptRecord,
     NamespaceError,
     QuarantineReason,
-    StoreFull,
     StoreForkError,
+    StoreFull,
     StoreReadOnly,
     StoreRequestError,
 )
@@ -119,7 +119,9 @@ class _Prepared:
 class DiskStore:
     """The disk tier. Open one per process (after any fork); `writer=True` only in the daemon."""
 
-    def __init__(self, root: str, config: StoreConfig = StoreConfig(), *, writer: bool = False, readonly: bool = False) -> None:
+    def __init__(
+        self, root: str, config: StoreConfig = StoreConfig(), *, writer: bool = False, readonly: bool = False
+    ) -> None:
         if writer and readonly:
             raise ValueError("a store cannot be both writer and read-only")
         self.root = os.path.abspath(root)
@@ -167,7 +169,9 @@ class DiskStore:
 
     # ----------------------------------------------------------------- namespaces
 
-    def register_namespace(self, version_key: VersionKey, *, live: bool = True, codecs: Mapping[CacheForm, str] | None = None) -> bytes:
+    def register_namespace(
+        self, version_key: VersionKey, *, live: bool = True, codecs: Mapping[CacheForm, str] | None = None
+    ) -> bytes:
         """Register (or update) a namespace with its full version key; codecs per form default to none."""
         self._check_pid()
         if len(version_key.canonical()) > MAX_VERSION_KEY_BYTES:
@@ -193,7 +197,9 @@ class DiskStore:
             old = self._namespace(txn, namespace)
             if old is None:
                 return False
-            txn.put(namespace, dataclasses.replace(old, live=False, retired_at=time.time()).pack(), db=self.index.dbs["ns"])
+            txn.put(
+                namespace, dataclasses.replace(old, live=False, retired_at=time.time()).pack(), db=self.index.dbs["ns"]
+            )
             return True
 
         return self.index.update(put)
@@ -225,14 +231,21 @@ class DiskStore:
         return out
 
     def _lookup(
-        self, txn: lmdb.Transaction, key: ObjectKey, digest: bytes,
-        ns_cache: dict[bytes, NamespaceEntry | None], corrupt: list[ObjectKey],
+        self,
+        txn: lmdb.Transaction,
+        key: ObjectKey,
+        digest: bytes,
+        ns_cache: dict[bytes, NamespaceEntry | None],
+        corrupt: list[ObjectKey],
     ) -> tuple[Reason, IndexEntry | None]:
         if key.namespace not in ns_cache:
             try:
                 ns_cache[key.namespace] = self._namespace(txn, key.namespace)
             except CorruptRecord:
-                log.error("namespace entry %s is corrupt: its records are misses until it is re-registered", key.namespace.hex())
+                log.error(
+                    "namespace entry %s is corrupt: its records are misses until it is re-registered",
+                    key.namespace.hex(),
+                )
                 ns_cache[key.namespace] = None
         ns = ns_cache[key.namespace]
         if ns is None:
@@ -243,7 +256,9 @@ class DiskStore:
         raw = txn.get(raw_key, db=self.index.dbs["obj"])
         if raw is None:
             gone = self.index.dbs["gone"]
-            return (Reason.EVICTED if gone is not None and txn.get(raw_key, db=gone) is not None else Reason.MISSING), None
+            return (
+                Reason.EVICTED if gone is not None and txn.get(raw_key, db=gone) is not None else Reason.MISSING
+            ), None
         try:
             entry = IndexEntry.unpack(raw)
         except CorruptRecord:
@@ -292,7 +307,9 @@ class DiskStore:
         self._touch(hits)
         return results
 
-    def _run_reads(self, jobs: list[tuple[int, ObjectKey, IndexEntry, torch.Tensor]]) -> list[tuple[int, ObjectKey, CorruptRecord | None]]:
+    def _run_reads(
+        self, jobs: list[tuple[int, ObjectKey, IndexEntry, torch.Tensor]]
+    ) -> list[tuple[int, ObjectKey, CorruptRecord | None]]:
         def one(job: tuple[int, ObjectKey, IndexEntry, torch.Tensor]) -> tuple[int, ObjectKey, CorruptRecord | None]:
             i, key, entry, out = job
             try:
@@ -326,7 +343,9 @@ class DiskStore:
         try:
             got = seg.pread_into(buf.mv[: entry.record_len], entry.offset)
             if got < entry.record_len:
-                raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, f"segment {entry.segment:016x} ends inside the record")
+                raise CorruptRecord(
+                    QuarantineReason.SEGMENT_TRUNCATED, f"segment {entry.segment:016x} ends inside the record"
+                )
             _check_header(RecordHeader.unpack(buf.mv[:HEADER_BYTES]), key, entry)
             if payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len]) != entry.payload_checksum:
                 raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
@@ -391,7 +410,9 @@ class DiskStore:
             if todo:
                 self._write_batch(todo, namespaces)
 
-    def _admit(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> tuple[list[tuple[ObjectKey, torch.Tensor, bytes]], dict[bytes, NamespaceEntry]]:
+    def _admit(
+        self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]
+    ) -> tuple[list[tuple[ObjectKey, torch.Tensor, bytes]], dict[bytes, NamespaceEntry]]:
         """Drop items already live (records are immutable, keys content-addressed); check namespaces."""
         todo: list[tuple[ObjectKey, torch.Tensor, bytes]] = []
         namespaces: dict[bytes, NamespaceEntry] = {}
@@ -402,7 +423,9 @@ class DiskStore:
                     ns = self._namespace(txn, key.namespace)
                     if ns is None or not ns.live:
                         state = "not registered" if ns is None else "retired"
-                        raise NamespaceError(f"namespace {key.namespace.hex()} is {state}: register its version key first")
+                        raise NamespaceError(
+                            f"namespace {key.namespace.hex()} is {state}: register its version key first"
+                        )
                     namespaces[key.namespace] = ns
                 raw_key = encode_key(key)
                 raw = txn.get(raw_key, db=self.index.dbs["obj"])
@@ -417,7 +440,9 @@ class DiskStore:
         self._check_budget(usage)
         return todo, namespaces
 
-    def _write_batch(self, items: list[tuple[ObjectKey, torch.Tensor, bytes]], namespaces: dict[bytes, NamespaceEntry]) -> None:
+    def _write_batch(
+        self, items: list[tuple[ObjectKey, torch.Tensor, bytes]], namespaces: dict[bytes, NamespaceEntry]
+    ) -> None:
         assert self._appender is not None
         appender = self._appender
         now = time.time()
@@ -435,7 +460,9 @@ class DiskStore:
                     continue
                 if len(pending) >= window:
                     written.append(pending.popleft().result())
-                pending.append(self._executor("write").submit(self._prepare_and_write, key, payload, digest, codec, vk, now))
+                pending.append(
+                    self._executor("write").submit(self._prepare_and_write, key, payload, digest, codec, vk, now)
+                )
             while pending:
                 written.append(pending.popleft().result())
             try:
@@ -448,7 +475,10 @@ class DiskStore:
             self._drain(pending)
             appender.rewind(abandon=sync_failed)
             if exc.errno in _DISK_FULL:
-                raise StoreFull(f"{self.root}: filesystem full ({exc.strerror}): let the cleaner evict, or grow the disk", limit="disk") from None
+                raise StoreFull(
+                    f"{self.root}: filesystem full ({exc.strerror}): let the cleaner evict, or grow the disk",
+                    limit="disk",
+                ) from None
             raise
         except lmdb.DiskError as exc:
             appender.rewind(abandon=False)
@@ -494,8 +524,17 @@ class DiskStore:
             pad_at = HEADER_BYTES + stored_len
             buf.mv[pad_at:record_len] = bytes(record_len - pad_at)
             header = RecordHeader(
-                key.namespace, key.block_hash, key.group, key.form, digest, codec, n, stored_len, now,
-                payload_checksum(buf.mv[HEADER_BYTES:pad_at]), vk,
+                key.namespace,
+                key.block_hash,
+                key.group,
+                key.form,
+                digest,
+                codec,
+                n,
+                stored_len,
+                now,
+                payload_checksum(buf.mv[HEADER_BYTES:pad_at]),
+                vk,
             )
             header.pack_into(buf.mv)
             prep = _Prepared(key, header, digest, buf)
@@ -530,8 +569,18 @@ class DiskStore:
             if ns is None or not ns.live:
                 raise NamespaceError(f"namespace {h.namespace.hex()} was retired during the write: nothing stored")
             entry = IndexEntry(
-                RecordState.LIVE, h.form, h.codec, seg_id, offset, h.record_len, h.payload_len, h.stored_len,
-                h.payload_checksum, prep.layout_digest, seq, h.created,
+                RecordState.LIVE,
+                h.form,
+                h.codec,
+                seg_id,
+                offset,
+                h.record_len,
+                h.payload_len,
+                h.stored_len,
+                h.payload_checksum,
+                prep.layout_digest,
+                seq,
+                h.created,
             )
             raw_key = encode_key(prep.key)
             old = txn.get(raw_key, db=obj_db)
@@ -544,7 +593,10 @@ class DiskStore:
             txn.put(raw_key, pack_time(h.created), db=self.index.dbs["atime"])
             seg = seg_entries[seg_id]
             seg_entries[seg_id] = dataclasses.replace(
-                seg, tail=max(seg.tail, offset + h.record_len), referenced=seg.referenced + h.record_len, records=seg.records + 1
+                seg,
+                tail=max(seg.tail, offset + h.record_len),
+                referenced=seg.referenced + h.record_len,
+                records=seg.records + 1,
             )
             seq += 1
         self._check_budget(usage)
@@ -569,7 +621,14 @@ class DiskStore:
                     limit=f"quota:{form.value}",
                 )
 
-    def _unaccount(self, txn: lmdb.Transaction, raw: bytes, usage: dict[CacheForm, Any], seg_entries: dict[int, SegmentEntry], raw_key: bytes) -> None:
+    def _unaccount(
+        self,
+        txn: lmdb.Transaction,
+        raw: bytes,
+        usage: dict[CacheForm, Any],
+        seg_entries: dict[int, SegmentEntry],
+        raw_key: bytes,
+    ) -> None:
         """Remove an old record's bytes from usage and its segment's referenced count (best effort if corrupt)."""
         try:
             old = IndexEntry.unpack(raw)
@@ -584,7 +643,10 @@ class DiskStore:
                 return
             seg = SegmentEntry.unpack(seg_raw)
         seg_entries[old.segment] = dataclasses.replace(
-            seg, referenced=max(0, seg.referenced - old.record_len), records=max(0, seg.records - 1), last_drop_txn=txn.id()
+            seg,
+            referenced=max(0, seg.referenced - old.record_len),
+            records=max(0, seg.records - 1),
+            last_drop_txn=txn.id(),
         )
 
     # ----------------------------------------------------------------- LowerTier: pins and removal
@@ -615,13 +677,19 @@ class DiskStore:
     def remove(self, keys: Sequence[ObjectKey]) -> int:
         return self.drop(keys)
 
-    def evict(self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None) -> int:
+    def evict(
+        self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None
+    ) -> int:
         """`drop` to make room, leaving a tombstone per key (`gone`): until it is stored again or the cleaner
         prunes the tombstone, lookups and loads answer `evicted` rather than `missing`."""
         return self.drop(keys, when=when, tombstone=True)
 
     def drop(
-        self, keys: Iterable[ObjectKey], *, when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None, tombstone: bool = False,
+        self,
+        keys: Iterable[ObjectKey],
+        *,
+        when: Callable[[ObjectKey, IndexEntry | None], bool] | None = None,
+        tombstone: bool = False,
     ) -> int:
         """Delete index entries (the bytes stay until their segment is reclaimed); returns how many were deleted.
 
@@ -695,8 +763,16 @@ class DiskStore:
             try:
                 entry = IndexEntry.unpack(raw)
             except CorruptRecord:  # location unknown: keep a tombstone so the key reads as corrupt
-                entry = IndexEntry(RecordState.QUARANTINED, key.form, Codec.NONE, 0, 0, 0, 0, 0, bytes(16), bytes(16), 0, now)
-            txn.put(raw_key, dataclasses.replace(entry, state=RecordState.QUARANTINED, quarantine_reason=int(reason), quarantined_at=now).pack(), db=self.index.dbs["obj"])
+                entry = IndexEntry(
+                    RecordState.QUARANTINED, key.form, Codec.NONE, 0, 0, 0, 0, 0, bytes(16), bytes(16), 0, now
+                )
+            txn.put(
+                raw_key,
+                dataclasses.replace(
+                    entry, state=RecordState.QUARANTINED, quarantine_reason=int(reason), quarantined_at=now
+                ).pack(),
+                db=self.index.dbs["obj"],
+            )
             return True
 
         return self.index.update(put)
@@ -770,7 +846,9 @@ class DiskStore:
                 out.append(None if raw is None else RecordInfo(key, _entry_or_none(raw), _atime(atimes.get(raw_key))))
             return out
 
-    def iter_records(self, after: ObjectKey | None = None, limit: int = 256, namespace: bytes | None = None) -> list[RecordInfo]:
+    def iter_records(
+        self, after: ObjectKey | None = None, limit: int = 256, namespace: bytes | None = None
+    ) -> list[RecordInfo]:
         """Up to `limit` records in key order after `after` (one short read txn per call)."""
         self._check_pid()
         start = encode_key(after) if after is not None else (namespace or b"")
@@ -866,7 +944,7 @@ class DiskStore:
             if probe is not None:
                 probe.close()
 
-    def _lock_segment(self, path: str) -> SegmentFile | None | bool:
+    def _lock_segment(self, path: str) -> SegmentFile | bool | None:
         """The segment opened with its flock taken; None if the file is gone; False if another holder has it."""
         try:
             probe = SegmentFile(path, os.open(path, os.O_RDWR | os.O_CLOEXEC))
@@ -948,14 +1026,20 @@ class DiskStore:
             self.quarantine(key, why)
         return moved
 
-    def _repoint(self, txn: lmdb.Transaction, written: list[tuple[bytes, IndexEntry, int, int]], segments: list[int]) -> int:
+    def _repoint(
+        self, txn: lmdb.Transaction, written: list[tuple[bytes, IndexEntry, int, int]], segments: list[int]
+    ) -> int:
         seg_db, obj_db = self.index.dbs["seg"], self.index.dbs["obj"]
         seg_entries = {s: SegmentEntry.unpack(txn.get(u64_key(s), db=seg_db)) for s in segments}
         moved = 0
         for raw_key, old, seg_id, offset in written:
             raw = txn.get(raw_key, db=obj_db)
             cur = _entry_or_none(raw) if raw is not None else None
-            if cur is None or cur.state is not RecordState.LIVE or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq):
+            if (
+                cur is None
+                or cur.state is not RecordState.LIVE
+                or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq)
+            ):
                 continue
             txn.put(raw_key, dataclasses.replace(cur, segment=seg_id, offset=offset).pack(), db=obj_db)
             src = seg_entries.get(old.segment)
@@ -963,11 +1047,17 @@ class DiskStore:
                 src = SegmentEntry.unpack(src_raw)
             if src is not None:
                 seg_entries[old.segment] = dataclasses.replace(
-                    src, referenced=max(0, src.referenced - old.record_len), records=max(0, src.records - 1), last_drop_txn=txn.id()
+                    src,
+                    referenced=max(0, src.referenced - old.record_len),
+                    records=max(0, src.records - 1),
+                    last_drop_txn=txn.id(),
                 )
             dst = seg_entries[seg_id]
             seg_entries[seg_id] = dataclasses.replace(
-                dst, tail=max(dst.tail, offset + old.record_len), referenced=dst.referenced + old.record_len, records=dst.records + 1
+                dst,
+                tail=max(dst.tail, offset + old.record_len),
+                referenced=dst.referenced + old.record_len,
+                records=dst.records + 1,
             )
             moved += 1
         for seg_id, seg in seg_entries.items():
@@ -984,12 +1074,16 @@ class DiskStore:
 
     def _publish_limits(self) -> None:
         doc = {"budget_bytes": self.config.budget_bytes, "form_quotas": {f.value: n for f, n in self._quotas.items()}}
-        self.index.update(lambda txn: txn.put(b"limits", seal(json.dumps(doc, sort_keys=True).encode()), db=self.index.dbs["meta"]))
+        self.index.update(
+            lambda txn: txn.put(b"limits", seal(json.dumps(doc, sort_keys=True).encode()), db=self.index.dbs["meta"])
+        )
 
     def set_limits(self, budget_bytes: int, form_quotas: Mapping[CacheForm, int]) -> None:
         """Change the byte budget and per-form quotas (a reload) and publish them for the cleaner and `kvtier audit`."""
         self._check_pid()
-        self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes, form_quotas=StoreConfig.quotas(form_quotas))
+        self.config = dataclasses.replace(
+            self.config, budget_bytes=budget_bytes, form_quotas=StoreConfig.quotas(form_quotas)
+        )
         self._quotas = dict(self.config.form_quotas)
         self._publish_limits()
 
@@ -1001,7 +1095,9 @@ class DiskStore:
         if raw is None:
             return None
         doc = json.loads(unseal(raw))
-        return StoreLimits(int(doc["budget_bytes"]), StoreConfig.quotas({CacheForm(f): int(n) for f, n in doc["form_quotas"].items()}))
+        return StoreLimits(
+            int(doc["budget_bytes"]), StoreConfig.quotas({CacheForm(f): int(n) for f, n in doc["form_quotas"].items()})
+        )
 
     def meta_doc(self, name: str) -> dict[str, Any] | None:
         """A JSON document another process keeps in the index (`verifier`: the cleaner's progress and counters)."""
@@ -1031,17 +1127,29 @@ class DiskStore:
         namespaces = self.namespaces()
         forms = {
             f.value: {
-                "records": u.records, "record_bytes": u.record_bytes, "payload_bytes": u.payload_bytes,
-                "stored_bytes": u.stored_bytes, "codec_ratio": round(u.payload_bytes / u.stored_bytes, 3) if u.stored_bytes else None,
+                "records": u.records,
+                "record_bytes": u.record_bytes,
+                "payload_bytes": u.payload_bytes,
+                "stored_bytes": u.stored_bytes,
+                "codec_ratio": round(u.payload_bytes / u.stored_bytes, 3) if u.stored_bytes else None,
                 "quota_bytes": self._quotas.get(f),
             }
             for f, u in usage.items()
         }
         return {
-            "root": self.root, "io_backend": self.io_backend, "budget_bytes": self.config.budget_bytes or None,
-            "record_bytes": sum(u.record_bytes for u in usage.values()), "records": sum(u.records for u in usage.values()),
-            "forms": forms, "segments": nseg, "unverified": ndirty, "evicted_tombstones": ntomb,
-            "namespaces": {"live": sum(n.live for n in namespaces.values()), "retired": sum(not n.live for n in namespaces.values())},
+            "root": self.root,
+            "io_backend": self.io_backend,
+            "budget_bytes": self.config.budget_bytes or None,
+            "record_bytes": sum(u.record_bytes for u in usage.values()),
+            "records": sum(u.records for u in usage.values()),
+            "forms": forms,
+            "segments": nseg,
+            "unverified": ndirty,
+            "evicted_tombstones": ntomb,
+            "namespaces": {
+                "live": sum(n.live for n in namespaces.values()),
+                "retired": sum(not n.live for n in namespaces.values()),
+            },
         }
 
     # ----------------------------------------------------------------- housekeeping
@@ -1076,7 +1184,9 @@ class DiskStore:
         """Separate read and write pools, so loads never queue behind a write that is growing the map."""
         pool = self._pools.get(role)
         if pool is None:
-            pool = self._pools[role] = ThreadPoolExecutor(max(1, self.config.io_threads), thread_name_prefix=f"kvtier-store-{role}")
+            pool = self._pools[role] = ThreadPoolExecutor(
+                max(1, self.config.io_threads), thread_name_prefix=f"kvtier-store-{role}"
+            )
         return pool
 
     def _check_pid(self) -> None:
@@ -1105,7 +1215,7 @@ class DiskStore:
             self._writer_lock.release()
             self._writer_lock = None
 
-    def __enter__(self) -> "DiskStore":
+    def __enter__(self) -> DiskStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1114,7 +1224,9 @@ class DiskStore:
 
 def _flat_uint8(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() == 0:
-        raise StoreRequestError("payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)")
+        raise StoreRequestError(
+            "payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)"
+        )
     return t.view(-1)
 
 
@@ -1139,9 +1251,15 @@ def _atime(raw: bytes | memoryview | None) -> float:
 
 def _check_header(h: RecordHeader, key: ObjectKey, e: IndexEntry) -> None:
     if (
-        h.namespace != key.namespace or h.block_hash != key.block_hash or h.group != key.group or h.form is not key.form
-        or h.layout_digest != e.layout_digest or h.codec is not e.codec or h.payload_len != e.payload_len
-        or h.stored_len != e.stored_len or h.payload_checksum != e.payload_checksum
+        h.namespace != key.namespace
+        or h.block_hash != key.block_hash
+        or h.group != key.group
+        or h.form is not key.form
+        or h.layout_digest != e.layout_digest
+        or h.codec is not e.codec
+        or h.payload_len != e.payload_len
+        or h.stored_len != e.stored_len
+        or h.payload_checksum != e.payload_checksum
     ):
         raise CorruptRecord(QuarantineReason.HEADER_MISMATCH, "record header does not match its index entry")
 

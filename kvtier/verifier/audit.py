@@ -54,7 +54,9 @@ class AuditReport:
             "format_version": self.format_version,
             "namespaces": [
                 {
-                    "namespace": n.namespace.hex(), "live": n.live, "version_key": n.version_key,
+                    "namespace": n.namespace.hex(),
+                    "live": n.live,
+                    "version_key": n.version_key,
                     "forms": {f.value: c.to_dict() for f, c in n.forms.items()},
                 }
                 for n in self.namespaces
@@ -70,28 +72,52 @@ class AuditReport:
         }
 
 
-def audit_store(store: DiskStore, settings: VerifierSettings = VerifierSettings(), *, deep: bool = False, progress: Progress | None = None) -> AuditReport:
+def audit_store(
+    store: DiskStore,
+    settings: VerifierSettings = VerifierSettings(),
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+) -> AuditReport:
     """Read-only: survey segments/, walk the index (and with `deep` re-read every serving record)."""
     survey = survey_segments(store, settings.orphan_grace_s)
     namespaces = NamespaceView(store)
     files = SegmentFiles(f"{store.root}/{SEGMENTS_DIR}")
-    inv = take_inventory(store, namespaces, files, LayoutOracle.load(settings.profiles), deep=deep, batch_bytes=settings.batch_bytes, progress=progress)
+    inv = take_inventory(
+        store,
+        namespaces,
+        files,
+        LayoutOracle.load(settings.profiles),
+        deep=deep,
+        batch_bytes=settings.batch_bytes,
+        progress=progress,
+    )
     reports = []
     for ns in sorted(set(namespaces.entries) | set(inv.counts)):
         entry = namespaces.entries.get(ns)
         forms = inv.counts.get(ns) or {f: FormCounts() for f in DISK_FORMS}
-        reports.append(NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms))
+        reports.append(
+            NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms)
+        )
     reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
     reclaimable += sum(s.size for s in survey.old_strays())
     limits = settings.limits or store.limits() or StoreLimits()
     with store.index.read() as txn:
         format_version = store.index.get_meta_u64(txn, b"format_version")
     return AuditReport(
-        store=store.root, format_version=format_version, namespaces=reports,
-        orphaned_bytes=survey.orphaned_bytes, reclaimable_bytes=reclaimable,
-        used_bytes=int(store.stats()["record_bytes"]), budget_bytes=limits.budget_bytes or None,
-        corrupt=inv.total("corrupt"), quarantined=inv.total("quarantined"), oldest=inv.oldest, newest=inv.newest,
-        stray_files=len(survey.old_strays()), missing_segments=len([s for s in survey.missing if survey.entries[s].referenced]),
+        store=store.root,
+        format_version=format_version,
+        namespaces=reports,
+        orphaned_bytes=survey.orphaned_bytes,
+        reclaimable_bytes=reclaimable,
+        used_bytes=int(store.stats()["record_bytes"]),
+        budget_bytes=limits.budget_bytes or None,
+        corrupt=inv.total("corrupt"),
+        quarantined=inv.total("quarantined"),
+        oldest=inv.oldest,
+        newest=inv.newest,
+        stray_files=len(survey.old_strays()),
+        missing_segments=len([s for s in survey.missing if survey.entries[s].referenced]),
     )
 
 
@@ -117,7 +143,9 @@ def render_table(report: AuditReport) -> str:
             rows.append((n.namespace.hex()[:16], "live" if n.live else "retired", model[:24], form.value, *counts))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        lines.append("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -131,4 +159,4 @@ def _size(n: int | None) -> str:
 
 
 def _time(t: float | None) -> str:
-    return "-" if t is None else datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+    return "-" if t is None else datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")

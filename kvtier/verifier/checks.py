@@ -78,7 +78,9 @@ class NamespaceView:
         return self._entries
 
 
-def classify(info: RecordInfo, seen_at: float, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle) -> Finding:
+def classify(
+    info: RecordInfo, seen_at: float, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle
+) -> Finding:
     """What the index says about one record (no payload read; `DiskStore.verify_many` does the deep check)."""
     e = info.entry
     if e is None:

@@ -32,7 +32,9 @@ COMPACT_BYTES_PER_PASS = 256 << 20
 class Cleaner:
     """Acts on what an inventory found; counts what it did in `actions` (cumulative, persisted by the verifier)."""
 
-    def __init__(self, store: DiskStore, settings: VerifierSettings, limiter: RateLimiter, actions: collections.Counter[str]) -> None:
+    def __init__(
+        self, store: DiskStore, settings: VerifierSettings, limiter: RateLimiter, actions: collections.Counter[str]
+    ) -> None:
         self.store = store
         self.settings = settings
         self.limiter = limiter
@@ -58,7 +60,13 @@ class Cleaner:
 
     def quarantine(self, faults: Sequence[tuple[ObjectKey, object]]) -> None:
         for key, why in faults:
-            log.warning("quarantining %s/%s/%s: %s", key.namespace.hex(), key.block_hash.hex(), key.group, getattr(why, "label", why))
+            log.warning(
+                "quarantining %s/%s/%s: %s",
+                key.namespace.hex(),
+                key.block_hash.hex(),
+                key.group,
+                getattr(why, "label", why),
+            )
             if self.store.quarantine(key, why):  # type: ignore[arg-type]
                 self.actions["quarantined"] += 1
 
@@ -81,7 +89,9 @@ class Cleaner:
 
     def evict(self, candidates: list[Candidate], now: float) -> None:
         usage = {CacheForm(f): int(u["record_bytes"]) for f, u in self.store.stats()["forms"].items()}
-        victims = plan_eviction(candidates, usage, self.limits(), now, high=self.settings.evict_high, low=self.settings.evict_low)
+        victims = plan_eviction(
+            candidates, usage, self.limits(), now, high=self.settings.evict_high, low=self.settings.evict_low
+        )
         if not victims:
             return
         planned = {c.key: c for c in victims}
@@ -99,11 +109,18 @@ class Cleaner:
             batch = victims[start : start + self.settings.batch_records]
             dropped = self.store.evict([c.key for c in batch], when=accept)
             self.actions["evicted"] += dropped
-        log.info("evicted up to %d records (%d bytes) to stay within %s", len(victims), sum(c.record_len for c in victims), self.limits())
+        log.info(
+            "evicted up to %d records (%d bytes) to stay within %s",
+            len(victims),
+            sum(c.record_len for c in victims),
+            self.limits(),
+        )
 
     def prune_tombstones(self, now: float) -> None:
         """Forget evictions older than the retention: those keys read as missing again."""
-        n, self._tombstone_cursor = self.store.prune_tombstones(now - self.settings.tombstone_retention_s, start=self._tombstone_cursor)
+        n, self._tombstone_cursor = self.store.prune_tombstones(
+            now - self.settings.tombstone_retention_s, start=self._tombstone_cursor
+        )
         if n:
             self.actions["tombstones_pruned"] += n
 
@@ -161,7 +178,11 @@ class Cleaner:
             moved_all = True
             while todo:
                 batch, size = [], 0
-                while todo and len(batch) < self.settings.batch_records and (not batch or size + todo[0].record_len <= self.settings.batch_bytes):
+                while (
+                    todo
+                    and len(batch) < self.settings.batch_records
+                    and (not batch or size + todo[0].record_len <= self.settings.batch_bytes)
+                ):
                     c = todo.pop(0)
                     batch.append(c.key)
                     size += c.record_len

@@ -58,8 +58,15 @@ Progress = Callable[[int], None]
 
 
 def take_inventory(
-    store: DiskStore, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle, *,
-    deep: bool = False, batch: int = 256, batch_bytes: int = 8 << 20, limiter: RateLimiter | None = None,
+    store: DiskStore,
+    namespaces: NamespaceView,
+    files: SegmentFiles,
+    oracle: LayoutOracle,
+    *,
+    deep: bool = False,
+    batch: int = 256,
+    batch_bytes: int = 8 << 20,
+    limiter: RateLimiter | None = None,
     progress: Progress | None = None,
 ) -> Inventory:
     """Walk every index row in short read transactions; `deep` also re-reads and checksums every serving record
@@ -81,8 +88,13 @@ def take_inventory(
 
 
 def deep_check(
-    store: DiskStore, rows: list[RecordInfo], findings: list[Finding], batch_bytes: int, limiter: RateLimiter | None,
-    *, apply: bool = False,
+    store: DiskStore,
+    rows: list[RecordInfo],
+    findings: list[Finding],
+    batch_bytes: int,
+    limiter: RateLimiter | None,
+    *,
+    apply: bool = False,
 ) -> set[int]:
     """Re-read and checksum the serving rows in byte-bounded batches; failures become CORRUPT findings in place
     (quarantined by the store when `apply`). Returns the indices that passed."""

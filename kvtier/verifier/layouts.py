@@ -26,7 +26,7 @@ class LayoutOracle:
         self._cache: dict[tuple[bytes, str], bytes | None] = {}
 
     @classmethod
-    def load(cls, names: Iterable[str] = ()) -> "LayoutOracle":
+    def load(cls, names: Iterable[str] = ()) -> LayoutOracle:
         configured = []
         for name in names:
             try:
@@ -44,7 +44,11 @@ class LayoutOracle:
 
     def _compute(self, version: VersionKey, group: str) -> bytes | None:
         for profiles in (self._configured, self._bundled):
-            same_model = [p for p in profiles if (p.version.model_id, p.version.dtype_layout) == (version.model_id, version.dtype_layout)]
+            same_model = [
+                p
+                for p in profiles
+                if (p.version.model_id, p.version.dtype_layout) == (version.model_id, version.dtype_layout)
+            ]
             if not same_model:
                 continue
             digests = set()

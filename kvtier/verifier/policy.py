@@ -51,8 +51,13 @@ def pressure(used: int, limit: int, high: float, low: float) -> Pressure:
 
 
 def plan_eviction(
-    candidates: Iterable[Candidate], usage: Mapping[CacheForm, int], limits: StoreLimits, now: float,
-    *, high: float = 0.95, low: float = 0.85,
+    candidates: Iterable[Candidate],
+    usage: Mapping[CacheForm, int],
+    limits: StoreLimits,
+    now: float,
+    *,
+    high: float = 0.95,
+    low: float = 0.85,
 ) -> list[Candidate]:
     """The records to drop so the store gets under its budget and every per-form quota, in rank order.
 

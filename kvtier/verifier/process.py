@@ -51,7 +51,9 @@ def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> Ve
     return dataclasses.replace(base, **overrides)
 
 
-def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any], *, wait_for_store_s: float = 600.0) -> int:
+def run(
+    root: str | Path, config: str | Path | None, overrides: Mapping[str, Any], *, wait_for_store_s: float = 600.0
+) -> int:
     """Run until SIGTERM/SIGINT (exit 0); SIGHUP re-reads --config. Waits for a store the daemon has yet to create."""
     settings = load_settings(config, overrides)
     _die_with_parent()
@@ -76,7 +78,9 @@ def run(root: str | Path, config: str | Path | None, overrides: Mapping[str, Any
             for s in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(s, lambda *_: verifier.request_stop())
             signal.signal(signal.SIGHUP, lambda *_: _reload(verifier, config, overrides))
-            log.info("verifier on %s (pid %d, %s, rate %d B/s)", store.root, os.getpid(), prio, settings.rate_bytes_per_s)
+            log.info(
+                "verifier on %s (pid %d, %s, rate %d B/s)", store.root, os.getpid(), prio, settings.rate_bytes_per_s
+            )
             verifier.run()
         finally:
             store.close()

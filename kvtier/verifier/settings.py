@@ -27,9 +27,11 @@ class VerifierSettings:
     evict_low: float = 0.85  # ... and evict down to this fraction
     state_interval_s: float = 2.0  # persist progress and heartbeat at most this often
     limits: StoreLimits | None = None  # None: the limits the daemon published in the store
-    profiles: tuple[str, ...] = ()  # profiles (names or paths) whose layouts the layout check knows, besides the bundled ones
+    profiles: tuple[
+        str, ...
+    ] = ()  # profiles (names or paths) whose layouts the layout check knows, besides the bundled ones
 
-    def replace(self, **changes: object) -> "VerifierSettings":
+    def replace(self, **changes: object) -> VerifierSettings:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -31,17 +31,24 @@ class SweepProgress:
 
     def to_doc(self) -> dict[str, Any]:
         return {
-            "in_progress": self.in_progress, "cursor": encode_key(self.cursor).hex() if self.cursor else None,
-            "started_at": self.started_at, "last_completed_at": self.last_completed_at, "records": self.records, "bytes": self.bytes,
+            "in_progress": self.in_progress,
+            "cursor": encode_key(self.cursor).hex() if self.cursor else None,
+            "started_at": self.started_at,
+            "last_completed_at": self.last_completed_at,
+            "records": self.records,
+            "bytes": self.bytes,
         }
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> "SweepProgress":
+    def from_doc(cls, doc: dict[str, Any]) -> SweepProgress:
         cursor = doc.get("cursor")
         return cls(
-            bool(doc.get("in_progress", False)), decode_key(bytes.fromhex(cursor)) if cursor else None,
-            float(doc.get("started_at", 0.0)), float(doc.get("last_completed_at", 0.0)),
-            int(doc.get("records", 0)), int(doc.get("bytes", 0)),
+            bool(doc.get("in_progress", False)),
+            decode_key(bytes.fromhex(cursor)) if cursor else None,
+            float(doc.get("started_at", 0.0)),
+            float(doc.get("last_completed_at", 0.0)),
+            int(doc.get("records", 0)),
+            int(doc.get("bytes", 0)),
         )
 
 

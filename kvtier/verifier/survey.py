@@ -83,7 +83,7 @@ def survey_segments(store: DiskStore, grace_s: float) -> SegmentSurvey:
 
 def _probe_owner_alive(name: str) -> bool:
     try:
-        pid = int(name[len(_PROBE_PREFIX):].split("-", 1)[0])
+        pid = int(name[len(_PROBE_PREFIX) :].split("-", 1)[0])
         os.kill(pid, 0)
     except (ValueError, ProcessLookupError):
         return False

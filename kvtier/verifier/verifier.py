@@ -47,7 +47,9 @@ class Verifier:
         self.wake = threading.Event()
         self.limiter = RateLimiter(settings.rate_bytes_per_s, self.stop_event)
         doc = store.meta_doc(DOC) or {}
-        self.actions: collections.Counter[str] = collections.Counter({k: int(v) for k, v in doc.get("actions", {}).items()})
+        self.actions: collections.Counter[str] = collections.Counter(
+            {k: int(v) for k, v in doc.get("actions", {}).items()}
+        )
         self.sweep = SweepProgress.from_doc(doc.get("sweep", {}))
         self.cleaner = Cleaner(store, settings, self.limiter, self.actions)
         self.namespaces = NamespaceView(store)
@@ -145,7 +147,9 @@ class Verifier:
         self.namespaces.refresh()
         self.files = SegmentFiles(self._seg_dir)
         survey = survey_segments(self.store, self.settings.orphan_grace_s)
-        inv = take_inventory(self.store, self.namespaces, self.files, self.oracle, batch=4 * self.settings.batch_records)
+        inv = take_inventory(
+            self.store, self.namespaces, self.files, self.oracle, batch=4 * self.settings.batch_records
+        )
         self.cleaner.act(survey, inv, self.namespaces)
         self.store.reader_check()
 
@@ -225,9 +229,17 @@ class Verifier:
 
     def status_doc(self) -> dict[str, Any]:
         return {
-            "pid": os.getpid(), "started_at": self.started_at, "heartbeat_at": time.time(), "phase": self.phase,
-            "ready": self.ready, "sweep": self.sweep.to_doc(), "actions": dict(self.actions),
-            "settings": {"rate_bytes_per_s": self.settings.rate_bytes_per_s, "sweep_interval_s": self.settings.sweep_interval_s},
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "heartbeat_at": time.time(),
+            "phase": self.phase,
+            "ready": self.ready,
+            "sweep": self.sweep.to_doc(),
+            "actions": dict(self.actions),
+            "settings": {
+                "rate_bytes_per_s": self.settings.rate_bytes_per_s,
+                "sweep_interval_s": self.settings.sweep_interval_s,
+            },
         }
 
     def _save(self, force: bool = False) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.core import CheckVector, Reason, Route, load_profile, usable_hit, window_blocks
 
@@ -22,7 +23,9 @@ def _brute_force(servable: np.ndarray, n_state: np.ndarray) -> int:
     st.integers(1, 5).flatmap(
         lambda g: st.tuples(
             st.lists(st.integers(0, 3), min_size=g, max_size=g),
-            st.integers(0, 12).flatmap(lambda n: st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=g, max_size=g)),
+            st.integers(0, 12).flatmap(
+                lambda n: st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=g, max_size=g)
+            ),
         )
     )
 )

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.core import BlockHasher, block_hashes, load_profile
 
@@ -22,7 +23,11 @@ print(','.join(h.hex() for h in block_hashes(p.namespace, t, p.hash_block_tokens
 def test_equal_across_processes_and_hash_seeds() -> None:
     outs = {
         subprocess.run(
-            [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}
+            [sys.executable, "-c", SCRIPT],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
         ).stdout
         for seed in ("1", "2")
     }

@@ -63,7 +63,10 @@ BAD = {
     "unknown_form": (lambda d: d["groups"][1].update(form="dense"), "groups[1].form"),
     "zero_ratio": (lambda d: d["groups"][1].update(ratio=0), "groups[1].ratio"),
     "nonpositive_window": (lambda d: d["groups"][0].update(window=-16), "groups[0].window"),
-    "no_common_boundary": (lambda d: d["groups"][0].update(tokens_per_block=24, rows_per_block=24, window=48), "groups.tokens_per_block"),
+    "no_common_boundary": (
+        lambda d: d["groups"][0].update(tokens_per_block=24, rows_per_block=24, window=48),
+        "groups.tokens_per_block",
+    ),
     "missing_field": (lambda d: d["groups"][2].pop("tokens_per_block"), "groups[2].tokens_per_block"),
     "missing_version": (lambda d: d["version"].pop("kernel_abi"), "version.kernel_abi"),
     "kind_mismatch": (lambda d: d["groups"][0].update(kind="history"), "groups[0].kind"),

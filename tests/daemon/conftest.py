@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support.daemon import ROOT, DaemonProc, child_env
 
 __all__ = ["ROOT", "DaemonProc", "child_env"]

@@ -22,7 +22,9 @@ H = PROFILE.hash_block_tokens
 
 
 def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], env=child_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], env=child_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_status_text_and_json(daemon: DaemonProc) -> None:
@@ -37,10 +39,18 @@ def test_status_text_and_json(daemon: DaemonProc) -> None:
     assert doc["store"]["io_backend"] in ("gds", "odirect", "buffered")
     prof = doc["profiles"][0]
     assert prof["name"] == "ref-tiny" and prof["namespace"] == PROFILE.namespace.hex()
-    assert prof["pools"]["compressed"]["used"] > 0 and prof["pools"]["compressed"]["slots"] >= prof["pools"]["compressed"]["used"]
+    assert (
+        prof["pools"]["compressed"]["used"] > 0
+        and prof["pools"]["compressed"]["slots"] >= prof["pools"]["compressed"]["used"]
+    )
     assert doc["forms"]["compressed"]["reuse"] > 0
     text = _kvtier("status", "--socket", str(daemon.socket))
-    assert text.returncode == 0 and "health     ok" in text.stdout and "pool compressed" in text.stdout and "backend" in text.stdout
+    assert (
+        text.returncode == 0
+        and "health     ok" in text.stdout
+        and "pool compressed" in text.stdout
+        and "backend" in text.stdout
+    )
 
 
 _NO_TORCH = """
@@ -56,7 +66,13 @@ print(sorted(m for m in ("torch", "lmdb", "kvtier.store", "kvtier.client") if m 
 def test_operator_commands_start_without_torch(daemon: DaemonProc) -> None:
     """`--help`, `config show`, `profile show` and `status` (against a live daemon) import neither torch nor
     the store nor the engine client: a node's CLI answers in a fraction of a second, not after torch's ~2 s."""
-    out = subprocess.run([sys.executable, "-c", _NO_TORCH, str(daemon.socket)], env=child_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(daemon.socket)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -80,13 +96,17 @@ def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
         (tmp_path / "p.txt").write_text(" ".join(map(str, tokens_for(11, 4, H).tolist())))
         manifest = tmp_path / "manifest.jsonl"
         manifest.write_text(
-            json.dumps({"name": "file", "profile": "ref-tiny", "token_file": "p.txt", "ttl_s": 60}) + "\n"
-            + json.dumps({"name": "inline-miss", "profile": "ref-tiny", "tokens": list(range(3 * H))}) + "\n"
+            json.dumps({"name": "file", "profile": "ref-tiny", "token_file": "p.txt", "ttl_s": 60})
+            + "\n"
+            + json.dumps({"name": "inline-miss", "profile": "ref-tiny", "tokens": list(range(3 * H))})
+            + "\n"
         )
         out = _kvtier("prewarm", str(manifest), "--socket", str(d.socket), "--json")
         assert out.returncode == 0, out.stderr
         rep = {p["name"]: p for p in json.loads(out.stdout)["prefixes"]}
-        assert rep["file"]["hit_tokens"] == 4 * H and rep["file"]["loaded_objects"] > 0 and rep["file"]["bytes_loaded"] > 0
+        assert (
+            rep["file"]["hit_tokens"] == 4 * H and rep["file"]["loaded_objects"] > 0 and rep["file"]["bytes_loaded"] > 0
+        )
         assert rep["file"]["pinned"] > 0 and "REUSE" in rep["file"]["routes"]["compressed"]
         assert rep["inline-miss"]["hit_tokens"] == 0 and rep["inline-miss"]["loaded_objects"] == 0
         with Client(d.socket) as c:  # now resident: REUSE, no load needed
@@ -123,5 +143,7 @@ def test_metrics_endpoint(daemon: DaemonProc) -> None:
         'kvtier_requests_total{code="ok",op="lookup"}',
     ):
         assert name in body, name
-    rate = next(float(line.split()[-1]) for line in body.splitlines() if line.startswith('kvtier_hit_rate{form="compressed"}'))
+    rate = next(
+        float(line.split()[-1]) for line in body.splitlines() if line.startswith('kvtier_hit_rate{form="compressed"}')
+    )
     assert 0.0 < rate < 1.0  # one hit, one miss

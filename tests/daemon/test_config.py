@@ -13,7 +13,9 @@ from kvtier.daemon.config import ConfigError, load_config, parse_size
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60, cwd=cwd
+    )
 
 
 def test_embedded_default_when_not_root(tmp_path: Path) -> None:
@@ -42,7 +44,11 @@ def test_file_overrides_defaults(tmp_path: Path) -> None:
     )
     cfg = load_config(f, env={}, uid=1000, cwd=tmp_path)
     assert cfg.device == "cuda:1" and cfg.profiles == ("ref-tiny", "deepseek-v4-flash") and cfg.lease_ttl_s == 5.0
-    assert cfg.server.socket == Path("/tmp/k.sock") and cfg.server.socket_mode == 0o600 and cfg.server.allowed_gids == (44,)
+    assert (
+        cfg.server.socket == Path("/tmp/k.sock")
+        and cfg.server.socket_mode == 0o600
+        and cfg.server.allowed_gids == (44,)
+    )
     assert cfg.pool.budget_bytes["swa"] == 2 * 2**20 and cfg.pool.budget_bytes["compressed"] == 8 * 2**20
     assert cfg.store.budget_bytes == int(1.5 * 2**30) and cfg.store.quota_bytes == {"tail": 1000}
     assert cfg.verifier.mode == "supervise" and cfg.verifier.rate_bytes_per_s == 10**7
@@ -55,7 +61,7 @@ def test_file_overrides_defaults(tmp_path: Path) -> None:
         ('[server]\nsockt = "/x"\n', "server.sockt"),
         ("colour = 3\n", "colour"),
         ('[pool.budget_bytes]\nswa = "12XB"\n', "pool.budget_bytes.swa"),
-        ('[pool.budget_bytes]\non_disk = 5\n', "pool.budget_bytes.on_disk"),
+        ("[pool.budget_bytes]\non_disk = 5\n", "pool.budget_bytes.on_disk"),
         ('[server]\nsocket_mode = "999"\n', "server.socket_mode"),
         ('[server]\nallowed_uids = ["bob"]\n', "server.allowed_uids"),
         ('device = "tpu"\n', "device"),
@@ -64,7 +70,7 @@ def test_file_overrides_defaults(tmp_path: Path) -> None:
         ("recovering_cap = 1.5\n", "recovering_cap"),
         ('[verifier]\nmode = "sometimes"\n', "verifier.mode"),
         ('[metrics]\naddress = "nowhere"\n', "metrics.address"),
-        ('server = 3\n', "server"),
+        ("server = 3\n", "server"),
         ('[store]\ncodec = "lz4"\n', "store.codec"),
     ],
 )

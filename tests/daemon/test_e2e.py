@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.daemon import wait_leases_released
 
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
-from support.daemon import wait_leases_released
 
 from .conftest import DaemonProc, child_env
 from .workload import caches_for, compare, tokens_for
@@ -27,7 +27,12 @@ H = PROFILE.hash_block_tokens
 
 def _engine(d: DaemonProc, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, WORKLOAD, str(d.socket), *args], env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, WORKLOAD, str(d.socket), *args],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -76,8 +76,14 @@ def test_second_daemon_on_a_live_socket_is_refused(daemon: DaemonProc, tmp_path:
     from .conftest import child_env
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)], env=child_env(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert out.returncode == 2 and "another daemon is serving" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert (
+        out.returncode == 2 and "another daemon is serving" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    )
     with Client(daemon.socket) as c:  # the first one is untouched
         assert c.stats()["daemon"]["health"] == "ok"

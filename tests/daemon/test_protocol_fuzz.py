@@ -29,7 +29,9 @@ def _conn(d: DaemonProc) -> socket.socket:
     return s
 
 
-def _frame(body: bytes, *, magic: bytes = P.MAGIC, version: int = P.PROTOCOL_VERSION, length: int | None = None) -> bytes:
+def _frame(
+    body: bytes, *, magic: bytes = P.MAGIC, version: int = P.PROTOCOL_VERSION, length: int | None = None
+) -> bytes:
     return P.HEADER.pack(magic, version, 0, len(body) if length is None else length) + body
 
 
@@ -136,7 +138,12 @@ def test_stalled_clients_hold_nothing(shared_daemon: DaemonProc) -> None:
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
@@ -144,7 +151,32 @@ _ops = st.sampled_from(sorted(P.REQUEST_OPS) + ["", "Lookup", "attach\0", "stats
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(op=_ops, fields=st.dictionaries(st.sampled_from(["profile", "hashes", "lookup_id", "handle", "versions", "ttl_s", "durable", "groups", "blocks", "offload_id", "timeout_s", "version_key", "staging_bytes", "items", "x"]), _values, max_size=4))
+@given(
+    op=_ops,
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "profile",
+                "hashes",
+                "lookup_id",
+                "handle",
+                "versions",
+                "ttl_s",
+                "durable",
+                "groups",
+                "blocks",
+                "offload_id",
+                "timeout_s",
+                "version_key",
+                "staging_bytes",
+                "items",
+                "x",
+            ]
+        ),
+        _values,
+        max_size=4,
+    ),
+)
 def test_fuzzed_requests_get_an_answer(shared_daemon: DaemonProc, op: str, fields: dict) -> None:
     s = _conn(shared_daemon)
     try:
@@ -188,7 +220,9 @@ def test_peer_credentials(tmp_path: Path, allowed: str, expect: str) -> None:
     """SO_PEERCRED: a uid outside allowed_uids / allowed_gids is refused even where the file mode lets it connect."""
     public = Path(tempfile.mkdtemp(prefix="kvtier-peer-"))
     public.chmod(0o755)
-    d = DaemonProc(tmp_path, socket_path=public / "kvtier.sock", server_toml=f'socket_mode = "0666"\nallowed_uids = {allowed}\n')
+    d = DaemonProc(
+        tmp_path, socket_path=public / "kvtier.sock", server_toml=f'socket_mode = "0666"\nallowed_uids = {allowed}\n'
+    )
     code = (
         "import os\n"
         "from kvtier.client import Client\n"  # imported first: the stdlib may be unreadable to uid 54321
@@ -199,7 +233,9 @@ def test_peer_credentials(tmp_path: Path, allowed: str, expect: str) -> None:
         "    print(type(e).__name__, getattr(e, 'code', ''))\n"
     )
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60, cwd="/")
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60, cwd="/"
+        )
         assert out.stdout.strip() == expect, out.stderr
     finally:
         assert d.terminate() == 0
@@ -207,6 +243,5 @@ def test_peer_credentials(tmp_path: Path, allowed: str, expect: str) -> None:
 
 
 def test_typed_errors_reach_the_client(shared_daemon: DaemonProc) -> None:
-    with Client(shared_daemon.socket) as c:
-        with pytest.raises(OutOfOrder):
-            c._call(P.Lookup(b"\0" * 16))
+    with Client(shared_daemon.socket) as c, pytest.raises(OutOfOrder):
+        c._call(P.Lookup(b"\0" * 16))

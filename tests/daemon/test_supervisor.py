@@ -20,7 +20,12 @@ def _until(cond, timeout: float = 10.0) -> None:
 
 def test_restarts_with_backoff(tmp_path: Path) -> None:
     log = tmp_path / "runs"
-    sup = Supervisor("t", [sys.executable, "-c", f"open({str(log)!r}, 'a').write('x'); raise SystemExit(3)"], backoff_s=0.05, max_backoff_s=0.2)
+    sup = Supervisor(
+        "t",
+        [sys.executable, "-c", f"open({str(log)!r}, 'a').write('x'); raise SystemExit(3)"],
+        backoff_s=0.05,
+        max_backoff_s=0.2,
+    )
     sup.start()
 
     def runs() -> int:

@@ -23,7 +23,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The units with the install path of `kvtier` pointed at a real executable here (verify checks it exists)."""
     d = tmp_path_factory.mktemp("units")
     exe = d / "kvtier"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} -m kvtier.cli \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvtier.cli "$@"\n')
     exe.chmod(0o755)
     for unit in UNITS:
         (d / unit.name).write_text(unit.read_text().replace(INSTALLED, str(exe)))
@@ -31,7 +31,12 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_unit_is_shipped() -> None:
-    assert {u.name for u in UNITS} == {"kvtier.service", "kvtier-verifier.service", "kvtier-audit.service", "kvtier-audit.timer"}
+    assert {u.name for u in UNITS} == {
+        "kvtier.service",
+        "kvtier-verifier.service",
+        "kvtier-audit.service",
+        "kvtier-audit.timer",
+    }
 
 
 @pytest.mark.parametrize("unit", [u.name for u in UNITS])
@@ -64,7 +69,14 @@ def test_daemon_unit_shape() -> None:
     assert k["User"] == "kvtier" and k["NoNewPrivileges"] == "yes" and k["PrivateTmp"] == "yes"
     assert k["ProtectSystem"] == "strict" and "/var/lib/kvtier" in k["ReadWritePaths"]
     # GPUDirect Storage needs /dev/nvidia* and /run/udev: nothing may hide them.
-    for hiding in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "InaccessiblePaths", "TemporaryFileSystem", "PrivateUsers"):
+    for hiding in (
+        "PrivateDevices",
+        "DevicePolicy",
+        "DeviceAllow",
+        "InaccessiblePaths",
+        "TemporaryFileSystem",
+        "PrivateUsers",
+    ):
         assert hiding not in k, hiding
     assert _keys("kvtier-verifier.service")["ExecStart"].endswith("verifier run --store /var/lib/kvtier/store")
     assert "audit --store /var/lib/kvtier/store --json" in _keys("kvtier-audit.service")["ExecStart"]
@@ -72,7 +84,10 @@ def test_daemon_unit_shape() -> None:
 
 def test_security_score_is_ok(staged: Path) -> None:
     proc = subprocess.run(
-        ["systemd-analyze", "security", "--offline=yes", str(staged / "kvtier.service")], capture_output=True, text=True, timeout=60
+        ["systemd-analyze", "security", "--offline=yes", str(staged / "kvtier.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     last = [line for line in proc.stdout.splitlines() if "Overall exposure level" in line]
     assert last, proc.stdout + proc.stderr

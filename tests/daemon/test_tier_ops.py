@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.corrupt import flip_payload_bit
 
 from kvtier.client import BadRange, Client, OutOfOrder, TierClient
 from kvtier.core.forms import CacheForm, Reason
@@ -27,7 +28,6 @@ from kvtier.daemon import protocol as P
 from kvtier.daemon.errors import DaemonUnavailable, WrongType
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
-from support.corrupt import flip_payload_bit
 
 from .conftest import DaemonProc, child_env
 
@@ -77,8 +77,21 @@ def tier_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc
 @pytest.fixture(scope="module")
 def stored(tier_daemon: DaemonProc) -> DaemonProc:
     out = subprocess.run(
-        [sys.executable, "-c", _STORE, str(tier_daemon.socket), json.dumps(VKEY.to_dict()), json.dumps(GROUPS_WIRE), str(OBJ), str(N)],
-        env=child_env(), capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+        [
+            sys.executable,
+            "-c",
+            _STORE,
+            str(tier_daemon.socket),
+            json.dumps(VKEY.to_dict()),
+            json.dumps(GROUPS_WIRE),
+            str(OBJ),
+            str(N),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(N)  # the storing process saw all of them committed
@@ -169,9 +182,8 @@ def test_staging_must_be_a_sealed_read_write_memfd(tier_daemon: DaemonProc) -> N
     readonly = os.open(f"/proc/self/fd/{sealed}", os.O_RDONLY)
     try:
         for fd, size in [(unsealed, OBJ), (readonly, OBJ), (sealed, 2 * OBJ)]:
-            with Client(tier_daemon.socket) as c:
-                with pytest.raises(WrongType):
-                    c._call(P.TierOpen(VKEY.to_dict(), GROUPS_WIRE, size), send_fds=[fd])
+            with Client(tier_daemon.socket) as c, pytest.raises(WrongType):
+                c._call(P.TierOpen(VKEY.to_dict(), GROUPS_WIRE, size), send_fds=[fd])
         with Client(tier_daemon.socket) as c:  # the same sealed memfd, right size: accepted and shared
             reply = c._call(P.TierOpen(VKEY.to_dict(), GROUPS_WIRE, OBJ), send_fds=[sealed])
             assert isinstance(reply, P.TierOpenOk) and reply.namespace == VKEY.namespace
@@ -179,7 +191,9 @@ def test_staging_must_be_a_sealed_read_write_memfd(tier_daemon: DaemonProc) -> N
             view[:OBJ] = _payload(77).numpy().tobytes()
             assert c._call(P.TierStore([P.TierItem(_key(77).block_hash, 0, DIGEST, 0, OBJ)])).stored == 1
             view[:OBJ] = bytes(OBJ)
-            assert c._call(P.TierLoad([P.TierItem(_key(77).block_hash, 0, DIGEST, 0, OBJ)])).reasons == bytes([Reason.OK])
+            assert c._call(P.TierLoad([P.TierItem(_key(77).block_hash, 0, DIGEST, 0, OBJ)])).reasons == bytes(
+                [Reason.OK]
+            )
             assert view[:OBJ] == _payload(77).numpy().tobytes()  # the daemon wrote the verified bytes into our memory
             view.close()
     finally:

@@ -31,7 +31,9 @@ def caches_for(profile: ModelProfile, seed: int, n_blocks: int) -> dict[str, dic
         layout = profile.layout(g)
         first = 0 if g.kind is GroupKind.HISTORY else max(0, n_blocks - g.blocks_needed(h))
         gen = torch.Generator().manual_seed(seed * 1000 + gi)
-        out[g.name] = {b: torch.randn(layout.shape, generator=gen, dtype=torch.float32) + b for b in range(first, n_blocks)}
+        out[g.name] = {
+            b: torch.randn(layout.shape, generator=gen, dtype=torch.float32) + b for b in range(first, n_blocks)
+        }
     return out
 
 
@@ -70,13 +72,15 @@ def main(argv: list[str]) -> None:
         client.attach("ref-tiny")
         pairs = [(int(rest[i]), int(rest[i + 1])) for i in range(0, len(rest), 2)]
         if role == "write":
-            (seed, n_blocks), = pairs
-            rep = client.offload(tokens_for(seed, n_blocks, profile.hash_block_tokens), caches_for(profile, seed, n_blocks))
+            ((seed, n_blocks),) = pairs
+            rep = client.offload(
+                tokens_for(seed, n_blocks, profile.hash_block_tokens), caches_for(profile, seed, n_blocks)
+            )
             out = {"written": rep.written, **_lookup_and_check(client, profile, seed, n_blocks)}
         elif role == "read":
             out = {str(seed): _lookup_and_check(client, profile, seed, n) for seed, n in pairs}
         elif role == "hold":
-            (seed, n_blocks), = pairs
+            ((seed, n_blocks),) = pairs
             result = client.lookup(tokens_for(seed, n_blocks, profile.hash_block_tokens))
             print(json.dumps({"held": len(result.leases), "hit_tokens": result.hit_tokens}), flush=True)
             sys.stdin.read()  # until killed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from support.fault_table import FaultRows
 
 from .harness import Oracle

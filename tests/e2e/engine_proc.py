@@ -40,7 +40,15 @@ def main(argv: list[str]) -> None:
             tokens = np.load(work / f"{name}.npy")
             if role == "offload":
                 rep = engine.prefill_and_offload(tokens, durable=True)
-                emit({"name": name, "written": rep.written, "skipped": rep.skipped, "refused": rep.refused, "persisted": rep.persisted})
+                emit(
+                    {
+                        "name": name,
+                        "written": rep.written,
+                        "skipped": rep.skipped,
+                        "refused": rep.refused,
+                        "persisted": rep.persisted,
+                    }
+                )
             elif role == "continue":
                 rep = engine.restore_and_continue(tokens)
                 torch.save(rep.logits, work / f"{name}.logits.pt")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from support.daemon import DaemonProc, child_env
 
 from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import recompute
-from support.daemon import DaemonProc, child_env
 
 from .engine_proc import CHECKPOINT_EVERY
 
@@ -40,7 +40,11 @@ def save_prompts(work: Path, prompts: dict[str, np.ndarray]) -> None:
 def start_engine(d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny") -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, ENGINE, str(d.socket), profile, str(work), role, *names],
-        env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -70,4 +74,6 @@ class Oracle:
     def check_file(self, work: Path, name: str, tokens: np.ndarray, hit_tokens: int) -> None:
         logits = torch.load(work / f"{name}.logits.pt")
         assert logits.shape[0] == len(tokens) - hit_tokens
-        assert self.matches(logits, tokens, hit_tokens), f"{name}: continuation after a {hit_tokens}-token hit differs from recomputing"
+        assert self.matches(logits, tokens, hit_tokens), (
+            f"{name}: continuation after a {hit_tokens}-token hit differs from recomputing"
+        )

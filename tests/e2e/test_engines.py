@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from support.daemon import DaemonProc
 
 from kvtier.core.forms import Route
-from support.daemon import DaemonProc
 
 from .engine_proc import CHECKPOINT_EVERY
 from .harness import H, Oracle, branch, prompt, run_engine, save_prompts
@@ -46,7 +46,9 @@ def _prompts() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, 
     return a, b, hits
 
 
-def _check(reports: dict[str, dict], b: dict[str, np.ndarray], hits: dict[str, int], work: Path, oracle: Oracle) -> None:
+def _check(
+    reports: dict[str, dict], b: dict[str, np.ndarray], hits: dict[str, int], work: Path, oracle: Oracle
+) -> None:
     for name, tokens in b.items():
         rep = reports[name]
         assert rep["hit_tokens"] == hits[name], (name, rep["hit_tokens"])

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.corrupt import flip_payload_bit
+from support.daemon import DaemonProc, wait_leases_released
+from support.fault_table import FaultRows
+from support.mounts import mounted
 
 from kvtier.client import Client, OutOfOrder
 from kvtier.core.errors import KvtierError
@@ -27,13 +31,9 @@ from kvtier.core.tier import ObjectKey
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
 from kvtier.store import DiskStore
+from kvtier.store.index import IndexEntry, encode_key
 from kvtier.store.store import StoreLimits
 from kvtier.verifier import Verifier, VerifierSettings, open_store
-from kvtier.store.index import IndexEntry, encode_key
-from support.daemon import DaemonProc, wait_leases_released
-from support.corrupt import flip_payload_bit
-from support.fault_table import FaultRows
-from support.mounts import mounted
 
 from .engine_proc import CHECKPOINT_EVERY
 from .harness import PROFILE, H, Oracle, prompt, save_prompts, start_engine
@@ -77,7 +77,9 @@ def _offload(d: DaemonProc, *seeds: int) -> None:
 
 
 def _outcome(res: RestoreResult, tokens: np.ndarray, oracle: Oracle) -> str:
-    assert oracle.matches(res.logits, tokens, res.hit_tokens), "the continuation differs from recomputing: a wrong logit"
+    assert oracle.matches(res.logits, tokens, res.hit_tokens), (
+        "the continuation differs from recomputing: a wrong logit"
+    )
     again = " (found by a 2nd lookup)" if res.lookups > 1 else ""
     if res.hit_tokens:
         return f"bitwise reuse of {res.hit_tokens} tokens{again}"
@@ -203,7 +205,11 @@ def test_disk_fault(case: str, disk_world: DiskWorld, oracle: Oracle, fault_tabl
         assert res.hit_tokens <= f.hit_blocks * H
     else:
         assert res.hit_tokens == f.hit_blocks * H, (res.hit_tokens, cv.counts())
-    if f in (*RECORD_FLIPS.values(), TRUNCATED, DELETED):  # the index looks fine: caught when the load verifies the bytes
+    if f in (
+        *RECORD_FLIPS.values(),
+        TRUNCATED,
+        DELETED,
+    ):  # the index looks fine: caught when the load verifies the bytes
         assert res.lookup_cv.hit_tokens == BLOCKS * H and res.lookups == 2
     else:  # caught at lookup: the record is gone, or its index value fails its seal
         assert res.lookup_cv.hit_tokens == f.hit_blocks * H
@@ -260,7 +266,7 @@ def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: 
     res = _serve(d, tokens, profile)
     cv = res.final_cv
     assert res.hit_tokens == 0 and res.loaded_objects == 0
-    assert (cv.routes == Route.RECOMPUTE).all() and (cv.reasons[:, : BLOCKS] == Reason.MISSING).all()
+    assert (cv.routes == Route.RECOMPUTE).all() and (cv.reasons[:, :BLOCKS] == Reason.MISSING).all()
     outcome = _outcome(res, tokens, Oracle(profile))
     old = _serve(d, tokens)  # the old namespace is untouched and still served
     assert old.hit_tokens == BLOCKS * H
@@ -299,8 +305,14 @@ def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: 
                 _row(fault_table, "daemon kill -9 during an offload: acknowledged prompt", res, "c4", 0, outcome)
         unacked = [s for s in seeds if f"p{s}" != acked["name"]]
         in_flight = _serve(d, _b(unacked[0]))
-        _row(fault_table, "daemon kill -9 during an offload: the prompt in flight", in_flight, "c4", BLOCKS - 1,
-             _outcome(in_flight, _b(unacked[0]), oracle))
+        _row(
+            fault_table,
+            "daemon kill -9 during an offload: the prompt in flight",
+            in_flight,
+            "c4",
+            BLOCKS - 1,
+            _outcome(in_flight, _b(unacked[0]), oracle),
+        )
         assert all(hits[s] == 0 for s in unacked[1:])  # never offloaded: misses, not garbage
     finally:
         assert d.terminate() == 0
@@ -336,9 +348,22 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
                 _outcome(res, _b(s), oracle)
             res = _serve(d, _b(refused))
             assert res.hit_tokens < BLOCKS * H or res.loaded_objects > 0
-            group, block = next(((g, b) for b, g, _, r, why in res.final_cv.entries() if r is Route.RECOMPUTE and why is Reason.MISSING), ("c4", 0))
-            _row(fault_table, f"disk full during an offload ({len(acked)} prompts acknowledged first)", res, group, block,
-                 _outcome(res, _b(refused), oracle) + f"; {len(acked)} acknowledged prompts hit in full")
+            group, block = next(
+                (
+                    (g, b)
+                    for b, g, _, r, why in res.final_cv.entries()
+                    if r is Route.RECOMPUTE and why is Reason.MISSING
+                ),
+                ("c4", 0),
+            )
+            _row(
+                fault_table,
+                f"disk full during an offload ({len(acked)} prompts acknowledged first)",
+                res,
+                group,
+                block,
+                _outcome(res, _b(refused), oracle) + f"; {len(acked)} acknowledged prompts hit in full",
+            )
         finally:
             d.close()
 
@@ -360,7 +385,14 @@ def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, faul
         tokens = _b(51)
         res = _serve(d, tokens)
         assert res.hit_tokens == BLOCKS * H
-        _row(fault_table, "client killed -9 while holding leases", res, "c4", 0, _outcome(res, tokens, oracle) + "; leases released")
+        _row(
+            fault_table,
+            "client killed -9 while holding leases",
+            res,
+            "c4",
+            0,
+            _outcome(res, tokens, oracle) + "; leases released",
+        )
     finally:
         assert d.terminate() == 0
 
@@ -396,7 +428,9 @@ def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fa
 
             def evict_all() -> None:
                 if not actions:
-                    settings = VerifierSettings(limits=StoreLimits(budget_bytes=1, form_quotas=()), rate_bytes_per_s=0, evict_low=0.0)
+                    settings = VerifierSettings(
+                        limits=StoreLimits(budget_bytes=1, form_quotas=()), rate_bytes_per_s=0, evict_low=0.0
+                    )
                     actions.update(Verifier(store, settings).run_once())
 
             with _SlowLoader(d.socket, name="engine B", between=evict_all) as client:
@@ -408,7 +442,13 @@ def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fa
         assert res.lookup_cv.hit_tokens == BLOCKS * H and res.loaded_objects == 0
         cv = res.final_cv
         assert res.hit_tokens == 0 and (cv.route("c4", 0), cv.reason("c4", 0)) == (Route.RECOMPUTE, Reason.EVICTED)
-        _row(fault_table, "verifier evicts between B's lookup and load (TOCTOU)", res, "c4", 0,
-             _outcome(res, tokens, oracle) + f"; {before} records evicted under B")
+        _row(
+            fault_table,
+            "verifier evicts between B's lookup and load (TOCTOU)",
+            res,
+            "c4",
+            0,
+            _outcome(res, tokens, oracle) + f"; {before} records evicted under B",
+        )
     finally:
         d.close()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 import torch
-
 from gpuworld import PROFILE, make, payload, prompt
+
 from kvtier.core import GroupKind, Reason, Route, VersionError, block_hashes
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionRefused, LookupResult, PartialBlock, StaleHandle
@@ -51,13 +51,19 @@ class Driver:
         hs = self.hashes(ns, i)
         for b in range(upto):
             for g in PROFILE.groups:
-                if g.kind is GroupKind.STATE and not (checkpoint and b >= upto - g.blocks_needed(PROFILE.hash_block_tokens)):
+                if g.kind is GroupKind.STATE and not (
+                    checkpoint and b >= upto - g.blocks_needed(PROFILE.hash_block_tokens)
+                ):
                     continue
                 if not self.strict:  # another thread may look it up the moment it is sealed
                     with self.lock:
                         self.written.add((ns, hs[b], g.name))
                 try:
-                    m.write_block(self._key(ns, i, b, g.name), payload(PROFILE, g.name, hs[b], ns), layout_digest=m.layout_digest(g.name))
+                    m.write_block(
+                        self._key(ns, i, b, g.name),
+                        payload(PROFILE, g.name, hs[b], ns),
+                        layout_digest=m.layout_digest(g.name),
+                    )
                 except EXPECTED:
                     continue
                 with self.lock:
@@ -82,7 +88,9 @@ class Driver:
         ns = self.m.namespace
         self.evict(i, b, g)
         try:
-            self.m.begin_write(self._key(ns, i, b, GROUPS[g]), layout_digest=self.m.layout_digest(GROUPS[g]), owner=owner)
+            self.m.begin_write(
+                self._key(ns, i, b, GROUPS[g]), layout_digest=self.m.layout_digest(GROUPS[g]), owner=owner
+            )
         except EXPECTED:
             pass
 

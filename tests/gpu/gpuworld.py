@@ -91,7 +91,11 @@ def write(m: CacheManager, hashes: list[bytes], blocks: range | list[int], *, st
         for g in m.profile.groups:
             if g.kind is GroupKind.STATE and (state_at is None or b not in state_at):
                 continue
-            n += m.write_block(key(m, hashes[b], g.name), payload(m.profile, g.name, hashes[b], m.namespace), layout_digest=m.layout_digest(g.name))
+            n += m.write_block(
+                key(m, hashes[b], g.name),
+                payload(m.profile, g.name, hashes[b], m.namespace),
+                layout_digest=m.layout_digest(g.name),
+            )
     return n
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 import torch
-
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
+
 from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused
 
@@ -140,7 +140,9 @@ def test_state_forms_are_evicted_before_history_lru_within_form() -> None:
     assert c["swa"]["evictions"] == 1  # swa back at its reservation; the rest from tail
     cv_old = m.lookup(old).check_vector
     # every history object is still resident (servable; past the hit only because its state went)
-    assert all(cv_old.reason(g, b) in (Reason.OK, Reason.BEYOND_HIT) for g in ("c4", "c4_index", "c16") for b in range(2))
+    assert all(
+        cv_old.reason(g, b) in (Reason.OK, Reason.BEYOND_HIT) for g in ("c4", "c4_index", "c16") for b in range(2)
+    )
     # LRU within the tail form: the block-0 tail objects (written first) went first
     assert cv_old.reason("c4_tail", 0) is Reason.EVICTED or cv_old.reason("c16_tail", 0) is Reason.EVICTED
     assert m.audit() == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
+
 from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused, StaleHandle
 
@@ -57,7 +57,9 @@ def test_release_is_idempotent_and_owner_release_covers_writes() -> None:
     m, _, _, hs = _filled()
     r1 = m.lookup(hs, owner="client-1")
     r2 = m.lookup(hs, owner="client-1")
-    w = m.begin_write(key(m, hashes_of(m, prompt(14, 1))[0], "c4"), layout_digest=m.layout_digest("c4"), owner="client-1")
+    w = m.begin_write(
+        key(m, hashes_of(m, prompt(14, 1))[0], "c4"), layout_digest=m.layout_digest("c4"), owner="client-1"
+    )
     assert w is not None
     assert m.release(r1) == 1 and m.release(r1) == 0 and m.release([r1]) == 0
     assert m.release_owner("client-1") == 2  # r2 and the open write

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from gpuworld import PROFILE, H, budgets, hashes_of, make, payload, prompt, state_blocks_for, write
+
 from kvtier.core import CacheForm
 from kvtier.gpu import BudgetError, CacheManager, StaleHandle, TopologyError
 
@@ -27,7 +27,9 @@ def test_pools_sized_from_budgets_and_aligned() -> None:
 
 def test_missing_or_tiny_budget_is_a_typed_error() -> None:
     with pytest.raises(BudgetError, match="no entry for form tail"):
-        CacheManager(PROFILE, budgets_bytes={CacheForm.COMPRESSED: 1 << 20, CacheForm.SWA: 1 << 20, CacheForm.INDEXER: 1 << 20})
+        CacheManager(
+            PROFILE, budgets_bytes={CacheForm.COMPRESSED: 1 << 20, CacheForm.SWA: 1 << 20, CacheForm.INDEXER: 1 << 20}
+        )
     small = budgets(PROFILE, 4)
     small[CacheForm.SWA] = 100
     with pytest.raises(BudgetError, match="swa budget"):
@@ -52,7 +54,15 @@ def test_another_process_maps_a_slot_in_place() -> None:
     pool = next(p for p in m.pools() if p.group == "c4")
     size = pool.base_offset + pool.n_slots * pool.slot_stride
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(pool.fd), str(size), str(pool.base_offset + handle.offset), str(handle.nbytes)],
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(pool.fd),
+            str(size),
+            str(pool.base_offset + handle.offset),
+            str(handle.nbytes),
+        ],
         pass_fds=[pool.fd],
         capture_output=True,
         check=True,

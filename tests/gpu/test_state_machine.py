@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 import threading
 
-from hypothesis import settings, strategies as st
+from driver import GROUPS, N_BLOCKS, N_PROMPTS, Driver
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from driver import GROUPS, N_BLOCKS, N_PROMPTS, Driver
 from kvtier.gpu import LookupResult
 
 prompts = st.integers(0, N_PROMPTS - 1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
+
 from kvtier.core import CacheForm, GroupKind, Reason, Route, VersionError, block_hashes, load_profile
 from kvtier.core.errors import LayoutError
 from kvtier.core.tier import ObjectKey
@@ -22,7 +22,9 @@ def test_partial_block_is_never_sealed() -> None:
         m.seal(h, written_bytes=h.nbytes - 1)
     assert m.block_state("c4", h.slot).state is BlockState.FREE
     with pytest.raises(PartialBlock):
-        m.write_block(key(m, hs[0], "c4"), payload(PROFILE, "c4", hs[0], m.namespace)[:-64], layout_digest=m.layout_digest("c4"))
+        m.write_block(
+            key(m, hs[0], "c4"), payload(PROFILE, "c4", hs[0], m.namespace)[:-64], layout_digest=m.layout_digest("c4")
+        )
     # a begun but unsealed write is a partial block to lookups
     h2 = m.begin_write(key(m, hs[0], "c4"), layout_digest=m.layout_digest("c4"))
     cv = m.lookup(hs).check_vector
@@ -38,13 +40,18 @@ def test_layout_digest_form_and_namespace_are_checked_at_write() -> None:
         m.begin_write(key(m, hs[0], "c4"), layout_digest=m.layout_digest("c16"))
     other_abi = PROFILE.version.bumped(kernel_abi="other-kernel/2")
     with pytest.raises(LayoutError):
-        m.begin_write(key(m, hs[0], "c4"), layout_digest=PROFILE.group("c4").layout(PROFILE.hash_block_tokens, other_abi.kernel_abi).digest)
+        m.begin_write(
+            key(m, hs[0], "c4"),
+            layout_digest=PROFILE.group("c4").layout(PROFILE.hash_block_tokens, other_abi.kernel_abi).digest,
+        )
     with pytest.raises(BadKey):
         m.begin_write(ObjectKey(m.namespace, hs[0], "c4", CacheForm.INDEXER), layout_digest=m.layout_digest("c4"))
     with pytest.raises(BadKey):
         m.begin_write(ObjectKey(m.namespace, hs[0], "nope", CacheForm.COMPRESSED), layout_digest=m.layout_digest("c4"))
     with pytest.raises(VersionError):
-        m.begin_write(ObjectKey(other_abi.namespace, hs[0], "c4", CacheForm.COMPRESSED), layout_digest=m.layout_digest("c4"))
+        m.begin_write(
+            ObjectKey(other_abi.namespace, hs[0], "c4", CacheForm.COMPRESSED), layout_digest=m.layout_digest("c4")
+        )
     with pytest.raises(VersionError):
         m.lookup(hs, namespace=other_abi.namespace)
 
@@ -80,7 +87,9 @@ def test_illegal_transitions_are_refused() -> None:
 
 
 def _meta_write(m: CacheManager, block_hash: bytes, group: str) -> None:
-    h = m.begin_write(ObjectKey(m.namespace, block_hash, group, m.profile.group(group).form), layout_digest=m.layout_digest(group))
+    h = m.begin_write(
+        ObjectKey(m.namespace, block_hash, group, m.profile.group(group).form), layout_digest=m.layout_digest(group)
+    )
     assert h is not None
     m.seal(h, written_bytes=h.nbytes)
 
@@ -91,7 +100,9 @@ def test_design_example_on_the_dsv4_profile() -> None:
     h = p.hash_block_tokens
     budget = {}
     for g in p.groups:
-        budget[g.form] = budget.get(g.form, 0) + -(-g.object_bytes(h) // 128) * 128 * (6 if g.kind is GroupKind.HISTORY else 2)
+        budget[g.form] = budget.get(g.form, 0) + -(-g.object_bytes(h) // 128) * 128 * (
+            6 if g.kind is GroupKind.HISTORY else 2
+        )
     m = CacheManager(p, budgets_bytes=budget, admission=AdmissionConfig())
     toks = np.random.default_rng(0).integers(0, 129280, 5 * h + 100)
     hs = block_hashes(m.namespace, toks, h)

@@ -12,9 +12,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvtier.cli import demo_cmd
-from kvtier.refmodel import demo as demo_mod
 from kvtier.cli.main import cli
 from kvtier.core import load_profile
+from kvtier.refmodel import demo as demo_mod
 from kvtier.refmodel.demo import DemoParams, run_demo
 
 PROFILE = load_profile("ref-tiny")
@@ -30,8 +30,25 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
     env["RUNTIME_DIRECTORY"] = str(tmp_path / "not-used")  # would select the systemd default for a config-less daemon
     work = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "16384", "--decode", "4", "--checkpoint-every", "16", "--dir", str(work), "--json"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "demo",
+            "--tokens",
+            "16384",
+            "--decode",
+            "4",
+            "--checkpoint-every",
+            "16",
+            "--dir",
+            str(work),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     doc = json.loads(proc.stdout)
@@ -43,12 +60,18 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
     assert doc["compared_tokens"] == 16384 - 352 * H + 4
     routes = doc["request"]["routes_at_lookup"]
     assert "RECOVER" not in routes["compressed"] and routes["compressed"]["REUSE"] == 2 * 352  # prewarmed: resident
-    assert routes["swa"]["RECOVER"] == 2 and routes["tail"]["RECOVER"] == 2  # B's checkpoint is not A's end: from disk now
+    assert (
+        routes["swa"]["RECOVER"] == 2 and routes["tail"]["RECOVER"] == 2
+    )  # B's checkpoint is not A's end: from disk now
     assert doc["prewarm"]["hit_tokens"] == 16384 and doc["prewarm"]["bytes_loaded"] > 0
     assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["request"]["bytes_from_disk"]
     audit = doc["audit"]
     assert audit["records"] == offloaded and audit["forms"]["compressed"]["records"] == 2 * 512
-    assert not audit["problems"] and audit["corrupt"] == 0 and all(f["verified"] == f["records"] for f in audit["forms"].values())
+    assert (
+        not audit["problems"]
+        and audit["corrupt"] == 0
+        and all(f["verified"] == f["records"] for f in audit["forms"].values())
+    )
     assert (work / "store" / "index.lmdb").is_dir() and (work / "daemon.log").exists()
     assert not (work / "kvtier.sock").exists()  # the daemon was stopped cleanly at the end
 
@@ -65,14 +88,18 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096", "--decode", "2", "--checkpoint-every", "8"])
     assert result.exit_code == (0 if reports[0].restore_faster else demo_cmd.FAILED_EXIT), result.output
     out = result.stdout
-    assert "bitwise    yes" in out and "usable hit" in out and "killed (SIGKILL) and restarted" in out and "audit" in out
+    assert (
+        "bitwise    yes" in out and "usable hit" in out and "killed (SIGKILL) and restarted" in out and "audit" in out
+    )
     for form in ("compressed", "indexer", "swa", "tail"):
         assert f"             {form:<11} " in out
 
     monkeypatch.setattr(demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], bitwise_match=False))
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
-    monkeypatch.setattr(demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2))
+    monkeypatch.setattr(
+        demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2)
+    )
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "SLOWER" in result.stdout
 

@@ -50,7 +50,9 @@ def test_required_objects_are_history_from_zero_and_state_at_the_window(profile)
 @pytest.fixture(scope="module")
 def exported(model: RefModel) -> dict:
     tokens = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(5))
-    return {oid: bytes(t.numpy()) for oid, t in model.prefill(model.new_state(), tokens, checkpoints=[128]).objects.items()}
+    return {
+        oid: bytes(t.numpy()) for oid, t in model.prefill(model.new_state(), tokens, checkpoints=[128]).objects.items()
+    }
 
 
 @pytest.mark.parametrize("oid", [("c4", 0), ("c4_index", 2), ("c16", 3), ("swa", 2), ("c4_tail", 3), ("c16_tail", 3)])
@@ -75,7 +77,10 @@ def test_resume_past_the_exported_blocks_is_missing(model: RefModel, exported: d
         (lambda b: b[:-4], LayoutError),  # truncated
         (lambda b: b + b"\0" * 4, LayoutError),  # too long
         (lambda b: b"", LayoutError),
-        (lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(torch.float32).clone(), LayoutError),  # not bytes
+        (
+            lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(torch.float32).clone(),
+            LayoutError,
+        ),  # not bytes
         (lambda b: b[:4] + bytes.fromhex("0000c07f") + b[8:], CorruptObjectError),  # a NaN
     ],
 )
@@ -153,5 +158,7 @@ def test_weights_and_logits_are_the_same_in_another_process() -> None:
     m = RefModel(load_profile("ref-tiny"))
     tokens = torch.arange(300) * 7 % 256
     here = hashlib.sha256(m.prefill(m.new_state(), tokens).logits.numpy().tobytes()).hexdigest()
-    there = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], check=True, capture_output=True, text=True).stdout.strip()
+    there = subprocess.run(
+        [sys.executable, "-c", _DIGEST_SCRIPT], check=True, capture_output=True, text=True
+    ).stdout.strip()
     assert here == there

@@ -36,12 +36,19 @@ def _reference(model: RefModel, tokens: torch.Tensor, boundary: int) -> tuple[to
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_resume_is_bitwise_equal_at_every_boundary(model: RefModel, profile: ModelProfile, make_prompt, n: int, record_property) -> None:
+def test_resume_is_bitwise_equal_at_every_boundary(
+    model: RefModel, profile: ModelProfile, make_prompt, n: int, record_property
+) -> None:
     tokens = make_prompt(n, n)
     h = model.hash_block_tokens
     one_chunk = RefModel(profile, chunk_tokens=-(-n // h) * h)
     single_state = one_chunk.new_state()
-    single = torch.cat((one_chunk.prefill(single_state, tokens).logits, torch.stack([one_chunk.decode(single_state, t) for t in DECODE])))
+    single = torch.cat(
+        (
+            one_chunk.prefill(single_state, tokens).logits,
+            torch.stack([one_chunk.decode(single_state, t) for t in DECODE]),
+        )
+    )
     worst = 0.0
     for k in range(1, n // h + 1):
         boundary = k * h
@@ -79,7 +86,9 @@ def other_versions(profile: ModelProfile) -> dict[str, RefModel]:
     v = profile.version
     return {
         "indexer": RefModel(profile, v.bumped(indexer_version=v.indexer_version + "+other"), chunk_tokens=64),
-        "compressed": RefModel(profile, v.bumped(compression_version=v.compression_version + "+other"), chunk_tokens=64),
+        "compressed": RefModel(
+            profile, v.bumped(compression_version=v.compression_version + "+other"), chunk_tokens=64
+        ),
     }
 
 
@@ -115,21 +124,29 @@ def test_missing_swa_block_changes_logits(model: RefModel, profile, make_prompt,
     assert n_s == 2
     j = k - n_s if which == "oldest" else k - 1
     del objects[("swa", j)]
-    _assert_diverges(_broken(model, profile, tokens, k, objects, allow_missing=True), expected, f"swa block {j} missing")
+    _assert_diverges(
+        _broken(model, profile, tokens, k, objects, allow_missing=True), expected, f"swa block {j} missing"
+    )
 
 
 @pytest.mark.parametrize("k", NEG_BOUNDARIES)
 @pytest.mark.parametrize("form", ["indexer", "compressed"])
-def test_rows_from_another_version_change_logits(model: RefModel, profile, make_prompt, other_versions, k: int, form: str) -> None:
+def test_rows_from_another_version_change_logits(
+    model: RefModel, profile, make_prompt, other_versions, k: int, form: str
+) -> None:
     """Indexer keys only steer the top-k: different logits from other-version keys mean a different selection."""
     tokens = make_prompt(N_NEG, 13)
     expected, objects = _reference(model, tokens, k * 32)
     other = other_versions[form]
     assert other.version.namespace != model.version.namespace
     theirs = other.prefill(other.new_state(), tokens[: k * 32]).objects
-    swapped = {oid: bytes(theirs[oid].numpy()) if profile.group(oid[0]).form.value == form else b for oid, b in objects.items()}
+    swapped = {
+        oid: bytes(theirs[oid].numpy()) if profile.group(oid[0]).form.value == form else b for oid, b in objects.items()
+    }
     assert swapped != objects
-    _assert_diverges(_broken(model, profile, tokens, k, swapped), expected, f"{form} rows of another version at block {k}")
+    _assert_diverges(
+        _broken(model, profile, tokens, k, swapped), expected, f"{form} rows of another version at block {k}"
+    )
 
 
 def test_version_bumps_change_only_their_weights(model: RefModel, other_versions) -> None:

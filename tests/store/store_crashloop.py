@@ -19,10 +19,10 @@ import time
 import traceback
 
 import torch
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 RECORDS_PER_ROUND = 40
 SEGMENT_BYTES = 1 << 20
@@ -81,8 +81,12 @@ class LoopResult:
 class Zygote:
     def __init__(self, root: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=subprocess_env(), text=True, bufsize=1,
+            [sys.executable, os.path.abspath(__file__), root],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=subprocess_env(),
+            text=True,
+            bufsize=1,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -123,7 +127,9 @@ def check_store(root: str, acked: set[tuple[int, int]], attempted: set[tuple[int
         keys = [make_key(ns, record_tag(r, i)) for r, i in want]
         outs = [torch.empty(record_size(r, i), dtype=torch.uint8) for r, i in want]
         for start in range(0, len(keys), 64):
-            reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys[start : start + 64], outs[start : start + 64])])
+            reasons = s.load_into(
+                [LoadRequest(k, o, DIGEST) for k, o in zip(keys[start : start + 64], outs[start : start + 64])]
+            )
             assert all(r.name == "OK" for r in reasons), f"acknowledged or visible record unreadable: {reasons}"
         for (r, i), out in zip(want, outs):
             assert torch.equal(out, make_payload(record_tag(r, i), record_size(r, i))), f"record {(r, i)} differs"

@@ -7,10 +7,10 @@ import os
 import numpy as np
 import torch
 import xxhash
+from support.mounts import mounted  # noqa: F401  (re-exported for the store tests)
 
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import ObjectKey
-from support.mounts import mounted  # noqa: F401  (re-exported for the store tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,6 +11,7 @@ import time
 import lmdb
 import pytest
 import torch
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, LowerTier
@@ -28,7 +29,6 @@ from kvtier.store import (
 )
 from kvtier.store import index as index_mod
 from kvtier.store.record import record_length
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 
 @pytest.fixture
@@ -203,16 +203,19 @@ def test_roles_locks_and_bad_input_are_typed(tmp_path) -> None:
             DiskStore(str(tmp_path), writer=True)
         with pytest.raises(StoreError, match="already open in this process"):
             DiskStore(str(tmp_path))
-        for bad in (torch.zeros(10, dtype=torch.float32), torch.zeros(4, 4, dtype=torch.uint8).t(), torch.zeros(0, dtype=torch.uint8)):
+        for bad in (
+            torch.zeros(10, dtype=torch.float32),
+            torch.zeros(4, 4, dtype=torch.uint8).t(),
+            torch.zeros(0, dtype=torch.uint8),
+        ):
             with pytest.raises(StoreRequestError):
                 w.store(make_key(ns, "bad"), bad, DIGEST)
             with pytest.raises(StoreRequestError):
                 w.load_into([LoadRequest(make_key(ns, "bad"), bad, DIGEST)])
         with pytest.raises(StoreRequestError):
             w.has([make_key(ns, "x")], [])
-    with DiskStore(str(tmp_path)) as r:
-        with pytest.raises(StoreReadOnly):
-            r.store(make_key(ns, "x"), make_payload("x", 10), DIGEST)
+    with DiskStore(str(tmp_path)) as r, pytest.raises(StoreReadOnly):
+        r.store(make_key(ns, "x"), make_payload("x", 10), DIGEST)
 
 
 def test_use_after_fork_is_refused(store: DiskStore) -> None:
@@ -247,8 +250,11 @@ def test_map_grows_on_full_and_other_process_adopts_it(tmp_path, monkeypatch) ->
         ns = s.register_namespace(VK)
         s.store(make_key(ns, "first"), make_payload("first", 100), DIGEST)
         reader = subprocess.Popen(
-            [sys.executable, "-c", _READER, str(tmp_path)], env=subprocess_env(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-c", _READER, str(tmp_path)],
+            env=subprocess_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert reader.stdout.readline().split() == ["ready", "OK", "MISSING"]

@@ -17,7 +17,10 @@ def test_kill_minus_9_fifty_times_loses_no_acknowledged_record(tmp_path) -> None
     assert result.orphan_rounds >= 1, "no kill landed between a payload write and its commit"
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "store", "rebuild-index", "--store", root, "--dry-run", "--json"],
-        capture_output=True, text=True, env=subprocess_env(), check=True,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
     )
     report = json.loads(out.stdout)
     assert report["dry_run"] and report["orphan_bytes"] == orphan_bytes_independent(root) > 0

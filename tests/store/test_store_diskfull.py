@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
+from store_helpers import DIGEST, VK, make_key, make_payload, mounted
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig, StoreError, StoreFull
-from store_helpers import DIGEST, VK, make_key, make_payload, mounted
 
 RECORD = 300_000
 
@@ -33,7 +33,9 @@ def _load_ok(store: DiskStore, tags: list[str]) -> bool:
     ns = VK.namespace
     outs = [torch.empty(RECORD, dtype=torch.uint8) for _ in tags]
     reasons = store.load_into([LoadRequest(make_key(ns, t), o, DIGEST) for t, o in zip(tags, outs)])
-    return reasons == [Reason.OK] * len(tags) and all(torch.equal(o, make_payload(t, RECORD)) for t, o in zip(tags, outs))
+    return reasons == [Reason.OK] * len(tags) and all(
+        torch.equal(o, make_payload(t, RECORD)) for t, o in zip(tags, outs)
+    )
 
 
 @pytest.mark.parametrize("precheck", [False, True], ids=["enospc", "statvfs"])

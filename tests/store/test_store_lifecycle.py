@@ -8,14 +8,15 @@ import subprocess
 import sys
 
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.segments import segment_name
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 _HOLD_READ_TXN = """
 import sys, lmdb
@@ -32,7 +33,9 @@ sys.stdin.readline()
 def _reader(root: str) -> subprocess.Popen:
     p = subprocess.Popen(
         [sys.executable, "-c", _HOLD_READ_TXN, os.path.join(root, "index.lmdb")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert p.stdout.readline().startswith("holding")
     return p

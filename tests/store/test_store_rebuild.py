@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 import xxhash
+from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
+from support.corrupt import flip_payload_bit
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, FormatVersionError, StoreConfig, StoreLocked, rebuild_index
 from kvtier.store.record import HEADER_BYTES, record_length
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
-from support.corrupt import flip_payload_bit
 
 VK2 = VK.bumped(kernel_abi="abi-2")
 
@@ -130,6 +130,5 @@ def test_newer_record_format_is_refused_not_guessed(tmp_path) -> None:
 
 def test_rebuild_needs_the_writer_lock(tmp_path) -> None:
     root = str(tmp_path / "s")
-    with DiskStore(root, writer=True):
-        with pytest.raises(StoreLocked):
-            rebuild_index(root)
+    with DiskStore(root, writer=True), pytest.raises(StoreLocked):
+        rebuild_index(root)

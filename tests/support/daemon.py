@@ -51,7 +51,7 @@ class DaemonProc:
             f'device = "cpu"\nprofiles = {json.dumps(list(profiles))}\nshutdown_timeout_s = 20\n{top_toml}'
             f'[server]\nsocket = "{self.socket}"\nframe_timeout_s = 1.0\n{server_toml}'
             f'[store]\nroot = "{store_root or tmp / "store"}"\nbudget_bytes = "256MiB"\n'
-            f'[pool.budget_bytes]\n{pools}'
+            f"[pool.budget_bytes]\n{pools}"
             f'[verifier]\nmode = "off"\n[metrics]\naddress = "127.0.0.1:0"\n' + extra_toml
         )
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

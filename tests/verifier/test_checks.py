@@ -10,6 +10,7 @@ import time
 
 import torch
 import xxhash
+from verifier_helpers import REPO, VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.profile import load_profile
@@ -18,7 +19,6 @@ from kvtier.daemon.config import default_verifier_command, embedded_default
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.verifier import LayoutOracle, Verifier, VerifierSettings, verifier_status
-from verifier_helpers import REPO, VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
 
 
 def test_layout_digest_that_contradicts_the_version_key_is_quarantined(tmp_path) -> None:
@@ -47,9 +47,11 @@ def test_a_watchdog_hint_wakes_an_idle_verifier(tmp_path) -> None:
     populate(root, [(VK, "first", CacheForm.COMPRESSED, 5000)])
     proc = start_verifier(root, "--poll", "60", "--maintenance-interval", "600", "--sweep-interval", "600")
     try:
+
         def idle_and_clean() -> bool:
             with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
                 return verifier_status(s)["phase"] == "idle" and not s.iter_dirty()
+
         wait_for(idle_and_clean, 30.0, proc, "first record verified, verifier idle")
         recs = populate(root, [(VK, "second", CacheForm.COMPRESSED, 5000)])
         t0 = time.monotonic()
@@ -57,6 +59,7 @@ def test_a_watchdog_hint_wakes_an_idle_verifier(tmp_path) -> None:
         def verified() -> bool:
             with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
                 return s.records([recs[0].key])[0].entry.verified_at > 0
+
         wait_for(verified, 20.0, proc, "the new record verified long before the 60 s poll")
         assert time.monotonic() - t0 < 20.0
     finally:
@@ -67,16 +70,20 @@ def test_a_watchdog_hint_wakes_an_idle_verifier(tmp_path) -> None:
 def test_daemon_supervisor_runs_the_verifier_and_reads_its_state(tmp_path) -> None:
     root = tmp_path / "store"
     populate(str(root), [])
-    cfg = dataclasses.replace(embedded_default(tmp_path), store=dataclasses.replace(embedded_default(tmp_path).store, root=root))
+    cfg = dataclasses.replace(
+        embedded_default(tmp_path), store=dataclasses.replace(embedded_default(tmp_path).store, root=root)
+    )
     cmd = default_verifier_command(cfg)
     assert cmd[:3] == [sys.executable, "-m", "kvtier.cli"] and cmd[3:5] == ["verifier", "run"]
     sup = Supervisor("verifier", cmd)
     sup.start()
     try:
+
         def ready() -> dict | None:
             with DiskStore(str(root), StoreConfig(io_backend="buffered"), readonly=True) as s:
                 st = verifier_status(s)
             return st if st["running"] and st["ready"] else None
+
         st = wait_for(ready, 30.0, what="the supervised verifier reports ready")
         assert st["verifier_pid"] == sup.state().pid and isinstance(st["actions"], dict)
     finally:
@@ -123,10 +130,15 @@ def test_a_supervised_verifier_ends_with_its_daemon(tmp_path) -> None:
     populate(root, [])
     cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", root]
     daemon = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\nfrom kvtier.daemon.supervisor import Supervisor\n"
-         f"Supervisor('verifier', {cmd!r}).start()\nsys.stdin.read()\n"],
-        stdin=subprocess.PIPE, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom kvtier.daemon.supervisor import Supervisor\n"
+            f"Supervisor('verifier', {cmd!r}).start()\nsys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     try:
         pid = wait_for(lambda: _running_pid(root), 30.0, None, "the supervised verifier is ready")

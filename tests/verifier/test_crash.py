@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import signal
 
+from support.corrupt import flip_payload_bit
+from verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
+
 from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.store.record import record_length
-from support.corrupt import flip_payload_bit
-from verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
 
 
 def _doc(root: str) -> dict:
@@ -20,13 +21,20 @@ def test_kill_mid_sweep_then_restart_resumes_and_finds_late_corruption(tmp_path)
     root = str(tmp_path / "store")
     recs = populate(root, [(VK, f"r{i}", CacheForm.COMPRESSED, 60_000) for i in range(120)], segment_bytes=2 << 20)
     with DiskStore(root) as s:
-        assert all(r.reason is Reason.OK for r in s.verify_many([r.key for r in recs]))  # nothing dirty: only the sweep reads
+        assert all(
+            r.reason is Reason.OK for r in s.verify_many([r.key for r in recs])
+        )  # nothing dirty: only the sweep reads
         es = entries(s)
     last = max(es, key=lambda k: (k.namespace, k.block_hash))  # the sweep walks key order: this one comes last
     flip_payload_bit(root, es[last], 5, 2)  # bit rot after verification
     proc = start_verifier(root, "--rate", "1500000", "--batch-records", "8")
     try:
-        saved = wait_for(lambda: (d := _doc(root).get("sweep", {})).get("in_progress") and d.get("records", 0) >= 24 and d, 40.0, proc, "sweep under way")
+        saved = wait_for(
+            lambda: (d := _doc(root).get("sweep", {})).get("in_progress") and d.get("records", 0) >= 24 and d,
+            40.0,
+            proc,
+            "sweep under way",
+        )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -36,7 +44,9 @@ def test_kill_mid_sweep_then_restart_resumes_and_finds_late_corruption(tmp_path)
         assert s.records([last])[0].entry.state is RecordState.LIVE  # not reached yet
     proc = start_verifier(root, "--rate", "0")
     try:
-        done = wait_for(lambda: (d := _doc(root)).get("actions", {}).get("sweeps", 0) >= 1 and d, 40.0, proc, "sweep finished")
+        done = wait_for(
+            lambda: (d := _doc(root)).get("actions", {}).get("sweeps", 0) >= 1 and d, 40.0, proc, "sweep finished"
+        )
     finally:
         err = stop(proc)
     assert proc.returncode == 0, err
@@ -54,7 +64,12 @@ def test_kill_mid_eviction_then_restart_finishes(tmp_path) -> None:
     n, size = 400, 4000
     rec_len = record_length(size)
     budget = 100 * rec_len
-    recs = populate(root, [(VK, f"e{i}", (CacheForm.COMPRESSED, CacheForm.SWA)[i % 2], size) for i in range(n)], segment_bytes=512 << 10, budget_bytes=budget)
+    recs = populate(
+        root,
+        [(VK, f"e{i}", (CacheForm.COMPRESSED, CacheForm.SWA)[i % 2], size) for i in range(n)],
+        segment_bytes=512 << 10,
+        budget_bytes=budget,
+    )
     # populate published the budget only after writing: the store is four times over it
     proc = start_verifier(root, "--batch-records", "2")
     poll = DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True)
@@ -68,9 +83,13 @@ def test_kill_mid_eviction_then_restart_finishes(tmp_path) -> None:
     assert_consistent(root)
     proc = start_verifier(root)
     try:
+
         def finished() -> bool:
             with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
-                return s.stats()["record_bytes"] <= 0.85 * budget and not any(not e.sealed or e.referenced == 0 for e in s.segments().values())
+                return s.stats()["record_bytes"] <= 0.85 * budget and not any(
+                    not e.sealed or e.referenced == 0 for e in s.segments().values()
+                )
+
         wait_for(finished, 40.0, proc, "eviction done and emptied segments unlinked")
     finally:
         err = stop(proc)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+from verifier_helpers import DIGEST, VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
+
 from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, StoreConfig, StoreLimits
 from kvtier.store.record import record_length
 from kvtier.verifier import Verifier, VerifierSettings
-from verifier_helpers import DIGEST, VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
 
 SIZE = 20_000
 REC = record_length(SIZE)
@@ -20,7 +21,13 @@ def _specs(prefix: str, form: CacheForm, n: int) -> list:
 
 def test_running_verifier_evicts_state_then_lru_history_then_pinned_only_past_the_hard_budget(tmp_path) -> None:
     root = str(tmp_path / "store")
-    recs = populate(root, _specs("h", CacheForm.COMPRESSED, 16) + _specs("s", CacheForm.SWA, 4) + _specs("t", CacheForm.TAIL, 4) + _specs("p", CacheForm.INDEXER, 8))
+    recs = populate(
+        root,
+        _specs("h", CacheForm.COMPRESSED, 16)
+        + _specs("s", CacheForm.SWA, 4)
+        + _specs("t", CacheForm.TAIL, 4)
+        + _specs("p", CacheForm.INDEXER, 8),
+    )
     hist, state, pinned = recs[:16], recs[16:24], recs[24:]
     recent = hist[7:]
     with DiskStore(root, StoreConfig(atime_flush_s=0.0), writer=True) as w:
@@ -31,6 +38,7 @@ def test_running_verifier_evicts_state_then_lru_history_then_pinned_only_past_th
         w.set_limits(20 * REC, {})  # 32 records stored: 15 must go to reach the low watermark (85%: 17 records)
     proc = start_verifier(root)
     try:
+
         def remaining() -> set | None:
             with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
                 keys = set(entries(s))
@@ -39,12 +47,16 @@ def test_running_verifier_evicts_state_then_lru_history_then_pinned_only_past_th
 
         keys = wait_for(remaining, 30.0, proc, "usage under the low watermark")
         assert not {r.key for r in state} & keys, "state forms go first"
-        assert {r.key for r in recent} | {r.key for r in pinned} == keys, "then the least recently used history, never pinned"
+        assert {r.key for r in recent} | {r.key for r in pinned} == keys, (
+            "then the least recently used history, never pinned"
+        )
 
         with DiskStore(root, writer=True) as w:
             w.set_limits(4 * REC, {})  # below what the pins hold: the hard budget wins over pins
 
-        keys = wait_for(lambda: k if len(k := _keys(root)) <= 4 else None, 30.0, proc, "evicted down to the hard budget")
+        keys = wait_for(
+            lambda: k if len(k := _keys(root)) <= 4 else None, 30.0, proc, "evicted down to the hard budget"
+        )
     finally:
         err = stop(proc)
     assert proc.returncode == 0, err

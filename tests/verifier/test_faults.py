@@ -6,11 +6,6 @@ import dataclasses
 import os
 
 import pytest
-
-from kvtier.core import CacheForm, Reason
-from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
-from kvtier.store.record import HEADER_BYTES
-from kvtier.verifier import VerifierSettings, audit_store
 from support.corrupt import flip_bit, flip_payload_bit, segment_path
 from verifier_helpers import (
     VK,
@@ -29,6 +24,11 @@ from verifier_helpers import (
     totals,
     wait_for,
 )
+
+from kvtier.core import CacheForm, Reason
+from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
+from kvtier.store.record import HEADER_BYTES
+from kvtier.verifier import VerifierSettings, audit_store
 
 FORMS = (CacheForm.COMPRESSED, CacheForm.INDEXER, CacheForm.SWA, CacheForm.TAIL)
 ORPHAN_TAIL, STRAY_A, STRAY_B = 8192, 4096, 8192
@@ -99,7 +99,10 @@ def _check_after(f: Faulty, doc: dict) -> None:
         reasons = {k: e.quarantine for k, e in entries(s).items() if e.state is RecordState.QUARANTINED}
     assert reasons[f.corrupt_deep[0].key] is QuarantineReason.PAYLOAD
     assert reasons[f.corrupt_deep[1].key] is QuarantineReason.HEADER
-    assert {reasons[r.key] for r in f.corrupt_index} == {QuarantineReason.SEGMENT_TRUNCATED, QuarantineReason.SEGMENT_MISSING}
+    assert {reasons[r.key] for r in f.corrupt_index} == {
+        QuarantineReason.SEGMENT_TRUNCATED,
+        QuarantineReason.SEGMENT_MISSING,
+    }
     assert not os.path.exists(os.path.join(f.root, "segments", "junk.tmp"))
     assert_consistent(f.root)
 
@@ -108,12 +111,24 @@ def test_audit_counts_before_and_after_fix(faulty: Faulty, capsys) -> None:
     f = faulty
     rc, doc = audit_json(capsys, f.root)
     assert rc == 1
-    assert set(doc) >= {"store", "format_version", "namespaces", "orphaned_bytes", "reclaimable_bytes", "used_bytes", "budget_bytes", "corrupt", "quarantined"}
+    assert set(doc) >= {
+        "store",
+        "format_version",
+        "namespaces",
+        "orphaned_bytes",
+        "reclaimable_bytes",
+        "used_bytes",
+        "budget_bytes",
+        "corrupt",
+        "quarantined",
+    }
     assert doc["format_version"] == 1 and doc["store"] == os.path.abspath(f.root)
     assert doc["corrupt"] == len(f.corrupt_index) and doc["quarantined"] == 0  # the index alone sees these
     assert doc["orphaned_bytes"] == ORPHAN_TAIL + STRAY_A + STRAY_B
     assert totals(doc, "stale", live=False) == len(f.stale) and totals(doc, "stale", live=True) == 0
-    assert totals(doc, "entries") == len(f.recs) and totals(doc, "unverified") == len(f.recs) - len(f.stale) - len(f.corrupt_index)
+    assert totals(doc, "entries") == len(f.recs) and totals(doc, "unverified") == len(f.recs) - len(f.stale) - len(
+        f.corrupt_index
+    )
     assert doc["used_bytes"] == totals(doc, "bytes") and doc["reclaimable_bytes"] >= doc["orphaned_bytes"]
     live = next(n for n in doc["namespaces"] if n["live"])
     assert live["version_key"]["model_id"] == VK.model_id and set(live["forms"]) == {f.value for f in FORMS}
@@ -140,7 +155,12 @@ def test_running_verifier_finds_and_acts_on_every_fault(faulty: Faulty) -> None:
     def settled() -> dict | None:
         with DiskStore(f.root, StoreConfig(io_backend="buffered"), readonly=True) as s:
             doc = audit_store(s, VerifierSettings()).to_json()
-        done = doc["quarantined"] == n_bad and doc["corrupt"] == 0 and totals(doc, "stale") == 0 and doc["orphaned_bytes"] == 0
+        done = (
+            doc["quarantined"] == n_bad
+            and doc["corrupt"] == 0
+            and totals(doc, "stale") == 0
+            and doc["orphaned_bytes"] == 0
+        )
         return doc if done else None
 
     try:

@@ -15,7 +15,9 @@ from verifier_helpers import REPO
 
 
 def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None:
-    res = subprocess.run([sys.executable, "bench/verifier.py", "--quick"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "bench/verifier.py", "--quick"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["wrong_bytes"] == 0 and doc["pinned_misses"] == 0 and doc["errors"] == 0

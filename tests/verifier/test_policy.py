@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import xxhash
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.core import CacheForm
 from kvtier.core.tier import ObjectKey
@@ -27,7 +28,16 @@ cands = st.lists(
 
 def _make(rows) -> list[Candidate]:
     return [
-        Candidate(ObjectKey(NS, xxhash.xxh3_128_digest(str(i).encode()), f.value, f), i, n, at, NOW + 60 if pin else 0.0, 1, q, NOW - 1 if q else 0.0)
+        Candidate(
+            ObjectKey(NS, xxhash.xxh3_128_digest(str(i).encode()), f.value, f),
+            i,
+            n,
+            at,
+            NOW + 60 if pin else 0.0,
+            1,
+            q,
+            NOW - 1 if q else 0.0,
+        )
         for i, (f, n, at, pin, q) in enumerate(rows)
     ]
 
@@ -55,7 +65,9 @@ def test_plan_properties(rows, budget_frac, quota_frac) -> None:
     if total < 0.95 * budget and (not quota or swa < 0.95 * quota):
         assert victims == [], "nothing is over a high watermark"
     if total >= 0.95 * budget:
-        assert left <= 0.85 * budget or not any(breakable(c) for c in kept), "soft: every unpinned record before stopping short"
+        assert left <= 0.85 * budget or not any(breakable(c) for c in kept), (
+            "soft: every unpinned record before stopping short"
+        )
     if total > budget:
         assert left <= budget or not kept, "hard: pins give way until the budget holds"
     if quota and swa >= 0.95 * quota:

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 import xxhash
+from support.corrupt import segment_path
 
 from kvtier.cli.main import main
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, IndexEntry, RecordState, StoreConfig
-from support.corrupt import segment_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGEST = b"L" * 16
@@ -49,8 +49,12 @@ def key(ns: bytes, tag: str, form: CacheForm) -> ObjectKey:
 
 
 def populate(
-    root: str, specs: Iterable[tuple[VersionKey, str, CacheForm, int]], *, segment_bytes: int = 256 << 10,
-    budget_bytes: int = 0, quotas: dict[CacheForm, int] | None = None,
+    root: str,
+    specs: Iterable[tuple[VersionKey, str, CacheForm, int]],
+    *,
+    segment_bytes: int = 256 << 10,
+    budget_bytes: int = 0,
+    quotas: dict[CacheForm, int] | None = None,
 ) -> list[Rec]:
     """Write records as the daemon would (writer role); publishes `budget_bytes`/`quotas` as the writer's limits."""
     recs = []
@@ -113,7 +117,9 @@ def assert_consistent(root: str) -> None:
 
 
 def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def main_inprocess(capsys, *args: str) -> tuple[int, str, str]:
@@ -145,7 +151,10 @@ FAST = ("--poll", "0.05", "--maintenance-interval", "0.2", "--sweep-interval", "
 def start_verifier(root: str, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli", "-v", "verifier", "run", "--store", root, *FAST, *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
 
 
@@ -160,7 +169,9 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> str:
     return err
 
 
-def wait_for(cond: Callable[[], object], timeout: float, proc: subprocess.Popen[str] | None = None, what: str = "") -> object:
+def wait_for(
+    cond: Callable[[], object], timeout: float, proc: subprocess.Popen[str] | None = None, what: str = ""
+) -> object:
     """Poll a real condition until it holds (returns its value) or the deadline passes (fails with `what`)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -168,7 +179,9 @@ def wait_for(cond: Callable[[], object], timeout: float, proc: subprocess.Popen[
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"verifier exited ({proc.returncode}) before: {what}\n{proc.stderr.read() if proc.stderr else ''}")
+            raise AssertionError(
+                f"verifier exited ({proc.returncode}) before: {what}\n{proc.stderr.read() if proc.stderr else ''}"
+            )
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
         time.sleep(0.05)  # polling interval of a real condition, not synchronisation

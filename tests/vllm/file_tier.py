@@ -13,7 +13,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 class PlainFileTier(SecondaryTierManager):
     """Chunk bytes in `<root>/<key hex>`; lookups are a stat; no checks of any kind."""
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root: str, backpressure_detector=None) -> None:
+    def __init__(
+        self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root: str, backpressure_detector=None
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)

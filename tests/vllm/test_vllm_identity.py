@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.core.checkvector import usable_hit
 from kvtier.core.forms import CacheForm
@@ -19,7 +20,10 @@ from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_wi
 from kvtier.store import DiskStore
 
 GEMMA2 = {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}
-GROUPS = [EngineGroup(0, 32, ("model.layers.0.self_attn.attn",)), EngineGroup(1, 32, ("model.layers.1.self_attn.attn",))]
+GROUPS = [
+    EngineGroup(0, 32, ("model.layers.0.self_attn.attn",)),
+    EngineGroup(1, 32, ("model.layers.1.self_attn.attn",)),
+]
 LAYOUT = ChunkLayout("bfloat16", "NHD", 8192, 8192, 1, 32, "world1.tp1.pp1.pcp1.dcp1;replicated=0;canonical=0")
 ABI = "vllm 0.32.0;cpu;attn=full:CPUAttentionBackend,swa:CPUAttentionBackend"
 
@@ -57,7 +61,11 @@ def test_configs_without_layer_types(config: dict, windows: tuple[int, int]) -> 
     ("groups", "config", "says"),
     [
         ([EngineGroup(0, 32, ("model.layers.0.attn", "model.layers.1.attn"))], GEMMA2, "mixes sliding windows"),
-        ([EngineGroup(0, 32, ("model.layers.0.mixer",))], {"layer_types": ["linear_attention"]}, "full and sliding-window attention only"),
+        (
+            [EngineGroup(0, 32, ("model.layers.0.mixer",))],
+            {"layer_types": ["linear_attention"]},
+            "full and sliding-window attention only",
+        ),
         ([EngineGroup(0, 32, ("model.layers.5.attn",))], GEMMA2, "beyond config.json's layer_types"),
         ([EngineGroup(0, 32, ("decoder.attn",))], GEMMA2, "no 'layers.<n>' index"),
         ([EngineGroup(0, 32, ())], GEMMA2, "names no layers"),
@@ -82,7 +90,8 @@ def test_window_rule_matches_the_core_hit_rule(stored: list[bool], window_chunks
             continue
         got = in_complete_window((j + 1) * t, plan, lambda end: end // t <= m and stored[end // t - 1])
         want = any(
-            usable_hit(np.array([[True] * k, stored[:k]]), n_state) == k for k in range(j + 1, min(m, j + window_chunks) + 1)
+            usable_hit(np.array([[True] * k, stored[:k]]), n_state) == k
+            for k in range(j + 1, min(m, j + window_chunks) + 1)
         )
         assert got == want, (j, stored, window_chunks)
 

@@ -43,7 +43,9 @@ def test_engines_store_and_hit_through_the_daemon(tmp_path: Path) -> None:
         tiers = kvtier_daemon_tiers(daemon.socket)
         first = run_engine(tmp_path, "store", model, prompts, tiers)
         assert first.counter("chunk_hits", KVTIER_TIER) == 0
-        assert first.kvtier("store_chunks", outcome="stored") == PREFIX_CHUNKS  # written by the daemon, the store's writer
+        assert (
+            first.kvtier("store_chunks", outcome="stored") == PREFIX_CHUNKS
+        )  # written by the daemon, the store's writer
         assert first.kvtier("store_chunks", outcome="read_only") == 0
         assert "through the daemon on" in (tmp_path / "store.log").read_text(errors="replace")
 
@@ -60,7 +62,9 @@ def test_engines_store_and_hit_through_the_daemon(tmp_path: Path) -> None:
         listed = audit_namespaces(store)
         (namespace,) = [ns for ns, n in listed.items() if n["records"]]
         assert listed[namespace]["version_key"]["model_id"] == model
-        assert {(r["group"], r["form"], r["state"]) for r in listed[namespace]["records"]} == {(FULL, "compressed", "live")}
+        assert {(r["group"], r["form"], r["state"]) for r in listed[namespace]["records"]} == {
+            (FULL, "compressed", "live")
+        }
         audited = {n["namespace"]: n for n in report["namespaces"]}
         assert audited[namespace]["forms"]["compressed"]["entries"] == PREFIX_CHUNKS
         assert daemon.proc.poll() is None and "Traceback" not in daemon.read_log()

@@ -58,4 +58,8 @@ def test_sliding_window_chunks_hit_only_with_their_whole_window(tmp_path: Path) 
     # At chunk 4 the window (chunks 2-3) is whole: the full group's 4 chunks and both SWA chunks hit.
     assert whole_hit.kvtier("lookups", form="compressed", result="hit") == PREFIX_CHUNKS
     assert whole_hit.kvtier("lookups", form="swa", result="hit") == WINDOW_CHUNKS
-    assert whole_hit.counter("chunk_hits", KVTIER_TIER) == whole_hit.kvtier("load_chunks", outcome="ok") == PREFIX_CHUNKS + WINDOW_CHUNKS
+    assert (
+        whole_hit.counter("chunk_hits", KVTIER_TIER)
+        == whole_hit.kvtier("load_chunks", outcome="ok")
+        == PREFIX_CHUNKS + WINDOW_CHUNKS
+    )

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from vllm_harness import require_vllm
 
 require_vllm()
@@ -29,9 +28,9 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
+from vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
-from vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 ROW = 8192
 CHUNKS = 16
@@ -42,7 +41,13 @@ HOLD_WRITER = "import sys; from kvtier.store import DiskStore; s = DiskStore(sys
 
 def write_model(path: Path, weights: bytes) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    config = {"num_attention_heads": 2, "head_dim": 32, "hidden_size": 64, "sliding_window": 2 * T, "layer_types": ["sliding_attention", "full_attention"]}
+    config = {
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "hidden_size": 64,
+        "sliding_window": 2 * T,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").write_bytes(weights)
     return path
@@ -63,7 +68,9 @@ def make_tier(model: Path, store: Path, primary: np.ndarray, **options) -> Kvtie
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
         kv_cache_layout="NHD",
     )
-    return KvtierSecondaryTier(SimpleNamespace(config=config), memoryview(primary), "KvtierSecondaryTier", str(store), **options)
+    return KvtierSecondaryTier(
+        SimpleNamespace(config=config), memoryview(primary), "KvtierSecondaryTier", str(store), **options
+    )
 
 
 @pytest.fixture
@@ -176,7 +183,11 @@ def test_swa_chunk_hits_only_inside_a_whole_window(env) -> None:
     for i in range(4):
         same.set_offload_key_position(key(i, SWA), (i + 1) * T)
         other.set_offload_key_position(key(i if i < 3 else 99, SWA), (i + 1) * T)
-    assert [tier.lookup(key(i, SWA), same) for i in (3, 2, 1)] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    assert [tier.lookup(key(i, SWA), same) for i in (3, 2, 1)] == [
+        LookupResult.HIT,
+        LookupResult.HIT,
+        LookupResult.MISS,
+    ]
     assert tier.lookup(key(2, SWA), other) is LookupResult.MISS
     c = counters(tier)
     assert c[("vllm:kvtier_lookups", ("swa", "hit"))] == 2
@@ -189,7 +200,9 @@ def test_second_engine_on_the_store_reads_but_does_not_write(env) -> None:
     finish(writer)
     writer.shutdown()
     # Another process (another engine, or the kvtier daemon) holds the store's writer lock.
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_WRITER, str(env.store)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WRITER, str(env.store)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         reader = env.tier()

@@ -18,14 +18,24 @@ def _config(arch: str):
     from transformers import Gemma2Config, LlamaConfig
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     if arch == "llama":
         return LlamaConfig(tie_word_embeddings=False, **common)
     if arch == "gemma2":
         return Gemma2Config(
-            sliding_window=GEMMA2_WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+            sliding_window=GEMMA2_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=32,
             **common,
         )
     raise ValueError(f"unknown test architecture {arch!r}")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from engine_run import BLOCK_SIZE
 from engine_run import main as engine_main
+from support.corrupt import flip_payload_bit
 from tiny_model import VOCAB, write_checkpoint
 
 from kvtier.store import DiskStore, RecordState
-from support.corrupt import flip_payload_bit
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 240
@@ -35,8 +35,11 @@ def require_vllm() -> None:
     """
     if os.environ.get(REQUIRED_ENV) == "1":
         import vllm.v1.kv_offload.tiering.base  # noqa: F401
+
         return
-    pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)")
+    pytest.importorskip(
+        "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed here: run tests/vllm/run.sh (its own venv)"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,7 +84,9 @@ def _engine_processes() -> multiprocessing.context.ForkServerContext:
     paying vLLM's import (~7 s on 2 cores) every time."""
     global _FORK_SERVER
     if _FORK_SERVER is None:
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu")  # the server's env is every engine's
+        os.environ.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu"
+        )  # the server's env is every engine's
         _FORK_SERVER = multiprocessing.get_context("forkserver")
         _FORK_SERVER.set_forkserver_preload(["engine_run", "vllm", "vllm.inputs", "kvtier.integrations.vllm"])
     return _FORK_SERVER
@@ -95,11 +100,17 @@ def _engine_process(spec: str, out: str, log: str) -> None:
     engine_main(spec, out)
 
 
-def run_engine(work: Path, name: str, model: str, prompts: list[list[int]], tiers: list[dict], max_tokens: int = 8) -> EngineRun:
+def run_engine(
+    work: Path, name: str, model: str, prompts: list[list[int]], tiers: list[dict], max_tokens: int = 8
+) -> EngineRun:
     """Start a new process with one engine, generate greedily, and return what it wrote; its log is kept in `work`."""
     spec, out, log = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
-    spec.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers}))
-    proc = _engine_processes().Process(target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}")
+    spec.write_text(
+        json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers})
+    )
+    proc = _engine_processes().Process(
+        target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}"
+    )
     proc.start()
     proc.join(ENGINE_TIMEOUT_S)
     if proc.exitcode is None:
@@ -107,7 +118,9 @@ def run_engine(work: Path, name: str, model: str, prompts: list[list[int]], tier
         proc.join()
     if proc.exitcode != 0:
         tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
-        raise AssertionError(f"engine {name} exited {proc.exitcode} (None: killed after {ENGINE_TIMEOUT_S} s); log tail:\n{tail}")
+        raise AssertionError(
+            f"engine {name} exited {proc.exitcode} (None: killed after {ENGINE_TIMEOUT_S} s); log tail:\n{tail}"
+        )
     data = json.loads(out.read_text())
     return EngineRun(results=data["results"], metrics=data["metrics"])
 
@@ -137,7 +150,10 @@ def kvtier_audit(store_dir: Path) -> tuple[int, dict]:
     """`kvtier audit --store DIR --json --deep` in a process of its own: (exit code, report); 0 means clean."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "audit", "--store", str(store_dir), "--json", "--deep"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     if proc.returncode not in (0, 1):
         raise AssertionError(f"kvtier audit exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -157,12 +173,17 @@ def _reading(store_dir: Path, store: DiskStore | None) -> Iterator[DiskStore]:
 def audit_namespaces(store_dir: Path, store: DiskStore | None = None) -> dict[str, dict]:
     """Per namespace (hex): its version key and its records {group, form, state}, from the store's own listing."""
     with _reading(store_dir, store) as s:
-        out = {ns.hex(): {"version_key": entry.version_key.to_dict(), "live": entry.live, "records": []} for ns, entry in s.namespaces().items()}
+        out = {
+            ns.hex(): {"version_key": entry.version_key.to_dict(), "live": entry.live, "records": []}
+            for ns, entry in s.namespaces().items()
+        }
         after = None
         while batch := s.iter_records(after=after):
             for info in batch:
                 state = "corrupt_index" if info.entry is None else info.entry.state.name.lower()
-                out[info.key.namespace.hex()]["records"].append({"group": info.key.group, "form": info.key.form.value, "state": state})
+                out[info.key.namespace.hex()]["records"].append(
+                    {"group": info.key.group, "form": info.key.form.value, "state": state}
+                )
             after = batch[-1].key
     return out
 
