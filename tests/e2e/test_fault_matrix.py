@@ -127,13 +127,13 @@ def _flip_segment_bit(store_root: Path, store: DiskStore, key: ObjectKey) -> Non
 
 def _entry(store: DiskStore, key: ObjectKey) -> IndexEntry:
     with store.index.read() as txn:
-        return IndexEntry.unpack(txn.get(encode_key(key), db=store.index.dbs["obj"]))
+        return IndexEntry.unpack(txn.get(encode_key(key), db=store.index.obj))
 
 
 def _flip_lmdb_value(store_root: Path, store: DiskStore, key: ObjectKey) -> None:
     """Flip one bit of the object's index value inside LMDB's data file (LMDB does not checksum values)."""
     with store.index.read() as txn:
-        raw = bytes(txn.get(encode_key(key), db=store.index.dbs["obj"]))
+        raw = bytes(txn.get(encode_key(key), db=store.index.obj))
     path = store_root / "index.lmdb" / "data.mdb"
     data = bytearray(path.read_bytes())
     at = data.find(raw)
