@@ -28,8 +28,6 @@ from kvtier.store.reader import AccessTimes, Reader
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock
 from kvtier.store.writer import Writer
 
-__all__ = ["DiskStore", "RecordInfo", "StoreConfig", "StoreLimits", "VerifyResult"]
-
 
 class DiskStore:
     """The disk tier. Open one per process (after any fork); `writer=True` only in the daemon."""

@@ -1,4 +1,5 @@
-"""The fault matrix: every fault ends in a bitwise-correct reuse or a RECOMPUTE with the right reason, never another logit.
+"""The fault matrix: every fault ends in a bitwise-correct reuse or a RECOMPUTE with the right reason,
+never another logit.
 
 Engine A writes through a real daemon; the fault is applied for real (bits flipped in segment files
 and in LMDB's data file, segments truncated or deleted, records evicted, namespaces bumped,
@@ -30,9 +31,8 @@ from kvtier.core.profile import ModelProfile, profile_from_dict
 from kvtier.core.tier import ObjectKey
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
-from kvtier.store import DiskStore
+from kvtier.store import DiskStore, StoreLimits
 from kvtier.store.index import IndexEntry, encode_key
-from kvtier.store.store import StoreLimits
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 
 from .engine_proc import CHECKPOINT_EVERY
