@@ -20,9 +20,9 @@ from kvtier.client.pools import MappedPool, map_pool
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES, block_hashes
-from kvtier.daemon import errors as E
-from kvtier.daemon import protocol as P
-from kvtier.daemon.connection import Connection
+from kvtier.wire import Connection
+from kvtier.wire import errors as E
+from kvtier.wire import messages as P
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

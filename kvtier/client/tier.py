@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from kvtier.client.errors import TierFull
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
-from kvtier.daemon import errors as E
-from kvtier.daemon import protocol as P
-from kvtier.daemon.connection import Connection
-from kvtier.store import StoreFull
+from kvtier.wire import Connection
+from kvtier.wire import errors as E
+from kvtier.wire import messages as P
 
 
 class TierClient(Connection):
@@ -82,10 +82,10 @@ class TierClient(Connection):
         return [Reason(r) for r in reply.reasons]
 
     def store_staged(self, items: list[P.TierItem]) -> int:
-        """Objects committed; StoreFull (nothing of this batch visible) when over the store's budget, a quota, or the disk."""
+        """Objects committed; TierFull (nothing of this batch visible) when over the store's budget, a quota, or the disk."""
         reply: P.TierStored = self._call(P.TierStore(items))
         if reply.full_limit:
-            raise StoreFull(reply.full_message, limit=reply.full_limit)
+            raise TierFull(reply.full_message, limit=reply.full_limit)
         return reply.stored
 
     # -- what a DiskStore answers ----------------------------------------------------------------------
