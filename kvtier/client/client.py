@@ -168,7 +168,7 @@ class Client(Connection):
         return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv))
 
     def load(self, result: LookupResult) -> LoadReport:
-        """Recover the RECOVER objects into their leased slots; `result` is updated (they turn REUSE, or the hit shrinks)."""
+        """Recover the RECOVER objects into their leased slots; `result` is updated (REUSE now, or a shorter hit)."""
         reply: P.LoadOk = self._call(P.Load(result.lookup_id))
         cv = _cv(reply.check_vector)
         result.check_vector, result.slots, result.generations = cv, _grid(reply.slots, cv), _grid(reply.generations, cv)

@@ -169,7 +169,7 @@ def load_config(
     uid: int | None = None,
     cwd: Path | None = None,
 ) -> DaemonConfig:
-    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over the defaults."""
+    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over them."""
     base = base_config(env, uid, cwd)
     if path is None and base.source == "systemd default" and SYSTEM_CONFIG.exists():
         path = SYSTEM_CONFIG

@@ -50,7 +50,7 @@ class LowerTier(Protocol):
     """has / load_into / store(_many) / pin / remove, answering with the check vector's reasons."""
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
-        """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, corrupt)."""
+        """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, ...)."""
         ...
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:

@@ -247,7 +247,8 @@ class DaemonBackend:
         )
         if not persisted:
             raise KvtierError(
-                "the store did not commit these objects (evicted first, or a store error; see the daemon log); offload again"
+                "the store did not commit these objects (evicted first, or a store error; see the daemon log);"
+                " offload again"
             )
         return P.SealOk(sealed, True)
 

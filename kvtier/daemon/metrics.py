@@ -1,7 +1,7 @@
 """Prometheus metrics: the backend's counters read at scrape time, plus the daemon's own request metrics.
 
-The backend keeps the truth (its typed stats document, `kvtier.wire.stats.StatsDoc`); a custom collector turns that document into
-metric families on every scrape, so nothing is counted twice and nothing drifts.
+The backend keeps the truth (its typed stats document, `kvtier.wire.stats.StatsDoc`); a custom collector turns
+that document into metric families on every scrape, so nothing is counted twice and nothing drifts.
 """
 
 from __future__ import annotations

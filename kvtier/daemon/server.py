@@ -88,7 +88,7 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
 
 
 class SocketServer:
-    """Accepts connections (the caller's loop calls `accept_one` when the listener is readable) and serves each in a thread."""
+    """Accepts connections (the caller's loop calls `accept_one` when the listener is readable), each in a thread."""
 
     def __init__(
         self,
@@ -144,7 +144,8 @@ class SocketServer:
         refusal: KvtierError | None = None
         if not peer_allowed(peer, self.cfg):
             refusal = PermissionDenied(
-                f"uid {peer.uid} / gid {peer.gid} may not use this daemon; add it to server.allowed_uids or allowed_gids"
+                f"uid {peer.uid} / gid {peer.gid} may not use this daemon;"
+                " add it to server.allowed_uids or allowed_gids"
             )
         with self._lock:
             if refusal is None and (self._closing or len(self._conns) >= self.cfg.max_connections):
@@ -275,7 +276,8 @@ class SocketServer:
         if isinstance(req, P.Attach):
             if session.attached is not None:
                 raise OutOfOrder(
-                    f"this connection is already attached to {session.attached!r}; open another connection for another profile"
+                    f"this connection is already attached to {session.attached!r};"
+                    " open another connection for another profile"
                 )
             reply, fds = self.backend.attach(session, req)
             session.attached = reply.profile
@@ -314,7 +316,7 @@ class SocketServer:
         self.listener.close()
 
     def drain(self, deadline: float, tick: Callable[[], None] = lambda: None) -> bool:
-        """Let in-flight requests finish, end idle connections, and wait for every connection thread; True if all ended."""
+        """Let in-flight requests finish, end idle connections, wait for every connection thread; True if all ended."""
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:

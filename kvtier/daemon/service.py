@@ -47,7 +47,7 @@ def default_verifier_command(cfg: DaemonConfig, config_path: str | Path | None =
     """How a supervised verifier is started: by command, as its own process (this interpreter, `kvtier verifier
     run`), on the store root and with our config for its rates; the daemon never imports the verifier."""
     cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]
-    return cmd + ["--config", str(config_path)] if config_path is not None else cmd
+    return [*cmd, "--config", str(config_path)] if config_path is not None else cmd
 
 
 class Daemon:
@@ -151,7 +151,7 @@ class Daemon:
                 self._stop = True
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; apply the store's budget and quotas and the verifier's rates (forwarded as SIGHUP)."""
+        """SIGHUP: re-read the config; apply the store's budget and quotas, and the verifier's rates (by SIGHUP)."""
         self.notifier.reloading()
         try:
             fresh = load_config(self.config_path)

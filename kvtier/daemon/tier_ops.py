@@ -56,7 +56,8 @@ class TierConn:
         for it in items:
             if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
                 raise BadRange(
-                    f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range of the {size}-byte staging region"
+                    f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range"
+                    f" of the {size}-byte staging region"
                 )
         return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
 
@@ -71,7 +72,7 @@ class TierConn:
 
 
 def _map_staging(fds: list[int], size: int) -> mmap.mmap:
-    """Map the client's staging memfd; it must be sealed against shrinking (a shrunk mapping would SIGBUS the daemon)."""
+    """Map the client's staging memfd, which must be sealed against shrinking (a shrunk mapping SIGBUSes the daemon)."""
     if len(fds) != 1:
         raise WrongType(f"tier_open with staging_bytes needs exactly one memfd as SCM_RIGHTS, got {len(fds)}")
     fd = fds[0]
@@ -163,7 +164,7 @@ class TierOps:
         return P.TierStored(len(keys))
 
     def load(self, session: Session, req: P.TierLoad) -> P.TierReasons:
-        """Read and verify each record into its staged range (a failed one is quarantined; its range is not to be used)."""
+        """Read and verify each record into its staged range (a failed one is quarantined: do not use its range)."""
         conn = self._conn(session)
         keys, digests = conn.keys(req.items)
         outs = conn.ranges(req.items)

@@ -35,7 +35,8 @@ def parse_header(header: bytes, max_frame: int) -> int:
         )
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
-            f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)}); upgrade the client or daemon"
+            f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)});"
+            " upgrade the client or daemon"
         )
     if length > max_frame:
         raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {max_frame}; split the request")

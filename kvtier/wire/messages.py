@@ -79,7 +79,7 @@ class Stats(Msg, tag="stats"):
 
 
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One object of a raw tier request: its key (block hash, index into the opened groups), layout digest, staged bytes."""
+    """One object of a raw tier request: key (block hash, index into the opened groups), layout digest, staged bytes."""
 
     block_hash: bytes
     group: int
@@ -89,7 +89,7 @@ class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class TierOpen(Msg, tag="tier_open"):
-    """Register `version_key`'s namespace and its groups [(name, form)]; a staging memfd of `staging_bytes` rides along."""
+    """Register `version_key`'s namespace and groups [(name, form)]; a staging memfd of `staging_bytes` rides along."""
 
     version_key: dict[str, str]
     groups: list[tuple[str, str]]
@@ -242,7 +242,7 @@ class TierReasons(Msg, tag="tier_reasons"):
 
 
 class TierStored(Msg, tag="tier_stored"):
-    """`stored` items committed (live ones are skipped); `full_limit` names the limit a refused batch hit (nothing visible)."""
+    """`stored` items committed (live ones skipped); `full_limit`: the limit a refused batch hit (nothing visible)."""
 
     stored: int
     full_limit: str = ""
