@@ -335,7 +335,7 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
                         break
                     acked.append(s)
                 assert refused is not None and acked, "the filesystem never filled"
-                assert client.stats()["daemon"]["health"] == "ok"
+                assert client.stats().daemon.health == "ok"
             d.proc.send_signal(signal.SIGKILL)  # a cold pool: what is served now comes from the full disk
             d.proc.wait()
         finally:
