@@ -37,7 +37,7 @@ from kvtier.daemon import protocol as P
 from kvtier.daemon.config import DaemonConfig
 from kvtier.daemon.errors import BadRange, OutOfOrder, WrongType
 from kvtier.daemon.server import Session
-from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupResult, WriteHandle
+from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DiskStore, StoreConfig, StoreFull
 from kvtier.verifier import verifier_status
 
@@ -99,7 +99,7 @@ class Runtime:
                 infos.append(P.PoolInfo(**common, ipc=pickle.dumps(reduce_tensor(pool.tensor))))
         return infos, fds
 
-    def grids(self, result: LookupResult) -> tuple[bytes, bytes]:
+    def grids(self, result: PoolLookup) -> tuple[bytes, bytes]:
         """Slot and generation per (group, block), -1 where the object is not REUSE."""
         shape = result.check_vector.routes.shape
         slots = np.full(shape, -1, dtype="<i8")
@@ -118,7 +118,7 @@ class Held:
 
     owner: Hashable
     runtime: Runtime
-    lookup: LookupResult | None = None
+    lookup: PoolLookup | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
 
