@@ -65,26 +65,7 @@ class HistoryFormManager:
     def __init__(self, form: CacheForm, groups: tuple[int, ...]) -> None:
         self.form = form
         self.groups = np.array(groups, dtype=np.intp)
-
-    def first_gap(self, routes: np.ndarray) -> int:
-        """The first block this form cannot serve from what is known now (n if none)."""
-        run = (routes[self.groups] != _RECOMPUTE).all(axis=0)
-        return routes.shape[1] if run.all() else int(np.argmin(run))
-
-    def askable_ahead(self, routes: np.ndarray, reasons: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Over blocks [lo, hi): which non-resident objects a lower tier could serve (missing or evicted),
-        and at which blocks one is beyond any tier (stale, corrupt, ...: the hit cannot pass it)."""
-        bad = routes[self.groups, lo:hi] == _RECOMPUTE
-        sub = reasons[self.groups, lo:hi]
-        askable = bad & ((sub == _MISSING) | (sub == _EVICTED))
-        return askable, (bad & ~askable).any(axis=0)
-
-    def served_ahead(self, routes: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        return (routes[self.groups, lo:hi] != _RECOMPUTE).all(axis=0)
-
-    def recover_prefix(self, routes: np.ndarray) -> np.ndarray:
-        """[k-1]: the RECOVER objects of this form a hit at k needs (all below k)."""
-        return np.cumsum((routes[self.groups] == _RECOVER).sum(axis=0))
+        self.front_groups = self.groups  # every block from 0 must be served: the forward scan covers them
 
     def window(self, k: int) -> list[tuple[int, int]]:
         """None: the forward scan has settled every block below the history hit."""
@@ -101,8 +82,8 @@ class HistoryFormManager:
         """Mark the objects a hit at k uses."""
         keep[self.groups, :k] = True
 
-    def hold(self, table: BlockTable, rows: np.ndarray, routes: np.ndarray, k: int) -> list[tuple[int, int]]:
-        """The lease's rows protect history objects already: no slot to hold."""
+    def slots_to_hold(self, table: BlockTable, rows: np.ndarray, routes: np.ndarray, k: int) -> list[int]:
+        """None: the lease's rows protect history objects already."""
         return []
 
 
@@ -119,19 +100,7 @@ class StateFormManager:
         self.n_state = n_state
         self._windows = tuple(zip(groups, n_state))
         self.max_window = max(n_state)
-
-    def first_gap(self, routes: np.ndarray) -> int:
-        return routes.shape[1]
-
-    def askable_ahead(self, routes: np.ndarray, reasons: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((0, hi - lo), dtype=bool), np.zeros(hi - lo, dtype=bool)
-
-    def served_ahead(self, routes: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        return np.ones(hi - lo, dtype=bool)
-
-    def recover_prefix(self, routes: np.ndarray) -> np.ndarray:
-        """Nothing cumulative: this form's recoveries are counted per window, at each boundary."""
-        return np.zeros(routes.shape[1], dtype=np.int64)
+        self.front_groups = _NO_OBJECTS  # never bounds the hit from the left: no part in the forward scan
 
     def window(self, k: int) -> list[tuple[int, int]]:
         """(group, block) of every object this form needs at boundary k."""
@@ -153,13 +122,11 @@ class StateFormManager:
         for g, n in self._windows:
             keep[g, max(0, k - n) : k] = True
 
-    def hold(self, table: BlockTable, rows: np.ndarray, routes: np.ndarray, k: int) -> list[tuple[int, int]]:
-        """Hold the REUSE slots of the window at k against pressure eviction; (slot, generation) each."""
+    def slots_to_hold(self, table: BlockTable, rows: np.ndarray, routes: np.ndarray, k: int) -> list[int]:
+        """The REUSE slots of the window at k: a lease holds them against pressure eviction."""
+        e_slot = table.e_slot
         return [
-            table.hold_slot(int(table.e_slot[g, rows[b]]))
-            for g, n in self._windows
-            for b in range(max(0, k - n), k)
-            if routes[g, b] == _REUSE
+            int(e_slot[g, rows[b]]) for g, n in self._windows for b in range(max(0, k - n), k) if routes[g, b] == _REUSE
         ]
 
 
@@ -184,6 +151,8 @@ class Coordinator:
                 if f.kind is GroupKind.STATE
             ),
         )
+        # the groups that bound the hit from the left, scanned forward together (one lower-tier batch per chunk)
+        self._front = np.concatenate([m.front_groups for m in self.managers])
         self._windowed = any(m.max_window for m in self.managers)
         self.probe_boundaries = probe_boundaries
 
@@ -195,35 +164,39 @@ class Coordinator:
         n = routes.shape[1]
         if n == 0:
             return False
-        lo = min(m.first_gap(routes) for m in self.managers)
-        k_front = self._extend(routes, reasons, lo, ask) if lo < n else n
-        prefix_need = sum(m.recover_prefix(routes) for m in self.managers)
+        k_front = n
+        prefix_need = np.zeros(n, dtype=np.int64)
+        front = self._front
+        if front.size:
+            run = (routes[front] != _RECOMPUTE).all(axis=0)
+            if not run.all():
+                k_front = self._extend(routes, reasons, int(np.argmin(run)), ask)
+            prefix_need = np.cumsum((routes[front] == _RECOVER).sum(axis=0))
         if self._windowed:
-            # the largest boundary whose cumulative recoveries alone still fit
+            # the largest boundary whose front recoveries alone still fit
             k_fit = int(np.searchsorted(prefix_need, room, side="right"))
             return self._settle(routes, reasons, min(k_front, k_fit), ask, prefix_need, room) or k_fit < k_front
         return int(prefix_need[-1]) > room
 
     def _extend(self, routes: np.ndarray, reasons: np.ndarray, lo: int, ask: Ask) -> int:
-        """Ask about non-resident objects from block `lo` on, in growing chunks, stopping at the first
-        block some form cannot serve from any tier; returns that block (n if none)."""
+        """Ask about non-resident objects of the front groups from block `lo` on, in growing chunks,
+        stopping at the first block no tier can serve; returns that block (n if none)."""
         n = routes.shape[1]
+        front = self._front
         chunk = _FIRST_CHUNK
         while lo < n:
             hi = min(n, lo + chunk)
-            found = [m.askable_ahead(routes, reasons, lo, hi) for m in self.managers]
-            hard = np.logical_or.reduce([h for _, h in found])
-            gs_parts, bs_parts = [_NO_OBJECTS], [_NO_OBJECTS]
-            for m, (askable, _) in zip(self.managers, found):
-                if hard.any():
-                    askable[:, int(np.argmax(hard)) :] = False
-                gi, bi = np.nonzero(askable)
-                gs_parts.append(m.groups[gi])
-                bs_parts.append(bi + lo)
-            gs, bs = np.concatenate(gs_parts), np.concatenate(bs_parts)
-            if gs.size:
+            bad = routes[front, lo:hi] == _RECOMPUTE
+            sub = reasons[front, lo:hi]
+            askable = bad & ((sub == _MISSING) | (sub == _EVICTED))
+            hard = (bad & ~askable).any(axis=0)  # stale, corrupt, ...: beyond any tier, the hit stops there
+            if hard.any():
+                askable[:, int(np.argmax(hard)) :] = False
+            gi, bi = np.nonzero(askable)
+            if gi.size:
+                gs, bs = front[gi], bi + lo
                 _apply(routes, reasons, gs, bs, ask(gs, bs))
-            served = np.logical_and.reduce([m.served_ahead(routes, lo, hi) for m in self.managers])
+            served = (routes[front, lo:hi] != _RECOMPUTE).all(axis=0)
             if not served.all():
                 return lo + int(np.argmin(served))
             lo = hi
@@ -295,4 +268,7 @@ class Coordinator:
         """Protect a hit of k blocks from pressure eviction: its rows (history objects, and the rows stay
         indexed), and every form's own slots; returns the (slot, generation) held."""
         table.hold_rows(rows[:k])
-        return [held for m in self.managers for held in m.hold(table, rows, routes, k)]
+        slots: list[int] = []
+        for m in self.managers:
+            slots += m.slots_to_hold(table, rows, routes, k)
+        return table.hold_slots(slots)

@@ -276,7 +276,8 @@ class Recovery:
             for slot, gen, ok in done:
                 if t.s_gen[slot] == gen:
                     t.unpin(slot)
-                    t.s_recoverable[slot] |= ok
+                    if ok:
+                        t.mark_recoverable(slot)
         return sum(ok for *_, ok in done)
 
 

@@ -134,8 +134,12 @@ class BlockTable:
         self.move(slot, BlockState.SEALED)
         self.set_verdict(slot, Reason.OK if self.s_ns[slot] == live_ns else Reason.STALE_VERSION)
         if recoverable:
-            self.s_recoverable[slot] = True
+            self.mark_recoverable(slot)
         self.touch_slot(slot)
+
+    def mark_recoverable(self, slot: int) -> None:
+        """The lower tier holds a verified copy: write-back may skip the slot."""
+        self.s_recoverable[slot] = True
 
     def restamp(self, live_ns: int) -> None:
         """Re-derive every sealed object's verdict for a new live namespace (the others turn stale)."""
@@ -170,14 +174,17 @@ class BlockTable:
         self.r_leases[row] -= 1
         return self.drop_row_if_dead(row)
 
-    def hold_slot(self, slot: int) -> tuple[int, int]:
-        """A lease holds one slot against pressure eviction; returns (slot, generation) to let it go by."""
-        self.s_leases[slot] += 1
-        self.s_touch[slot] = self.tick
-        return slot, int(self.s_gen[slot])
+    def hold_slots(self, slots: list[int]) -> list[tuple[int, int]]:
+        """A lease holds slots against pressure eviction; returns (slot, generation) of each to let go by."""
+        held = []
+        for slot in slots:
+            self.s_leases[slot] += 1
+            self.s_touch[slot] = self.tick
+            held.append((slot, int(self.s_gen[slot])))
+        return held
 
     def let_go(self, rows: np.ndarray, slots: list[tuple[int, int]]) -> None:
-        """Undo `hold_rows` and `hold_slot`s (a slot evicted since is skipped: its generation moved);
+        """Undo `hold_rows` and `hold_slots` (a slot evicted since is skipped: its generation moved);
         rows left with no slot and no lease are unindexed."""
         self.r_leases[rows] -= 1
         for slot, gen in slots:
