@@ -45,7 +45,7 @@ def _apply(routes: np.ndarray, reasons: np.ndarray, gs: np.ndarray, bs: np.ndarr
     return False
 
 
-def window_sum(x: np.ndarray, n: int) -> np.ndarray:
+def _window_sum(x: np.ndarray, n: int) -> np.ndarray:
     """out[k-1] = sum of x[max(0, k-n):k] for k = 1..len(x)."""
     c = np.concatenate(([0], np.cumsum(x, dtype=np.int64)))
     ks = np.arange(1, len(x) + 1)
@@ -68,7 +68,7 @@ class HistoryFormManager:
         self.front_groups = self.groups  # every block from 0 must be served: the forward scan covers them
 
     def window(self, k: int) -> list[tuple[int, int]]:
-        """None: the forward scan has settled every block below the history hit."""
+        """Nothing: the forward scan has settled every block below the history hit."""
         return []
 
     def fits(self, servable: np.ndarray) -> np.ndarray:
@@ -83,7 +83,7 @@ class HistoryFormManager:
         keep[self.groups, :k] = True
 
     def slots_to_hold(self, table: BlockTable, rows: np.ndarray, routes: np.ndarray, k: int) -> list[int]:
-        """None: the lease's rows protect history objects already."""
+        """Nothing: the rows a lease holds protect history objects already."""
         return []
 
 
@@ -97,7 +97,6 @@ class StateFormManager:
     def __init__(self, form: CacheForm, groups: tuple[int, ...], n_state: tuple[int, ...]) -> None:
         self.form = form
         self.groups = np.array(groups, dtype=np.intp)
-        self.n_state = n_state
         self._windows = tuple(zip(groups, n_state))
         self.max_window = max(n_state)
         self.front_groups = _NO_OBJECTS  # never bounds the hit from the left: no part in the forward scan
@@ -109,13 +108,13 @@ class StateFormManager:
     def fits(self, servable: np.ndarray) -> np.ndarray:
         ok = np.ones(servable.shape[1], dtype=bool)
         for g, n in self._windows:
-            ok &= window_sum(~servable[g], n) == 0
+            ok &= _window_sum(~servable[g], n) == 0
         return ok
 
     def recover_need(self, recover: np.ndarray) -> np.ndarray:
         need = np.zeros(recover.shape[1], dtype=np.int64)
         for g, n in self._windows:
-            need = need + window_sum(recover[g], n)
+            need = need + _window_sum(recover[g], n)
         return need
 
     def keep(self, keep: np.ndarray, k: int) -> None:
