@@ -32,7 +32,7 @@ from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
-from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupResult, WriteHandle
+from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
@@ -57,7 +57,7 @@ class Held:
 
     owner: Hashable
     runtime: Runtime
-    lookup: LookupResult | None = None
+    lookup: PoolLookup | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvtier.core.profile import ModelProfile
-from kvtier.gpu import CacheManager, LookupResult
+from kvtier.gpu import CacheManager, PoolLookup
 from kvtier.wire import messages as P
 
 
@@ -58,7 +58,7 @@ class Runtime:
                 infos.append(P.PoolInfo(**common, ipc=pickle.dumps(reduce_tensor(pool.tensor))))
         return infos, fds
 
-    def grids(self, result: LookupResult) -> tuple[bytes, bytes]:
+    def grids(self, result: PoolLookup) -> tuple[bytes, bytes]:
         """Slot and generation per (group, block), -1 where the object is not REUSE."""
         shape = result.check_vector.routes.shape
         slots = np.full(shape, -1, dtype="<i8")

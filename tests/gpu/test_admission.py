@@ -14,7 +14,7 @@ from kvtier.gpu import AdmissionRefused
 
 def _on_lower_only(n: int = 4, **adm):
     """A prefix written, persisted, then evicted from the pools: every object is RECOVER."""
-    m, tier, clock = make(blocks=8, **adm)
+    m, tier, _ = make(blocks=8, **adm)
     hs = hashes_of(m, prompt(21, n))
     write(m, hs, range(n), state_at=state_blocks_for(PROFILE, n))
     assert m.persist() > 0
@@ -25,7 +25,7 @@ def _on_lower_only(n: int = 4, **adm):
 
 def test_recover_queue_cap_routes_the_excess_recompute_admission() -> None:
     # checkpoints at boundaries 2 and 4; everything only on the lower tier
-    m, tier, clock = make(blocks=8, max_recover_queue=10)
+    m, _, _ = make(blocks=8, max_recover_queue=10)
     hs = hashes_of(m, prompt(21, 4))
     write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 2) | state_blocks_for(PROFILE, 4))
     assert m.persist() > 0

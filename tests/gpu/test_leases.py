@@ -118,7 +118,7 @@ def test_recovery_keeps_rows_that_only_another_released_lease_kept_indexed() -> 
 
 
 def test_recovery_after_a_version_bump_loads_nothing_of_the_old_namespace() -> None:
-    m, tier, _, hs = _filled(blocks=8)
+    m, _, _, hs = _filled(blocks=8)
     assert m.persist() > 0
     m.evict([key(m, h, g.name) for h in hs for g in PROFILE.groups])
     old = m.lookup(hs)
