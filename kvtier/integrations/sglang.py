@@ -81,9 +81,7 @@ class Options:
                 "process) in --hicache-storage-backend-extra-config"
             )
         if opts.staging_bytes < 1 or opts.max_pending_store_bytes < 1 or opts.store_timeout_s < 0:
-            raise SglangStorageError(
-                "staging_bytes and max_pending_store_bytes must be >= 1 and store_timeout_s >= 0"
-            )
+            raise SglangStorageError("staging_bytes and max_pending_store_bytes must be >= 1 and store_timeout_s >= 0")
         return opts
 
 
@@ -382,16 +380,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             store = self._ensure_open()
             outs = [t.view(torch.uint8).reshape(-1) if anchor.plan.page_bytes else _MARKER.clone() for t in targets]
-            reasons = store.load_into(
-                [LoadRequest(self._key(k, anchor), o, anchor.digest) for k, o in zip(keys, outs)]
-            )
+            reasons = store.load_into([LoadRequest(self._key(k, anchor), o, anchor.digest) for k, o in zip(keys, outs)])
         except Exception:
             log.exception("kvtier: batch_get failed; those pages are recomputed")
             return [None] * len(keys)
         # A failed load may have written into its target: the caller gets None and never reads it.
         return [t if r is Reason.OK else None for t, r in zip(targets, reasons)]
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         anchor = self._pool(PoolName.KV)
         try:
             return self._save([(k, anchor, v) for k, v in zip(keys, values or [])])
