@@ -127,7 +127,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def _add_pool(self, name: Any, host_pool: Any) -> None:
         pid = _pool_id(name)
         page = host_pool.get_dummy_flat_data_page()
-        layout = f"{type(host_pool).__name__};layers={getattr(host_pool, 'layer_num', '-')};{getattr(host_pool, 'layout', '-')}"
+        layers, order = getattr(host_pool, "layer_num", "-"), getattr(host_pool, "layout", "-")
+        layout = f"{type(host_pool).__name__};layers={layers};{order}"
         plan = PoolPlan(pid, pool_form(pid), int(host_pool.page_size), page.numel() * page.element_size(), layout)
         with self._lock:
             old = self._pools.get(pid)

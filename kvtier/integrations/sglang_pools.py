@@ -69,7 +69,7 @@ class PoolPlan:
             policy = "ALL_PAGES" if history else "TRAILING_PAGES"
             raise SglangStorageError(
                 f"pool '{self.name}' is kvtier form '{self.form.value}' ({self.form.kind.value}) but SGLang asked "
-                f"for it with hit policy {policy}: kvtier files history pools as ALL_PAGES, state pools as TRAILING_PAGES"
+                f"for it with hit policy {policy}: kvtier serves history pools as ALL_PAGES, state as TRAILING_PAGES"
             )
 
 
