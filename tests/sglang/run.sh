@@ -43,21 +43,8 @@ fi
 
 [[ ${1:-} == --prepare ]] && { echo "tests/sglang: $VENV has $SGLANG_SPEC"; exit 0; }
 
-# kvtier itself, editable and --no-deps; its own deps and test extra read from pyproject (torch stays as is).
-KV_STAMP="$VENV/.kvtier-editable"
-want="$ROOT $(sha256sum pyproject.toml tests/sglang/run.sh | sha256sum | cut -c1-64)"
-if [[ ! -f $KV_STAMP || $(cat "$KV_STAMP") != "$want" ]]; then
-    mapfile -t deps < <("$PY" - <<'PY'
-import re, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-deps = project["dependencies"] + project["optional-dependencies"]["test"]
-print("\n".join(d for d in deps if re.split(r"[<>=!~ \[]", d, maxsplit=1)[0].lower() != "torch"))
-PY
-    )
-    quiet "$PY" -m pip install --no-deps -e .
-    quiet "$PY" -m pip install "${deps[@]}"
-    echo "$want" >"$KV_STAMP"
-fi
+# kvtier itself, editable and --no-deps, with its own deps and test extra (torch stays as installed above).
+quiet tests/support/kvtier_into_venv.sh "$PY" tests/sglang/run.sh
 
 export KVTIER_SGLANG_REQUIRED=1
 exec "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/sglang "$@"
