@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from kvtier.core.errors import KvtierError
 
-class ClusterError(Exception):
+
+class ClusterError(KvtierError):
     """Base of every cluster-tier error."""
+
+    code = "cluster"
 
 
 class ClusterUnavailable(ClusterError):

@@ -39,7 +39,7 @@ class Verdict(enum.Enum):
 
     OK = "ok"
     TRUNCATED = "truncated"  # shorter than its header says (or than a header)
-    OVERSIZED = "oversized"  # longer than the reader's object (the cluster refuses to hand it over)
+    OVERSIZED = "oversized"  # longer than its header says
     GARBAGE = "garbage"  # not a kvtier object: bad magic or header seal, newer format
     FOREIGN = "foreign"  # a valid object, but of another key
     LAYOUT = "layout"  # the right key in a layout (or size) the reader's kernels do not read
@@ -104,7 +104,7 @@ def verify(obj: memoryview, key: ObjectKey, layout_digest: bytes, payload_len: i
     if digest != layout_digest or plen != payload_len:
         return Verdict.LAYOUT
     if len(obj) != HEADER_BYTES + plen:
-        return Verdict.TRUNCATED
+        return Verdict.TRUNCATED if len(obj) < HEADER_BYTES + plen else Verdict.OVERSIZED
     if xxhash.xxh3_128_digest(obj[HEADER_BYTES:]) != checksum:
         return Verdict.CHECKSUM
     return Verdict.OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -66,6 +67,9 @@ class MooncakeClient:
     def __init__(self, cfg: ClusterConfig) -> None:
         store = _import_store()
         self.cfg = cfg
+        if cfg.local_hostname.startswith("127.") and "MC_TCP_BIND_ADDRESS" not in os.environ:
+            # A loopback node must not listen on other interfaces (the transfer engine picks one by itself).
+            os.environ["MC_TCP_BIND_ADDRESS"] = cfg.local_hostname
         self._client = store.MooncakeDistributedStore()
         rc = self._client.setup(
             cfg.local_hostname,
@@ -163,9 +167,10 @@ class MooncakeClient:
     def close(self) -> None:
         for lane in (self._lookup, self._get, self._put):
             lane.close()
+        # Mooncake's close holds the GIL and, where the master went away or failed over, can take tens of seconds.
         try:
             self._client.close()
-        except RuntimeError as exc:  # closing a client whose master is gone may raise; nothing is left to save
+        except RuntimeError as exc:
             log.debug("mooncake close: %s", exc)
 
 

@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 MISSING = "missing"  # the cluster does not have it (never stored, evicted from a full pool, lost with a holder)
 UNAVAILABLE = "unavailable"  # no answer within the deadline, or the cluster is marked down
 ERROR = "error"  # the cluster answered with an error code for this object
+TOO_BIG = "too_big"  # larger than this reader's object by more than READ_SLACK: another size, left in place
+
+# Gets read up to this much beyond the expected object, so an object slightly too long is read and judged by
+# its header (and removed if bad) instead of being refused by the cluster unread.
+READ_SLACK = 4096
 
 # A verdict's route reason: an object in another layout is an ABI mismatch, every other fault is corruption.
 _VERDICT_REASON = {v: Reason.ABI_MISMATCH if v is H.Verdict.LAYOUT else Reason.CORRUPT for v in H.Verdict}
@@ -93,11 +98,9 @@ class ClusterTier:
         def sink(i: int, got: memoryview | int) -> None:
             req = requests[i]
             if isinstance(got, int):
-                label = MISSING if got == NOT_FOUND else H.Verdict.OVERSIZED.value if got == BUFFER_TOO_SMALL else ERROR
-                if got == BUFFER_TOO_SMALL:
-                    bad.append(self.name(req.key))
+                label = MISSING if got == NOT_FOUND else TOO_BIG if got == BUFFER_TOO_SMALL else ERROR
                 self._counters.miss(label)
-                results[i] = Reason.CORRUPT if label == H.Verdict.OVERSIZED.value else Reason.MISSING
+                results[i] = Reason.ABI_MISMATCH if label == TOO_BIG else Reason.MISSING
                 return
             verdict = H.verify(got, req.key, req.layout_digest, outs[i].numel())
             if verdict is H.Verdict.OK:
@@ -114,7 +117,7 @@ class ClusterTier:
 
         names = [self.name(r.key) for r in requests]
         try:
-            self.client.get(names, [H.HEADER_BYTES + o.numel() for o in outs], sink)
+            self.client.get(names, [H.HEADER_BYTES + o.numel() + READ_SLACK for o in outs], sink)
         except ClusterUnavailable as exc:
             log.debug("cluster load: %s", exc)
         finally:

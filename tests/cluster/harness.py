@@ -77,6 +77,7 @@ class MooncakeCluster:
 
     def __init__(self, workdir: pathlib.Path, *, lease_ms: int = 200, client_ttl_s: int = 3) -> None:
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.lease_ms, self.client_ttl_s = lease_ms, client_ttl_s
         self.metadata_port = free_port()
         self.metadata = f"http://127.0.0.1:{self.metadata_port}/metadata"
@@ -104,6 +105,7 @@ class MooncakeCluster:
         rpc_port = free_port() if ha else self.master_port
         argv = [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}"]
         argv += [f"--client_ttl={self.client_ttl_s}", f"--default_kv_lease_ttl={self.lease_ms}"]
+        argv += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]  # its admin server, else 0.0.0.0:9003
         if not ha or not self.masters:  # the first master also serves the transfer engine's metadata
             argv += ["--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1"]
             argv += [f"--http_metadata_server_port={self.metadata_port}"]
@@ -112,7 +114,10 @@ class MooncakeCluster:
             argv += ["--enable_oplog=true"]
         proc = self._spawn(f"master{len(self.masters)}", argv)
         self.masters.append(proc)
-        _started(proc, lambda: _port_open(rpc_port), 20)
+        if ha and len(self.masters) > 1:  # a standby opens its port only once elected
+            _started(proc, lambda: b"HotStandbyService started" in proc.log.read_bytes(), 20)
+        else:
+            _started(proc, lambda: _port_open(rpc_port), 20)
         return proc
 
     def start_etcd(self) -> Proc:
