@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -30,7 +31,7 @@ from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.gpu.admission import AdmissionConfig, FormQuotas
 from kvtier.gpu.coordinator import Coordinator
-from kvtier.gpu.counters import Counters
+from kvtier.gpu.counters import Counters, CounterSnapshot
 from kvtier.gpu.errors import AdmissionRefused, BadKey, BudgetError, PartialBlock, StaleHandle, TopologyError
 from kvtier.gpu.leases import Handle, LeaseBook, LeaseSet, WriteHandle
 from kvtier.gpu.pools import Pool, allocate_pool
@@ -913,18 +914,18 @@ class CacheManager:
     # ------------------------------------------------------------------------------------------
     # introspection
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> CounterSnapshot:
         """Per-form counters (objects looked up, routes, recompute reasons, recoveries, latency histogram)."""
         with self._lock:
-            snap = self._counters.snapshot()
-            t = self._table
-            snap["topology_epoch"] = self._topology_epoch
-            snap["recovering"] = t.n_recovering
-            snap["recover_queue"] = self._queued
-            snap["live_leases"] = len(self._book.leases)
-            snap["quota_slots"] = {f.value: int(q) for f, q in zip(self._counters.forms, self._quotas.quota)}
-            snap["used_slots"] = {f.value: int(u) for f, u in zip(self._counters.forms, self._quotas.used)}
-            return snap
+            return msgspec.structs.replace(
+                self._counters.snapshot(),
+                topology_epoch=self._topology_epoch,
+                recovering=self._table.n_recovering,
+                recover_queue=self._queued,
+                live_leases=len(self._book.leases),
+                quota_slots={f.value: int(q) for f, q in zip(self._counters.forms, self._quotas.quota)},
+                used_slots={f.value: int(u) for f, u in zip(self._counters.forms, self._quotas.used)},
+            )
 
     def block_state(self, group: str, slot: int) -> CacheBlockState:
         g = self._group(group)

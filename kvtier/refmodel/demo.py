@@ -262,7 +262,7 @@ def run_demo(params: DemoParams) -> DemoReport:
         restart_s = daemon.start()
         with Client(daemon.socket, name="kvtier demo: engine B") as client:
             client.attach(profile.name)
-            records = int(client.stats()["store"].get("records", 0))
+            records = int(client.stats().store.get("records", 0))
             pre = client.prewarm(prompt_a, ttl_s=600.0)
             engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
             restored = engine.restore_and_continue(prompt_b, decode=params.decode)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError
-from kvtier.daemon.supervisor import PARENT_PID_ENV
+from kvtier.core.verifier_status import PARENT_PID_ENV
 from kvtier.store import DiskStore, StoreConfig, StoreError
 from kvtier.store.index import INDEX_DIR
 from kvtier.verifier.errors import StoreNotFound

@@ -11,8 +11,7 @@ import time
 from typing import Any
 
 from kvtier.core.tier import ObjectKey
-from kvtier.store import DiskStore
-from kvtier.store.index import decode_key, encode_key
+from kvtier.store import DiskStore, decode_key, encode_key
 
 DOC = "verifier"
 STALE_AFTER_S = 30.0  # a heartbeat older than this means the verifier is not running

@@ -19,7 +19,6 @@ import lmdb
 
 from kvtier.core.errors import KvtierError
 from kvtier.store import DiskStore, RecordInfo
-from kvtier.store.segments import SEGMENTS_DIR
 from kvtier.verifier.checks import NamespaceView, SegmentFiles, Verdict, classify
 from kvtier.verifier.cleaner import Cleaner
 from kvtier.verifier.hints import SegmentHints
@@ -53,7 +52,7 @@ class Verifier:
         self.sweep = SweepProgress.from_doc(doc.get("sweep", {}))
         self.cleaner = Cleaner(store, settings, self.limiter, self.actions)
         self.namespaces = NamespaceView(store)
-        self._seg_dir = os.path.join(store.root, SEGMENTS_DIR)
+        self._seg_dir = store.segment_dir
         self.files = SegmentFiles(self._seg_dir)
         self.phase = "starting"
         self.ready = False

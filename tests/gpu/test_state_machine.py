@@ -139,9 +139,9 @@ def test_ten_thousand_random_operations_never_move_the_pools() -> None:
     d.invariants()
     c = d.m.counters()
     assert d.checked_reads > 1000  # the run really read through leases
-    assert sum(f["evictions"] for f in c["forms"].values()) > 100
-    assert sum(f["recovers_ok"] for f in c["forms"].values()) > 10
-    assert c["leases_expired"] > 0 and c["writes_expired"] + sum(f["writes_aborted"] for f in c["forms"].values()) > 0
+    assert sum(f.evictions for f in c.forms.values()) > 100
+    assert sum(f.recovers_ok for f in c.forms.values()) > 10
+    assert c.leases_expired > 0 and c.writes_expired + sum(f.writes_aborted for f in c.forms.values()) > 0
 
 
 def test_threads_share_one_manager() -> None:
