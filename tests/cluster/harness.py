@@ -166,12 +166,14 @@ class MooncakeCluster:
 
 
 @contextlib.contextmanager
-def mooncake_cluster(workdir: pathlib.Path, holders: int = 2, **kw: int) -> Iterator[MooncakeCluster]:
+def mooncake_cluster(
+    workdir: pathlib.Path, holders: int = 2, segment_bytes: int = 64 << 20, **kw: int
+) -> Iterator[MooncakeCluster]:
     cluster = MooncakeCluster(workdir, **kw)
     try:
         cluster.start_master()
         for _ in range(holders):
-            cluster.start_holder()
+            cluster.start_holder(segment_bytes)
         yield cluster
     finally:
         cluster.close()
