@@ -48,7 +48,10 @@ class ServerConfig:
     allowed_gids: tuple[int, ...] = ()
     max_frame_bytes: int = 16 * 2**20
     max_connections: int = 256
-    frame_timeout_s: float = 10.0
+    frame_timeout_s: float = 10.0  # a begun frame must arrive whole (and its reply be taken) within this
+    hello_timeout_s: float = 5.0  # a new connection must send its first frame within this
+    idle_timeout_s: float = 900.0  # a connection silent between frames for this long is closed (0: never)
+    max_buffered_bytes: int = 256 * 2**20  # frame bytes being received at once, all connections together
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -329,9 +332,17 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         max_frame_bytes=s.size("max_frame_bytes", b.max_frame_bytes),
         max_connections=s.number("max_connections", b.max_connections, integer=True, minimum=1),
         frame_timeout_s=float(s.number("frame_timeout_s", b.frame_timeout_s)),
+        hello_timeout_s=float(s.number("hello_timeout_s", b.hello_timeout_s)),
+        idle_timeout_s=float(s.number("idle_timeout_s", b.idle_timeout_s, allow_zero=True)),
+        max_buffered_bytes=s.size("max_buffered_bytes", b.max_buffered_bytes),
     )
     if server.max_frame_bytes < 4096:
         raise s.error("max_frame_bytes", f"must be at least 4096, got {server.max_frame_bytes}")
+    if server.max_buffered_bytes < server.max_frame_bytes:
+        raise s.error(
+            "max_buffered_bytes",
+            f"must be at least max_frame_bytes ({server.max_frame_bytes}), got {server.max_buffered_bytes}",
+        )
     s.finish()
 
     p = top.sub("pool")
