@@ -96,7 +96,9 @@ class _ReadAhead:
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
-    """vLLM secondary tier backed by a kvtier disk store (the daemon's, or one opened here): verified loads, non-blocking stores, namespaced keys."""
+    """vLLM secondary tier backed by a kvtier disk store (the daemon's, or one opened here).
+
+    Verified loads, non-blocking stores, namespaced keys."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -107,7 +109,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "kvtier tier lookups by kvtier form and answer (hit, retry, or why not).", labelnames=("form", "result")
             ),
             STORE_CHUNKS: OffloadingCounterMetadata(
-                "Chunks offered to the kvtier tier by outcome (stored, present, dropped_backpressure, failed_*, read_only).",
+                "Chunks offered to the kvtier tier by outcome (stored, present, "
+                "dropped_backpressure, failed_*, read_only).",
                 labelnames=("outcome",),
             ),
             LOAD_CHUNKS: OffloadingCounterMetadata(
@@ -138,11 +141,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if max_pending_store_chunks < 1 or staging_chunks < 1:
             raise VllmTierError(
-                f"max_pending_store_chunks and staging_chunks must be >= 1, got {max_pending_store_chunks}, {staging_chunks}"
+                "max_pending_store_chunks and staging_chunks must be >= 1, got "
+                f"{max_pending_store_chunks}, {staging_chunks}"
             )
         if (store_dir is None) == (daemon_socket is None):
             raise VllmTierError(
-                "set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened in this engine) in the kvtier tier config"
+                "set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened "
+                "in this engine) in the kvtier tier config"
             )
         self.locality = Locality(locality) if locality is not None else None
         self.identity = engine_identity(
@@ -330,8 +335,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _warn_dropped(self, n: int) -> None:
         self._dropped_since_warning += n
         if self._warn(
-            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, max_pending_store_chunks={self._max_pending}): "
-            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower than the offload rate"
+            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, "
+            f"max_pending_store_chunks={self._max_pending}): "
+            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower "
+            "than the offload rate"
         ):
             self._dropped_since_warning = 0
 
@@ -550,6 +557,7 @@ def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGr
         raise
     except Exception as exc:  # vLLM's selectors differ by platform and version; say what to set instead
         raise VllmTierError(
-            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set attention_backend in the kvtier tier config"
+            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set "
+            "attention_backend in the kvtier tier config"
         ) from exc
     return ",".join(names)
