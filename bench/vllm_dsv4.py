@@ -22,11 +22,11 @@ import numpy as np
 _TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(_TESTS), str(_TESTS / "vllm")]  # the DSV4 group fixtures and the connector's scans
 
-from dsv4_model import write_dsv4_checkpoint  # noqa: E402
-from dsv4_vllm import dsv4_offloading_config  # noqa: E402
 from test_vllm_dsv4 import Request, block_hashes, run_job, scan  # noqa: E402
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
+from support.vllm_dsv4 import dsv4_offloading_config  # noqa: E402
+from support.vllm_dsv4_model import write_dsv4_checkpoint  # noqa: E402
 
 
 def tier(config, primary: np.ndarray, store: Path) -> KvtierSecondaryTier:

@@ -9,26 +9,24 @@ whole window). Not covered here: vLLM's Scheduler itself driving the tier (see d
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from vllm_harness import HERE, require_vllm
+
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from dsv4_model import RATIOS, write_dsv4_checkpoint  # noqa: E402
-from dsv4_vllm import dsv4_offloading_config  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
-from vllm_harness import flip_payload_byte, kvtier_audit  # noqa: E402
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
-
-sys.path.append(str(HERE.parent))
 from support.daemon import DaemonProc  # noqa: E402
+from support.vllm_dsv4 import dsv4_offloading_config  # noqa: E402
+from support.vllm_dsv4_model import RATIOS, write_dsv4_checkpoint  # noqa: E402
+from support.vllm_harness import flip_payload_byte, kvtier_audit  # noqa: E402
 
 ROW = 8192  # bytes per offloaded chunk here (vLLM's packed DSV4 block is 1,002,240: see the bench)
 TOKENS = 1024  # four 256-token history chunks

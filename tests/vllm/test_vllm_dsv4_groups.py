@@ -7,12 +7,12 @@ import random
 from pathlib import Path
 
 import pytest
-from dsv4_model import LAYERS, dsv4_config, dsv4_groups, write_dsv4_checkpoint
 
 from kvtier.core.forms import CacheForm
 from kvtier.integrations.engine_identity import ChunkLayout, derive_identity
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.kv_groups import EngineGroup, dsv4_layer_kind, plan_groups
+from support.vllm_dsv4_model import LAYERS, dsv4_config, dsv4_groups, write_dsv4_checkpoint
 
 LAYOUT = ChunkLayout("fp8_ds_mla", "BLHNC", 1003520, 1003520, 1, 4, "agnostic;replicated=1;canonical=0")
 ABI = "vllm 0.32.0;cpu;attn=dsv4"

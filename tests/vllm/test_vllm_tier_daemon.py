@@ -13,7 +13,7 @@ from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from support.daemon import DaemonProc
+from support.daemon import DaemonProc  # noqa: E402
 from support.vllm_harness import (  # noqa: E402
     KVTIER_TIER,
     assert_same_output,

@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import torch
-from dsv4_model import LAYERS, RATIOS
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
 from vllm.models.deepseek_v4.compressor import CompressorStateCache
@@ -24,6 +23,8 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+
+from support.vllm_dsv4_model import LAYERS, RATIOS
 
 INDEXER_ROW = 132  # fp8 indexer key: 128 B + 4 B scale
 
