@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection, DaemonBusy, DaemonUnavailable
-
-from .conftest import child_env
+from support.daemon import child_env
 
 
 def _status(sock: Path, *, as_uid: int | None = None) -> subprocess.CompletedProcess[str]:

@@ -22,9 +22,8 @@ from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
-
-from .conftest import DaemonProc
-from .workload import caches_for, compare, tokens_for
+from support.daemon import DaemonProc
+from support.workload import caches_for, compare, tokens_for
 
 VKEY = VersionKey("test/ids", "xxh3_128:00", "test-abi", "none", "none", "bf16")
 GROUPS = [("g0", CacheForm.COMPRESSED)]
