@@ -12,6 +12,7 @@ the new one is answered `busy`. Each connection is an *owner*: when it goes away
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -36,6 +37,7 @@ from kvtier.wire.stats import StatsDoc
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 def peer_credentials(conn: socket.socket) -> Peer:
@@ -93,6 +95,16 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
     return sock
 
 
+def _return_big_buffers_to_the_os() -> None:
+    """Frame buffers of many MiB come and go on many threads; glibc's adaptive mmap threshold would soon serve
+    them from per-thread heaps that keep the memory after a frame is done. A fixed 1 MiB threshold maps each
+    one and unmaps it when freed, so RSS follows the frames in flight (bounded by max_buffered_bytes)."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc: its allocator has its own policy
+        pass
+
+
 class _Quiet(Exception):
     """A connection closed for saying nothing (no first frame in time, or idle too long): no answer owed."""
 
@@ -127,6 +139,7 @@ class SocketServer:
         self._fresh: dict[int, socket.socket] = {}  # connections that have not sent a frame yet, oldest first
         self._threads: dict[int, threading.Thread] = {}
         self.budget = F.ByteBudget(cfg.max_buffered_bytes)
+        _return_big_buffers_to_the_os()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closing = False
@@ -222,7 +235,7 @@ class SocketServer:
         try:
             while True:
                 received: list[int] = []
-                body: bytes | None = None
+                body: bytearray | None = None
                 try:
                     body = self._read_frame(conn, received, first=session.requests == 0)
                     if body is None:
@@ -263,7 +276,7 @@ class SocketServer:
                 self._threads.pop(session.owner, None)
                 self._idle.notify_all()
 
-    def _read_frame(self, conn: socket.socket, fds: list[int], *, first: bool) -> bytes | None:
+    def _read_frame(self, conn: socket.socket, fds: list[int], *, first: bool) -> bytearray | None:
         """The next request body; None when the peer closed between frames. Framing errors raise (and close).
 
         SCM_RIGHTS descriptors riding along with the frame are appended to `fds` (the caller closes them);
@@ -292,7 +305,7 @@ class SocketServer:
             raise ProtocolError("truncated frame body")
         return body
 
-    def _handle(self, session: Session, body: bytes, received: list[int]) -> tuple[P.Msg, list[int]]:
+    def _handle(self, session: Session, body: bytearray, received: list[int]) -> tuple[P.Msg, list[int]]:
         """One request to its reply; every KvtierError (including bad requests) becomes an error frame."""
         started = time.perf_counter()
         op = "?"

@@ -101,8 +101,9 @@ def recv_exact(
     *,
     deadline: float | None = None,
     budget: ByteBudget | None = None,
-) -> bytes:
-    """Exactly n bytes; b'' if the peer closed before the first byte; DaemonUnavailable if it closed mid-way.
+) -> bytearray:
+    """Exactly n bytes (the receive buffer itself, no second copy); empty if the peer closed before the first
+    byte; DaemonUnavailable if it closed mid-way.
 
     The buffer grows with what arrives (a peer announcing 2 GiB and sending a byte holds a byte); with a
     `deadline` the whole read must finish by it (TimeoutError), however slowly the peer trickles; with a
@@ -127,7 +128,7 @@ def recv_exact(
                         fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
             if k == 0:
                 if not buf:
-                    return b""
+                    return buf
                 raise DaemonUnavailable(f"peer closed the connection mid-frame ({len(buf)} of {n} bytes)")
             if budget is not None:
                 budget.take(k)
@@ -136,7 +137,7 @@ def recv_exact(
         if budget is not None:
             budget.give(len(buf))
         raise
-    return bytes(buf)
+    return buf
 
 
 def recv_reply(
