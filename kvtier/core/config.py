@@ -106,6 +106,8 @@ class DaemonConfig:
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
+    # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
+    versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     source: str = "embedded default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,7 +193,8 @@ def load_config(
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
-    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, and the verifier's rates.
+    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -205,6 +208,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             rate_bytes_per_s=new.verifier.rate_bytes_per_s,
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
+        versions=new.versions,
     )
 
 
@@ -314,6 +318,24 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     return value
 
 
+VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexer_version", "dtype_layout")
+
+
+def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    out: dict[str, dict[str, str]] = {}
+    for name in list(reader.table):
+        if name not in profiles:
+            raise reader.error(name, f"not a served profile (profiles: {', '.join(profiles)})")
+        sub = reader.sub(name)
+        out[name] = {f: sub.string(f, "") for f in VERSION_FIELDS if f in sub.table}
+        if any(not v for v in out[name].values()):
+            raise sub.error(next(f for f, v in out[name].items() if not v), "must be a non-empty string")
+        sub.finish()
+    reader.finish()
+    return out
+
+
 def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> DaemonConfig:
     """Lay a parsed TOML document over `base`; unknown keys and bad values are ConfigErrors naming the key."""
     top = _Reader(data, "", source)
@@ -388,6 +410,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        versions=_versions(top.sub("versions"), tuple(profiles)),
         source=source,
     )
     top.finish()

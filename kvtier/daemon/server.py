@@ -349,7 +349,7 @@ class SocketServer:
                     " open another connection for another profile"
                 )
             reply, fds = self.backend.attach(session, req)
-            session.attached = reply.profile
+            session.attached, session.namespace = reply.profile, reply.namespace
             return reply, fds
         if isinstance(req, P.Stats):
             return P.StatsOk(self.stats_doc()), []
@@ -371,6 +371,9 @@ class SocketServer:
         if session.attached is None:
             op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
             raise OutOfOrder(f"{op} before attach: attach to a profile first")
+        stale = self.backend.stale_reply(session, req)  # attached to a namespace retired since (a rollout)
+        if stale is not None:
+            return stale, []
         return self._dispatch[type(req)](session, req), []
 
     # -- shutdown ---------------------------------------------------------------------------------
