@@ -115,7 +115,7 @@ def scan_segment(
                         offset = at + 1
                         continue
                     offset = at + header.record_len
-                    stored = mv[at + header.header_bytes : offset]
+                    stored = mv[at + header.header_bytes : at + header.header_bytes + header.stored_len]
                     if not _payload_good(header, stored):
                         report.corrupt_extents += 1
                         report.corrupt_bytes += header.record_len
