@@ -19,7 +19,7 @@ from kvtier.store.io import BufferPool, PosixBackend
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Knobs of one store; the budget and quotas count record bytes on disk (header + padded payload)."""
+    """Knobs of one store; the budget and quotas count record bytes on disk (header + stored payload)."""
 
     budget_bytes: int = 0  # 0: no budget
     form_quotas: tuple[tuple[CacheForm, int], ...] = ()
