@@ -39,7 +39,8 @@ class ExtentPlan:
 
     def fits(self, stored_len: int, limit: int = MAX_EXTENT_BYTES) -> bool:
         """Whether one more record keeps the extent within `limit` bytes (an empty extent takes anything)."""
-        return not self.offsets or header_offset(self.length, stored_len) + record_length(stored_len) <= limit
+        end = header_offset(self.length, stored_len) + record_length(stored_len)
+        return not self.offsets or align_up(end, DISK_ALIGNMENT) <= limit
 
     @property
     def size(self) -> int:
