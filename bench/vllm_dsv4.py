@@ -2,7 +2,7 @@
 
 Run in the vLLM venv (tests/vllm/run.sh --prepare builds it):
     bench/.venv-vllm/bin/python bench/vllm_dsv4.py [--tokens 131072] [--rows 64]
-Prints one JSON object. The groups are the five vLLM 0.32 forms for a DSV4 checkpoint (tests/vllm/dsv4_vllm.py);
+Prints one JSON object. The groups are the five vLLM 0.32 forms for a DSV4 checkpoint (tests/support/vllm_dsv4.py);
 lookups follow the connector's scans on a fresh tier (nothing in memory): a prefix over the history group,
 then from the end a whole window over each state group. Not measured: vLLM's own `fs` tier on the same rows.
 """
@@ -19,13 +19,10 @@ from types import SimpleNamespace
 import click
 import numpy as np
 
-_TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(_TESTS), str(_TESTS / "vllm")]  # the DSV4 group fixtures and the connector's scans
-
-from test_vllm_dsv4 import Request, block_hashes, run_job, scan  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the DSV4 groups and the connector's calls
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
-from support.vllm_dsv4 import dsv4_offloading_config  # noqa: E402
+from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, run_job, scan  # noqa: E402
 from support.vllm_dsv4_model import write_dsv4_checkpoint  # noqa: E402
 
 
@@ -46,13 +43,12 @@ def main(tokens: int, rows: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-dsv4-"))
     model = write_dsv4_checkpoint(work / "model")
     small, block = dsv4_offloading_config(model, 4096)
-    env = SimpleNamespace(config=small)
 
     # Lookups: store what vLLM keeps for one request (every history chunk, the windows at its end).
     primary = np.random.default_rng(0).integers(0, 256, (1024, 4096), dtype=np.uint8)
     writer = tier(small, primary, work / "lookups")
     prompt = block_hashes(1, tokens // 4)
-    req = Request(env, prompt, "store")
+    req = ChunkKeys(small, prompt, "store")
     keys = []
     for g, plan in writer._plans.items():
         k = req.keys[g]
@@ -62,7 +58,7 @@ def main(tokens: int, rows: int) -> None:
         assert run_job(writer, batch, list(range(len(batch))), req.ctx, load=False).success
     writer.shutdown()
     fresh = tier(small, primary, work / "lookups")
-    again = Request(env, prompt, "repeat")
+    again = ChunkKeys(small, prompt, "repeat")
     asked = 0
     lookup = fresh.lookup
 
@@ -82,7 +78,7 @@ def main(tokens: int, rows: int) -> None:
     full, _ = dsv4_offloading_config(model, block)
     big = np.random.default_rng(1).integers(0, 256, (2 * rows, block), dtype=np.uint8)
     t = tier(full, big, work / "rows")
-    req = Request(SimpleNamespace(config=full), block_hashes(2, rows * 64), "rows")
+    req = ChunkKeys(full, block_hashes(2, rows * 64), "rows")
     history = next(g for g, p in t._plans.items() if p.window_chunks == 0)
     row_keys = req.keys[history][:rows]
     started = time.perf_counter()

@@ -399,6 +399,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             t.join()
         log.info("kvtier tier: shut down; store %s", self._store.stats())
         self._store.close()
+        # The view pins vLLM's shared mmap: the primary tier, shut down after its secondaries, closes it next.
+        self._primary = torch.empty(0, dtype=torch.uint8)
 
     # ----------------------------------------------------------------- worker threads
 
