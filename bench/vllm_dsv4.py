@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the DSV4 groups and the connector's calls
 
-from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
-from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, run_job, scan  # noqa: E402
-from support.vllm_dsv4_model import write_dsv4_checkpoint  # noqa: E402
+from kvtier.integrations.vllm import KvtierSecondaryTier
+from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, run_job, scan
+from support.vllm_dsv4_model import write_dsv4_checkpoint
 
 
 def tier(config, primary: np.ndarray, store: Path) -> KvtierSecondaryTier:
