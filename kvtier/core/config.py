@@ -7,6 +7,7 @@ limits, profiles).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import tomllib
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.cluster_config import ClusterConfig, WriteThrough
 from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
 
@@ -103,6 +105,9 @@ class DaemonConfig:
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
+    cluster: ClusterConfig = dataclasses.field(
+        default_factory=ClusterConfig
+    )  # off: single-node unless a `[cluster]` table enables it
     source: str = "embedded default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +124,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -254,6 +261,12 @@ class _Reader:
             raise self.error(key, f"must be {'>=' if allow_zero else '>'} {minimum}, got {value}")
         return value
 
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
+
     def size(self, key: str, default: int) -> int:
         return parse_size(self.get(key, default), f"{self.prefix}{key}", self.source)
 
@@ -309,6 +322,30 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     if value and not re.fullmatch(r"[\w.\-\[\]:]*:\d{1,5}", value):
         raise reader.error("address", f"must be HOST:PORT or empty to disable, got {value!r}")
     return value
+
+
+def _cluster(reader: _Reader, base: ClusterConfig) -> ClusterConfig:
+    """The `[cluster]` table: each key read by the type of its default; ranges checked by ClusterConfig itself."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(ClusterConfig):
+        key, default = field.name, getattr(base, field.name)
+        if isinstance(default, bool):
+            values[key] = reader.boolean(key, default)
+        elif isinstance(default, WriteThrough):
+            values[key] = WriteThrough(reader.string(key, default.value, choices=tuple(w.value for w in WriteThrough)))
+        elif isinstance(default, int) and key.endswith("_bytes"):
+            values[key] = reader.size(key, default)
+        elif isinstance(default, int):
+            values[key] = reader.number(key, default, integer=True, allow_zero=True)
+        elif isinstance(default, float):
+            values[key] = float(reader.number(key, default))
+        else:
+            values[key] = reader.string(key, default)
+    reader.finish()
+    try:
+        return ClusterConfig(**values)
+    except ConfigError as exc:  # ClusterConfig names the key; say which file too
+        raise ConfigError(str(exc).removeprefix(f"key '{exc.key}': "), key=exc.key, source=reader.source) from None
 
 
 def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> DaemonConfig:
@@ -377,6 +414,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )
     top.finish()

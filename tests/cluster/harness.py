@@ -157,6 +157,10 @@ class MooncakeCluster:
         _started(proc, ready.exists, 30)
         return proc
 
+    def segments_expired(self) -> int:
+        """Holder segments the masters unmounted after their holder stopped answering (client_ttl)."""
+        return sum(m.log.read_bytes().count(b"action=unmount_expired_mem_segment") for m in self.masters)
+
     def close(self) -> None:
         for proc in [*self.holders, *self.masters, *([self.etcd] if self.etcd else [])]:
             with contextlib.suppress(ProcessLookupError):
