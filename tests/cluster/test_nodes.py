@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e.harness import H, Oracle, prompt, run_engine, save_prompts
 
-from tests.cluster.harness import MooncakeCluster
-from tests.cluster.nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
+from support.mooncake_loopback import MooncakeCluster
 
 BLOCKS = 12  # hash blocks per prompt (384 tokens on ref-tiny: checkpoints every 4 blocks)
 

@@ -1,5 +1,5 @@
-"""kvtier daemons as cluster nodes: each a real `kvtier serve` with its own store and socket, and a `[cluster]`
-table pointing at a loopback Mooncake cluster (tests/cluster/harness.py)."""
+"""Clients of a loopback Mooncake cluster (support/mooncake_loopback.py): ClusterConfigs for tiers, and kvtier
+daemons as cluster nodes, each a real `kvtier serve` with its own store and socket and a `[cluster]` table."""
 
 from __future__ import annotations
 
@@ -8,10 +8,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from support.daemon import DaemonProc
-
+from kvtier.cluster import ClusterConfig
 from kvtier.wire import Connection
-from tests.cluster.harness import MooncakeCluster
+from support.daemon import DaemonProc
+from support.mooncake_loopback import MooncakeCluster
+
+
+def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
+    """A client of `cluster` with test-sized buffers and short deadlines."""
+    base: dict[str, object] = dict(
+        enabled=True,
+        master=cluster.master,
+        metadata=cluster.metadata,
+        staging_bytes=4 << 20,
+        transfer_buffer_bytes=4 << 20,
+        lookup_timeout_s=0.5,
+        load_timeout_s=2.0,
+        put_timeout_s=5.0,
+        retry_s=0.5,
+    )
+    if cluster.etcd_endpoint:
+        base["etcd"] = cluster.etcd_endpoint
+    return ClusterConfig(**{**base, **kw})
 
 
 def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:

@@ -145,8 +145,7 @@ class MooncakeCluster:
         ready = self.workdir / f"holder-{self._n + 1}.ready"
         argv = [
             sys.executable,
-            "-m",
-            "tests.cluster.holder",
+            str(pathlib.Path(__file__).with_name("mooncake_holder.py")),
             self.metadata,
             master or self.master,
             str(segment_bytes),
