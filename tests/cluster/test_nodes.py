@@ -5,12 +5,17 @@ equal to an uninterrupted run; holder, master and object faults turn into misses
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from kvtier.wire import Connection
 from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.daemon import child_env
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
 
@@ -38,6 +43,25 @@ def _offload_on_node1(tmp_path: Path, cluster: MooncakeCluster, work: Path, *nam
     return node1, wait_written_through(node1, written)
 
 
+def _check_metrics_and_status(node, cluster_hits: int) -> None:
+    """The per-tier figures reach Prometheus and `kvtier status`."""
+    with Connection(node.socket, timeout_s=10.0, name="cluster test") as conn:
+        address = conn.stats().daemon.metrics
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    assert f'kvtier_cluster_objects_total{{event="cluster_hits"}} {float(cluster_hits)}' in text
+    assert 'kvtier_cluster_latency_seconds_count{op="load"}' in text and "kvtier_cluster_up 1.0" in text
+    assert 'kvtier_cluster_bytes_total{dir="loaded"}' in text
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "status", "--socket", str(node.socket)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    ).stdout
+    assert f"cluster    up  hits {cluster_hits} (local disk 0)" in out, out
+    assert "  latency  lookup p50 <= " in out, out
+
+
 @pytest.mark.parametrize("replicas", [2, 1])
 def test_node2_restores_from_the_cluster_bitwise_and_survives_a_holder_kill(
     own_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle, replicas: int
@@ -58,6 +82,7 @@ def test_node2_restores_from_the_cluster_bitwise_and_survives_a_holder_kill(
         assert s2["cluster_hits"] == got["loaded_objects"] and s2["local_hits"] == 0, s2
         assert s2["cluster"]["bytes_loaded"] > 0 and s2["cluster"]["load_latency"]["counts"]
         wait_for("promotions to node 2's disk", lambda: cluster_stats(node2)["promoted"] >= got["loaded_objects"], 20)
+        _check_metrics_and_status(node2, got["loaded_objects"])
 
         own_cluster.holders[0].kill(signal.SIGKILL)
         # until the master declares the holder dead (client_ttl), loads touching it miss: wait that out
