@@ -80,6 +80,8 @@ def test_master_killed_misses_without_hang_local_hits_served_then_reconnects(
         own_cluster.start_holder()
         run_engine(node2, work, "offload", "p32")
         wait_for("node 2 writes through to the new master", lambda: cluster_stats(node2)["cluster"]["stored"] > 0, 60)
+        # node 1, started while no master answered, connects once one does (its link probes, then sets up)
+        wait_for("node 1 connects to the new master", lambda: cluster_stats(node1)["cluster"]["up"], 60)
         assert node1.terminate() == 0 and node2.terminate() == 0
     finally:
         node1.close()
