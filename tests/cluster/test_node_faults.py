@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
 from support.cluster_nodes import cluster_config, cluster_stats, start_node, wait_for, wait_written_through
 from support.e2e_harness import PROFILE, H, Oracle, prompt, run_engine, save_prompts
-from support.mooncake_loopback import MooncakeCluster
+from support.mooncake_loopback import MooncakeCluster, mooncake_cluster
 
 BLOCKS = 12
 CP_BLOCKS = 4  # state checkpoints every 4 blocks (tests/e2e/engine_proc.py)
@@ -88,9 +89,18 @@ def test_master_killed_misses_without_hang_local_hits_served_then_reconnects(
         node2.close()
 
 
+@pytest.fixture
+def patient_cluster(mooncake_ready: None, tmp_path: Path) -> Iterator[MooncakeCluster]:
+    """A cluster whose master keeps silent holders for 120 s: a stop shorter than that loses no objects (one
+    longer than client_ttl unmounts the holders' segments on resume, and their objects become misses)."""
+    with mooncake_cluster(tmp_path / "mooncake", client_ttl_s=120) as cluster:
+        yield cluster
+
+
 def test_master_stopped_partition_is_bounded_then_heals(
-    own_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle
+    patient_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle
 ) -> None:
+    own_cluster = patient_cluster
     work, tokens = _prompts(tmp_path, 41, 42)
     node1, node2 = _two_nodes(tmp_path, own_cluster, work, "p41", "p42")
     master = own_cluster.masters[0].popen
