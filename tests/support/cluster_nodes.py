@@ -22,7 +22,7 @@ def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
         metadata=cluster.metadata,
         staging_bytes=4 << 20,
         transfer_buffer_bytes=4 << 20,
-        lookup_timeout_s=0.5,
+        lookup_timeout_s=2.0,  # a presence check the tests rely on must not miss on a loaded 2-core machine
         load_timeout_s=2.0,
         put_timeout_s=5.0,
         retry_s=0.5,
@@ -45,6 +45,7 @@ def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:
         put_timeout_s=5.0,
         retry_s=0.5,
         write_through="all",
+        admin=cluster.admin,
     )
     if cluster.etcd_endpoint:
         values["etcd"] = cluster.etcd_endpoint
