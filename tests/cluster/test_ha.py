@@ -1,23 +1,18 @@
-"""Mooncake HA (two masters electing over etcd): the leader killed, the cluster tier serves again within 20 s,
-at tier level and through two kvtier daemons (nodes)."""
+"""Mooncake HA (two masters electing over etcd) under two kvtier daemons (nodes): the leader killed, node 2
+restores from the cluster again within 20 s."""
 
 from __future__ import annotations
 
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvtier.client import Client
-from kvtier.core.forms import Reason
-from kvtier.core.tier import LoadRequest
 from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
-from support.store_helpers import DIGEST, make_key, make_payload
 
 
 @pytest.fixture
@@ -36,26 +31,7 @@ def ha_cluster(mooncake_ready: None, tmp_path) -> MooncakeCluster:
         cluster.close()
 
 
-BLOCKS = 8
-
-
-def test_leader_killed_hits_again_within_20s(ha_cluster: MooncakeCluster, make_tier) -> None:
-    tier = make_tier(ha_cluster, replicas=2)
-    items = [(make_key(b"H" * 16, f"ha-{i}"), make_payload(f"ha-{i}", 16_000), DIGEST) for i in range(8)]
-    tier.store_many(items)
-
-    def served() -> bool:
-        outs = [torch.zeros_like(p) for _, p, _ in items]
-        reasons = tier.load_into([LoadRequest(k, o, d) for (k, _, d), o in zip(items, outs)])
-        assert all(torch.equal(o, p) for r, o, (_, p, _) in zip(reasons, outs, items) if r is Reason.OK)
-        return reasons == [Reason.OK] * len(items)
-
-    assert served()
-    ha_cluster.masters[0].kill(signal.SIGKILL)  # the first master started is the one that won the election
-    t0 = time.monotonic()
-    while not served():
-        assert time.monotonic() - t0 < 20, f"no failover within 20 s: {tier.stats().misses}"
-        time.sleep(0.2)  # polling a real condition
+BLOCKS = 8  # a prefix of two state checkpoints
 
 
 def test_two_nodes_leader_killed_node2_hits_again_within_20s(ha_cluster: MooncakeCluster, tmp_path: Path) -> None:
@@ -93,7 +69,10 @@ def test_two_nodes_leader_killed_node2_hits_again_within_20s(ha_cluster: Mooncak
         # client that never reached the new leader can take about 30 s to close)
         after = run_engine(node1, work, "offload", "p62")["p62"]["written"]
         wait_written_through(node1, before + after)
-        assert node2.terminate() == 0 and node1.terminate() == 0
+        # Mooncake's HA client waits out its leader watch on close (up to 30 s, its kViewChangeTimeout): both
+        # nodes stop at once
+        node1.proc.send_signal(signal.SIGTERM)
+        assert node2.terminate(60) == 0 and node1.terminate(60) == 0
     finally:
         client.close()
         node1.close()
