@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection
-from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import audit_cli, cluster_stats, kvtier_cli, start_node, wait_for, wait_written_through
 from support.daemon import child_env
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
@@ -104,19 +104,6 @@ def test_node2_restores_from_the_cluster_bitwise_and_survives_a_holder_kill(
     assert s1["cluster"]["stored"] >= s1["written_through"] > 0 and s1["dropped"] == 0
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, env=child_env(), timeout=120
-    )
-
-
-def _audit(node, config: Path, *extra: str) -> tuple[int, dict]:
-    """`kvtier audit --cluster --json` of the node's store, the cluster named by `config`."""
-    run = _cli("audit", "--store", str(node.tmp / "store"), "--cluster", "--config", str(config), "--json", *extra)
-    assert run.stdout, run.stderr
-    return run.returncode, json.loads(run.stdout)["cluster"]
-
-
 def test_prewarm_restores_from_the_cluster_and_audit_counts_and_checks_it(
     own_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle
 ) -> None:
@@ -130,7 +117,7 @@ def test_prewarm_restores_from_the_cluster_and_audit_counts_and_checks_it(
     try:
         manifest = tmp_path / "prewarm.jsonl"
         manifest.write_text(json.dumps({"name": "p0", "profile": "ref-tiny", "tokens": tokens["p0"].tolist()}) + "\n")
-        run = _cli("prewarm", str(manifest), "--socket", str(node2.socket), "--json")
+        run = kvtier_cli("prewarm", str(manifest), "--socket", str(node2.socket), "--json")
         assert run.returncode == 0, run.stderr
         pre = json.loads(run.stdout)["prefixes"][0]
         assert pre["hit_tokens"] == BLOCKS * H and pre["loaded_objects"] > 0 and pre["pinned"] > 0, pre
@@ -142,7 +129,7 @@ def test_prewarm_restores_from_the_cluster_and_audit_counts_and_checks_it(
         assert cluster_stats(node2)["cluster_hits"] == s2["cluster_hits"]
 
         # the master's listing: every object node 1 wrote through, one namespace, each sampled object sound
-        rc, audit = _audit(node1, node1.config, "--sample", "1000")
+        rc, audit = audit_cli(node1, node1.config, "--sample", "1000")
         assert rc == 0 and audit["source"] == own_cluster.admin.split(";")[0], audit
         (forms,) = audit["namespaces"].values()
         assert sum(t["objects"] for t in forms.values()) == s1["written_through"], audit
@@ -151,7 +138,7 @@ def test_prewarm_restores_from_the_cluster_and_audit_counts_and_checks_it(
         wait_for("promotions to node 2's disk", lambda: cluster_stats(node2)["promoted"] >= pre["loaded_objects"], 20)
         local_only = tmp_path / "no-admin.toml"
         local_only.write_text(node2.config.read_text().replace(f'admin = "{own_cluster.admin}"', 'admin = ""'))
-        rc, audit = _audit(node2, local_only, "--sample", "4")
+        rc, audit = audit_cli(node2, local_only, "--sample", "4")
         assert rc == 0 and audit["source"] == "local index", audit
         (forms,) = audit["namespaces"].values()
         assert sum(t["objects"] for t in forms.values()) >= pre["loaded_objects"], audit
