@@ -71,8 +71,9 @@ def test_two_nodes_leader_killed_node2_hits_again_within_20s(ha_cluster: Mooncak
         wait_written_through(node1, before + after)
         # Mooncake's HA client waits out its leader watch on close (up to 30 s, its kViewChangeTimeout): both
         # nodes stop at once
-        node1.proc.send_signal(signal.SIGTERM)
-        assert node2.terminate(60) == 0 and node1.terminate(60) == 0
+        for node in (node1, node2):
+            node.proc.send_signal(signal.SIGTERM)  # once: a second SIGTERM during shutdown ends a daemon at once
+        assert [node1.proc.wait(60), node2.proc.wait(60)] == [0, 0]
     finally:
         client.close()
         node1.close()
