@@ -232,7 +232,7 @@ def test_descriptors_sent_with_other_ops_are_not_kept(tier_daemon: DaemonProc) -
 
 def test_an_engine_tier_store_through_the_daemon_and_the_daemon_going_away(tmp_path: Path) -> None:
     """`DaemonStore` (what the vLLM tier uses with daemon_socket): stores, lookups and loads on their own connections;
-    once the daemon is gone every call is a typed DaemonUnavailable (the tier answers MISS / fails the job)."""
+    once the daemon is gone every call is a typed DaemonUnavailable (the tier fails the job: vLLM recomputes)."""
     d = DaemonProc(tmp_path)
     try:
         ds = DaemonStore(d.socket, VKEY, GROUPS, 2 * OBJ)
