@@ -1,0 +1,176 @@
+"""Bad input, as an operator types it: every command answers with a short message naming what is wrong, a
+documented exit code (2 usage / config, 3 no daemon), and never a traceback.
+
+Each row runs `kvtier`'s real entry point (`kvtier.cli.main.main`, what the console script calls) in
+this process, for speed, in a folder of prepared bad files; `{d}` in an argument is that folder. The
+-v row runs a separate process, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+
+USAGE, NO_DAEMON = 2, 3
+
+FILES = {
+    "bad-device.toml": 'device = "tpu"\n',
+    "bad-key.toml": "bogus = 1\n",
+    "bad-syntax.toml": "[store\n",
+    "bad-size.toml": '[store]\nbudget_bytes = "lots"\n',
+    "bad-mode.toml": '[server]\nsocket_mode = "rw"\n',
+    "socket-under-file.toml": 'profiles = ["ref-tiny"]\n[server]\nsocket = "{d}/a-file/kvtier.sock"\n',
+    "store-under-file.toml": 'device = "cpu"\n[server]\nsocket = "{d}/k.sock"\n[store]\nroot = "{d}/a-file/store"\n',
+    "a-file": "not a directory\n",
+    "not-json.jsonl": "not json\n",
+    "no-profile.jsonl": '{"tokens": [1, 2, 3]}\n',
+    "bad-ttl.jsonl": '{"profile": "ref-tiny", "tokens": [1, 2, 3], "ttl_s": -1}\n',
+    "unknown-key.jsonl": '{"profile": "ref-tiny", "tokens": [1, 2, 3], "pin": true}\n',
+    "bad-tokens.jsonl": '{"profile": "ref-tiny", "tokens": [1, -2, 3]}\n',
+    "no-tokens.jsonl": '{"profile": "ref-tiny"}\n',
+    "missing-token-file.jsonl": '{"profile": "ref-tiny", "token_file": "nope.txt"}\n',
+    "bad-profile.toml": "[[group]]\nname = 1\n",
+}
+
+# (id, argv, exit code, regex the stderr must match)
+CASES = [
+    # serve
+    ("serve-unknown-key", ["serve", "--config", "{d}/bad-key.toml"], USAGE, r"key 'bogus': unknown key"),
+    ("serve-bad-device", ["serve", "--config", "{d}/bad-device.toml"], USAGE, r"key 'device': .*'tpu'"),
+    ("serve-bad-toml", ["serve", "--config", "{d}/bad-syntax.toml"], USAGE, r"not valid TOML"),
+    ("serve-missing-config", ["serve", "--config", "{d}/nope.toml"], USAGE, r"no such config file"),
+    ("serve-bad-size", ["serve", "--config", "{d}/bad-size.toml"], USAGE, r"store.budget_bytes.*byte size"),
+    ("serve-bad-socket-mode", ["serve", "--config", "{d}/bad-mode.toml"], USAGE, r"server.socket_mode.*octal"),
+    ("serve-socket-under-a-file", ["serve", "--config", "{d}/socket-under-file.toml"], USAGE, r"a-file"),
+    ("serve-store-under-a-file", ["serve", "--config", "{d}/store-under-file.toml"], USAGE, r"a-file/store"),
+    # status
+    ("status-no-daemon", ["status", "--socket", "{d}/none.sock"], NO_DAEMON, r"no kvtier daemon on .*none.sock"),
+    ("status-socket-is-a-file", ["status", "--socket", "{d}/a-file"], NO_DAEMON, r"no kvtier daemon on .*a-file"),
+    ("status-bad-config", ["status", "--config", "{d}/bad-key.toml"], USAGE, r"key 'bogus'"),
+    # prewarm: the manifest is checked before any daemon is asked
+    ("prewarm-missing-manifest", ["prewarm", "{d}/nope.jsonl"], USAGE, r"cannot read the manifest"),
+    ("prewarm-not-json", ["prewarm", "{d}/not-json.jsonl"], USAGE, r"not-json.jsonl:1: not a JSON object"),
+    ("prewarm-no-profile", ["prewarm", "{d}/no-profile.jsonl"], USAGE, r"no-profile.jsonl:1: .*'profile'"),
+    ("prewarm-bad-ttl", ["prewarm", "{d}/bad-ttl.jsonl"], USAGE, r"bad-ttl.jsonl:1: .*ttl_s.*positive"),
+    ("prewarm-unknown-key", ["prewarm", "{d}/unknown-key.jsonl"], USAGE, r"unknown-key.jsonl:1: .*'pin'"),
+    ("prewarm-negative-token", ["prewarm", "{d}/bad-tokens.jsonl"], USAGE, r"bad-tokens.jsonl:1: .*non-negative"),
+    ("prewarm-no-tokens", ["prewarm", "{d}/no-tokens.jsonl"], USAGE, r"no-tokens.jsonl:1: .*'tokens' or 'token_file'"),
+    (
+        "prewarm-missing-token-file",
+        ["prewarm", "{d}/missing-token-file.jsonl"],
+        USAGE,
+        r"missing-token-file.jsonl:1: .*cannot read token file",
+    ),
+    # audit
+    ("audit-no-store", ["audit", "--store", "{d}/nostore"], USAGE, r"no kvtier store at .*nostore"),
+    ("audit-not-a-store", ["audit", "--store", "{d}"], USAGE, r"no kvtier store at .*index.lmdb"),
+    ("audit-store-is-a-file", ["audit", "--store", "{d}/a-file"], USAGE, r"'--store'.*is a file"),
+    ("audit-missing-store-option", ["audit"], USAGE, r"Missing option '--store'"),
+    # verifier
+    (
+        "verifier-store-never-appears",
+        ["verifier", "run", "--store", "{d}/nostore", "--wait-for-store", "0.5"],
+        USAGE,
+        r"no kvtier store at .*nostore after waiting 0.5s: start the daemon",
+    ),
+    (
+        "verifier-missing-config",
+        ["verifier", "run", "--store", "{d}/nostore", "--config", "{d}/nope.toml"],
+        USAGE,
+        r"nope.toml: no such config file",
+    ),
+    ("verifier-bad-rate", ["verifier", "run", "--store", "{d}", "--rate", "fast"], USAGE, r"'--rate'.*not a valid"),
+    ("verifier-status-no-store", ["verifier", "status", "--store", "{d}/nostore"], USAGE, r"no kvtier store at"),
+    # store
+    ("store-stats-not-a-store", ["store", "stats", "--store", "{d}"], USAGE, r"no index at"),
+    ("store-rebuild-not-a-store", ["store", "rebuild-index", "--store", "{d}"], USAGE, r"no segments/ directory"),
+    ("store-unknown-command", ["store", "compact"], USAGE, r"No such command 'compact'"),
+    # profile
+    ("profile-unknown-name", ["profile", "show", "nope"], USAGE, r"no bundled profile 'nope' \(bundled: "),
+    ("profile-bad-toml", ["profile", "show", "{d}/bad-profile.toml"], USAGE, r"bad-profile.toml: field 'name'"),
+    ("profile-missing-file", ["profile", "show", "{d}/nope.toml"], USAGE, r"nope.toml: no such profile file"),
+    # config
+    ("config-unknown-key", ["config", "show", "--config", "{d}/bad-key.toml"], USAGE, r"key 'bogus': unknown key"),
+    ("config-bad-toml", ["config", "show", "--config", "{d}/bad-syntax.toml"], USAGE, r"not valid TOML"),
+    ("config-missing-file", ["config", "show", "--config", "{d}/nope.toml"], USAGE, r"no such config file"),
+    # the demo and the command line itself
+    ("demo-too-few-tokens", ["demo", "--tokens", "10"], USAGE, r"'--tokens'.*range"),
+    ("unknown-command", ["frobnicate"], USAGE, r"No such command 'frobnicate'"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bad")
+    for name, text in FILES.items():
+        (d / name).write_text(text.replace("{d}", str(d)))
+    return d
+
+
+def main_in_process(
+    args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """The console script's entry point with `args`: its exit code and what it wrote."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["kvtier", *args])
+    for name in ("KVTIER_CONFIG", "KVTIER_SOCKET"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out = capsys.readouterr()
+    code = exited.value.code
+    return subprocess.CompletedProcess(args, code if isinstance(code, int) else 1, out.out, out.err)
+
+
+def run_kvtier(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_CONFIG", "KVTIER_SOCKET")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+
+
+def assert_short_error(proc: subprocess.CompletedProcess[str], code: int, pattern: str) -> None:
+    err = proc.stderr
+    assert proc.returncode == code, f"exit {proc.returncode}, wanted {code}:\n{err}"
+    assert "Traceback" not in err, err
+    assert len(err.strip().splitlines()) <= 5, err
+    assert re.search(pattern, err), f"{pattern!r} not in:\n{err}"
+
+
+@pytest.mark.parametrize(("args", "code", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_short_error(
+    bad_dir: Path,
+    args: list[str],
+    code: int,
+    pattern: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    proc = main_in_process([a.replace("{d}", str(bad_dir)) for a in args], bad_dir, monkeypatch, capsys)
+    assert_short_error(proc, code, pattern)
+
+
+def test_the_table_covers_every_operator_command() -> None:
+    covered = {c[1][0] for c in CASES}
+    assert covered >= {"serve", "status", "prewarm", "audit", "verifier", "store", "profile", "config"}
+    assert len(CASES) >= 30
+
+
+def test_verbose_adds_the_traceback(bad_dir: Path) -> None:
+    """-v is the way to get the traceback (for a bug report); the one-line message still ends the output."""
+    proc = run_kvtier(["-v", "verifier", "run", "--store", str(bad_dir / "nostore"), "--wait-for-store", "0"], bad_dir)
+    assert proc.returncode == USAGE and "Traceback" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("kvtier: no kvtier store at")
