@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtier.core.units import format_bytes
+
 if TYPE_CHECKING:
     from kvtier.refmodel.demo import DemoReport
 
@@ -92,10 +94,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f} ms" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def _routes(counts: dict[str, int]) -> str:
     routes = ", ".join(f"{k} {v}" for k, v in counts.items() if ":" not in k)
     reasons = ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in counts.items() if ":" in k)
@@ -109,7 +107,7 @@ def _restore(req: dict[str, Any], recompute_s: float) -> str:
     verdict = "faster" if req["restore_s"] < recompute_s else "SLOWER"
     return (
         f"{_ms(req['restore_s'])} (lookup {_ms(req['lookup_s'])}, load from disk {_ms(req['load_s'])} "
-        f"[{req['loaded_objects']:,} objects, {_mib(req['bytes_from_disk'])}], read + rebuild {_ms(rebuild)}) "
+        f"[{req['loaded_objects']:,} objects, {format_bytes(req['bytes_from_disk'])}], read + rebuild {_ms(rebuild)}) "
         f"vs recompute {_ms(recompute_s)}: {speed:,.1f}x {verdict}"
     )
 
@@ -125,7 +123,7 @@ def _print(r: DemoReport) -> None:
     )
     echo("")
     echo(f"engine A   prefilled {r.prompt_tokens:,} tokens in {_ms(r.prefill_s)}, {r.checkpoints} state checkpoints;")
-    echo(f"           offloaded {objects:,} objects ({_mib(offered)}) durably in {_ms(r.offload_s)}")
+    echo(f"           offloaded {objects:,} objects ({format_bytes(offered)}) durably in {_ms(r.offload_s)}")
     echo(
         f"daemon     killed (SIGKILL) and restarted in {_ms(r.restart_s)}: pool cold, "
         f"store kept {r.records_after_restart:,} records"
@@ -140,7 +138,7 @@ def _print(r: DemoReport) -> None:
     p, warm = r.prewarm, r.prewarmed_request
     echo(
         f"prewarm    after another restart: {p['hit_tokens']:,} tokens of A, {p['loaded_objects']:,} objects "
-        f"({_mib(p['bytes_loaded'])}) from disk in {_ms(p['seconds'])}, pinned"
+        f"({format_bytes(p['bytes_loaded'])}) from disk in {_ms(p['seconds'])}, pinned"
     )
     echo(f"           restore after prewarm {_restore(warm, r.recompute_s)}")
     echo("           (the prewarm's own load is not on the request's path, so it is not in that figure)")
@@ -153,13 +151,13 @@ def _print(r: DemoReport) -> None:
     a = r.audit
     verdict = "PROBLEMS" if a["problems"] else "clean"
     echo(
-        f"audit      ({a['source']}) {verdict}: {a['records']:,} records, {_mib(a['record_bytes'])}, "
+        f"audit      ({a['source']}) {verdict}: {a['records']:,} records, {format_bytes(a['record_bytes'])}, "
         f"{a['corrupt']} corrupt, "
-        f"{a['quarantined']} quarantined, {_mib(a['orphaned_bytes'])} orphaned"
+        f"{a['quarantined']} quarantined, {format_bytes(a['orphaned_bytes'])} orphaned"
     )
     for form, f in sorted(a["forms"].items()):
         echo(
-            f"             {form:<11} {f['records']:>7,} records {_mib(f['record_bytes']):>12}, "
+            f"             {form:<11} {f['records']:>7,} records {format_bytes(f['record_bytes']):>12}, "
             f"{f['verified']:,} verified"
         )
     echo("")

@@ -90,6 +90,7 @@ CASES = [
     ("verifier-status-no-store", ["verifier", "status", "--store", "{d}/nostore"], USAGE, r"no kvtier store at"),
     # store
     ("store-stats-not-a-store", ["store", "stats", "--store", "{d}"], USAGE, r"no index at"),
+    ("store-stats-no-store", ["store", "stats", "--store", "{d}/nostore"], USAGE, r"no index at .*nostore"),
     ("store-rebuild-not-a-store", ["store", "rebuild-index", "--store", "{d}"], USAGE, r"no segments/ directory"),
     ("store-unknown-command", ["store", "compact"], USAGE, r"No such command 'compact'"),
     # profile
