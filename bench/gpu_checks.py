@@ -24,7 +24,8 @@ import torch
 
 from kvtier.core import CacheForm, GroupKind, block_hashes, load_profile
 from kvtier.core.tier import ObjectKey
-from kvtier.gpu import CacheManager, MemoryTier, Pool
+from kvtier.gpu import CacheManager, Pool
+from kvtier.testing import MemoryTier
 
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens

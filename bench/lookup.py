@@ -31,7 +31,8 @@ from kvtier.core import CacheForm, GroupKind, block_hashes, load_profile
 from kvtier.core.layout import POOL_ALIGNMENT, align_up
 from kvtier.core.profile import ModelProfile
 from kvtier.core.tier import ObjectKey
-from kvtier.gpu import CacheManager, MemoryTier
+from kvtier.gpu import CacheManager
+from kvtier.testing import MemoryTier
 
 CHECKPOINT_EVERY = 4  # blocks between state checkpoints (vLLM-style retention interval, 1,024 tokens)
 STATE_CHECKPOINTS = 8  # state checkpoints the state pools hold

@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 import numpy as np
 import tomli_w
 
-from kvtier.daemon.config import load_config
-from kvtier.daemon.errors import ConfigError, DaemonUnavailable
+from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError
+from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire.stats import StatsDoc
 
 config_option = click.option(
     "--config",
@@ -70,46 +73,39 @@ def config_show(config_path: str | None, as_json: bool) -> None:
     click.echo(tomli_w.dumps(doc), nl=False)
 
 
-def _rate(bucket: dict[str, Any], key: str) -> str:
-    """Share of the objects lookups needed (state objects outside the window at the hit are not needed)."""
-    unneeded = int(bucket.get("recompute_reasons", {}).get("outside_window", 0))
-    total = sum(int(bucket.get(k, 0)) for k in ("reuse", "recover", "recompute")) - unneeded
-    count = int(bucket.get(key, 0)) - (unneeded if key == "recompute" else 0)
-    return f"{count / total:6.1%}" if total else "     -"
+def _share(share: float | None) -> str:
+    return f"{share:6.1%}" if share is not None else "     -"
 
 
-def _render_status(doc: dict[str, Any]) -> None:
-    d = doc["daemon"]
-    click.echo(f"health     {d['health']}")
+def _render_status(doc: StatsDoc) -> None:
+    d = doc.daemon
+    assert d is not None  # the service fills it in before answering
+    click.echo(f"health     {d.health}")
     click.echo(
-        f"daemon     {d['version']}, pid {d['pid']}, up {d['uptime_s']:.0f}s, {d['connections']} connections, config: {d['config_source']}"
+        f"daemon     {d.version}, pid {d.pid}, up {d.uptime_s:.0f}s, {d.connections} connections,"
+        f" config: {d.config_source}"
     )
-    click.echo(f"socket     {d['socket']}" + (f"   metrics http://{d['metrics']}/metrics" if d.get("metrics") else ""))
-    v = doc.get("verifier", {})
-    click.echo(f"verifier   {v.get('state', 'unknown')} (mode {v.get('mode', '?')}, restarts {v.get('restarts', 0)})")
-    s = doc.get("store", {})
+    click.echo(f"socket     {d.socket}" + (f"   metrics http://{d.metrics}/metrics" if d.metrics else ""))
+    v = doc.verifier
+    click.echo(f"verifier   {v.state} (mode {v.mode}, restarts {v.restarts})")
+    s = doc.store
     if s:
         click.echo(
             f"store      {s.get('root')}  backend {s.get('io_backend')}  used {s.get('used_bytes', 0) / 2**20:.1f} MiB"
             f" of {s.get('budget_bytes', 0) / 2**20:.0f} MiB  persist queue {s.get('persist_queue', 0)}"
         )
-    for prof in doc.get("profiles", []):
+    for prof in doc.profiles:
         click.echo(
-            f"profile    {prof['name']}  namespace {prof['namespace']}  H={prof['hash_block_tokens']}  device {prof.get('device', '?')}"
+            f"profile    {prof.name}  namespace {prof.namespace}  H={prof.hash_block_tokens}  device {prof.device}"
         )
-        for form, p in sorted(prof.get("pools", {}).items()):
-            slots = int(p.get("slots", 0))
-            used = int(p.get("used", 0))
-            click.echo(
-                f"  pool {form:<11} {used:>7}/{slots:<7} slots used ({used / slots if slots else 0:6.1%}), quota {int(p.get('quota', 0))}"
-            )
-    forms = doc.get("forms", {})
-    if forms:
+        for form, p in sorted(prof.pools.items()):
+            share = p.used / p.slots if p.slots else 0
+            click.echo(f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}), quota {p.quota}")
+    if doc.forms:
         click.echo(f"{'form':<11} {'lookups':>9} {'reuse':>7} {'recover':>7} {'recompute':>9}")
-        for form, f in sorted(forms.items()):
-            click.echo(
-                f"{form:<11} {int(f.get('lookups', 0)):>9} {_rate(f, 'reuse'):>7} {_rate(f, 'recover'):>7} {_rate(f, 'recompute'):>9}"
-            )
+        for form, f in sorted(doc.forms.items()):
+            reuse, recover, recompute = (_share(f.share(r)) for r in ("reuse", "recover", "recompute"))
+            click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
 
 
 @click.command()
@@ -121,7 +117,7 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
 
     Exit code 0 when healthy, 1 when degraded, 3 when no daemon answers.
     """
-    from kvtier.daemon.connection import Connection  # not kvtier.client: status needs no torch
+    from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
     path = _socket(config_path, socket_path)
     try:
@@ -131,10 +127,10 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
         click.echo(f"kvtier: {exc}", err=True)
         sys.exit(3)
     if as_json:
-        click.echo(json.dumps(doc, indent=2, default=str))
+        click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
         _render_status(doc)
-    sys.exit(0 if doc["daemon"]["health"] == "ok" else 1)
+    sys.exit(0 if doc.daemon is not None and doc.daemon.health == "ok" else 1)
 
 
 def _manifest_tokens(entry: dict[str, Any], base: Path, where: str) -> np.ndarray:

@@ -10,9 +10,18 @@ from kvtier.client.client import (
     OffloadReport,
     PrewarmReport,
 )
+from kvtier.client.errors import TierFull
 from kvtier.client.tier import TierClient
-from kvtier.daemon.connection import default_socket
-from kvtier.daemon.errors import BadRange, DaemonBusy, DaemonUnavailable, OutOfOrder, PermissionDenied, RemoteError
+from kvtier.wire import (
+    BadRange,
+    DaemonBusy,
+    DaemonUnavailable,
+    OutOfOrder,
+    PermissionDenied,
+    RemoteError,
+    WrongType,
+    default_socket,
+)
 
 __all__ = [
     "Attachment",
@@ -29,5 +38,7 @@ __all__ = [
     "PrewarmReport",
     "RemoteError",
     "TierClient",
+    "TierFull",
+    "WrongType",
     "default_socket",
 ]

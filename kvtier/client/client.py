@@ -20,9 +20,9 @@ from kvtier.client.pools import MappedPool, map_pool
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES, block_hashes
-from kvtier.daemon import errors as E
-from kvtier.daemon import protocol as P
-from kvtier.daemon.connection import Connection
+from kvtier.wire import Connection
+from kvtier.wire import errors as E
+from kvtier.wire import messages as P
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,7 +168,7 @@ class Client(Connection):
         return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv))
 
     def load(self, result: LookupResult) -> LoadReport:
-        """Recover the RECOVER objects into their leased slots; `result` is updated (they turn REUSE, or the hit shrinks)."""
+        """Recover the RECOVER objects into their leased slots; `result` is updated (REUSE now, or a shorter hit)."""
         reply: P.LoadOk = self._call(P.Load(result.lookup_id))
         cv = _cv(reply.check_vector)
         result.check_vector, result.slots, result.generations = cv, _grid(reply.slots, cv), _grid(reply.generations, cv)

@@ -9,7 +9,7 @@ import pickle
 
 import torch
 
-from kvtier.daemon.protocol import PoolInfo
+from kvtier.wire.messages import PoolInfo
 
 
 @dataclasses.dataclass(slots=True)

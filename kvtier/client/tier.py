@@ -19,17 +19,17 @@ from pathlib import Path
 
 import torch
 
+from kvtier.client.errors import TierFull
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
-from kvtier.daemon import errors as E
-from kvtier.daemon import protocol as P
-from kvtier.daemon.connection import Connection
-from kvtier.store import StoreFull
+from kvtier.wire import Connection
+from kvtier.wire import errors as E
+from kvtier.wire import messages as P
 
 
 class TierClient(Connection):
-    """A connection serving one namespace and its groups [(name, form)] from the daemon's store, through `staging_bytes` of staging."""
+    """One namespace and its groups [(name, form)] served from the daemon's store through a staging region."""
 
     def __init__(
         self,
@@ -82,10 +82,10 @@ class TierClient(Connection):
         return [Reason(r) for r in reply.reasons]
 
     def store_staged(self, items: list[P.TierItem]) -> int:
-        """Objects committed; StoreFull (nothing of this batch visible) when over the store's budget, a quota, or the disk."""
+        """Objects committed; TierFull (nothing of the batch visible) over the store's budget, a quota or the disk."""
         reply: P.TierStored = self._call(P.TierStore(items))
         if reply.full_limit:
-            raise StoreFull(reply.full_message, limit=reply.full_limit)
+            raise TierFull(reply.full_message, limit=reply.full_limit)
         return reply.stored
 
     # -- what a DiskStore answers ----------------------------------------------------------------------
@@ -132,7 +132,8 @@ class TierClient(Connection):
         for i, n in enumerate(sizes):
             if n > cap:
                 raise E.WrongType(
-                    f"an object of {n} bytes does not fit the {cap}-byte staging region: open the TierClient with more staging_bytes"
+                    f"an object of {n} bytes does not fit the {cap}-byte staging region:"
+                    " open the TierClient with more staging_bytes"
                 )
             if used + n > cap:
                 yield batch

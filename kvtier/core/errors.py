@@ -28,6 +28,20 @@ class ProfileError(FileFieldError):
     code = "bad_profile"
 
 
+class ConfigError(FileFieldError):
+    """The daemon's TOML config (also read by the verifier) is unreadable or has a bad, missing or unknown key."""
+
+    code = "bad_config"
+    noun = "key"
+
+    def __init__(self, message: str, *, key: str | None = None, source: str | None = None) -> None:
+        super().__init__(message, field=key, source=source)
+
+    @property
+    def key(self) -> str | None:
+        return self.field
+
+
 class VersionError(KvtierError):
     """Data belongs to a namespace (model / kernel / compressor version) other than the one asked for."""
 

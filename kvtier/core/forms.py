@@ -1,4 +1,8 @@
-"""The five cache forms, their kinds, and the routes and reasons a check vector speaks."""
+"""The four cache forms, their kinds, and the routes and reasons a check vector speaks.
+
+Where an object lives (a pool slot or a disk record) is its residence, not a form: a disk record names the form
+it carries, so no form stands for "on disk".
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,10 @@ class CacheForm(enum.Enum):
     TAIL = "tail"
     SWA = "swa"
     INDEXER = "indexer"
-    ON_DISK = "on_disk"
 
     @property
     def kind(self) -> GroupKind:
-        if self is CacheForm.ON_DISK:
-            raise ValueError("on_disk is a residence, not a cache kind: its record names the form it carries")
         return GroupKind.HISTORY if self in (CacheForm.COMPRESSED, CacheForm.INDEXER) else GroupKind.STATE
-
-    @classmethod
-    def gpu_forms(cls) -> tuple[CacheForm, ...]:
-        return (cls.COMPRESSED, cls.TAIL, cls.SWA, cls.INDEXER)
 
 
 class GroupKind(enum.Enum):

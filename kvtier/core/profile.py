@@ -200,8 +200,6 @@ def _parse_group(raw: Any, index: int, source: str | None) -> CacheGroup:
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ProfileError(f"must be a short identifier, got {name!r}", field=f"{where}name", source=source)
     form = _parse_enum(CacheForm, raw["form"], f"{where}form", source)
-    if form is CacheForm.ON_DISK:
-        raise ProfileError("on_disk is a residence, not a group's form", field=f"{where}form", source=source)
     kind = _parse_enum(GroupKind, raw["kind"], f"{where}kind", source)
     if kind is not form.kind:
         raise ProfileError(

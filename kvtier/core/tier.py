@@ -31,8 +31,6 @@ class ObjectKey(_KeyFields):
     def __new__(cls, namespace: bytes, block_hash: bytes, group: str, form: CacheForm) -> ObjectKey:
         if len(namespace) != NAMESPACE_BYTES or len(block_hash) != HASH_BYTES:
             raise ValueError("namespace and block hash must be 16-byte digests")
-        if form is CacheForm.ON_DISK:
-            raise ValueError("on_disk is a residence: an object key names the form it carries")
         if not group or (len(group) > 32 if group.isascii() else len(group.encode()) > 32):
             raise ValueError("group name must be 1..32 bytes")
         return tuple.__new__(cls, (namespace, block_hash, group, form))
@@ -52,7 +50,7 @@ class LowerTier(Protocol):
     """has / load_into / store(_many) / pin / remove, answering with the check vector's reasons."""
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
-        """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, corrupt)."""
+        """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, ...)."""
         ...
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:

@@ -1,1 +1,1 @@
-"""The kvtier service: config, wire protocol, unix-socket server, sd_notify, metrics, supervision, gpu + store backend."""
+"""The kvtier service: unix-socket server, sd_notify, metrics, verifier supervision, gpu + store backend."""

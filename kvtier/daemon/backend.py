@@ -10,46 +10,35 @@ for the store commit.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import heapq
 import itertools
 import logging
-import mmap
 import os
-import pickle
-import stat
 import threading
 import time
 from collections.abc import Hashable
-from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.core.checkvector import CheckVector
+from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
-from kvtier.core.profile import ModelProfile, load_profile
-from kvtier.core.tier import LoadRequest, ObjectKey
-from kvtier.core.versions import VersionKey
-from kvtier.daemon import protocol as P
-from kvtier.daemon.config import DaemonConfig
-from kvtier.daemon.errors import BadRange, OutOfOrder, WrongType
-from kvtier.daemon.server import Session
-from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, LookupResult, WriteHandle
-from kvtier.store import DiskStore, StoreConfig, StoreFull
-from kvtier.verifier import verifier_status
+from kvtier.core.profile import load_profile
+from kvtier.core.tier import ObjectKey
+from kvtier.daemon.persister import Persister
+from kvtier.daemon.runtime import Runtime, resolve_device
+from kvtier.daemon.session import Session
+from kvtier.daemon.stats import backend_stats
+from kvtier.daemon.tier_ops import TierOps
+from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
+from kvtier.store import DiskStore, StoreConfig
+from kvtier.wire import messages as P
+from kvtier.wire.errors import OutOfOrder, WrongType
+from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
-PERSIST_BATCH = 32
-
-
-def resolve_device(device: str) -> str:
-    """`auto` is cuda where a GPU is visible, else cpu."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _split_hashes(data: bytes) -> list[bytes]:
@@ -63,223 +52,14 @@ def _wire_cv(cv: CheckVector) -> P.CheckVectorWire:
 
 
 @dataclasses.dataclass(slots=True)
-class Runtime:
-    """One served profile: its manager (pools) and what a client needs to map them."""
-
-    name: str
-    profile: ModelProfile
-    manager: CacheManager
-    object_bytes: np.ndarray  # per group
-
-    def pool_infos(self) -> tuple[list[P.PoolInfo], list[int]]:
-        """Pool descriptions for an attach reply, and the fds (cpu memfds) that ride along with it."""
-        infos: list[P.PoolInfo] = []
-        fds: list[int] = []
-        for group, pool in zip(self.profile.groups, self.manager.pools()):
-            layout = self.profile.layout(group)
-            common = dict(
-                group=pool.group,
-                form=pool.form.value,
-                slots=pool.n_slots,
-                slot_bytes=pool.slot_stride,
-                object_bytes=pool.slot_nbytes,
-                dtype=layout.dtype,
-                shape=list(layout.shape),
-            )
-            if pool.fd is not None:
-                infos.append(
-                    P.PoolInfo(
-                        **common, fd_index=len(fds), pool_bytes=os.fstat(pool.fd).st_size, offset=pool.base_offset
-                    )
-                )
-                fds.append(pool.fd)
-            else:
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                infos.append(P.PoolInfo(**common, ipc=pickle.dumps(reduce_tensor(pool.tensor))))
-        return infos, fds
-
-    def grids(self, result: LookupResult) -> tuple[bytes, bytes]:
-        """Slot and generation per (group, block), -1 where the object is not REUSE."""
-        shape = result.check_vector.routes.shape
-        slots = np.full(shape, -1, dtype="<i8")
-        gens = np.full(shape, -1, dtype="<i8")
-        groups = {g.name: i for i, g in enumerate(self.profile.groups)}
-        for h in self.manager.handles(result):
-            g = groups[h.group]
-            slots[g, h.block] = h.slot
-            gens[g, h.block] = h.generation
-        return slots.tobytes(), gens.tobytes()
-
-
-@dataclasses.dataclass(slots=True)
 class Held:
     """What a wire handle stands for: a lookup's leases, or an offload's reserved slots."""
 
     owner: Hashable
     runtime: Runtime
-    lookup: LookupResult | None = None
+    lookup: PoolLookup | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
-
-
-@dataclasses.dataclass(slots=True)
-class TierConn:
-    """A raw tier connection: its namespace, its groups (by index), and the client's staging region mapped here."""
-
-    namespace: bytes
-    groups: list[tuple[str, CacheForm]]
-    staging: torch.Tensor  # uint8 over `mapping`; empty when the client asked for none
-    mapping: mmap.mmap | None = None
-
-    def keys(self, items: list[P.TierItem]) -> tuple[list[ObjectKey], list[bytes]]:
-        keys: list[ObjectKey] = []
-        for it in items:
-            if not 0 <= it.group < len(self.groups):
-                raise WrongType(
-                    f"group index {it.group} is not one of the {len(self.groups)} groups sent with tier_open"
-                )
-            if len(it.block_hash) != HASH_BYTES or len(it.layout_digest) != 16:
-                raise WrongType(f"block_hash and layout_digest must be {HASH_BYTES}-byte digests")
-            name, form = self.groups[it.group]
-            keys.append(ObjectKey(self.namespace, it.block_hash, name, form))
-        return keys, [it.layout_digest for it in items]
-
-    def ranges(self, items: list[P.TierItem]) -> list[torch.Tensor]:
-        """Each item's bytes in the staging region; any range outside it is a BadRange (nothing is read or written)."""
-        size = self.staging.numel()
-        for it in items:
-            if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
-                raise BadRange(
-                    f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range of the {size}-byte staging region"
-                )
-        return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
-
-    def close(self) -> None:
-        self.staging = torch.empty(0, dtype=torch.uint8)
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:  # a load still holds a view; the mapping goes with it
-                pass
-            self.mapping = None
-
-
-def _map_staging(fds: list[int], size: int) -> mmap.mmap:
-    """Map the client's staging memfd; it must be sealed against shrinking (a shrunk mapping would SIGBUS the daemon)."""
-    if len(fds) != 1:
-        raise WrongType(f"tier_open with staging_bytes needs exactly one memfd as SCM_RIGHTS, got {len(fds)}")
-    fd = fds[0]
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-        raise WrongType(f"the staging descriptor must be a memfd of at least {size} bytes")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise WrongType(
-            "the staging memfd must carry F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)"
-        )
-    try:
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        raise WrongType(f"cannot map the staging memfd read-write ({exc.strerror}): open it O_RDWR") from None
-
-
-class Persister:
-    """Writes sealed pool objects to the store in the background (the manager's write-back), bounded.
-
-    A *pass* persists everything sealed before it began. `sealed(n)` counts objects waiting for a
-    pass and blocks the sealer while more than `depth` wait (back-pressure); `wait_pass()` returns
-    once a pass that began after the call has finished (flush / durable).
-    """
-
-    def __init__(self, runtimes: list[Runtime], depth: int) -> None:
-        self.runtimes = runtimes
-        self.depth = depth
-        self._cond = threading.Condition()
-        self._waiting = 0  # sealed objects not yet covered by a started pass
-        self._requested = 0
-        self._completed = 0
-        self.persisted = 0
-        self.failed_passes = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    @property
-    def queued(self) -> int:
-        with self._cond:
-            return self._waiting
-
-    def sealed(self, n: int, timeout_s: float) -> None:
-        """Note n newly sealed objects; wait (up to timeout_s) while the queue is over its depth."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._waiting += n
-            self._requested += 1
-            self._cond.notify_all()
-            while self._waiting > self.depth and not self._stop:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    log.warning(
-                        "persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s
-                    )
-                    return
-                self._cond.wait(remaining)
-
-    def wait_pass(self, timeout_s: float) -> tuple[bool, int]:
-        """Block until a pass begun after this call completes; (done, objects persisted meanwhile)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            before = self.persisted
-            self._requested += 1
-            ticket = self._requested
-            self._cond.notify_all()
-            while self._completed < ticket:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
-                    return False, self.persisted - before
-                self._cond.wait(remaining)
-            return True, self.persisted - before
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._completed >= self._requested and not self._stop:
-                    self._cond.wait()
-                if self._stop and self._completed >= self._requested:
-                    return
-                covering = self._requested
-                self._waiting = 0
-                self._cond.notify_all()
-            for rt in self.runtimes:
-                try:
-                    while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
-                        n = rt.manager.persist(limit=PERSIST_BATCH)
-                        with self._cond:
-                            self.persisted += n
-                        if n < PERSIST_BATCH:
-                            break
-                except Exception:  # the pass failed as a whole; objects stay sealed and are retried next pass
-                    log.exception("persisting %s objects to the store failed", rt.name)
-                    self.failed_passes += 1
-            with self._cond:
-                self._completed = covering
-                self._cond.notify_all()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Finish the outstanding passes and end the thread; False if it did not end in time."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
 
 class DaemonBackend:
@@ -317,7 +97,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self._tiers: dict[int, TierConn] = {}  # by owner (connection)
+        self.tier = TierOps(self.store, cfg.store.codec)
         self._closed = False
 
     @staticmethod
@@ -467,7 +247,8 @@ class DaemonBackend:
         )
         if not persisted:
             raise KvtierError(
-                "the store did not commit these objects (evicted first, or a store error; see the daemon log); offload again"
+                "the store did not commit these objects (evicted first, or a store error; see the daemon log);"
+                " offload again"
             )
         return P.SealOk(sealed, True)
 
@@ -504,87 +285,12 @@ class DaemonBackend:
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
 
-    # -- raw tier ops (a client's own keys and namespace over the store; no pools) ---------------------
-
-    def tier_open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk:
-        """Register the client's namespace and map its staging memfd (the server closes `fds` afterwards)."""
-        fields = {f.name for f in dataclasses.fields(VersionKey)}
-        if set(req.version_key) != fields:
-            raise WrongType(f"version_key must have exactly the fields {sorted(fields)}")
-        version_key = VersionKey.from_dict(req.version_key)
-        groups: list[tuple[str, CacheForm]] = []
-        for name, form in req.groups:
-            if not name or len(name.encode()) > 32 or name in (g for g, _ in groups):
-                raise WrongType(f"group names must be distinct and 1..32 bytes, got {name!r}")
-            try:
-                parsed = CacheForm(form)
-            except ValueError:
-                parsed = CacheForm.ON_DISK
-            if parsed is CacheForm.ON_DISK:
-                raise WrongType(f"group {name!r}: form must be one of compressed, indexer, tail, swa, not {form!r}")
-            groups.append((name, parsed))
-        if not groups:
-            raise WrongType("tier_open needs at least one group")
-        if req.staging_bytes < 0:
-            raise WrongType(f"staging_bytes must be >= 0, got {req.staging_bytes}")
-        mapping = _map_staging(fds, req.staging_bytes) if req.staging_bytes else None
-        try:
-            codecs = {form: self.cfg.store.codec for _, form in groups} if self.cfg.store.codec != "none" else None
-            namespace = self.store.register_namespace(version_key, codecs=codecs)
-        except BaseException:
-            if mapping is not None:
-                mapping.close()
-            raise
-        staging = (
-            torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
-        )
-        with self._lock:
-            self._tiers[session.owner] = TierConn(namespace, groups, staging, mapping)
-        log.info(
-            "connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
-            session.owner,
-            session.peer.pid,
-            namespace.hex(),
-            len(groups),
-            req.staging_bytes,
-        )
-        return P.TierOpenOk(namespace, str(self.store.root), self.store.io_backend)
-
-    def _tier(self, session: Session) -> TierConn:
-        with self._lock:
-            return self._tiers[session.owner]
-
-    def tier_has(self, session: Session, req: P.TierHas) -> P.TierReasons:
-        keys, digests = self._tier(session).keys(req.items)
-        return P.TierReasons(bytes(self.store.has(keys, digests)))
-
-    def tier_store(self, session: Session, req: P.TierStore) -> P.TierStored:
-        """Persist the staged objects with one store_many (one fdatasync + one commit); answered after the commit."""
-        conn = self._tier(session)
-        keys, digests = conn.keys(req.items)
-        payloads = conn.ranges(req.items)
-        try:
-            self.store.store_many(list(zip(keys, payloads, digests)))
-        except StoreFull as exc:
-            return P.TierStored(0, exc.limit, str(exc))
-        return P.TierStored(len(keys))
-
-    def tier_load(self, session: Session, req: P.TierLoad) -> P.TierReasons:
-        """Read and verify each record into its staged range (a failed one is quarantined; its range is not to be used)."""
-        conn = self._tier(session)
-        keys, digests = conn.keys(req.items)
-        outs = conn.ranges(req.items)
-        reasons = self.store.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
-        return P.TierReasons(bytes(reasons))
-
     def release_owner(self, owner: int) -> int:
         with self._lock:
             mine = [i for i, h in self._held.items() if h.owner == owner]
             for i in mine:
                 del self._held[i]
-            tier = self._tiers.pop(owner, None)
-        if tier is not None:
-            tier.close()
+        self.tier.release_owner(owner)
         return sum(rt.manager.release_owner(owner) for rt in self.runtimes.values())
 
     # -- life cycle ----------------------------------------------------------------------------------
@@ -637,95 +343,11 @@ class DaemonBackend:
             rt.manager.close()
         self.store.close()
 
-    # -- stats ----------------------------------------------------------------------------------------
-
-    def stats_doc(self) -> dict[str, Any]:
-        """The stats document behind `kvtier status` and the metrics (see kvtier.daemon.metrics)."""
-        profiles = []
-        forms: dict[str, dict[str, Any]] = {}
-        for rt in self.runtimes.values():
-            snap = rt.manager.counters()
-            pools: dict[str, dict[str, int]] = {}
-            for pool in rt.manager.pools():
-                p = pools.setdefault(pool.form.value, {"slots": 0, "bytes": 0})
-                p["slots"] += pool.n_slots
-                p["bytes"] += pool.n_slots * pool.slot_stride
-            for form, p in pools.items():
-                p["used"] = snap["used_slots"].get(form, 0)
-                p["quota"] = snap["quota_slots"].get(form, 0)
-            profiles.append(
-                {
-                    "name": rt.name,
-                    "namespace": rt.manager.namespace.hex(),
-                    "hash_block_tokens": rt.profile.hash_block_tokens,
-                    "device": str(rt.manager.device),
-                    "pools": pools,
-                    "live_leases": snap["live_leases"],
-                    "recovering": snap["recovering"],
-                    "leases_expired": snap["leases_expired"],
-                }
-            )
-            for form, f in snap["forms"].items():
-                _merge_form(forms.setdefault(form, _empty_form()), f)
-        store = self.store.stats()
-        store["used_bytes"] = store.get("record_bytes", 0)
-        store["bytes_by_state"] = {"live": store.get("record_bytes", 0)}
-        store["persist_queue"] = self.persister.queued
-        store["persisted"] = self.persister.persisted
+    def stats_doc(self) -> StatsDoc:
+        """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
             prewarm_pins = len(self._pins)
-        return {
-            "profiles": profiles,
-            "forms": forms,
-            "store": store,
-            "prewarm_pins": prewarm_pins,
-            "verifier": verifier_status(self.store),  # what the verifier last published in the index
-        }
-
-
-def _empty_form() -> dict[str, Any]:
-    return {
-        "lookups": 0,
-        "reuse": 0,
-        "recover": 0,
-        "recompute": 0,
-        "recover_ok": 0,
-        "recover_failed": 0,
-        "admission_rejections": 0,
-        "evictions": 0,
-        "recompute_reasons": {},
-        "recovery_latency": None,
-    }
-
-
-def _merge_form(out: dict[str, Any], f: dict[str, Any]) -> None:
-    """Fold one manager's per-form counters into the daemon-wide ones (histogram buckets made cumulative)."""
-    reasons = f.get("recompute", {})
-    out["lookups"] += f["objects_looked_up"]
-    out["reuse"] += f["reuse"]
-    out["recover"] += f["recover"]
-    out["recompute"] += sum(reasons.values())
-    out["recover_ok"] += f["recovers_ok"]
-    out["recover_failed"] += f["recovers_failed"]
-    out["admission_rejections"] += reasons.get("admission", 0)
-    out["evictions"] += f["evictions"]
-    for reason, n in reasons.items():
-        out["recompute_reasons"][reason] = out["recompute_reasons"].get(reason, 0) + n
-    lat = f["recovery_latency_s"]
-    cumulative = np.cumsum(lat["counts"]).tolist()
-    hist = out["recovery_latency"]
-    if hist is None:
-        les = ["+Inf" if le == float("inf") else le for le in lat["le"]]
-        out["recovery_latency"] = {
-            "buckets": [[le, c] for le, c in zip(les, cumulative)],
-            "sum": lat["sum"],
-            "count": lat["count"],
-        }
-    else:
-        for bucket, c in zip(hist["buckets"], cumulative):
-            bucket[1] += c
-        hist["sum"] += lat["sum"]
-        hist["count"] += lat["count"]
+        return backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

@@ -1,7 +1,7 @@
 """Prometheus metrics: the backend's counters read at scrape time, plus the daemon's own request metrics.
 
-The backend keeps the truth (its `stats()` document); a custom collector turns that document into
-metric families on every scrape, so nothing is counted twice and nothing drifts.
+The backend keeps the truth (its typed stats document, `kvtier.wire.stats.StatsDoc`); a custom collector turns
+that document into metric families on every scrape, so nothing is counted twice and nothing drifts.
 """
 
 from __future__ import annotations
@@ -9,22 +9,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.daemon.errors import ConfigError
+from kvtier.core.errors import ConfigError
+from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
 
 
 class BackendCollector(Collector):
-    """Metric families from a stats document (see `kvtier.daemon.backend.Backend.stats_doc`)."""
+    """Metric families from the stats document (`kvtier.daemon.service.Daemon.stats_doc`)."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], StatsDoc]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -33,7 +33,6 @@ class BackendCollector(Collector):
         except Exception:  # a scrape must never take the daemon down
             log.exception("stats for a metrics scrape failed")
             return
-        forms: dict[str, Any] = doc.get("forms", {})
         routes = CounterMetricFamily(
             "kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"]
         )
@@ -55,24 +54,21 @@ class BackendCollector(Collector):
         latency = HistogramMetricFamily(
             "kvtier_recovery_latency_seconds", "Time to recover one batch into the pool", labels=["form"]
         )
-        for form, f in sorted(forms.items()):
-            reuse, recover, recompute = (int(f.get(k, 0)) for k in ("reuse", "recover", "recompute"))
-            routes.add_metric([form, "reuse"], reuse)
-            routes.add_metric([form, "recover"], recover)
-            routes.add_metric([form, "recompute"], recompute)
-            needed = reuse + recover + recompute - int(f.get("recompute_reasons", {}).get("outside_window", 0))
-            hit_rate.add_metric([form], (reuse + recover) / needed if needed else 0.0)
-            ok, failed = int(f.get("recover_ok", 0)), int(f.get("recover_failed", 0))
+        for form, f in sorted(doc.forms.items()):
+            routes.add_metric([form, "reuse"], f.reuse)
+            routes.add_metric([form, "recover"], f.recover)
+            routes.add_metric([form, "recompute"], f.recompute)
+            hit_rate.add_metric([form], f.hit_rate)
+            ok, failed = f.recover_ok, f.recover_failed
             recov.add_metric([form, "ok"], ok)
             recov.add_metric([form, "failed"], failed)
             recov_rate.add_metric([form], ok / (ok + failed) if ok + failed else 1.0)
-            for reason, n in sorted(f.get("recompute_reasons", {}).items()):
-                reasons.add_metric([form, reason], int(n))
-            admission.add_metric([form], int(f.get("admission_rejections", 0)))
-            hist = f.get("recovery_latency")
-            if hist:
-                buckets = [(_le(le), int(n)) for le, n in hist["buckets"]]
-                latency.add_metric([form], buckets, float(hist.get("sum", 0.0)))
+            for reason, n in sorted(f.recompute_reasons.items()):
+                reasons.add_metric([form, reason], n)
+            admission.add_metric([form], f.admission_rejections)
+            if f.recovery_latency is not None:
+                buckets = [(_le(le), n) for le, n in f.recovery_latency.buckets]
+                latency.add_metric([form], buckets, f.recovery_latency.sum)
         yield from (routes, hit_rate, recov, recov_rate, reasons, admission, latency)
 
         pool = GaugeMetricFamily(
@@ -80,13 +76,13 @@ class BackendCollector(Collector):
             "Pool slots by profile and form: capacity, occupied, and the admission quota",
             labels=["profile", "form", "state"],
         )
-        for prof in doc.get("profiles", []):
-            for form, p in sorted(prof.get("pools", {}).items()):
-                for state in ("slots", "used", "quota"):
-                    pool.add_metric([prof["name"], form, state], int(p.get(state, 0)))
+        for prof in doc.profiles:
+            for form, p in sorted(prof.pools.items()):
+                for state, n in (("slots", p.slots), ("used", p.used), ("quota", p.quota)):
+                    pool.add_metric([prof.name, form, state], n)
         yield pool
 
-        store = doc.get("store", {})
+        store = doc.store
         by_state = GaugeMetricFamily("kvtier_store_bytes", "Disk store bytes by record state", labels=["state"])
         for state, n in sorted(store.get("bytes_by_state", {}).items()):
             by_state.add_metric([state], int(n))
@@ -95,24 +91,23 @@ class BackendCollector(Collector):
         queue.add_metric([], int(store.get("persist_queue", 0)))
         yield queue
 
-        verifier = doc.get("verifier", {})
         actions = CounterMetricFamily("kvtier_verifier_actions", "Actions the verifier took", labels=["action"])
-        for action, n in sorted(verifier.get("actions", {}).items()):
-            actions.add_metric([action], int(n))
+        for action, n in sorted(doc.verifier.actions.items()):
+            actions.add_metric([action], n)
         yield actions
         restarts = CounterMetricFamily("kvtier_verifier_restarts", "Times the supervised verifier was restarted")
-        restarts.add_metric([], int(verifier.get("restarts", 0)))
+        restarts.add_metric([], doc.verifier.restarts)
         yield restarts
 
 
-def _le(value: Any) -> str:
+def _le(value: float | str) -> str:
     return "+Inf" if value in (None, "+Inf", float("inf")) else repr(float(value))
 
 
 class Metrics:
     """The daemon's registry: backend families plus request counters; served over HTTP when an address is set."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], StatsDoc]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(BackendCollector(stats))
         self.requests = Counter(

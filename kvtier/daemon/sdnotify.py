@@ -1,4 +1,4 @@
-"""sd_notify without a package: READY / STATUS / WATCHDOG / STOPPING datagrams to `$NOTIFY_SOCKET` (path or abstract `@`)."""
+"""sd_notify without a package: READY / STATUS / WATCHDOG / STOPPING datagrams to `$NOTIFY_SOCKET` (path or `@`)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ every lease it held.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -20,52 +19,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
 
 from kvtier import __version__
+from kvtier.core.config import ServerConfig
 from kvtier.core.errors import KvtierError
-from kvtier.daemon import protocol as P
-from kvtier.daemon.config import ServerConfig
-from kvtier.daemon.errors import DaemonBusy, OutOfOrder, PermissionDenied, ProtocolError
+from kvtier.daemon.session import Backend, Peer, Session
+from kvtier.wire import framing as F
+from kvtier.wire import messages as P
+from kvtier.wire.errors import DaemonBusy, OutOfOrder, PermissionDenied, ProtocolError, UnsupportedVersion
+from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Peer:
-    pid: int
-    uid: int
-    gid: int
-
-
-@dataclasses.dataclass(slots=True)
-class Session:
-    """What one connection has done so far; `owner` names its leases in the backend."""
-
-    owner: int
-    peer: Peer
-    requests: int = 0
-    attached: str | None = None
-    tier_open: bool = False
-
-
-class Backend(Protocol):
-    """What the server asks of the composed gpu + store backend (see kvtier.daemon.backend)."""
-
-    def attach(self, session: Session, req: P.Attach) -> tuple[P.AttachOk, list[int]]: ...
-    def lookup(self, session: Session, req: P.Lookup) -> P.LookupOk: ...
-    def release(self, session: Session, req: P.Release) -> P.Released: ...
-    def load(self, session: Session, req: P.Load) -> P.LoadOk: ...
-    def offload(self, session: Session, req: P.Offload) -> P.OffloadOk: ...
-    def seal(self, session: Session, req: P.Seal) -> P.SealOk: ...
-    def flush(self, session: Session, req: P.Flush) -> P.FlushOk: ...
-    def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk: ...
-    def tier_open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk: ...
-    def tier_has(self, session: Session, req: P.TierHas) -> P.TierReasons: ...
-    def tier_store(self, session: Session, req: P.TierStore) -> P.TierStored: ...
-    def tier_load(self, session: Session, req: P.TierLoad) -> P.TierReasons: ...
-    def release_owner(self, owner: int) -> int: ...
 
 
 def peer_credentials(conn: socket.socket) -> Peer:
@@ -123,13 +88,13 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
 
 
 class SocketServer:
-    """Accepts connections (the caller's loop calls `accept_one` when the listener is readable) and serves each in a thread."""
+    """Accepts connections (the caller's loop calls `accept_one` when the listener is readable), each in a thread."""
 
     def __init__(
         self,
         cfg: ServerConfig,
         backend: Backend,
-        stats_doc: Callable[[], dict[str, Any]],
+        stats_doc: Callable[[], StatsDoc],
         *,
         on_request: Callable[[str, float, str], None] | None = None,
     ) -> None:
@@ -154,9 +119,9 @@ class SocketServer:
             P.Prewarm: backend.prewarm,
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
-            P.TierHas: backend.tier_has,
-            P.TierStore: backend.tier_store,
-            P.TierLoad: backend.tier_load,
+            P.TierHas: backend.tier.has,
+            P.TierStore: backend.tier.store_many,
+            P.TierLoad: backend.tier.load,
         }
 
     # -- accepting -------------------------------------------------------------------------------
@@ -179,7 +144,8 @@ class SocketServer:
         refusal: KvtierError | None = None
         if not peer_allowed(peer, self.cfg):
             refusal = PermissionDenied(
-                f"uid {peer.uid} / gid {peer.gid} may not use this daemon; add it to server.allowed_uids or allowed_gids"
+                f"uid {peer.uid} / gid {peer.gid} may not use this daemon;"
+                " add it to server.allowed_uids or allowed_gids"
             )
         with self._lock:
             if refusal is None and (self._closing or len(self._conns) >= self.cfg.max_connections):
@@ -200,7 +166,7 @@ class SocketServer:
     def _refuse(self, conn: socket.socket, exc: KvtierError) -> None:
         try:
             conn.settimeout(1.0)
-            P.send_frame(conn, P.Error(exc.code, str(exc)))
+            F.send_frame(conn, P.Error(exc.code, str(exc)))
         except OSError:
             pass
         finally:
@@ -226,7 +192,7 @@ class SocketServer:
                     try:
                         reply, fds = self._handle(session, body, received)
                         conn.settimeout(self.cfg.frame_timeout_s)
-                        P.send_frame(conn, reply, fds)
+                        F.send_frame(conn, reply, fds)
                     finally:
                         with self._lock:
                             self._inflight -= 1
@@ -239,7 +205,7 @@ class SocketServer:
         except ProtocolError as exc:
             log.info("connection %d (pid %d): %s; closing", session.owner, session.peer.pid, exc)
             try:
-                P.send_frame(conn, P.Error(exc.code, str(exc)))
+                F.send_frame(conn, P.Error(exc.code, str(exc)))
             except OSError:
                 pass
         except (OSError, KvtierError) as exc:
@@ -260,16 +226,16 @@ class SocketServer:
         SCM_RIGHTS descriptors riding along with the frame are appended to `fds` (the caller closes them).
         """
         conn.settimeout(None)
-        first = P.recv_exact(conn, 1, fds)
+        first = F.recv_exact(conn, 1, fds)
         if not first:
             return None
         conn.settimeout(self.cfg.frame_timeout_s)
         try:
-            header = first + P.recv_exact(conn, P.HEADER.size - 1, fds)
-            if len(header) < P.HEADER.size:
+            header = first + F.recv_exact(conn, F.HEADER.size - 1, fds)
+            if len(header) < F.HEADER.size:
                 raise ProtocolError("truncated frame header")
-            length = P.parse_header(header, self.cfg.max_frame_bytes)
-            body = P.recv_exact(conn, length, fds)
+            length = F.parse_header(header, self.cfg.max_frame_bytes)
+            body = F.recv_exact(conn, length, fds)
         except TimeoutError:
             raise ProtocolError(f"frame not completed within {self.cfg.frame_timeout_s}s") from None
         if len(body) < length:
@@ -301,16 +267,17 @@ class SocketServer:
         if isinstance(req, P.Hello):
             if session.requests != 1:
                 raise OutOfOrder("hello must be the first request on a connection")
-            common = set(req.versions) & set(P.SUPPORTED_VERSIONS)
+            common = set(req.versions) & set(F.SUPPORTED_VERSIONS)
             if not common:
-                raise P.UnsupportedVersion(
-                    f"no common protocol version: client {req.versions}, daemon {list(P.SUPPORTED_VERSIONS)}"
+                raise UnsupportedVersion(
+                    f"no common protocol version: client {req.versions}, daemon {list(F.SUPPORTED_VERSIONS)}"
                 )
             return P.HelloOk(max(common), f"kvtier {__version__}", os.getpid()), []
         if isinstance(req, P.Attach):
             if session.attached is not None:
                 raise OutOfOrder(
-                    f"this connection is already attached to {session.attached!r}; open another connection for another profile"
+                    f"this connection is already attached to {session.attached!r};"
+                    " open another connection for another profile"
                 )
             reply, fds = self.backend.attach(session, req)
             session.attached = reply.profile
@@ -324,7 +291,7 @@ class SocketServer:
                 raise OutOfOrder(
                     "tier_open was already sent on this connection; open another connection for another namespace"
                 )
-            reply = self.backend.tier_open(session, req, received)
+            reply = self.backend.tier.open(session, req, received)
             session.tier_open = True
             return reply, []
         if type(req) in self._tier_dispatch:
@@ -349,7 +316,7 @@ class SocketServer:
         self.listener.close()
 
     def drain(self, deadline: float, tick: Callable[[], None] = lambda: None) -> bool:
-        """Let in-flight requests finish, end idle connections, and wait for every connection thread; True if all ended."""
+        """Let in-flight requests finish, end idle connections, wait for every connection thread; True if all ended."""
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:

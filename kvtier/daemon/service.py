@@ -11,17 +11,22 @@ import logging
 import os
 import selectors
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from kvtier import __version__
+from kvtier.core.config import DaemonConfig, apply_reloadable, load_config
 from kvtier.core.errors import KvtierError
-from kvtier.daemon.config import DaemonConfig, apply_reloadable, default_verifier_command, load_config
 from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.sdnotify import Notifier
-from kvtier.daemon.server import Backend, SocketServer
+from kvtier.daemon.server import SocketServer
+from kvtier.daemon.session import Backend
 from kvtier.daemon.supervisor import Supervisor
+from kvtier.wire.stats import DaemonInfo, Reloadable, StatsDoc
 
 log = logging.getLogger(__name__)
 TICK_S = 1.0
@@ -30,12 +35,19 @@ TICK_S = 1.0
 class ServiceBackend(Backend, Protocol):
     """The backend's side of the daemon's life cycle."""
 
-    def stats_doc(self) -> dict[str, Any]: ...
+    def stats_doc(self) -> StatsDoc: ...
     def health(self) -> tuple[bool, str]: ...
     def tick(self) -> None: ...
     def reload(self, cfg: DaemonConfig) -> None: ...
     def drain(self, timeout_s: float) -> bool: ...
     def close(self) -> None: ...
+
+
+def default_verifier_command(cfg: DaemonConfig, config_path: str | Path | None = None) -> list[str]:
+    """How a supervised verifier is started: by command, as its own process (this interpreter, `kvtier verifier
+    run`), on the store root and with our config for its rates; the daemon never imports the verifier."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]
+    return [*cmd, "--config", str(config_path)] if config_path is not None else cmd
 
 
 class Daemon:
@@ -71,14 +83,12 @@ class Daemon:
 
     # -- stats --------------------------------------------------------------------------------------
 
-    def verifier_doc(self) -> dict[str, Any]:
+    def _supervision(self) -> dict[str, Any]:
+        """The supervisor's view of the verifier, laid over what the verifier published."""
         mode = self.cfg.verifier.mode
         if self.supervisor is None:
-            return {
-                "mode": mode,
-                "state": "external (its own unit)" if mode == "external" else "not running",
-                "restarts": 0,
-            }
+            state = "external (its own unit)" if mode == "external" else "not running"
+            return {"mode": mode, "state": state, "restarts": 0}
         st = self.supervisor.state()
         return {"mode": mode, "state": st.state, "pid": st.pid, "restarts": st.restarts, "last_exit": st.last_exit}
 
@@ -91,27 +101,27 @@ class Daemon:
                 return False, f"the verifier exited ({st.last_exit}) and waits to restart ({st.restarts} restarts)"
         return healthy, why
 
-    def stats_doc(self) -> dict[str, Any]:
+    def stats_doc(self) -> StatsDoc:
         doc = self.backend.stats_doc()
         healthy, why = self.readiness()
-        doc["daemon"] = {
-            "version": __version__,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 3),
-            "health": "ok" if healthy else f"degraded: {why}",
-            "config_source": self.cfg.source,
-            "socket": str(self.cfg.server.socket),
-            "connections": self.server.connections,
-            "metrics": f"{self.metrics_address[0]}:{self.metrics_address[1]}" if self.metrics_address else "",
-        }
-        doc.setdefault("verifier", {}).update(self.verifier_doc())
+        doc.daemon = DaemonInfo(
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=round(time.time() - self.started, 3),
+            health="ok" if healthy else f"degraded: {why}",
+            config_source=self.cfg.source,
+            socket=str(self.cfg.server.socket),
+            connections=self.server.connections,
+            metrics=f"{self.metrics_address[0]}:{self.metrics_address[1]}" if self.metrics_address else "",
+        )
+        doc.verifier = msgspec.structs.replace(doc.verifier, **self._supervision())
         c = self.cfg
-        doc["reloadable"] = {
-            "store_budget_bytes": c.store.budget_bytes,
-            "store_quota_bytes": dict(c.store.quota_bytes),
-            "verifier_rate_bytes_per_s": c.verifier.rate_bytes_per_s,
-            "verifier_sweep_interval_s": c.verifier.sweep_interval_s,
-        }
+        doc.reloadable = Reloadable(
+            store_budget_bytes=c.store.budget_bytes,
+            store_quota_bytes=dict(c.store.quota_bytes),
+            verifier_rate_bytes_per_s=c.verifier.rate_bytes_per_s,
+            verifier_sweep_interval_s=c.verifier.sweep_interval_s,
+        )
         return doc
 
     # -- signals ------------------------------------------------------------------------------------
@@ -141,7 +151,7 @@ class Daemon:
                 self._stop = True
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; apply the store's budget and quotas and the verifier's rates (forwarded as SIGHUP)."""
+        """SIGHUP: re-read the config; apply the store's budget and quotas, and the verifier's rates (by SIGHUP)."""
         self.notifier.reloading()
         try:
             fresh = load_config(self.config_path)

@@ -15,8 +15,9 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from kvtier.core.verifier_status import PARENT_PID_ENV
+
 log = logging.getLogger(__name__)
-PARENT_PID_ENV = "KVTIER_PARENT_PID"
 
 STABLE_AFTER_S = 60.0  # a child that ran this long resets the backoff
 
@@ -57,7 +58,7 @@ class Supervisor:
             env = {
                 **os.environ,
                 PARENT_PID_ENV: str(os.getpid()),
-            }  # the child ends itself if we die (see kvtier.verifier.process)
+            }  # the child ends itself if we die (see kvtier.core.verifier_status)
             self._proc = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env
             )

@@ -12,8 +12,7 @@ from kvtier.gpu.errors import (
     TopologyError,
 )
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
-from kvtier.gpu.manager import CacheManager, LookupResult
-from kvtier.gpu.memtier import MemoryTier
+from kvtier.gpu.manager import CacheManager, PoolLookup
 from kvtier.gpu.pools import Pool
 from kvtier.gpu.states import BlockState, CacheBlockState
 
@@ -28,10 +27,9 @@ __all__ = [
     "Handle",
     "IllegalTransition",
     "LeaseSet",
-    "LookupResult",
-    "MemoryTier",
     "PartialBlock",
     "Pool",
+    "PoolLookup",
     "StaleHandle",
     "TopologyError",
     "WriteHandle",

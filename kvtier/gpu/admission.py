@@ -14,9 +14,10 @@ class AdmissionConfig:
     `max_entries`: occupied slots across all pools (None: their capacity). Per-form quotas split it
     into reservations, starting in proportion to capacity and rebalanced toward demand every
     `rebalance_every` allocations, never below `min_form_share`: when the cap is reached, the victim
-    comes from a form above its reservation (state forms first, LRU), so no form starves another. `max_recovering`: slots RECOVERING at once (a
-    recovery beyond it waits, up to `recover_wait_s`). `max_recover_queue`: RECOVER objects a
-    lookup may hand out while others are pending; the excess is routed RECOMPUTE `admission`.
+    comes from a form above its reservation (state forms first, LRU), so no form starves another.
+    `max_recovering`: slots RECOVERING at once (a recovery beyond it waits, up to `recover_wait_s`).
+    `max_recover_queue`: RECOVER objects a lookup may hand out while others are pending; the excess
+    is routed RECOMPUTE `admission`.
     `state_probe_boundaries`: boundaries below the history hit at which the lower tier is asked
     for missing state objects before settling for a resident checkpoint.
     """

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+import msgspec
 import numpy as np
 
 from kvtier.core.forms import CacheForm, Reason, Route
@@ -12,6 +11,46 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 # One code per (route, reason) a check vector can hold: route + reason, so REUSE=0, RECOVER=1, RECOMPUTE:r = 2 + r.
 N_CODES = int(Route.RECOMPUTE) + max(Reason) + 1
 _EVENTS = ("recovers_ok", "recovers_failed", "evictions", "writes_sealed", "writes_aborted")
+
+
+class LatencySnapshot(msgspec.Struct):
+    """Recovery latency: per-bucket (not cumulative) counts for the upper bounds `le` (seconds, the last inf)."""
+
+    le: list[float]
+    counts: list[int]
+    sum: float
+    count: int
+
+
+class FormCounts(msgspec.Struct):
+    """One form's counters: objects looked up and their routes (RECOMPUTE by reason label), events, latency."""
+
+    objects_looked_up: int
+    reuse: int
+    recover: int
+    recompute: dict[str, int]
+    recovers_ok: int
+    recovers_failed: int
+    evictions: int
+    writes_sealed: int
+    writes_aborted: int
+    recovery_latency_s: LatencySnapshot
+
+
+class CounterSnapshot(msgspec.Struct):
+    """The counters at one instant; the pool-state fields at the end are filled in by the manager."""
+
+    lookups: int
+    leases_expired: int
+    writes_expired: int
+    leases_released: int
+    forms: dict[str, FormCounts]
+    topology_epoch: int = 0
+    recovering: int = 0
+    recover_queue: int = 0
+    live_leases: int = 0
+    quota_slots: dict[str, int] = {}
+    used_slots: dict[str, int] = {}
 
 
 class Counters:
@@ -52,27 +91,27 @@ class Counters:
         self._lat_counts[form_index, np.searchsorted(LATENCY_BUCKETS_S, seconds)] += 1
         self._lat_sum[form_index] += seconds
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> CounterSnapshot:
         per_form = np.zeros((len(self.forms), N_CODES), dtype=np.int64)
         np.add.at(per_form, self._group_form, self._codes)
-        forms: dict[str, Any] = {}
+        forms: dict[str, FormCounts] = {}
         for fi, form in enumerate(self.forms):
             codes = per_form[fi]
-            forms[form.value] = {
-                "objects_looked_up": int(codes.sum()),
-                "reuse": int(codes[Route.REUSE]),
-                "recover": int(codes[Route.RECOVER]),
-                "recompute": {
+            forms[form.value] = FormCounts(
+                objects_looked_up=int(codes.sum()),
+                reuse=int(codes[Route.REUSE]),
+                recover=int(codes[Route.RECOVER]),
+                recompute={
                     Reason(r).label: int(codes[Route.RECOMPUTE + r])
                     for r in range(1, max(Reason) + 1)
                     if codes[Route.RECOMPUTE + r]
                 },
                 **{name: int(arr[fi]) for name, arr in self._events.items()},
-                "recovery_latency_s": {
-                    "le": [*LATENCY_BUCKETS_S, float("inf")],
-                    "counts": [int(c) for c in self._lat_counts[fi]],
-                    "sum": float(self._lat_sum[fi]),
-                    "count": int(self._lat_counts[fi].sum()),
-                },
-            }
-        return {**self.totals, "forms": forms}
+                recovery_latency_s=LatencySnapshot(
+                    le=[*LATENCY_BUCKETS_S, float("inf")],
+                    counts=[int(c) for c in self._lat_counts[fi]],
+                    sum=float(self._lat_sum[fi]),
+                    count=int(self._lat_counts[fi].sum()),
+                ),
+            )
+        return CounterSnapshot(**self.totals, forms=forms)

@@ -60,7 +60,7 @@ class LeaseSet:
     routes: np.ndarray
     reasons: np.ndarray
     held_rows: np.ndarray
-    held_slots: list[int]
+    held_slots: list[tuple[int, int]]  # (slot, generation) of each state object held
     reserved: int = 0
     live: bool = True
 

@@ -38,7 +38,8 @@ def check_move(current: int, to: BlockState, slot: int) -> None:
     """Raise IllegalTransition unless `current -> to` is an edge of the state machine."""
     if not LEGAL[current, to]:
         raise IllegalTransition(
-            f"slot {slot}: {BlockState(current).name} -> {to.name} is not a legal move; this is a kvtier bug, please report it"
+            f"slot {slot}: {BlockState(current).name} -> {to.name} is not a legal move; "
+            "this is a kvtier bug, please report it"
         )
 
 

@@ -129,6 +129,25 @@ class BlockTable:
     def set_verdict(self, slot: int, verdict: int) -> None:
         self.e_verdict[self.s_group[slot], self.s_row[slot]] = verdict
 
+    def seal(self, slot: int, live_ns: int, *, recoverable: bool = False) -> None:
+        """WRITING / RECOVERING -> SEALED: the object reads OK if it is of the live namespace."""
+        self.move(slot, BlockState.SEALED)
+        self.set_verdict(slot, Reason.OK if self.s_ns[slot] == live_ns else Reason.STALE_VERSION)
+        if recoverable:
+            self.mark_recoverable(slot)
+        self.touch_slot(slot)
+
+    def mark_recoverable(self, slot: int) -> None:
+        """The lower tier holds a verified copy: write-back may skip the slot."""
+        self.s_recoverable[slot] = True
+
+    def restamp(self, live_ns: int) -> None:
+        """Re-derive every sealed object's verdict for a new live namespace (the others turn stale)."""
+        sealed = np.flatnonzero(self.s_state == BlockState.SEALED)
+        live = self.s_ns[sealed] == live_ns
+        verdict = np.where(live, Reason.OK, Reason.STALE_VERSION).astype(np.int8)
+        self.e_verdict[self.s_group[sealed], self.s_row[sealed]] = verdict
+
     def touch_rows(self, rows: np.ndarray) -> None:
         self.tick += 1
         self.r_touch[rows] = self.tick
@@ -138,6 +157,54 @@ class BlockTable:
         self.s_touch[slot] = self.tick
         if self.s_history[slot]:
             self.r_touch[self.s_row[slot]] = self.tick
+
+    # -- holds and pins: what eviction must pass over ------------------------------------------
+
+    def hold_rows(self, rows: np.ndarray) -> None:
+        """A lease holds rows: they stay indexed and their history objects are spared by pressure eviction."""
+        self.r_leases[rows] += 1
+        self.touch_rows(rows)
+
+    def hold_row(self, row: int) -> None:
+        """Keep one row indexed (a recovery adopting a row its lookup did not find)."""
+        self.r_leases[row] += 1
+
+    def let_go_row(self, row: int) -> bool:
+        """Undo `hold_row`; True if the row held nothing else and was unindexed."""
+        self.r_leases[row] -= 1
+        return self.drop_row_if_dead(row)
+
+    def hold_slots(self, slots: list[int]) -> list[tuple[int, int]]:
+        """A lease holds slots against pressure eviction; returns (slot, generation) of each to let go by."""
+        held = []
+        for slot in slots:
+            self.s_leases[slot] += 1
+            self.s_touch[slot] = self.tick
+            held.append((slot, int(self.s_gen[slot])))
+        return held
+
+    def let_go(self, rows: np.ndarray, slots: list[tuple[int, int]]) -> None:
+        """Undo `hold_rows` and `hold_slots` (a slot evicted since is skipped: its generation moved);
+        rows left with no slot and no lease are unindexed."""
+        self.r_leases[rows] -= 1
+        for slot, gen in slots:
+            if self.s_gen[slot] == gen:
+                self.s_leases[slot] -= 1
+        dead = rows[(self.r_live[rows] == 0) & (self.r_leases[rows] == 0)]
+        for row in np.unique(dead).tolist():
+            self.drop_row_if_dead(row)
+
+    def pin(self, slot: int) -> bool:
+        """Spare a slot from every eviction until unpinned."""
+        self.s_pins[slot] += 1
+        return True
+
+    def unpin(self, slot: int) -> bool:
+        """Undo one `pin`; False if the slot was not pinned."""
+        if self.s_pins[slot] <= 0:
+            return False
+        self.s_pins[slot] -= 1
+        return True
 
     def victim(self, where: slice | np.ndarray, live_ns: int) -> int:
         """The slot to evict among `where`: SEALED, unpinned, unleased; stale namespace first, then state

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from kvtier.client.tier import TierClient
+from kvtier.client import TierClient, TierFull
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
+from kvtier.store import StoreFull
 
 
 class DaemonStore:
@@ -53,7 +54,10 @@ class DaemonStore:
         return self._loads.load_into(requests)
 
     def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
-        self._stores.store_many(items)
+        try:
+            self._stores.store_many(items)
+        except TierFull as exc:  # the store's own error, as a DiskStore raises it: callers swap one for the other
+            raise StoreFull(str(exc), limit=exc.limit) from None
 
     def stats(self) -> dict[str, Any]:
         return {"daemon": self._lookups.daemon, "socket": str(self.socket_path)}

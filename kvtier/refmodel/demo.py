@@ -283,7 +283,7 @@ def run_demo(params: DemoParams, progress: Callable[[str], None] = lambda stage:
         progress("engine B: cold restore (lookup, load from disk, rebuild) and continue")
         with Client(daemon.socket, name="kvtier demo: engine B") as client:
             client.attach(profile.name)
-            records = int(client.stats()["store"].get("records", 0))
+            records = int(client.stats().store.get("records", 0))
             engine = RefEngine(client, model, checkpoint_every=params.checkpoint_every)
             cold = engine.restore_and_continue(prompt_b, decode=params.decode)
         progress(f"recomputing the {cold.hit_tokens:,}-token prefix without the cache (the oracle and the cost saved)")

@@ -1,5 +1,12 @@
-"""The on-disk prefix store: LMDB index + aligned, checksummed, append-only segments (see FORMAT.md)."""
+"""The on-disk prefix store: LMDB index + aligned, checksummed, append-only segments (see FORMAT.md).
 
+These exports are the package's public interface; other packages import nothing from its submodules. Besides
+`DiskStore` and its records and errors, the store layout other processes need to read a store's files: where
+the index and the segments are (`INDEX_DIR`, `SEGMENTS_DIR`, `segment_name`, `parse_segment_name`), how a key
+is spelled in the index (`encode_key` / `decode_key`) and which forms a record can carry (`RECORD_FORMS`).
+"""
+
+from kvtier.store.context import StoreConfig, StoreLimits
 from kvtier.store.errors import (
     CorruptRecord,
     FormatVersionError,
@@ -12,11 +19,17 @@ from kvtier.store.errors import (
     StoreReadOnly,
     StoreRequestError,
 )
-from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, SegmentEntry
+from kvtier.store.index import INDEX_DIR, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, decode_key, encode_key
+from kvtier.store.maintenance import RecordInfo, VerifyResult
 from kvtier.store.rebuild import RebuildReport, rebuild_index
-from kvtier.store.store import DiskStore, RecordInfo, StoreConfig, StoreLimits, VerifyResult
+from kvtier.store.record import RECORD_FORMS
+from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name, segment_name
+from kvtier.store.store import DiskStore
 
 __all__ = [
+    "INDEX_DIR",
+    "RECORD_FORMS",
+    "SEGMENTS_DIR",
     "CorruptRecord",
     "DiskStore",
     "FormatVersionError",
@@ -37,5 +50,9 @@ __all__ = [
     "StoreReadOnly",
     "StoreRequestError",
     "VerifyResult",
+    "decode_key",
+    "encode_key",
+    "parse_segment_name",
     "rebuild_index",
+    "segment_name",
 ]

@@ -318,10 +318,18 @@ class Index:
                 ) from None
             raise
         if readonly:  # handles opened inside a read txn die with it: open them without one
-            self.dbs = {n: self._open_existing(n) for n in DB_NAMES}
+            dbs = {n: self._open_existing(n) for n in DB_NAMES}
         else:
             with self.env.begin(write=True) as txn:
-                self.dbs = {n: self.env.open_db(n.encode(), txn=txn) for n in DB_NAMES}
+                dbs = {n: self.env.open_db(n.encode(), txn=txn) for n in DB_NAMES}
+        # One handle per named DB (FORMAT.md says what each holds).
+        self.meta: Any = dbs["meta"]
+        self.ns: Any = dbs["ns"]
+        self.obj: Any = dbs["obj"]
+        self.seg: Any = dbs["seg"]
+        self.dirty: Any = dbs["dirty"]
+        self.atime: Any = dbs["atime"]
+        self.gone: Any = dbs["gone"]  # None in a read-only store no writer has opened since `gone` was added
         self._check_format()
 
     def _open_existing(self, name: str) -> Any:
@@ -336,11 +344,11 @@ class Index:
 
     def _check_format(self) -> None:
         with self.read() as txn:
-            raw = txn.get(b"format_version", db=self.dbs["meta"])
+            raw = txn.get(b"format_version", db=self.meta)
         if raw is None:
             if self.readonly:
                 raise StoreError(f"{self.path} has no format version: it is not a kvtier index")
-            self.update(lambda txn: txn.put(b"format_version", seal(_U64.pack(FORMAT_VERSION)), db=self.dbs["meta"]))
+            self.update(lambda txn: txn.put(b"format_version", seal(_U64.pack(FORMAT_VERSION)), db=self.meta))
             return
         (version,) = _U64.unpack(unseal(raw))
         if version > FORMAT_VERSION:
@@ -392,18 +400,30 @@ class Index:
                 self._gate.leave()
             self._resize(self.env.info()["map_size"] * 2)
 
+    def namespace(self, txn: lmdb.Transaction, ns: bytes) -> NamespaceEntry | None:
+        raw = txn.get(ns, db=self.ns)
+        return None if raw is None else NamespaceEntry.unpack(raw)
+
+    def segment(self, txn: lmdb.Transaction, seg_id: int) -> SegmentEntry | None:
+        raw = txn.get(u64_key(seg_id), db=self.seg)
+        return None if raw is None else SegmentEntry.unpack(raw)
+
+    def format_version(self) -> int:
+        with self.read() as txn:
+            return self.get_meta_u64(txn, b"format_version")
+
     def get_meta_u64(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
-        raw = txn.get(name, db=self.dbs["meta"])
+        raw = txn.get(name, db=self.meta)
         return default if raw is None else _U64.unpack(unseal(raw))[0]
 
     def put_meta_u64(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
-        txn.put(name, seal(_U64.pack(value)), db=self.dbs["meta"])
+        txn.put(name, seal(_U64.pack(value)), db=self.meta)
 
     def usage(self, txn: lmdb.Transaction) -> Usage:
-        return unpack_usage(txn.get(b"usage", db=self.dbs["meta"]))
+        return unpack_usage(txn.get(b"usage", db=self.meta))
 
     def put_usage(self, txn: lmdb.Transaction, usage: Usage) -> None:
-        txn.put(b"usage", pack_usage(usage), db=self.dbs["meta"])
+        txn.put(b"usage", pack_usage(usage), db=self.meta)
 
     def reader_check(self) -> int:
         """Clear reader slots of dead processes; returns how many were cleared."""

@@ -121,7 +121,9 @@ def scan_segment(path: str, seg_id: int, pool: BufferPool, report: RebuildReport
 def _read_old_index(
     root: str,
 ) -> tuple[dict[bytes, IndexEntry], dict[bytes, NamespaceEntry], dict[bytes, float], int] | None:
-    """The existing index's entries (corrupt values skipped), namespaces, atimes, next segment id; None if unreadable."""
+    """The existing index's entries (corrupt values skipped), namespaces, atimes, next segment id.
+
+    None if there is no index or it is unreadable."""
     if not os.path.isdir(os.path.join(root, INDEX_DIR)):
         return None
     try:
@@ -134,17 +136,17 @@ def _read_old_index(
     atimes: dict[bytes, float] = {}
     try:
         with old.read() as txn:
-            for k, v in txn.cursor(db=old.dbs["obj"]):
+            for k, v in txn.cursor(db=old.obj):
                 try:
                     entries[bytes(k)] = IndexEntry.unpack(v)
                 except CorruptRecord:
                     continue
-            for k, v in txn.cursor(db=old.dbs["ns"]):
+            for k, v in txn.cursor(db=old.ns):
                 try:
                     namespaces[bytes(k)] = NamespaceEntry.unpack(v)
                 except CorruptRecord:
                     continue
-            for k, v in txn.cursor(db=old.dbs["atime"]):
+            for k, v in txn.cursor(db=old.atime):
                 try:
                     atimes[bytes(k)] = TIME.unpack(v[: TIME.size])[0]
                 except struct.error:
@@ -252,8 +254,8 @@ def _write_index(
                         now,
                         pin,
                     )
-                    txn.put(raw_key, entry.pack(), db=index.dbs["obj"])
-                    txn.put(raw_key, pack_time(old_atimes.get(raw_key, h.created)), db=index.dbs["atime"])
+                    txn.put(raw_key, entry.pack(), db=index.obj)
+                    txn.put(raw_key, pack_time(old_atimes.get(raw_key, h.created)), db=index.atime)
 
             index.update(put)
             for _, rec in chunk:
@@ -266,9 +268,9 @@ def _write_index(
 
         def finish(txn: lmdb.Transaction) -> None:
             for ns, entry in namespaces.items():
-                txn.put(ns, entry.pack(), db=index.dbs["ns"])
+                txn.put(ns, entry.pack(), db=index.ns)
             for seg_id, seg in segs.items():
-                txn.put(u64_key(seg_id), seg.pack(), db=index.dbs["seg"])
+                txn.put(u64_key(seg_id), seg.pack(), db=index.seg)
             index.put_usage(txn, usage)
             index.put_meta_u64(txn, b"seq", len(items) + 1)
             index.put_meta_u64(txn, b"next_segment", max([old_next, *(s + 1 for s in sizes)]))

@@ -29,6 +29,7 @@ FORM_CODES: dict[CacheForm, int] = {
     CacheForm.INDEXER: 4,
 }
 FORMS_BY_CODE = {v: k for k, v in FORM_CODES.items()}
+RECORD_FORMS = tuple(FORM_CODES)  # the forms a record can carry, in their on-disk code order
 
 
 class Codec(enum.IntEnum):

@@ -150,7 +150,7 @@ class Appender:
             fsync_dir(self.seg_dir)
             # A sealer may have sealed the entry between allocation and our lock: then take another id.
             with self.index.read() as txn:
-                raw = txn.get(u64_key(seg_id), db=self.index.dbs["seg"])
+                raw = txn.get(u64_key(seg_id), db=self.index.seg)
             if raw is not None and not SegmentEntry.unpack(raw).sealed:
                 break
             file.close()
@@ -160,7 +160,7 @@ class Appender:
     def _allocate(self, txn: lmdb.Transaction) -> int:
         seg_id = self.index.get_meta_u64(txn, b"next_segment", 1)
         self.index.put_meta_u64(txn, b"next_segment", seg_id + 1)
-        txn.put(u64_key(seg_id), SegmentEntry(sealed=False, created=time.time()).pack(), db=self.index.dbs["seg"])
+        txn.put(u64_key(seg_id), SegmentEntry(sealed=False, created=time.time()).pack(), db=self.index.seg)
         return seg_id
 
     def _seal_current(self, *, close: bool = True) -> SegmentFile:
@@ -179,7 +179,7 @@ class Appender:
 
 
 def seal_segment(index: Index, txn: lmdb.Transaction, seg_id: int) -> None:
-    db = index.dbs["seg"]
+    db = index.seg
     raw = txn.get(u64_key(seg_id), db=db)
     if raw is not None:
         entry = SegmentEntry.unpack(raw)

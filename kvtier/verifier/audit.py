@@ -9,10 +9,9 @@ from typing import Any
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.core.units import format_bytes
-from kvtier.store import DiskStore, QuarantineReason, StoreLimits
-from kvtier.store.segments import SEGMENTS_DIR
+from kvtier.store import RECORD_FORMS, DiskStore, QuarantineReason, StoreLimits
 from kvtier.verifier.checks import NamespaceView, SegmentFiles
-from kvtier.verifier.inventory import DISK_FORMS, FormCounts, Progress, take_inventory
+from kvtier.verifier.inventory import FormCounts, Progress, take_inventory
 from kvtier.verifier.layouts import LayoutOracle
 from kvtier.verifier.settings import VerifierSettings
 from kvtier.verifier.survey import survey_segments
@@ -100,7 +99,7 @@ def audit_store(
     settings = settings or VerifierSettings()
     survey = survey_segments(store, settings.orphan_grace_s)
     namespaces = NamespaceView(store)
-    files = SegmentFiles(f"{store.root}/{SEGMENTS_DIR}")
+    files = SegmentFiles(store.segment_dir)
     inv = take_inventory(
         store,
         namespaces,
@@ -113,18 +112,16 @@ def audit_store(
     reports = []
     for ns in sorted(set(namespaces.entries) | set(inv.counts)):
         entry = namespaces.entries.get(ns)
-        forms = inv.counts.get(ns) or {f: FormCounts() for f in DISK_FORMS}
+        forms = inv.counts.get(ns) or {f: FormCounts() for f in RECORD_FORMS}
         reports.append(
             NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms)
         )
     reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
     reclaimable += sum(s.size for s in survey.old_strays())
     limits = settings.limits or store.limits() or StoreLimits()
-    with store.index.read() as txn:
-        format_version = store.index.get_meta_u64(txn, b"format_version")
     return AuditReport(
         store=store.root,
-        format_version=format_version,
+        format_version=store.format_version(),
         namespaces=reports,
         orphaned_bytes=survey.orphaned_bytes,
         reclaimable_bytes=reclaimable,
@@ -168,7 +165,7 @@ def render_table(report: AuditReport) -> str:
     rows = [header]
     for n in report.namespaces:
         model = (n.version_key or {}).get("model_id", "?")
-        shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(DISK_FORMS[0], n.forms[DISK_FORMS[0]])]
+        shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(RECORD_FORMS[0], n.forms[RECORD_FORMS[0]])]
         for form, c in shown:
             counts = [format_bytes(c.bytes) if k == "bytes" else str(getattr(c, k)) for k in COUNT_FIELDS]
             rows.append((n.namespace.hex()[:16], "live" if n.live else "retired", model[:24], form.value, *counts))

@@ -7,8 +7,7 @@ import enum
 import os
 import time
 
-from kvtier.store import DiskStore, NamespaceEntry, QuarantineReason, RecordInfo, RecordState
-from kvtier.store.segments import segment_name
+from kvtier.store import DiskStore, NamespaceEntry, QuarantineReason, RecordInfo, RecordState, segment_name
 from kvtier.verifier.layouts import LayoutOracle
 
 

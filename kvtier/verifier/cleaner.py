@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
-from kvtier.store import DiskStore, IndexEntry, RecordState, StoreLimits
-from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name
+from kvtier.store import DiskStore, IndexEntry, RecordState, StoreLimits, parse_segment_name
 from kvtier.verifier.checks import NamespaceView
 from kvtier.verifier.inventory import Inventory
 from kvtier.verifier.policy import Candidate, plan_eviction
@@ -140,7 +139,7 @@ class Cleaner:
         if not strays:
             return
         known = self.store.segments()
-        seg_dir = os.path.join(self.store.root, SEGMENTS_DIR)
+        seg_dir = self.store.segment_dir
         for s in strays:
             seg_id = parse_segment_name(s.name)
             if seg_id is not None and seg_id in known:

@@ -8,14 +8,11 @@ from collections.abc import Callable
 
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import ObjectKey
-from kvtier.store import DiskStore, QuarantineReason, RecordInfo
-from kvtier.store.record import FORM_CODES
+from kvtier.store import RECORD_FORMS, DiskStore, QuarantineReason, RecordInfo
 from kvtier.verifier.checks import Finding, NamespaceView, SegmentFiles, Verdict, classify
 from kvtier.verifier.layouts import LayoutOracle
 from kvtier.verifier.policy import Candidate
 from kvtier.verifier.throttle import RateLimiter
-
-DISK_FORMS = tuple(FORM_CODES)  # the forms a record can carry, in their on-disk code order
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,7 +44,7 @@ class Inventory:
     def form(self, ns: bytes, form: CacheForm) -> FormCounts:
         per = self.counts.get(ns)
         if per is None:
-            per = self.counts[ns] = {f: FormCounts() for f in DISK_FORMS}
+            per = self.counts[ns] = {f: FormCounts() for f in RECORD_FORMS}
         return per[form]
 
     def total(self, field: str) -> int:

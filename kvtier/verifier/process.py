@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError
-from kvtier.daemon.supervisor import PARENT_PID_ENV
-from kvtier.store import DiskStore, StoreConfig, StoreError
-from kvtier.store.index import INDEX_DIR
+from kvtier.core.verifier_status import PARENT_PID_ENV
+from kvtier.store import INDEX_DIR, DiskStore, StoreConfig, StoreError
 from kvtier.verifier.errors import StoreNotFound
 from kvtier.verifier.priority import lower_priority
 from kvtier.verifier.settings import VerifierSettings, settings_from_config

@@ -1,10 +1,11 @@
-"""The verifier's knobs: defaults here, rates and limits from the daemon's config file when one is given."""
+"""The verifier's knobs: defaults here, rates and limits from the daemon's config file (`kvtier.core.config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from kvtier.core.config import load_config
 from kvtier.core.forms import CacheForm
 from kvtier.store import StoreConfig, StoreLimits
 
@@ -37,8 +38,6 @@ class VerifierSettings:
 
 def settings_from_config(path: str | Path, base: VerifierSettings = VerifierSettings()) -> VerifierSettings:
     """Rates, sweep interval, store limits and profiles from the daemon's TOML config (typed errors name the key)."""
-    from kvtier.daemon.config import load_config  # the daemon's parser is the one source of truth for that file
-
     cfg = load_config(path)
     quotas = StoreConfig.quotas({CacheForm(f): n for f, n in cfg.store.quota_bytes.items() if n})
     return dataclasses.replace(

@@ -6,8 +6,7 @@ import dataclasses
 import os
 import time
 
-from kvtier.store import DiskStore, SegmentEntry
-from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name
+from kvtier.store import DiskStore, SegmentEntry, parse_segment_name
 
 _PROBE_PREFIX = ".odirect-probe-"  # the store's O_DIRECT probe: `.odirect-probe-<pid>-<tid>`, removed by its process
 
@@ -57,7 +56,7 @@ class SegmentSurvey:
 
 
 def survey_segments(store: DiskStore, grace_s: float) -> SegmentSurvey:
-    seg_dir = os.path.join(store.root, SEGMENTS_DIR)
+    seg_dir = store.segment_dir
     listed: list[tuple[str, int | None, int, float]] = []
     with os.scandir(seg_dir) as it:
         for d in it:

@@ -18,15 +18,15 @@ from typing import Any
 import lmdb
 
 from kvtier.core.errors import KvtierError
+from kvtier.core.verifier_status import VERIFIER_DOC
 from kvtier.store import DiskStore, RecordInfo
-from kvtier.store.segments import SEGMENTS_DIR
 from kvtier.verifier.checks import NamespaceView, SegmentFiles, Verdict, classify
 from kvtier.verifier.cleaner import Cleaner
 from kvtier.verifier.hints import SegmentHints
 from kvtier.verifier.inventory import deep_check, take_inventory
 from kvtier.verifier.layouts import LayoutOracle
 from kvtier.verifier.settings import VerifierSettings
-from kvtier.verifier.state import DOC, SweepProgress
+from kvtier.verifier.state import SweepProgress
 from kvtier.verifier.survey import survey_segments
 from kvtier.verifier.throttle import RateLimiter
 
@@ -46,14 +46,14 @@ class Verifier:
         self.stop_event = threading.Event()
         self.wake = threading.Event()
         self.limiter = RateLimiter(settings.rate_bytes_per_s, self.stop_event)
-        doc = store.meta_doc(DOC) or {}
+        doc = store.meta_doc(VERIFIER_DOC) or {}
         self.actions: collections.Counter[str] = collections.Counter(
             {k: int(v) for k, v in doc.get("actions", {}).items()}
         )
         self.sweep = SweepProgress.from_doc(doc.get("sweep", {}))
         self.cleaner = Cleaner(store, settings, self.limiter, self.actions)
         self.namespaces = NamespaceView(store)
-        self._seg_dir = os.path.join(store.root, SEGMENTS_DIR)
+        self._seg_dir = store.segment_dir
         self.files = SegmentFiles(self._seg_dir)
         self.phase = "starting"
         self.ready = False
@@ -247,7 +247,7 @@ class Verifier:
         if not self._persist or (not force and now - self._saved_at < self.settings.state_interval_s):
             return
         try:
-            self.store.put_meta_doc(DOC, self.status_doc())
+            self.store.put_meta_doc(VERIFIER_DOC, self.status_doc())
             self._saved_at = now
         except (KvtierError, lmdb.Error) as exc:
             log.warning("cannot save verifier progress: %s", exc)

@@ -115,7 +115,7 @@ def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
             assert r.hit_tokens == 4 * H and not r.needs_load
             assert np.all(r.check_vector.routes[:, :4][r.check_vector.routes[:, :4] != Route.RECOMPUTE] == Route.REUSE)
             c.release(r)
-            assert c.stats()["prewarm_pins"] == 1
+            assert c.stats().prewarm_pins == 1
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"profile": "ref-tiny", "tokenz": [1]}\n')
         out = _kvtier("prewarm", str(bad), "--socket", str(d.socket))
@@ -130,7 +130,7 @@ def test_metrics_endpoint(daemon: DaemonProc) -> None:
         c.offload(tokens_for(2, 2, H), caches_for(PROFILE, 2, 2))
         c.release(c.lookup(tokens_for(2, 2, H)))
         c.release(c.lookup(tokens_for(99, 2, H)))
-        address = c.stats()["daemon"]["metrics"]
+        address = c.stats().daemon.metrics
     body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     for name in (
         'kvtier_hit_rate{form="compressed"}',

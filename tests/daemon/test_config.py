@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.daemon.config import ConfigError, load_config, parse_size
+from kvtier.core.config import load_config, parse_size
+from kvtier.core.errors import ConfigError
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

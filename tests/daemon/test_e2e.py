@@ -53,8 +53,8 @@ def test_two_writers_and_a_reader(daemon: DaemonProc) -> None:
     assert third["1"]["hit_tokens"] == 6 * H and third["2"]["hit_tokens"] == 5 * H
     assert third["1"]["checked"] == ra["checked"] and third["2"]["checked"] == rb["checked"]
     with Client(daemon.socket) as c:
-        forms = c.stats()["forms"]
-    assert forms["compressed"]["reuse"] > 0 and "missing" not in forms["compressed"]["recompute_reasons"]
+        forms = c.stats().forms
+    assert forms["compressed"].reuse > 0 and "missing" not in forms["compressed"].recompute_reasons
 
 
 def test_a_prefix_of_a_written_prefix_hits_and_a_divergence_stops_the_hit(daemon: DaemonProc) -> None:
@@ -110,7 +110,7 @@ def test_killed_client_leases_are_released_and_slots_evictable(small_daemon: Dae
     held = json.loads(holder.stdout.readline())
     assert held["hit_tokens"] == 3 * H and held["held"] > 0
     with Client(daemon.socket) as c:
-        assert c.stats()["profiles"][0]["live_leases"] == 1
+        assert c.stats().profiles[0].live_leases == 1
     holder.send_signal(signal.SIGKILL)
     holder.wait(30)
     wait_leases_released(daemon.socket)
@@ -138,13 +138,13 @@ def test_leased_objects_are_never_evicted(small_daemon: DaemonProc) -> None:
             for seed in range(200, 240):
                 other.offload(tokens_for(seed, 4, H), caches_for(PROFILE, seed, 4))
         assert compare(c, r, caches) > 0  # still the same bytes, read through the same slots
-        assert c.stats()["forms"]["compressed"]["evictions"] > 0  # the pressure was real
+        assert c.stats().forms["compressed"].evictions > 0  # the pressure was real
         c.release(r)
 
 
 def test_bad_offload_and_reads_are_typed_errors(daemon: DaemonProc) -> None:
     from kvtier.client import OutOfOrder
-    from kvtier.daemon.errors import WrongType
+    from kvtier.wire.errors import WrongType
 
     with Client(daemon.socket) as c:
         c.attach("ref-tiny")
@@ -160,5 +160,5 @@ def test_bad_offload_and_reads_are_typed_errors(daemon: DaemonProc) -> None:
         c.release(r)
         with pytest.raises(OutOfOrder):
             c.load(r)  # released
-        assert c.stats()["daemon"]["health"] == "ok"
+        assert c.stats().daemon.health == "ok"
     assert np.array_equal(tokens_for(9, 2, H), tokens_for(9, 2, H))

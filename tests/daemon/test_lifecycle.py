@@ -44,7 +44,7 @@ def test_sigterm_with_clients_connected_exits_0_within_bound(daemon: DaemonProc)
 
 def test_sighup_reloads_quotas_and_rates(daemon: DaemonProc) -> None:
     with Client(daemon.socket) as c:
-        before = c.stats()["reloadable"]
+        before = c.stats().reloadable
     text = daemon.config.read_text().replace('budget_bytes = "256MiB"', 'budget_bytes = "300MiB"')
     daemon.config.write_text(text.replace('mode = "off"', 'mode = "off"\nrate_bytes_per_s = "5MiB"'))
     daemon.proc.send_signal(signal.SIGHUP)
@@ -53,19 +53,19 @@ def test_sighup_reloads_quotas_and_rates(daemon: DaemonProc) -> None:
     assert "reloaded" in reloaded
     with Client(daemon.socket) as c:
         doc = c.stats()
-    after = doc["reloadable"]
-    assert before["store_budget_bytes"] == 256 * 2**20 and after["store_budget_bytes"] == 300 * 2**20
-    assert doc["store"]["budget_bytes"] == 300 * 2**20  # the store itself enforces the new budget
+    after = doc.reloadable
+    assert before.store_budget_bytes == 256 * 2**20 and after.store_budget_bytes == 300 * 2**20
+    assert doc.store["budget_bytes"] == 300 * 2**20  # the store itself enforces the new budget
     with DiskStore(str(daemon.tmp / "store"), StoreConfig(io_backend="buffered"), readonly=True) as s:
         assert s.limits().budget_bytes == 300 * 2**20  # and published it for the verifier and audit
-    assert after["verifier_rate_bytes_per_s"] == 5 * 2**20
+    assert after.verifier_rate_bytes_per_s == 5 * 2**20
     # a broken config on reload keeps the running one, and says so
     daemon.config.write_text(text.replace('mode = "off"', 'mode = "off"\nrate_bytes_per_s = -1'))
     daemon.proc.send_signal(signal.SIGHUP)
     failed = daemon.wait_for("READY=1")
     assert "reload failed" in failed and "verifier.rate_bytes_per_s" in failed
     with Client(daemon.socket) as c:
-        assert c.stats()["reloadable"]["verifier_rate_bytes_per_s"] == 5 * 2**20
+        assert c.stats().reloadable.verifier_rate_bytes_per_s == 5 * 2**20
     assert daemon.terminate() == 0
 
 
@@ -86,4 +86,4 @@ def test_second_daemon_on_a_live_socket_is_refused(daemon: DaemonProc, tmp_path:
         out.returncode == 2 and "another daemon is serving" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     )
     with Client(daemon.socket) as c:  # the first one is untouched
-        assert c.stats()["daemon"]["health"] == "ok"
+        assert c.stats().daemon.health == "ok"

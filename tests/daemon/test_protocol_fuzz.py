@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier import wire as P
 from kvtier.client import Client
-from kvtier.daemon import protocol as P
-from kvtier.daemon.errors import DaemonUnavailable, OutOfOrder
+from kvtier.wire.errors import DaemonUnavailable, OutOfOrder
 
 from .conftest import DaemonProc, child_env
 
@@ -53,7 +53,7 @@ def _closed(s: socket.socket) -> bool:
 
 def _still_serving(d: DaemonProc) -> None:
     with Client(d.socket, timeout_s=10) as c:
-        assert c.stats()["daemon"]["health"] == "ok"
+        assert c.stats().daemon.health == "ok"
 
 
 def _error(s: socket.socket, body: bytes) -> P.Error:

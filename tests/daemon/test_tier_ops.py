@@ -20,14 +20,14 @@ import pytest
 import torch
 from support.corrupt import flip_payload_bit
 
+from kvtier import wire as P
 from kvtier.client import BadRange, Client, OutOfOrder, TierClient
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
-from kvtier.daemon import protocol as P
-from kvtier.daemon.errors import DaemonUnavailable, WrongType
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
+from kvtier.wire.errors import DaemonUnavailable, WrongType
 
 from .conftest import DaemonProc, child_env
 
@@ -168,7 +168,7 @@ def test_bad_ranges_and_out_of_order_get_typed_errors(tier_daemon: DaemonProc) -
         ):
             with pytest.raises(WrongType):
                 plain._call(bad)
-        assert plain.stats()["daemon"]["health"] == "ok"
+        assert plain.stats().daemon.health == "ok"
     assert tier_daemon.proc.poll() is None
 
 

@@ -1,4 +1,5 @@
-"""The fault matrix: every fault ends in a bitwise-correct reuse or a RECOMPUTE with the right reason, never another logit.
+"""The fault matrix: every fault ends in a bitwise-correct reuse or a RECOMPUTE with the right reason,
+never another logit.
 
 Engine A writes through a real daemon; the fault is applied for real (bits flipped in segment files
 and in LMDB's data file, segments truncated or deleted, records evicted, namespaces bumped,
@@ -30,9 +31,8 @@ from kvtier.core.profile import ModelProfile, profile_from_dict
 from kvtier.core.tier import ObjectKey
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
-from kvtier.store import DiskStore
+from kvtier.store import DiskStore, StoreLimits
 from kvtier.store.index import IndexEntry, encode_key
-from kvtier.store.store import StoreLimits
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 
 from .engine_proc import CHECKPOINT_EVERY
@@ -127,13 +127,13 @@ def _flip_segment_bit(store_root: Path, store: DiskStore, key: ObjectKey) -> Non
 
 def _entry(store: DiskStore, key: ObjectKey) -> IndexEntry:
     with store.index.read() as txn:
-        return IndexEntry.unpack(txn.get(encode_key(key), db=store.index.dbs["obj"]))
+        return IndexEntry.unpack(txn.get(encode_key(key), db=store.index.obj))
 
 
 def _flip_lmdb_value(store_root: Path, store: DiskStore, key: ObjectKey) -> None:
     """Flip one bit of the object's index value inside LMDB's data file (LMDB does not checksum values)."""
     with store.index.read() as txn:
-        raw = bytes(txn.get(encode_key(key), db=store.index.dbs["obj"]))
+        raw = bytes(txn.get(encode_key(key), db=store.index.obj))
     path = store_root / "index.lmdb" / "data.mdb"
     data = bytearray(path.read_bytes())
     at = data.find(raw)
@@ -335,7 +335,7 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
                         break
                     acked.append(s)
                 assert refused is not None and acked, "the filesystem never filled"
-                assert client.stats()["daemon"]["health"] == "ok"
+                assert client.stats().daemon.health == "ok"
             d.proc.send_signal(signal.SIGKILL)  # a cold pool: what is served now comes from the full disk
             d.proc.wait()
         finally:

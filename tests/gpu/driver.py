@@ -10,7 +10,7 @@ from gpuworld import PROFILE, make, payload, prompt
 
 from kvtier.core import GroupKind, Reason, Route, VersionError, block_hashes
 from kvtier.core.tier import ObjectKey
-from kvtier.gpu import AdmissionRefused, LookupResult, PartialBlock, StaleHandle
+from kvtier.gpu import AdmissionRefused, PartialBlock, PoolLookup, StaleHandle
 
 N_PROMPTS = 4
 N_BLOCKS = 6
@@ -94,7 +94,7 @@ class Driver:
         except EXPECTED:
             pass
 
-    def lookup(self, i: int, owner: int, recover: bool) -> LookupResult | None:
+    def lookup(self, i: int, owner: int, recover: bool) -> PoolLookup | None:
         ns = self.m.namespace
         try:
             result = self.m.lookup(self.hashes(ns, i), owner=owner, namespace=ns)
@@ -105,7 +105,7 @@ class Driver:
         self.check(result, i)
         return result
 
-    def recover_later(self, result: LookupResult, i: int) -> None:
+    def recover_later(self, result: PoolLookup, i: int) -> None:
         """Recover a lookup made some operations ago (its lease may be gone, its rows shared or evicted)."""
         try:
             self.check(self.m.recover(result, timeout_s=5.0), i)
@@ -131,7 +131,7 @@ class Driver:
 
     # -- checks -------------------------------------------------------------------------------
 
-    def check(self, result: LookupResult, i: int) -> None:
+    def check(self, result: PoolLookup, i: int) -> None:
         """Every REUSE object reads back exactly what was written for its key; every REUSE/RECOVER object
         of the hit was really written (never a partial or dangling write); the tier holds every RECOVER."""
         cv = result.check_vector
@@ -151,7 +151,7 @@ class Driver:
                 assert self.tier.has([key], [self.m.layout_digest(group)]) == [Reason.OK] or ns != self.m.namespace
         self.read_all(result, i, fresh=True)
 
-    def read_all(self, result: LookupResult, i: int, *, fresh: bool = False) -> None:
+    def read_all(self, result: PoolLookup, i: int, *, fresh: bool = False) -> None:
         """Through every handle: the written bytes, or StaleHandle; never other bytes. A `fresh` result
         read by the only thread must not be stale at all (no REUSE of anything unsealed or gone)."""
         ns = result.leases.namespace
@@ -170,5 +170,5 @@ class Driver:
     def invariants(self) -> None:
         """When no operation is running: the table is consistent, nothing is left RECOVERING, pools never moved."""
         assert self.m.audit() == []
-        assert self.m.counters()["recovering"] == 0
+        assert self.m.counters().recovering == 0
         assert self.m.pool_addresses() == self.addresses

@@ -9,7 +9,8 @@ import torch
 
 from kvtier.core import CacheForm, GroupKind, ModelProfile, block_hashes, load_profile
 from kvtier.core.tier import ObjectKey
-from kvtier.gpu import AdmissionConfig, CacheManager, MemoryTier
+from kvtier.gpu import AdmissionConfig, CacheManager
+from kvtier.testing import MemoryTier
 
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens

@@ -14,7 +14,7 @@ from kvtier.gpu import AdmissionRefused
 
 def _on_lower_only(n: int = 4, **adm):
     """A prefix written, persisted, then evicted from the pools: every object is RECOVER."""
-    m, tier, clock = make(blocks=8, **adm)
+    m, tier, _ = make(blocks=8, **adm)
     hs = hashes_of(m, prompt(21, n))
     write(m, hs, range(n), state_at=state_blocks_for(PROFILE, n))
     assert m.persist() > 0
@@ -25,7 +25,7 @@ def _on_lower_only(n: int = 4, **adm):
 
 def test_recover_queue_cap_routes_the_excess_recompute_admission() -> None:
     # checkpoints at boundaries 2 and 4; everything only on the lower tier
-    m, tier, clock = make(blocks=8, max_recover_queue=10)
+    m, _, _ = make(blocks=8, max_recover_queue=10)
     hs = hashes_of(m, prompt(21, 4))
     write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 2) | state_blocks_for(PROFILE, 4))
     assert m.persist() > 0
@@ -36,13 +36,13 @@ def test_recover_queue_cap_routes_the_excess_recompute_admission() -> None:
     assert cv.hit_blocks == 2
     assert int((cv.routes == Route.RECOVER).sum()) == 10
     assert cv.reason("c4", 2) is Reason.ADMISSION and cv.reason("c16", 3) is Reason.ADMISSION
-    assert m.counters()["recover_queue"] == 10
+    assert m.counters().recover_queue == 10
     # the queue is now full: a second lookup gets nothing to recover
     cv2 = m.lookup(hs).check_vector
     assert cv2.hit_blocks == 0 and cv2.reason("c4", 0) is Reason.ADMISSION
-    assert m.counters()["forms"]["compressed"]["recompute"]["admission"] >= 4
+    assert m.counters().forms["compressed"].recompute["admission"] >= 4
     m.recover(full)
-    assert full.check_vector.hit_blocks == 2 and m.counters()["recover_queue"] == 0
+    assert full.check_vector.hit_blocks == 2 and m.counters().recover_queue == 0
     again = m.lookup(hs).check_vector  # blocks 0-1 now resident; 2-3 (8 recoveries) fit the emptied queue
     assert again.hit_blocks == 4 and again.route("c4", 1) is Route.REUSE and again.route("c4", 3) is Route.RECOVER
 
@@ -95,7 +95,7 @@ def test_recovering_cap_turns_a_burst_into_a_queue() -> None:
     loads = 0
     while any(t.is_alive() for t in threads):
         if gated.entered.acquire(timeout=0.5):
-            assert m.counters()["recovering"] <= 2
+            assert m.counters().recovering <= 2
             gated.gate.release()
             loads += 1
     for t in threads:
@@ -105,39 +105,39 @@ def test_recovering_cap_turns_a_burst_into_a_queue() -> None:
         assert r.check_vector.hit_blocks == 4
         for h in m.handles(r):
             assert torch.equal(m.read(h, copy=True), payload(PROFILE, h.group, hs[h.block], m.namespace))
-    c = m.counters()["forms"]
-    assert c["compressed"]["recovers_ok"] == 8 and c["compressed"]["recovery_latency_s"]["count"] == 8
+    c = m.counters().forms
+    assert c["compressed"].recovers_ok == 8 and c["compressed"].recovery_latency_s.count == 8
     m.release(*done)
     assert m.audit() == []
 
 
 def test_entry_cap_and_quota_rebalancing() -> None:
     m, _, _ = make(blocks=16, lower=False, max_entries=40, rebalance_every=8, min_form_share=0.05)
-    start = m.counters()["quota_slots"]
+    start = m.counters().quota_slots
     # only history is written: its forms' demand pulls quota away from the state forms
     for seed in range(6):
         write(m, hashes_of(m, prompt(100 + seed, 4)), range(4))
     after = m.counters()
-    assert after["quota_slots"]["compressed"] > start["compressed"]
-    assert after["quota_slots"]["tail"] < start["tail"]
-    assert sum(after["used_slots"].values()) <= 40
+    assert after.quota_slots["compressed"] > start["compressed"]
+    assert after.quota_slots["tail"] < start["tail"]
+    assert sum(after.used_slots.values()) <= 40
     assert m.audit() == []
 
 
 def test_state_forms_are_evicted_before_history_lru_within_form() -> None:
     # reservations for a cap of 15 follow capacity: compressed 8, indexer 4, swa 1, tail 2
     m, _, _ = make(blocks=6, state_blocks=2, lower=False, max_entries=15, rebalance_every=10_000)
-    assert m.counters()["quota_slots"] == {"swa": 1, "compressed": 8, "indexer": 4, "tail": 2}
+    assert m.counters().quota_slots == {"swa": 1, "compressed": 8, "indexer": 4, "tail": 2}
     old = hashes_of(m, prompt(31, 2))
     new = hashes_of(m, prompt(32, 2))
     write(m, old, range(2), state_at={0, 1})  # 12 objects; swa holds 2 (> 1), tail 4 (> 2)
     write(m, new, [0])  # 3 more: at the cap, nothing evicted yet
-    assert m.counters()["forms"]["swa"]["evictions"] + m.counters()["forms"]["tail"]["evictions"] == 0
+    assert m.counters().forms["swa"].evictions + m.counters().forms["tail"].evictions == 0
     write(m, new, [1])  # 3 more: 3 evictions, all from the state forms above their reservation
-    c = m.counters()["forms"]
-    assert c["compressed"]["evictions"] == c["indexer"]["evictions"] == 0
-    assert c["swa"]["evictions"] + c["tail"]["evictions"] == 3
-    assert c["swa"]["evictions"] == 1  # swa back at its reservation; the rest from tail
+    c = m.counters().forms
+    assert c["compressed"].evictions == c["indexer"].evictions == 0
+    assert c["swa"].evictions + c["tail"].evictions == 3
+    assert c["swa"].evictions == 1  # swa back at its reservation; the rest from tail
     cv_old = m.lookup(old).check_vector
     # every history object is still resident (servable; past the hit only because its state went)
     assert all(

@@ -47,7 +47,7 @@ def test_ttl_expiry_is_counted_and_frees_protection() -> None:
     clock.advance(5.0)
     with pytest.raises(StaleHandle, match="expired"):
         m.read(handle)
-    assert m.counters()["leases_expired"] == 1
+    assert m.counters().leases_expired == 1
     assert m.release(result) == 0  # already gone: release is idempotent
     write(m, fresh, range(4))  # the expired lease no longer protects anything
     assert m.audit() == []
@@ -65,7 +65,7 @@ def test_release_is_idempotent_and_owner_release_covers_writes() -> None:
     assert m.release_owner("client-1") == 2  # r2 and the open write
     with pytest.raises(StaleHandle):
         m.seal(w, written_bytes=w.nbytes)
-    assert m.counters()["live_leases"] == 0 and m.audit() == []
+    assert m.counters().live_leases == 0 and m.audit() == []
     assert not r2.leases.live
 
 
@@ -76,7 +76,7 @@ def test_write_handles_expire_too() -> None:
     assert w is not None
     clock.advance(3.0)
     m.lookup([h])  # any call sweeps expired leases and writes
-    assert m.counters()["writes_expired"] == 1
+    assert m.counters().writes_expired == 1
     with pytest.raises(StaleHandle):
         m.seal(w, written_bytes=w.nbytes)
     assert m.block_state("c16", w.slot).state.name == "FREE"
@@ -88,7 +88,7 @@ def test_pinned_objects_are_never_evicted() -> None:
     assert m.evict([key(m, hs[0], "c4")]) == 0
     fresh = hashes_of(m, prompt(16, 8))
     write(m, fresh, range(8))  # twice the pool's size through it: everything but the pin turns over
-    assert m.counters()["forms"]["compressed"]["evictions"] >= 8
+    assert m.counters().forms["compressed"].evictions >= 8
     r = m.lookup(hs[:1])
     assert r.check_vector.reason("c4", 0).name in ("OK", "BEYOND_HIT")  # still resident
     assert m.lookup(hs[1:2]).check_vector.reason("c4", 0).name == "MISSING"
@@ -118,7 +118,7 @@ def test_recovery_keeps_rows_that_only_another_released_lease_kept_indexed() -> 
 
 
 def test_recovery_after_a_version_bump_loads_nothing_of_the_old_namespace() -> None:
-    m, tier, _, hs = _filled(blocks=8)
+    m, _, _, hs = _filled(blocks=8)
     assert m.persist() > 0
     m.evict([key(m, h, g.name) for h in hs for g in PROFILE.groups])
     old = m.lookup(hs)
@@ -128,4 +128,4 @@ def test_recovery_after_a_version_bump_loads_nothing_of_the_old_namespace() -> N
     cv = old.check_vector
     assert not (cv.routes == Route.RECOVER).any() and cv.hit_blocks == 0
     assert Reason.STALE_VERSION in {r for *_, route, r in cv.entries() if route is Route.RECOMPUTE}
-    assert m.counters()["forms"]["compressed"]["recovers_ok"] == 0
+    assert m.counters().forms["compressed"].recovers_ok == 0

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvtier.gpu import LookupResult
+from kvtier.gpu import PoolLookup
 
 prompts = st.integers(0, N_PROMPTS - 1)
 blocks = st.integers(0, N_BLOCKS - 1)
@@ -22,7 +22,7 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         self.d = Driver()
-        self.results: list[tuple[LookupResult, int]] = []
+        self.results: list[tuple[PoolLookup, int]] = []
 
     @rule(i=prompts, upto=st.integers(1, N_BLOCKS), checkpoint=st.booleans())
     def write(self, i: int, upto: int, checkpoint: bool) -> None:
@@ -94,7 +94,7 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=30, stateful_step_count=35, deadline=None)
 
 
-def _random_op(d: Driver, rng: random.Random, owner: int, held: list[tuple[LookupResult, int]]) -> None:
+def _random_op(d: Driver, rng: random.Random, owner: int, held: list[tuple[PoolLookup, int]]) -> None:
     op = rng.random()
     i, b, g = rng.randrange(N_PROMPTS), rng.randrange(N_BLOCKS), rng.randrange(len(GROUPS))
     if op < 0.25:
@@ -131,7 +131,7 @@ def _random_op(d: Driver, rng: random.Random, owner: int, held: list[tuple[Looku
 def test_ten_thousand_random_operations_never_move_the_pools() -> None:
     d = Driver()
     rng = random.Random(20260501)
-    held: list[tuple[LookupResult, int]] = []
+    held: list[tuple[PoolLookup, int]] = []
     for n in range(10_000):
         _random_op(d, rng, n % 3, held)
         if n % 1000 == 999:
@@ -139,9 +139,9 @@ def test_ten_thousand_random_operations_never_move_the_pools() -> None:
     d.invariants()
     c = d.m.counters()
     assert d.checked_reads > 1000  # the run really read through leases
-    assert sum(f["evictions"] for f in c["forms"].values()) > 100
-    assert sum(f["recovers_ok"] for f in c["forms"].values()) > 10
-    assert c["leases_expired"] > 0 and c["writes_expired"] + sum(f["writes_aborted"] for f in c["forms"].values()) > 0
+    assert sum(f.evictions for f in c.forms.values()) > 100
+    assert sum(f.recovers_ok for f in c.forms.values()) > 10
+    assert c.leases_expired > 0 and c.writes_expired + sum(f.writes_aborted for f in c.forms.values()) > 0
 
 
 def test_threads_share_one_manager() -> None:
@@ -151,7 +151,7 @@ def test_threads_share_one_manager() -> None:
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        held: list[tuple[LookupResult, int]] = []
+        held: list[tuple[PoolLookup, int]] = []
         try:
             start.wait()
             for _ in range(400):

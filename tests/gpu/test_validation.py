@@ -18,7 +18,7 @@ def test_partial_block_is_never_sealed() -> None:
     hs = hashes_of(m, prompt(1, 2))
     h = m.begin_write(key(m, hs[0], "c4"), layout_digest=m.layout_digest("c4"))
     assert h is not None
-    with pytest.raises(PartialBlock, match="only\\s+when whole"):
+    with pytest.raises(PartialBlock, match=r"only\s+when whole"):
         m.seal(h, written_bytes=h.nbytes - 1)
     assert m.block_state("c4", h.slot).state is BlockState.FREE
     with pytest.raises(PartialBlock):

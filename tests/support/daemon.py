@@ -123,6 +123,6 @@ def wait_leases_released(socket_path: Path, timeout_s: float = 20.0) -> None:
 
     deadline = time.monotonic() + timeout_s
     with Client(socket_path) as c:
-        while c.stats()["profiles"][0]["live_leases"]:
+        while c.stats().profiles[0].live_leases:
             assert time.monotonic() < deadline, "the dead client's leases were never released"
             time.sleep(0.02)  # polling interval of a real condition, not synchronisation

@@ -13,9 +13,10 @@ import xxhash
 from verifier_helpers import REPO, VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
 
 from kvtier.core import CacheForm, Reason
+from kvtier.core.config import embedded_default
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
-from kvtier.daemon.config import default_verifier_command, embedded_default
+from kvtier.daemon.service import default_verifier_command
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.verifier import LayoutOracle, Verifier, VerifierSettings, verifier_status

@@ -1,24 +1,27 @@
-"""The daemon's TOML config: typed dataclasses, the embedded and systemd defaults, one-line errors naming the key."""
+"""The daemon's TOML config: typed dataclasses, the embedded and systemd defaults, one-line errors naming the key.
+
+In `core` because two processes read the one file: the daemon (everything) and the verifier (rates, store
+limits, profiles).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
-from kvtier.daemon.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/kvtier/kvtier.toml")
 SYSTEMD_RUNTIME_DIR = Path("/run/kvtier")
 SYSTEMD_STATE_DIR = Path("/var/lib/kvtier")
 SOCKET_NAME = "kvtier.sock"
-FORMS = tuple(f.value for f in CacheForm.gpu_forms())
+FORMS = tuple(f.value for f in CacheForm)
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 VERIFIER_MODES = ("supervise", "external", "off")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -56,7 +59,7 @@ class PoolConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StoreConfig:
+class StoreSection:
     """The disk store: its root, byte budget, per-form quotas and I/O width."""
 
     root: Path
@@ -92,7 +95,7 @@ class DaemonConfig:
     profiles: tuple[str, ...]
     server: ServerConfig
     pool: PoolConfig
-    store: StoreConfig
+    store: StoreSection
     verifier: VerifierConfig
     metrics: MetricsConfig
     lease_ttl_s: float = 30.0
@@ -127,7 +130,7 @@ def embedded_default(cwd: Path | None = None) -> DaemonConfig:
         profiles=("ref-tiny",),
         server=ServerConfig(socket=base / SOCKET_NAME),
         pool=PoolConfig({f: 8 * 2**20 for f in FORMS}),
-        store=StoreConfig(root=base / "store", budget_bytes=1 * 2**30, quota_bytes={}),
+        store=StoreSection(root=base / "store", budget_bytes=1 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="supervise"),
         metrics=MetricsConfig(),
         source="embedded default",
@@ -143,7 +146,7 @@ def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
         profiles=("deepseek-v4-flash",),
         server=ServerConfig(socket=runtime / SOCKET_NAME),
         pool=PoolConfig({f: 512 * 2**20 for f in FORMS}),
-        store=StoreConfig(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
+        store=StoreSection(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="external"),
         metrics=MetricsConfig(address="127.0.0.1:9641"),
         source="systemd default",
@@ -166,7 +169,7 @@ def load_config(
     uid: int | None = None,
     cwd: Path | None = None,
 ) -> DaemonConfig:
-    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over the defaults."""
+    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over them."""
     base = base_config(env, uid, cwd)
     if path is None and base.source == "systemd default" and SYSTEM_CONFIG.exists():
         path = SYSTEM_CONFIG
@@ -337,7 +340,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
 
     st = top.sub("store")
     b2 = base.store
-    store = StoreConfig(
+    store = StoreSection(
         root=_path(st, "root", b2.root),
         budget_bytes=st.size("budget_bytes", b2.budget_bytes),
         quota_bytes=st.form_sizes("quota_bytes", b2.quota_bytes, complete=False),
@@ -378,9 +381,3 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
     )
     top.finish()
     return cfg
-
-
-def default_verifier_command(cfg: DaemonConfig, config_path: str | Path | None = None) -> list[str]:
-    """How a supervised verifier is started: this interpreter, as its own process, on the store root (and our config, for its rates)."""
-    cmd = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--store", str(cfg.store.root)]
-    return cmd + ["--config", str(config_path)] if config_path is not None else cmd

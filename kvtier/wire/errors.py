@@ -1,22 +1,8 @@
-"""Typed errors of the daemon, its config and its wire protocol; each `code` travels in error frames."""
+"""Typed errors of the wire protocol and of talking to the daemon; each `code` travels in error frames."""
 
 from __future__ import annotations
 
-from kvtier.core.errors import FileFieldError, KvtierError
-
-
-class ConfigError(FileFieldError):
-    """The daemon's TOML config is unreadable or has a bad, missing or unknown key."""
-
-    code = "bad_config"
-    noun = "key"
-
-    def __init__(self, message: str, *, key: str | None = None, source: str | None = None) -> None:
-        super().__init__(message, field=key, source=source)
-
-    @property
-    def key(self) -> str | None:
-        return self.field
+from kvtier.core.errors import KvtierError
 
 
 class ProtocolError(KvtierError):

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError
-from kvtier.daemon import errors as E
-from kvtier.daemon import protocol as P
+from kvtier.wire import errors as E
+from kvtier.wire import framing as F
+from kvtier.wire import messages as P
+from kvtier.wire.stats import StatsDoc
 
 _ERRORS: dict[str, type[KvtierError]] = {
     cls.code: cls
@@ -38,7 +40,7 @@ def default_socket() -> Path:
     """`$KVTIER_SOCKET`, else the socket of the config `kvtier serve` would run on here."""
     if env := os.environ.get("KVTIER_SOCKET"):
         return Path(env)
-    from kvtier.daemon.config import load_config
+    from kvtier.core.config import load_config
 
     return load_config(None).server.socket
 
@@ -60,7 +62,7 @@ class Connection:
             raise E.DaemonUnavailable(
                 f"no kvtier daemon on {self.socket_path} ({exc.strerror}); start one with `kvtier serve`"
             ) from None
-        hello = self._call(P.Hello(list(P.SUPPORTED_VERSIONS), name or f"pid {os.getpid()}"))
+        hello = self._call(P.Hello(list(F.SUPPORTED_VERSIONS), name or f"pid {os.getpid()}"))
         assert isinstance(hello, P.HelloOk)
         self.daemon = hello.daemon
 
@@ -69,19 +71,19 @@ class Connection:
         with self._lock:
             try:
                 try:
-                    P.send_frame(self._sock, req, send_fds)
+                    F.send_frame(self._sock, req, send_fds)
                 except OSError:
                     # A daemon that refuses us (permissions, busy) answers and closes before reading:
                     # its error frame may already wait in our receive buffer.
                     pass
-                reply = P.recv_reply(self._sock, fds=fds)
+                reply = F.recv_reply(self._sock, fds=fds)
             except (OSError, E.DaemonUnavailable) as exc:
                 raise E.DaemonUnavailable(f"lost the kvtier daemon on {self.socket_path}: {exc}") from None
         if isinstance(reply, P.Error):
             _raise(reply)
         return reply
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsDoc:
         reply: P.StatsOk = self._call(P.Stats())
         return reply.stats
 

@@ -1,7 +1,8 @@
-"""An in-memory LowerTier for tests, benchmarks and demos (not the product's storage: nothing survives the process).
+"""Test doubles: an in-memory LowerTier for tests, benchmarks and demos.
 
-Payloads are kept as bytes with their layout digest and an xxh3-64 checksum, verified on every load,
-so corruption (see `corrupt`) is a `corrupt` miss, as it is for the disk store.
+Not the product's storage: nothing survives the process. Payloads are kept as bytes with their layout
+digest and an xxh3-64 checksum, verified on every load, so corruption (see `corrupt`) is a `corrupt` miss,
+as it is for the disk store.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The wire protocol: versioned, length-prefixed msgpack frames; one tagged struct per request and reply.
+"""The wire protocol's messages: one tagged msgpack struct per request and reply (frames: `kvtier.wire.framing`).
 
-Frame = 8-byte header `b"KT" | version u8 | flags u8 | length u32 (big endian)` + `length` bytes of msgpack.
 Requests and replies are tagged unions keyed by `op`. Per connection the order is: optional `hello`
 (first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
 never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
@@ -15,27 +14,10 @@ in that staging region.
 
 from __future__ import annotations
 
-import array
-import socket
-import struct
-from typing import Any
-
 import msgspec
 
-from kvtier.daemon.errors import (
-    DaemonUnavailable,
-    FrameTooLarge,
-    ProtocolError,
-    UnknownOp,
-    UnsupportedVersion,
-    WrongType,
-)
-
-MAGIC = b"KT"
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
-HEADER = struct.Struct(">2sBBI")
-MAX_FDS = 64
+from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
+from kvtier.wire.stats import StatsDoc
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
@@ -97,7 +79,7 @@ class Stats(Msg, tag="stats"):
 
 
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One object of a raw tier request: its key (block hash, index into the opened groups), layout digest, staged bytes."""
+    """One object of a raw tier request: key (block hash, index into the opened groups), layout digest, staged bytes."""
 
     block_hash: bytes
     group: int
@@ -107,7 +89,7 @@ class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class TierOpen(Msg, tag="tier_open"):
-    """Register `version_key`'s namespace and its groups [(name, form)]; a staging memfd of `staging_bytes` rides along."""
+    """Register `version_key`'s namespace and groups [(name, form)]; a staging memfd of `staging_bytes` rides along."""
 
     version_key: dict[str, str]
     groups: list[tuple[str, str]]
@@ -244,7 +226,7 @@ class Released(Msg, tag="released"):
 
 
 class StatsOk(Msg, tag="stats_ok"):
-    stats: dict[str, Any]
+    stats: StatsDoc
 
 
 class TierOpenOk(Msg, tag="tier_open_ok"):
@@ -260,7 +242,7 @@ class TierReasons(Msg, tag="tier_reasons"):
 
 
 class TierStored(Msg, tag="tier_stored"):
-    """`stored` items committed (live ones are skipped); `full_limit` names the limit a refused batch hit (nothing visible)."""
+    """`stored` items committed (live ones skipped); `full_limit`: the limit a refused batch hit (nothing visible)."""
 
     stored: int
     full_limit: str = ""
@@ -294,26 +276,8 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(msg: Msg, version: int = PROTOCOL_VERSION) -> bytes:
-    """One whole frame: header + msgpack body."""
-    body = _encoder.encode(msg)
-    return HEADER.pack(MAGIC, version, 0, len(body)) + body
-
-
-def parse_header(header: bytes, max_frame: int) -> int:
-    """Body length of a frame; a bad magic, version or size is a ProtocolError (the stream cannot be resynced)."""
-    magic, version, _flags, length = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise ProtocolError(
-            f"bad frame magic {magic!r}: this socket speaks the kvtier protocol (frames start with b'KT')"
-        )
-    if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(
-            f"protocol version {version} not supported (supported: {list(SUPPORTED_VERSIONS)}); upgrade the client or daemon"
-        )
-    if length > max_frame:
-        raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {max_frame}; split the request")
-    return length
+def encode_body(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
 
 
 def decode_request(body: bytes) -> Request:
@@ -344,49 +308,3 @@ def decode_reply(body: bytes) -> Reply:
         return _reply_decoder.decode(body)
     except msgspec.MsgspecError as exc:
         raise ProtocolError(f"undecodable reply from the daemon ({exc}); client and daemon versions differ?") from None
-
-
-# -- socket I/O ----------------------------------------------------------------------------------
-
-
-def send_frame(sock: socket.socket, msg: Msg, fds: list[int] | None = None) -> None:
-    """Send one frame; file descriptors travel as SCM_RIGHTS with its first byte."""
-    data = encode(msg)
-    if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
-        data = data[sent:]
-    if data:
-        sock.sendall(data)
-
-
-def recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> bytes:
-    """Exactly n bytes; b'' if the peer closed before the first byte; DaemonUnavailable if it closed mid-way.
-
-    With `fds` given, SCM_RIGHTS descriptors riding along are appended to it.
-    """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    anc = socket.CMSG_SPACE(MAX_FDS * 4)
-    while got < n:
-        if fds is None:
-            k = sock.recv_into(view[got:])
-        else:
-            k, ancdata, _flags, _addr = sock.recvmsg_into([view[got:]], anc)
-            for level, kind, data in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
-        if k == 0:
-            if got == 0:
-                return b""
-            raise DaemonUnavailable(f"peer closed the connection mid-frame ({got} of {n} bytes)")
-        got += k
-    return bytes(buf)
-
-
-def recv_reply(sock: socket.socket, max_frame: int = 1 << 31, fds: list[int] | None = None) -> Reply:
-    """One reply frame (the client's side)."""
-    header = recv_exact(sock, HEADER.size, fds)
-    if not header:
-        raise DaemonUnavailable("the daemon closed the connection")
-    return decode_reply(recv_exact(sock, parse_header(header, max_frame), fds) or b"")

@@ -1,0 +1,18 @@
+"""The client's own errors for what a reply (not an error frame) reports; the wire's errors are re-exported as is."""
+
+from __future__ import annotations
+
+from kvtier.core.errors import KvtierError
+
+
+class TierFull(KvtierError):
+    """The daemon's store refused a `tier_store` batch (budget, a quota, or the disk); nothing of it is visible.
+
+    `limit` names the limit hit, as the store reports it (`budget`, `quota:<form>`, `disk`).
+    """
+
+    code = "store_full"
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        self.limit = limit
+        super().__init__(message)

@@ -1,0 +1,112 @@
+"""TierChain: local disk, then the cluster, as one LowerTier (what the daemon holds where it held the DiskStore).
+
+Lookups ask the local index first and the cluster only for what it lacks, in one batched call with a
+deadline; loads from the cluster are promoted to local disk in the background; offloads are stored
+locally (durable when store_many returns, as before) and written through to the cluster in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.cluster.background import BackgroundWriter
+from kvtier.cluster.config import ClusterConfig
+from kvtier.cluster.errors import ClusterError
+from kvtier.cluster.stats import ChainStats, Counters
+from kvtier.cluster.tier import ClusterTier
+from kvtier.core.forms import Reason
+from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
+
+log = logging.getLogger(__name__)
+
+# Local answers the cluster may improve on. A retired namespace (stale_version) or a record in another
+# layout (abi_mismatch) is this node's verdict on the key itself: the cluster is not asked.
+_ASK_CLUSTER = frozenset({Reason.MISSING, Reason.EVICTED, Reason.CORRUPT})
+
+
+class TierChain:
+    """has / load_into / store(_many) / pin / remove over `local` then `cluster`."""
+
+    def __init__(self, local: LowerTier, cluster: ClusterTier, cfg: ClusterConfig) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.cfg = cfg
+        self._counters = Counters(
+            "local_hits", "cluster_hits", "queued", "dropped", "written_through", "promoted", "background_failed"
+        )
+        self._writer = BackgroundWriter(cfg.queue_bytes, self._counters)
+
+    def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
+        out = self.local.has(keys, layout_digests)
+        self._counters.add("local_hits", out.count(Reason.OK))
+        ask = [i for i, r in enumerate(out) if r in _ASK_CLUSTER]
+        if ask:
+            remote = self.cluster.has([keys[i] for i in ask], [layout_digests[i] for i in ask])
+            for i, r in zip(ask, remote):
+                if r is Reason.OK:
+                    out[i] = r
+        return out
+
+    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+        out = self.local.load_into(requests)
+        self._counters.add("local_hits", out.count(Reason.OK))
+        ask = [i for i, r in enumerate(out) if r in _ASK_CLUSTER]
+        if not ask:
+            return out
+        remote = self.cluster.load_into([requests[i] for i in ask])
+        got = [i for i, r in zip(ask, remote) if r is Reason.OK]
+        for i, r in zip(ask, remote):
+            # The cluster's verdict when it had something to say, else the local one (evicted says more than missing).
+            if r is not Reason.MISSING:
+                out[i] = r
+        self._counters.add("cluster_hits", len(got))
+        if got and self.cfg.promote:
+            items = [(requests[i].key, requests[i].out, requests[i].layout_digest) for i in got]
+            self._writer.submit("promoted", self.local.store_many, items)
+        return out
+
+    def store(self, key: ObjectKey, payload: torch.Tensor, layout_digest: bytes) -> None:
+        self.store_many([(key, payload, layout_digest)])
+
+    def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
+        """Durable locally when it returns (or raises as the local store does); the cluster copy follows later.
+
+        The write-through is queued even when the local store refuses the batch (full): the objects are
+        sound, and other nodes can still use them.
+        """
+        through = [it for it in items if self.cfg.write_through.covers(it[0].form)]
+        try:
+            self.local.store_many(items)
+        finally:
+            if through:
+                self._writer.submit("written_through", self.cluster.store_many, through)
+
+    def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
+        """Pins local records only: the cluster cannot pin (ClusterTier.pin)."""
+        return self.local.pin(keys, ttl_s)
+
+    def remove(self, keys: Sequence[ObjectKey]) -> int:
+        """Removes local records and their cluster copies; returns how many local records existed."""
+        n = self.local.remove(keys)
+        try:
+            self.cluster.remove(keys)
+        except ClusterError as exc:
+            log.info("cluster copies of %d removed objects stay until evicted: %s", len(keys), exc)
+        return n
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for the background writes queued so far (tests, shutdown)."""
+        return self._writer.drain(timeout)
+
+    def stats(self) -> ChainStats:
+        return ChainStats(
+            **self._counters.values(), backlog_bytes=self._writer.backlog_bytes, cluster=self.cluster.stats()
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish queued writes for up to `timeout`, then close the cluster client (the local tier is the caller's)."""
+        self._writer.close(timeout)
+        self.cluster.close()

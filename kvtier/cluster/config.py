@@ -1,0 +1,63 @@
+"""The `[cluster]` settings: where the cluster is, how much to wait for it, and what goes down to it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvtier.cluster.errors import ClusterConfigError
+from kvtier.core.forms import CacheForm, GroupKind
+
+
+class WriteThrough(enum.Enum):
+    """Which offloads also go to the cluster (in the background, after the local store has them)."""
+
+    OFF = "off"
+    HISTORY = "history"  # compressed + indexer: what another node's prefix needs from block 0
+    ALL = "all"  # also tail and swa state objects (large per token, short-lived)
+
+    def covers(self, form: CacheForm) -> bool:
+        return self is WriteThrough.ALL or (self is WriteThrough.HISTORY and form.kind is GroupKind.HISTORY)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """One node's view of the cluster. The defaults suit one master on loopback (tests, a single host)."""
+
+    enabled: bool = False
+    backend: str = "mooncake"
+    master: str = "127.0.0.1:50051"  # host:port of the master; ignored when `etcd` is set
+    etcd: str = ""  # etcd endpoints of HA masters ("host:port;host:port"); the client follows the leader
+    metadata: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server
+    local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's transfer engine at
+    protocol: str = "tcp"
+    device: str = ""  # RDMA devices for protocol "rdma"
+    key_prefix: str = "kvt1"  # namespaces kvtier's objects among others in a shared cluster
+    replicas: int = 1
+    lookup_timeout_s: float = 0.2  # one batched existence call
+    load_timeout_s: float = 5.0  # one batch of gets
+    put_timeout_s: float = 10.0  # one batch of background puts
+    retry_s: float = 2.0  # after a failure, how long calls answer "unavailable" at once before one probes again
+    staging_bytes: int = 64 << 20  # registered buffer per direction; the largest object (plus header) must fit
+    transfer_buffer_bytes: int = 16 << 20  # the client's own transfer buffer (Mooncake local_buffer_size)
+    write_through: WriteThrough = WriteThrough.HISTORY
+    queue_bytes: int = 256 << 20  # write-through / promotion backlog; beyond it offloads are dropped (counted)
+    promote: bool = True  # a load from the cluster is also stored on local disk (in the background)
+
+    def __post_init__(self) -> None:
+        if self.backend != "mooncake":
+            raise ClusterConfigError(f"cluster backend {self.backend!r} is not supported: use 'mooncake'")
+        if not 1 <= self.replicas <= 16:
+            raise ClusterConfigError(f"cluster replicas must be 1..16, got {self.replicas}")
+        for name in ("lookup_timeout_s", "load_timeout_s", "put_timeout_s", "retry_s"):
+            if not getattr(self, name) > 0:
+                raise ClusterConfigError(f"cluster {name} must be > 0, got {getattr(self, name)}")
+        if self.staging_bytes < 1 << 20 or self.queue_bytes < 0:
+            raise ClusterConfigError("cluster staging_bytes must be >= 1 MiB and queue_bytes >= 0")
+        if not self.key_prefix or "/" in self.key_prefix:
+            raise ClusterConfigError(f"cluster key_prefix {self.key_prefix!r} must be non-empty and contain no '/'")
+
+    @property
+    def master_address(self) -> str:
+        """What the Mooncake client connects to: the master itself, or etcd where HA masters elect a leader."""
+        return f"etcd://{self.etcd}" if self.etcd else self.master

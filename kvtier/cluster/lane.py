@@ -1,0 +1,91 @@
+"""Calls into a client library that may block for seconds, made to answer within a deadline.
+
+A lane is one worker thread and one lock. A caller that cannot get the lock, or whose call does not
+finish, within its deadline gets `ClusterUnavailable`; a call past its deadline keeps the lock until it
+really returns, so the buffers it writes into are never handed to the next caller meanwhile. After a
+failure the lane stays "down" for `retry_s`: calls fail at once, then one call probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
+
+from kvtier.cluster.errors import ClusterUnavailable
+
+T = TypeVar("T")
+
+
+class Breaker:
+    """Shared by a client's lanes: one failure anywhere marks the cluster down for `retry_s`."""
+
+    def __init__(self, retry_s: float) -> None:
+        self.retry_s = retry_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def check(self, what: str) -> None:
+        """Raise while down; once the wait is over, let exactly one caller through to probe."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._down_until:
+                raise ClusterUnavailable(f"cluster marked down: {what} not attempted")
+            if self._down_until:
+                self._down_until = now + self.retry_s  # the probe's window: others keep failing fast meanwhile
+
+    def failed(self) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_s
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._down_until = 0.0
+
+
+class Lane:
+    """One worker thread; at most one call in flight, each bounded by its caller's deadline."""
+
+    def __init__(self, name: str, breaker: Breaker) -> None:
+        self.name = name
+        self._breaker = breaker
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-cluster-{name}")
+
+    @contextlib.contextmanager
+    def hold(self, deadline: float) -> Iterator[Callable[[Callable[[], T]], T]]:
+        """Own the lane (and its buffers) until the block ends; yields `run(fn)` bounded by `deadline` (monotonic)."""
+        self._breaker.check(self.name)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._breaker.failed()
+            raise ClusterUnavailable(f"cluster {self.name}: an earlier call is still running past its deadline")
+        pending: list[Future] = []
+
+        def run(fn: Callable[[], T]) -> T:
+            fut = self._pool.submit(fn)
+            try:
+                result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                pending.append(fut)
+                self._breaker.failed()
+                raise ClusterUnavailable(f"cluster {self.name}: no answer within the deadline") from None
+            return result
+
+        try:
+            yield run
+        finally:
+            if pending:  # the call still runs: the lane is free only when it returns
+                pending[0].add_done_callback(lambda _f: self._lock.release())
+            else:
+                self._lock.release()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

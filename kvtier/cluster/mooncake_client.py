@@ -1,0 +1,187 @@
+"""The Mooncake Store client as the cluster tier needs it: batched, deadline-bound, staging in registered buffers.
+
+Objects move through two registered staging buffers (one for gets, one for puts) and never straight into
+a pool slot: a get that outlives its deadline may still be writing, and it writes only into staging
+that its lane keeps until the call returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.cluster.config import ClusterConfig
+from kvtier.cluster.errors import ClusterSetupError
+from kvtier.cluster.lane import Breaker, Lane
+
+log = logging.getLogger(__name__)
+
+# Mooncake's result codes this module tells apart (its ErrorCode enum); any other negative code is an error.
+NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
+TOO_LARGE = -(1 << 30)  # ours: the object cannot fit the staging buffer at all
+
+
+def _import_store():  # the extension module has no stubs
+    try:
+        from mooncake import store
+    except ImportError as exc:
+        raise ClusterSetupError(
+            f"the cluster tier needs Mooncake: pip install 'kvtier[cluster]' (and Debian libibverbs1): {exc}"
+        ) from None
+    return store
+
+
+class _Staging:
+    """A CPU buffer registered with the transfer engine, handed out in consecutive chunks."""
+
+    def __init__(self, client: object, nbytes: int) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.ptr = self.buf.data_ptr()
+        if client.register_buffer(self.ptr, nbytes) != 0:
+            raise ClusterSetupError(f"could not register a {nbytes}-byte staging buffer with Mooncake")
+
+
+def chunks(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices grouped so each group fits `limit` bytes as laid out by _offsets; a size over it is a group alone."""
+    out: list[list[int]] = []
+    used = limit + 1
+    for i, n in enumerate(sizes):
+        n = _aligned(n)
+        if used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
+class MooncakeClient:
+    """A client node of a Mooncake Store (it contributes no memory to the pool; holders do)."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        store = _import_store()
+        self.cfg = cfg
+        if cfg.local_hostname.startswith("127.") and "MC_TCP_BIND_ADDRESS" not in os.environ:
+            # A loopback node must not listen on other interfaces (the transfer engine picks one by itself).
+            os.environ["MC_TCP_BIND_ADDRESS"] = cfg.local_hostname
+        self._client = store.MooncakeDistributedStore()
+        rc = self._client.setup(
+            cfg.local_hostname,
+            cfg.metadata,
+            0,
+            cfg.transfer_buffer_bytes,
+            cfg.protocol,
+            cfg.device,
+            cfg.master_address,
+        )
+        if rc != 0:
+            raise ClusterSetupError(
+                f"Mooncake setup against {cfg.master_address} failed (code {rc}): is the master up?"
+            )
+        self._replicate = store.ReplicateConfig()
+        self._replicate.replica_num = cfg.replicas
+        self._get_buf = _Staging(self._client, cfg.staging_bytes)
+        self._put_buf = _Staging(self._client, cfg.staging_bytes)
+        self.breaker = Breaker(cfg.retry_s)
+        self._lookup = Lane("lookup", self.breaker)
+        self._get = Lane("get", self.breaker)
+        self._put = Lane("put", self.breaker)
+
+    def exists(self, names: Sequence[str]) -> list[bool | None]:
+        """One batched existence call: True / False, None where the cluster answered with an error."""
+        with self._lookup.hold(time.monotonic() + self.cfg.lookup_timeout_s) as run:
+            codes = run(lambda: self._client.batch_is_exist(list(names)))
+        out = [True if c == 1 else False if c == 0 else None for c in codes]
+        self._judge(bool(names) and all(o is None for o in out))
+        return out
+
+    def get(self, names: Sequence[str], sizes: Sequence[int], sink: Callable[[int, memoryview | int], None]) -> None:
+        """Fetch objects of at most `sizes[i]` bytes; `sink(i, bytes read or negative code)` runs while staging is ours.
+
+        A chunk that misses the deadline raises ClusterUnavailable (the sink has then seen the earlier chunks).
+        """
+        deadline = time.monotonic() + self.cfg.load_timeout_s
+        staging = self._get_buf
+        for group in chunks(sizes, self.cfg.staging_bytes):
+            if _aligned(sizes[group[0]]) > self.cfg.staging_bytes:
+                sink(group[0], TOO_LARGE)
+                continue
+            offsets = _offsets([sizes[i] for i in group])
+            with self._get.hold(deadline) as run:
+                keys, ptrs, lens = (
+                    [names[i] for i in group],
+                    [staging.ptr + o for o in offsets],
+                    [sizes[i] for i in group],
+                )
+                codes = run(functools.partial(self._client.batch_get_into, keys, ptrs, lens))
+                view = memoryview(staging.buf.numpy())
+                for i, off, code in zip(group, offsets, codes):
+                    sink(i, view[off : off + code] if code >= 0 else code)
+            self._judge(all(c < 0 and c not in (NOT_FOUND, BUFFER_TOO_SMALL) for c in codes))
+
+    def put(self, names: Sequence[str], fill: Callable[[int, memoryview], None], sizes: Sequence[int]) -> list[int]:
+        """Put objects of `sizes[i]` bytes, each written by `fill(i, buffer)` into staging; codes per object (0: ok).
+
+        Mooncake keeps an existing key's object (puts never overwrite): kvtier's keys are content addresses.
+        """
+        deadline = time.monotonic() + self.cfg.put_timeout_s
+        staging = self._put_buf
+        codes = [TOO_LARGE] * len(names)
+        for group in chunks(sizes, self.cfg.staging_bytes):
+            if _aligned(sizes[group[0]]) > self.cfg.staging_bytes:
+                continue
+            offsets = _offsets([sizes[i] for i in group])
+            with self._put.hold(deadline) as run:
+                view = memoryview(staging.buf.numpy())
+                for i, off in zip(group, offsets):
+                    fill(i, view[off : off + sizes[i]])
+                keys, ptrs, lens = (
+                    [names[i] for i in group],
+                    [staging.ptr + o for o in offsets],
+                    [sizes[i] for i in group],
+                )
+                got = run(functools.partial(self._client.batch_put_from, keys, ptrs, lens, self._replicate))
+            for i, code in zip(group, got):
+                codes[i] = code
+            self._judge(all(c < 0 for c in got))
+        return codes
+
+    def remove(self, names: Sequence[str]) -> int:
+        """Remove objects now (even if a lease holds them); how many existed."""
+        with self._put.hold(time.monotonic() + self.cfg.put_timeout_s) as run:
+            codes = run(lambda: self._client.batch_remove(list(names), True))
+        return sum(1 for c in codes if c == 0)
+
+    def _judge(self, failed: bool) -> None:
+        if failed:
+            self.breaker.failed()
+        else:
+            self.breaker.succeeded()
+
+    def close(self) -> None:
+        for lane in (self._lookup, self._get, self._put):
+            lane.close()
+        # Mooncake's close holds the GIL and, where the master went away or failed over, can take tens of seconds.
+        try:
+            self._client.close()
+        except RuntimeError as exc:
+            log.debug("mooncake close: %s", exc)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of each object in staging, 64-byte aligned (the checksum and copies run faster on aligned data)."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += _aligned(n)
+    return out
+
+
+def _aligned(n: int) -> int:
+    return (n + 63) & ~63

@@ -1,0 +1,107 @@
+"""The manager's write-back: sealed pool objects persisted to the store by one background thread, bounded."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvtier.daemon.runtime import Runtime
+
+log = logging.getLogger(__name__)
+PERSIST_BATCH = 32
+
+
+class Persister:
+    """Writes sealed pool objects to the store in the background (the manager's write-back), bounded.
+
+    A *pass* persists everything sealed before it began. `sealed(n)` counts objects waiting for a
+    pass and blocks the sealer while more than `depth` wait (back-pressure); `wait_pass()` returns
+    once a pass that began after the call has finished (flush / durable).
+    """
+
+    def __init__(self, runtimes: list[Runtime], depth: int) -> None:
+        self.runtimes = runtimes
+        self.depth = depth
+        self._cond = threading.Condition()
+        self._waiting = 0  # sealed objects not yet covered by a started pass
+        self._requested = 0
+        self._completed = 0
+        self.persisted = 0
+        self.failed_passes = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return self._waiting
+
+    def sealed(self, n: int, timeout_s: float) -> None:
+        """Note n newly sealed objects; wait (up to timeout_s) while the queue is over its depth."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._waiting += n
+            self._requested += 1
+            self._cond.notify_all()
+            while self._waiting > self.depth and not self._stop:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning(
+                        "persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s
+                    )
+                    return
+                self._cond.wait(remaining)
+
+    def wait_pass(self, timeout_s: float) -> tuple[bool, int]:
+        """Block until a pass begun after this call completes; (done, objects persisted meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            before = self.persisted
+            self._requested += 1
+            ticket = self._requested
+            self._cond.notify_all()
+            while self._completed < ticket:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False, self.persisted - before
+                self._cond.wait(remaining)
+            return True, self.persisted - before
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._completed >= self._requested and not self._stop:
+                    self._cond.wait()
+                if self._stop and self._completed >= self._requested:
+                    return
+                covering = self._requested
+                self._waiting = 0
+                self._cond.notify_all()
+            for rt in self.runtimes:
+                try:
+                    while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
+                        n = rt.manager.persist(limit=PERSIST_BATCH)
+                        with self._cond:
+                            self.persisted += n
+                        if n < PERSIST_BATCH:
+                            break
+                except Exception:  # the pass failed as a whole; objects stay sealed and are retried next pass
+                    log.exception("persisting %s objects to the store failed", rt.name)
+                    self.failed_passes += 1
+            with self._cond:
+                self._completed = covering
+                self._cond.notify_all()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Finish the outstanding passes and end the thread; False if it did not end in time."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

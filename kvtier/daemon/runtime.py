@@ -1,0 +1,71 @@
+"""One served profile: its `CacheManager` (pools) and what a client needs to map them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import numpy as np
+import torch
+
+from kvtier.core.profile import ModelProfile
+from kvtier.gpu import CacheManager, PoolLookup
+from kvtier.wire import messages as P
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is cuda where a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclasses.dataclass(slots=True)
+class Runtime:
+    """One served profile: its manager (pools) and what a client needs to map them."""
+
+    name: str
+    profile: ModelProfile
+    manager: CacheManager
+    object_bytes: np.ndarray  # per group
+
+    def pool_infos(self) -> tuple[list[P.PoolInfo], list[int]]:
+        """Pool descriptions for an attach reply, and the fds (cpu memfds) that ride along with it."""
+        infos: list[P.PoolInfo] = []
+        fds: list[int] = []
+        for group, pool in zip(self.profile.groups, self.manager.pools()):
+            layout = self.profile.layout(group)
+            common = dict(
+                group=pool.group,
+                form=pool.form.value,
+                slots=pool.n_slots,
+                slot_bytes=pool.slot_stride,
+                object_bytes=pool.slot_nbytes,
+                dtype=layout.dtype,
+                shape=list(layout.shape),
+            )
+            if pool.fd is not None:
+                infos.append(
+                    P.PoolInfo(
+                        **common, fd_index=len(fds), pool_bytes=os.fstat(pool.fd).st_size, offset=pool.base_offset
+                    )
+                )
+                fds.append(pool.fd)
+            else:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                infos.append(P.PoolInfo(**common, ipc=pickle.dumps(reduce_tensor(pool.tensor))))
+        return infos, fds
+
+    def grids(self, result: PoolLookup) -> tuple[bytes, bytes]:
+        """Slot and generation per (group, block), -1 where the object is not REUSE."""
+        shape = result.check_vector.routes.shape
+        slots = np.full(shape, -1, dtype="<i8")
+        gens = np.full(shape, -1, dtype="<i8")
+        groups = {g.name: i for i, g in enumerate(self.profile.groups)}
+        for h in self.manager.handles(result):
+            g = groups[h.group]
+            slots[g, h.block] = h.slot
+            gens[g, h.block] = h.generation
+        return slots.tobytes(), gens.tobytes()

@@ -1,0 +1,179 @@
+"""The raw tier ops: a client's own keys and namespace served from the daemon's store (no pools, no leases).
+
+`tier_open` registers the namespace and maps the client's staging memfd; `tier_has`, `tier_store` and
+`tier_load` then name objects by (block hash, group index) and bytes by offset in that staging region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+
+import torch
+
+from kvtier.core.forms import CacheForm
+from kvtier.core.hashing import HASH_BYTES
+from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.versions import VersionKey
+from kvtier.daemon.session import Session
+from kvtier.store import DiskStore, StoreFull
+from kvtier.wire import messages as P
+from kvtier.wire.errors import BadRange, WrongType
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class TierConn:
+    """A raw tier connection: its namespace, its groups (by index), and the client's staging region mapped here."""
+
+    namespace: bytes
+    groups: list[tuple[str, CacheForm]]
+    staging: torch.Tensor  # uint8 over `mapping`; empty when the client asked for none
+    mapping: mmap.mmap | None = None
+
+    def keys(self, items: list[P.TierItem]) -> tuple[list[ObjectKey], list[bytes]]:
+        keys: list[ObjectKey] = []
+        for it in items:
+            if not 0 <= it.group < len(self.groups):
+                raise WrongType(
+                    f"group index {it.group} is not one of the {len(self.groups)} groups sent with tier_open"
+                )
+            if len(it.block_hash) != HASH_BYTES or len(it.layout_digest) != 16:
+                raise WrongType(f"block_hash and layout_digest must be {HASH_BYTES}-byte digests")
+            name, form = self.groups[it.group]
+            keys.append(ObjectKey(self.namespace, it.block_hash, name, form))
+        return keys, [it.layout_digest for it in items]
+
+    def ranges(self, items: list[P.TierItem]) -> list[torch.Tensor]:
+        """Each item's bytes in the staging region; any range outside it is a BadRange (nothing is read or written)."""
+        size = self.staging.numel()
+        for it in items:
+            if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
+                raise BadRange(
+                    f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range"
+                    f" of the {size}-byte staging region"
+                )
+        return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
+
+    def close(self) -> None:
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:  # a load still holds a view; the mapping goes with it
+                pass
+            self.mapping = None
+
+
+def _map_staging(fds: list[int], size: int) -> mmap.mmap:
+    """Map the client's staging memfd, which must be sealed against shrinking (a shrunk mapping SIGBUSes the daemon)."""
+    if len(fds) != 1:
+        raise WrongType(f"tier_open with staging_bytes needs exactly one memfd as SCM_RIGHTS, got {len(fds)}")
+    fd = fds[0]
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+        raise WrongType(f"the staging descriptor must be a memfd of at least {size} bytes")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise WrongType(
+            "the staging memfd must carry F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)"
+        )
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise WrongType(f"cannot map the staging memfd read-write ({exc.strerror}): open it O_RDWR") from None
+
+
+class TierOps:
+    """The raw tier connections of one daemon, by owner (connection), over its store."""
+
+    def __init__(self, store: DiskStore, codec: str) -> None:
+        self.store = store
+        self.codec = codec
+        self._lock = threading.Lock()
+        self._conns: dict[int, TierConn] = {}
+
+    def open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk:
+        """Register the client's namespace and map its staging memfd (the server closes `fds` afterwards)."""
+        fields = {f.name for f in dataclasses.fields(VersionKey)}
+        if set(req.version_key) != fields:
+            raise WrongType(f"version_key must have exactly the fields {sorted(fields)}")
+        version_key = VersionKey.from_dict(req.version_key)
+        groups: list[tuple[str, CacheForm]] = []
+        for name, form in req.groups:
+            if not name or len(name.encode()) > 32 or name in (g for g, _ in groups):
+                raise WrongType(f"group names must be distinct and 1..32 bytes, got {name!r}")
+            try:
+                groups.append((name, CacheForm(form)))
+            except ValueError:
+                forms = ", ".join(f.value for f in CacheForm)
+                raise WrongType(f"group {name!r}: form must be one of {forms}, not {form!r}") from None
+        if not groups:
+            raise WrongType("tier_open needs at least one group")
+        if req.staging_bytes < 0:
+            raise WrongType(f"staging_bytes must be >= 0, got {req.staging_bytes}")
+        mapping = _map_staging(fds, req.staging_bytes) if req.staging_bytes else None
+        try:
+            codecs = {form: self.codec for _, form in groups} if self.codec != "none" else None
+            namespace = self.store.register_namespace(version_key, codecs=codecs)
+        except BaseException:
+            if mapping is not None:
+                mapping.close()
+            raise
+        staging = (
+            torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
+        )
+        with self._lock:
+            self._conns[session.owner] = TierConn(namespace, groups, staging, mapping)
+        log.info(
+            "connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
+            session.owner,
+            session.peer.pid,
+            namespace.hex(),
+            len(groups),
+            req.staging_bytes,
+        )
+        return P.TierOpenOk(namespace, str(self.store.root), self.store.io_backend)
+
+    def _conn(self, session: Session) -> TierConn:
+        with self._lock:
+            return self._conns[session.owner]
+
+    def has(self, session: Session, req: P.TierHas) -> P.TierReasons:
+        keys, digests = self._conn(session).keys(req.items)
+        return P.TierReasons(bytes(self.store.has(keys, digests)))
+
+    def store_many(self, session: Session, req: P.TierStore) -> P.TierStored:
+        """Persist the staged objects with one store_many (one fdatasync + one commit); answered after the commit."""
+        conn = self._conn(session)
+        keys, digests = conn.keys(req.items)
+        payloads = conn.ranges(req.items)
+        try:
+            self.store.store_many(list(zip(keys, payloads, digests)))
+        except StoreFull as exc:
+            return P.TierStored(0, exc.limit, str(exc))
+        return P.TierStored(len(keys))
+
+    def load(self, session: Session, req: P.TierLoad) -> P.TierReasons:
+        """Read and verify each record into its staged range (a failed one is quarantined: do not use its range)."""
+        conn = self._conn(session)
+        keys, digests = conn.keys(req.items)
+        outs = conn.ranges(req.items)
+        reasons = self.store.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
+        return P.TierReasons(bytes(reasons))
+
+    def release_owner(self, owner: int) -> None:
+        """Unmap the staging region of a connection that went away."""
+        with self._lock:
+            conn = self._conns.pop(owner, None)
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,286 @@
+"""Recovery (lower tier -> pool) and write-back (pool -> lower tier) for one CacheManager.
+
+Both run bulk I/O outside the manager's lock on slots no one else may touch: a recovery's slots are
+RECOVERING, a write-back's are pinned. Every step under the lock first checks that the topology
+has not moved since (a resize drops every slot, so their results would land nowhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.core.checkvector import CheckVector
+from kvtier.core.forms import Reason, Route
+from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
+from kvtier.gpu.errors import AdmissionRefused, StaleHandle
+from kvtier.gpu.leases import LeaseSet
+from kvtier.gpu.states import BlockState
+from kvtier.gpu.table import IN_FLIGHT
+
+if TYPE_CHECKING:
+    from kvtier.gpu.manager import CacheManager, PoolLookup
+
+log = logging.getLogger(__name__)
+
+
+class Settled(enum.Enum):
+    """A claim that loads nothing now."""
+
+    DONE = enum.auto()  # adopted (already resident) or failed on the spot
+    WAIT = enum.auto()  # another recovery is loading the object: wait for its verdict
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingLoad:
+    """A slot claimed (RECOVERING) for one object of a lease, and the request that fills it."""
+
+    group: int
+    block: int
+    slot: int
+    request: LoadRequest
+    started: float
+
+
+Claim = PendingLoad | Settled
+
+
+class Recovery:
+    """The manager's lower-tier paths; runs under (and between holds of) the manager's lock."""
+
+    def __init__(self, manager: CacheManager) -> None:
+        self._m = manager
+
+    @property
+    def _lower(self) -> LowerTier:
+        lower = self._m._lower
+        assert lower is not None, "the manager recovers and writes back only with a lower tier"
+        return lower
+
+    # -- recovery -----------------------------------------------------------------------------------
+
+    def recover(self, result: PoolLookup, timeout_s: float | None) -> PoolLookup:
+        """See `CacheManager.recover`."""
+        m = self._m
+        lease = result.leases
+        deadline = time.monotonic() + (m._cfg.recover_wait_s if timeout_s is None else timeout_s)
+        with m._lock:
+            m._expire(m._clock())
+            m._require_live(lease)
+            epoch = m._topology_epoch
+            adopted: list[int] = []
+        try:
+            while True:
+                with m._lock:
+                    self._require_current(lease, epoch)
+                    self._rebuild(result)  # objects evicted since the lookup turn RECOMPUTE first
+                    pending = [(int(g), int(b)) for b, g in np.argwhere(result.check_vector.routes.T == Route.RECOVER)]
+                if not pending:
+                    return result
+                self._round(lease, pending, deadline, epoch, adopted)
+        finally:
+            with m._lock:
+                if m._topology_epoch == epoch:
+                    t = m._table
+                    for row in adopted:
+                        if t.let_go_row(row):
+                            lease.rows[lease.rows == row] = t.sentinel
+                m._unreserve(lease)
+
+    def _require_current(self, lease: LeaseSet, epoch: int) -> None:
+        self._m._require_live(lease)
+        if self._m._topology_epoch != epoch:
+            raise StaleHandle("the pools were resized during recovery; look the prefix up again")
+
+    def _round(
+        self, lease: LeaseSet, pending: list[tuple[int, int]], deadline: float, epoch: int, adopted: list[int]
+    ) -> None:
+        """Resolve every pending (group, block): adopt, wait for another recovery, or load in capped batches."""
+        m = self._m
+        todo = deque(pending)
+        waiting: list[tuple[int, int]] = []
+        while todo:
+            batch: list[PendingLoad] = []
+            with m._cond:
+                self._require_current(lease, epoch)
+                while todo and m._table.n_recovering < m._cfg.max_recovering:
+                    g, b = todo.popleft()
+                    claim = self._claim(lease, g, b, adopted)
+                    if claim is Settled.WAIT:
+                        waiting.append((g, b))
+                    elif isinstance(claim, PendingLoad):
+                        batch.append(claim)
+                if not batch and todo:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        for g, b in todo:
+                            _fail(lease, g, b, Reason.ADMISSION)
+                        todo.clear()
+                    else:
+                        m._cond.wait(min(remaining, 0.05))
+                    continue
+            if batch:
+                answers = self._load([load.request for load in batch])
+                with m._cond:
+                    if m._topology_epoch != epoch:
+                        raise StaleHandle("the pools were resized during recovery; look the prefix up again")
+                    # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
+                    for load, answer in zip(batch, answers):
+                        self._finish(lease, load, answer)
+                    m._cond.notify_all()
+        for g, b in waiting:
+            self._await(lease, g, b, deadline, epoch)
+
+    def _await(self, lease: LeaseSet, g: int, b: int, deadline: float, epoch: int) -> None:
+        """Wait for another recovery's verdict on (g, b), then adopt or fail it."""
+        m = self._m
+        with m._cond:
+            while True:
+                self._require_current(lease, epoch)
+                verdict = m._table.e_verdict[g, lease.rows[b]]
+                if verdict != IN_FLIGHT:
+                    if verdict == Reason.OK:
+                        self._adopt(lease, g, b)
+                    else:
+                        _fail(lease, g, b, Reason(int(verdict)))
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _fail(lease, g, b, Reason.ADMISSION)
+                    return
+                m._cond.wait(min(remaining, 0.05))
+
+    def _claim(self, lease: LeaseSet, g: int, b: int, adopted: list[int]) -> Claim:
+        """Decide one pending object: settled now, wait for another recovery, or a slot to load into."""
+        m = self._m
+        if lease.namespace != m._ns:  # the version moved since the lookup: never load stale objects
+            _fail(lease, g, b, Reason.STALE_VERSION)
+            return Settled.DONE
+        t = m._table
+        row = int(lease.rows[b])
+        if row == t.sentinel:
+            try:
+                row = t.row(lease.block_hashes[b])
+            except AdmissionRefused:
+                _fail(lease, g, b, Reason.ADMISSION)
+                return Settled.DONE
+            lease.rows[b] = row
+            t.hold_row(row)  # keeps the new row indexed until the lease holds it
+            adopted.append(row)
+        verdict = t.e_verdict[g, row]
+        if verdict == Reason.OK:
+            self._adopt(lease, g, b)
+            return Settled.DONE
+        if verdict == IN_FLIGHT:
+            return Settled.WAIT
+        if verdict not in (Reason.MISSING, Reason.EVICTED):
+            _fail(lease, g, b, Reason(verdict))
+            return Settled.DONE
+        try:
+            slot = m._space.allocate(g, m._ns_id)
+        except AdmissionRefused:
+            _fail(lease, g, b, Reason.ADMISSION)
+            return Settled.DONE
+        t.move(slot, BlockState.RECOVERING)
+        t.bind(slot, row, IN_FLIGHT, m._ns_id)
+        local = m._space.local(g, slot)
+        key = ObjectKey(m._ns, t.r_hash[row], m._names[g], m._forms[g])
+        request = LoadRequest(key, m._pools[g].slot_view(local), m._digests[g])
+        return PendingLoad(g, b, slot, request, time.monotonic())
+
+    def _load(self, requests: list[LoadRequest]) -> list[Reason]:
+        try:
+            answers = list(self._lower.load_into(requests))
+        except Exception:
+            log.exception("lower tier failed to load %d objects; they will be recomputed", len(requests))
+            return [Reason.CORRUPT] * len(requests)
+        if len(answers) != len(requests):
+            log.error("lower tier answered %d of %d loads; treating them as failed", len(answers), len(requests))
+            return [Reason.CORRUPT] * len(requests)
+        return [Reason(a) for a in answers]
+
+    def _finish(self, lease: LeaseSet, load: PendingLoad, answer: Reason) -> None:
+        """RECOVERING -> SEALED after a verified load (layer 1: the tier filled the whole slot from a
+        complete record; layer 2: the record's layout digest is the live one; layer 4: checked at claim),
+        else -> FREE and the object is recomputed."""
+        m = self._m
+        t = m._table
+        form = m._gform[load.group]
+        if answer == Reason.OK:
+            t.seal(load.slot, m._ns_id, recoverable=True)
+            m._counters.event("recovers_ok", form)
+            m._counters.recovery_latency(form, time.monotonic() - load.started)
+            if lease.live:
+                self._adopt(lease, load.group, load.block)
+        else:
+            t.move(load.slot, BlockState.FREE)
+            m._space.free(load.slot, Reason.MISSING)
+            m._counters.event("recovers_failed", form)
+            _fail(lease, load.group, load.block, answer)
+
+    def _adopt(self, lease: LeaseSet, g: int, b: int) -> None:
+        lease.gens[g, b] = self._m._table.e_gen[g, lease.rows[b]]
+        lease.routes[g, b] = Route.REUSE
+        lease.reasons[g, b] = Reason.OK
+
+    def _rebuild(self, result: PoolLookup) -> None:
+        """Re-intersect after recovery; objects evicted since the lookup turn RECOMPUTE `evicted`."""
+        m = self._m
+        lease = result.leases
+        k = result.check_vector.hit_blocks
+        current = m._table.e_gen.take(lease.rows[:k], axis=1)
+        moved = (lease.routes[:, :k] == Route.REUSE) & (current != lease.gens[:, :k])
+        lease.routes[:, :k][moved] = Route.RECOMPUTE
+        lease.reasons[:, :k][moved] = Reason.EVICTED
+        result.check_vector = CheckVector.build(m._geometry, lease.routes, lease.reasons)
+        # hold the new hit before letting go of the old one: a row kept indexed only by this lease
+        # must not be unindexed (and its row reused by another hash) in between
+        old_rows, old_slots = lease.held_rows, lease.held_slots
+        m._hold(lease, result.check_vector)
+        m._table.let_go(old_rows, old_slots)
+
+    # -- write-back ---------------------------------------------------------------------------------
+
+    def persist(self, limit: int | None) -> int:
+        """See `CacheManager.persist`."""
+        m = self._m
+        with m._lock:
+            t = m._table
+            epoch = m._topology_epoch
+            todo = np.flatnonzero((t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == m._ns_id))[:limit]
+            work = []
+            for slot in todo.tolist():
+                g = int(t.s_group[slot])
+                t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
+                key = ObjectKey(m._ns, t.r_hash[t.s_row[slot]], m._names[g], m._forms[g])
+                local = slot - int(t.base[g])
+                work.append((slot, int(t.s_gen[slot]), key, m._pools[g].slot_view(local), m._digests[g]))
+        ok = True
+        if work:
+            try:
+                self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
+            except Exception:
+                log.exception("write-back of %d objects failed; they stay cache-only", len(work))
+                ok = False
+        done = [(slot, gen, ok) for slot, gen, *_ in work]
+        with m._lock:
+            if m._topology_epoch != epoch:
+                return 0
+            t = m._table
+            for slot, gen, ok in done:
+                if t.s_gen[slot] == gen:
+                    t.unpin(slot)
+                    if ok:
+                        t.mark_recoverable(slot)
+        return sum(ok for *_, ok in done)
+
+
+def _fail(lease: LeaseSet, g: int, b: int, reason: Reason) -> None:
+    lease.routes[g, b] = Route.RECOMPUTE
+    lease.reasons[g, b] = reason if reason != Reason.OK else Reason.MISSING

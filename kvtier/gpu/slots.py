@@ -1,0 +1,150 @@
+"""The slot space: the pools of one topology, their slot table and quotas, and allocation / eviction.
+
+Built whole from byte budgets (a resize builds a new one); not thread-safe on its own (the manager
+holds the lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from kvtier.core.errors import LayoutError
+from kvtier.core.forms import CacheForm, GroupKind, Reason
+from kvtier.core.layout import POOL_ALIGNMENT
+from kvtier.core.profile import ModelProfile
+from kvtier.gpu.admission import AdmissionConfig, FormQuotas
+from kvtier.gpu.counters import Counters
+from kvtier.gpu.errors import AdmissionRefused, BudgetError
+from kvtier.gpu.pools import Pool, allocate_pool
+from kvtier.gpu.states import BlockState
+from kvtier.gpu.table import BlockTable
+
+
+def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> dict[CacheForm, int]:
+    """How many blocks each form's budget holds (every group of the form has one slot per block)."""
+    h = profile.hash_block_tokens
+    slots_for: dict[CacheForm, int] = {}
+    for form in dict.fromkeys(g.form for g in profile.groups):
+        if form not in budgets:
+            raise BudgetError(
+                f"budgets_bytes has no entry for form {form.value}; give every form of the profile a byte budget"
+            )
+        groups = [g for g in profile.groups if g.form is form]
+        per_block = sum(-(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT for g in groups)
+        slots_for[form] = budgets[form] // per_block
+        if slots_for[form] < 1:
+            raise BudgetError(
+                f"the {form.value} budget ({budgets[form]} B) holds no block of its groups "
+                f"({per_block} B per block); raise it"
+            )
+    return slots_for
+
+
+class SlotSpace:
+    """Pools, slot table and form quotas of one topology; hands out FREE slots, evicting as needed."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        budgets: Mapping[CacheForm, int],
+        device: torch.device,
+        cfg: AdmissionConfig,
+        counters: Counters,
+    ) -> None:
+        h = profile.hash_block_tokens
+        slots_for = _slots_per_form(profile, budgets)
+        self.names = tuple(g.name for g in profile.groups)
+        self.forms = tuple(g.form for g in profile.groups)
+        self.pools: tuple[Pool, ...] = tuple(
+            allocate_pool(
+                g.name,
+                g.form,
+                g.object_bytes(h),
+                slots_for[g.form] * -(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT,
+                device,
+            )
+            for g in profile.groups
+        )
+        for pool in self.pools:
+            if pool.address % POOL_ALIGNMENT or pool.slot_stride % POOL_ALIGNMENT:
+                raise LayoutError(
+                    f"pool {pool.group} is not {POOL_ALIGNMENT}-B aligned; this is a kvtier bug, please report it"
+                )
+        self._counters = counters
+        self.gform = [counters.form_index(f) for f in self.forms]
+        history = [g.kind is GroupKind.HISTORY for g in profile.groups]
+        self.table = t = BlockTable([p.n_slots for p in self.pools], history)
+        capacity = np.zeros(len(counters.forms), dtype=np.int64)
+        for g, pool in enumerate(self.pools):
+            capacity[self.gform[g]] += pool.n_slots
+        self.quotas = FormQuotas(capacity, cfg)
+        self._pool_slice = [slice(int(t.base[g]), int(t.base[g]) + p.n_slots) for g, p in enumerate(self.pools)]
+        self._s_form = np.array(self.gform)[t.s_group]
+
+    def allocate(self, g: int, live_ns: int) -> int:
+        """A FREE slot of group g within the entry cap, evicting as needed: from g's own pool when it is
+        full, else (cap reached) from forms above their reservation; stale namespace, then state forms,
+        then history, least recently used within."""
+        t, q, f = self.table, self.quotas, self.gform[g]
+        q.demand(f)
+        while True:
+            if t.free[g] and not q.global_full():
+                q.used[f] += 1
+                return t.free[g].pop()
+            if not t.free[g]:
+                where: slice | np.ndarray = self._pool_slice[g]
+            else:
+                over = q.over_quota()
+                where = over[self._s_form] if over.any() else slice(None)
+            victim = t.victim(where, live_ns)
+            if victim < 0:
+                raise AdmissionRefused(
+                    f"no room for a {self.names[g]} object: every candidate is pinned, leased or in flight; "
+                    f"release leases or unpin blocks, or raise the {self.forms[g].value} budget / entry cap"
+                )
+            self.evict(victim)
+
+    def unallocate(self, g: int, slot: int) -> None:
+        """Return a slot `allocate` just gave out and nothing was bound to."""
+        self.table.free[g].append(slot)
+        self.quotas.used[self.gform[g]] -= 1
+
+    def evict(self, slot: int) -> None:
+        """SEALED -> EVICTING -> FREE; lookups then report the object `evicted`."""
+        t = self.table
+        t.move(slot, BlockState.EVICTING)
+        t.move(slot, BlockState.FREE)
+        self.free(slot, Reason.EVICTED)
+        self._counters.event("evictions", self.gform[int(t.s_group[slot])])
+
+    def evict_unpinned(self, slot: int) -> bool:
+        """Evict a sealed slot now unless it is pinned (leases do not protect it); True if it went."""
+        t = self.table
+        if t.s_state[slot] != BlockState.SEALED or t.s_pins[slot]:
+            return False
+        self.evict(slot)
+        return True
+
+    def free(self, slot: int, marker: Reason) -> None:
+        """Unbind a slot that just became FREE, return it to its pool, drop its row if nothing holds it."""
+        t = self.table
+        g = int(t.s_group[slot])
+        row = t.unbind(slot, marker)
+        self.unallocate(g, slot)
+        t.drop_row_if_dead(row)
+
+    def local(self, g: int, slot: int) -> int:
+        """Layer 4 for one object: the slot's bytes are 128-B aligned, contiguous and exactly the object;
+        returns the slot's index within its group's pool."""
+        local = slot - int(self.table.base[g])
+        view = self.pools[g].slot_view(local)
+        if view.data_ptr() % POOL_ALIGNMENT or not view.is_contiguous() or view.numel() != self.pools[g].slot_nbytes:
+            raise LayoutError(f"{self.names[g]} slot {local} is misaligned; this is a kvtier bug, please report it")
+        return local
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()

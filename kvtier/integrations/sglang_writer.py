@@ -1,0 +1,114 @@
+"""A background writer with a byte budget: SGLang's backup thread hands pages over and never waits on a disk.
+
+SGLang's cache controller calls `batch_set_v2` on its backup thread and waits for the answer. The pages
+are copied out of the host pool (SGLang may reuse the slots as soon as the call returns) and queued; a
+writer thread stores them. When the queue holds `max_pending_bytes`, a caller waits at most `timeout_s`
+for room, then the pages are refused (reported not stored): a slow or full disk costs SGLang a bounded
+wait and a later recompute, never a stall.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.core.tier import ObjectKey
+from kvtier.store import StoreFull
+
+log = logging.getLogger(__name__)
+
+Item = tuple[ObjectKey, torch.Tensor, bytes]
+_WARN_EVERY_S = 30.0
+
+
+class BoundedWriter:
+    """Queue (key, bytes, layout digest) batches for `store_many` on one thread, within a byte budget."""
+
+    def __init__(self, store_many: Callable[[Sequence[Item]], None], max_pending_bytes: int, timeout_s: float) -> None:
+        self._store_many = store_many
+        self._max = max_pending_bytes
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._queue: collections.deque[list[Item]] = collections.deque()
+        self._pending_bytes = 0
+        self._writing = False
+        self._closed = False
+        self.stored = 0
+        self.refused = 0
+        self.failed = 0
+        self._last_warning = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvtier-sglang-store", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[Item]) -> bool:
+        """Copy and queue the batch; False (nothing queued) when no room came within the timeout or after close."""
+        nbytes = _nbytes(items)
+        deadline = time.monotonic() + self._timeout_s
+        with self._cond:
+            # A batch larger than the whole budget still goes through alone, so it is never refused forever.
+            while not self._closed and self._pending_bytes and self._pending_bytes + nbytes > self._max:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    break
+            if self._closed or (self._pending_bytes and self._pending_bytes + nbytes > self._max):
+                self.refused += len(items)
+                self._warn(f"store queue full ({self._pending_bytes} bytes pending): {len(items)} pages not stored")
+                return False
+            self._queue.append([(k, p.detach().clone(), d) for k, p, d in items])
+            self._pending_bytes += nbytes
+            self._cond.notify_all()
+        return True
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued batch is written (or failed); False when `timeout_s` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+                self._writing = True
+            try:
+                self._store_many(batch)
+                ok = True
+            except StoreFull as exc:
+                ok = False
+                self._warn(f"{len(batch)} pages not stored: {exc}")
+            except Exception:  # the writer outlives any one batch: a lost batch is only a later miss
+                ok = False
+                log.exception("kvtier sglang: storing %d pages failed", len(batch))
+            with self._cond:
+                self._pending_bytes -= _nbytes(batch)
+                self._writing = False
+                if ok:
+                    self.stored += len(batch)
+                else:
+                    self.failed += len(batch)
+                self._cond.notify_all()
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("kvtier sglang: %s", message)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued (up to `timeout_s`), then stop the thread."""
+        self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+
+def _nbytes(items: Sequence[Item]) -> int:
+    return sum(p.numel() * p.element_size() for _, p, _ in items)

@@ -1,0 +1,116 @@
+"""What the store's reader, writer and maintenance share: its knobs, the index, the I/O backend, buffers, pools."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
+from kvtier.store.errors import CorruptRecord, StoreForkError, StoreRequestError
+from kvtier.store.index import Index, IndexEntry, unpack_time
+from kvtier.store.io import BufferPool, PosixBackend
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Knobs of one store; the budget and quotas count record bytes on disk (header + padded payload)."""
+
+    budget_bytes: int = 0  # 0: no budget
+    form_quotas: tuple[tuple[CacheForm, int], ...] = ()
+    segment_bytes: int = 1 << 30
+    io_threads: int = 4
+    io_backend: str = "auto"  # auto | gds | odirect | buffered
+    min_free_bytes: int | None = 1 << 20  # refuse writes that would leave less free space; None: no check
+    atime_flush_s: float = 5.0
+    buffer_retain_bytes: int = 256 << 20
+
+    @staticmethod
+    def quotas(mapping: Mapping[CacheForm, int]) -> tuple[tuple[CacheForm, int], ...]:
+        return tuple(sorted(mapping.items(), key=lambda kv: kv[0].value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """The byte budget and per-form quotas the writer enforces, as it published them in the index (0: none)."""
+
+    budget_bytes: int = 0
+    form_quotas: tuple[tuple[CacheForm, int], ...] = ()
+
+    def quota(self, form: CacheForm) -> int:
+        return dict(self.form_quotas).get(form, 0)
+
+
+class StoreContext:
+    """One per DiskStore (and per process: LMDB handles and flocks do not survive fork)."""
+
+    def __init__(
+        self, root: str, seg_dir: str, config: StoreConfig, index: Index, backend: PosixBackend, *, readonly: bool
+    ) -> None:
+        self.root = root
+        self.seg_dir = seg_dir
+        self.readonly = readonly
+        self.config = config  # replaced whole by a reload of the limits (`Writer.set_limits`)
+        self.index = index
+        self.backend = backend
+        self.buffers = BufferPool(config.buffer_retain_bytes)
+        self.write_lock = threading.Lock()  # one batch (a store or a relocation) appends at a time
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pid = os.getpid()
+
+    @property
+    def quotas(self) -> dict[CacheForm, int]:
+        return dict(self.config.form_quotas)
+
+    def executor(self, role: str) -> ThreadPoolExecutor:
+        """Separate read and write pools, so loads never queue behind a write that is growing the map."""
+        pool = self._pools.get(role)
+        if pool is None:
+            pool = self._pools[role] = ThreadPoolExecutor(
+                max(1, self.config.io_threads), thread_name_prefix=f"kvtier-store-{role}"
+            )
+        return pool
+
+    def close_pools(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools.clear()
+
+    @property
+    def forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def check_pid(self) -> None:
+        if self.forked:
+            raise StoreForkError("this DiskStore was opened before fork(): open the store again in the child process")
+
+
+def flat_uint8(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() == 0:
+        raise StoreRequestError(
+            "payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)"
+        )
+    return t.view(-1)
+
+
+def entry_or_none(raw: bytes | memoryview) -> IndexEntry | None:
+    try:
+        return IndexEntry.unpack(raw)
+    except CorruptRecord:
+        return None
+
+
+def atime_or_zero(raw: bytes | memoryview | None) -> float:
+    try:
+        return unpack_time(raw) if raw is not None else 0.0
+    except CorruptRecord:
+        return 0.0
+
+
+def key_str(key: ObjectKey) -> str:
+    return f"{key.namespace.hex()}/{key.block_hash.hex()}/{key.group}/{key.form.value}"

@@ -1,0 +1,261 @@
+"""Maintenance (the verifier and cleaner's primitives): removal and tombstones, quarantine, verification, scans."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import lmdb
+
+from kvtier.core.forms import Reason
+from kvtier.core.tier import ObjectKey
+from kvtier.store.accounting import Ledger
+from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
+from kvtier.store.errors import CorruptRecord, QuarantineReason
+from kvtier.store.index import (
+    IndexEntry,
+    RecordState,
+    decode_key,
+    encode_key,
+    pack_time,
+    u64_key,
+    unpack_time,
+)
+from kvtier.store.reader import Reader
+from kvtier.store.record import Codec
+
+log = logging.getLogger(__name__)
+
+DropFilter = Callable[[ObjectKey, IndexEntry | None], bool]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """One record's check: what a load would answer now, and the fault this check found (None: none)."""
+
+    reason: Reason
+    failure: QuarantineReason | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """One row of a maintenance scan; `entry` is None when the index value itself is corrupt."""
+
+    key: ObjectKey
+    entry: IndexEntry | None
+    atime: float
+
+
+class Maintenance:
+    """Changes to records that are not writes of new ones, and the scans the verifier makes."""
+
+    def __init__(self, ctx: StoreContext, reader: Reader) -> None:
+        self._ctx = ctx
+        self._reader = reader
+
+    # ----------------------------------------------------------------- pins and removal
+
+    def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
+        """Protect records from eviction until now + ttl_s (extends, never shortens); returns how many exist."""
+        index = self._ctx.index
+        until = time.time() + ttl_s
+
+        def put(txn: lmdb.Transaction) -> int:
+            found = 0
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=index.obj)
+                entry = entry_or_none(raw) if raw is not None else None
+                if entry is None:
+                    continue
+                found += 1
+                if entry.pin_until < until:
+                    txn.put(raw_key, dataclasses.replace(entry, pin_until=until).pack(), db=index.obj)
+            return found
+
+        return index.update(put)
+
+    def drop(self, keys: Iterable[ObjectKey], *, when: DropFilter | None = None, tombstone: bool = False) -> int:
+        """Delete index entries (the bytes stay until their segment is reclaimed); returns how many were deleted.
+
+        `when`, if given, is asked inside the write transaction about each indexed key's current entry (None: its
+        value is corrupt); only keys it accepts are dropped, so a cleaner's decision cannot hit a record that changed.
+        """
+        index = self._ctx.index
+        pairs = [(k, encode_key(k)) for k in keys]
+        stamp = pack_time(time.time())
+
+        def put(txn: lmdb.Transaction) -> int:
+            ledger = Ledger(index, txn)
+            n = 0
+            for key, raw_key in pairs:
+                raw = txn.get(raw_key, db=index.obj)
+                if raw is None or (when is not None and not when(key, entry_or_none(raw))):
+                    continue
+                ledger.forget(raw)
+                txn.delete(raw_key, db=index.obj)
+                txn.delete(raw_key, db=index.atime)
+                if tombstone:
+                    txn.put(raw_key, stamp, db=index.gone)
+                n += 1
+            ledger.save()
+            return n
+
+        return index.update(put)
+
+    def prune_tombstones(self, older_than: float, *, start: bytes = b"", scan: int = 4096) -> tuple[int, bytes]:
+        """Forget eviction tombstones written before `older_than` (unix time; a corrupt one goes too): those
+        keys read as missing again. Looks at most `scan` tombstones from key `start` in one short transaction;
+        returns (how many went, the key to resume from: b"" once the end was reached)."""
+        index = self._ctx.index
+
+        def put(txn: lmdb.Transaction) -> tuple[int, bytes]:
+            n = 0
+            with txn.cursor(db=index.gone) as cur:
+                more = cur.set_range(start) if start else cur.first()
+                for _ in range(scan):
+                    if not more:
+                        return n, b""
+                    try:
+                        expired = unpack_time(cur.value()) < older_than
+                    except CorruptRecord:
+                        expired = True
+                    if expired:
+                        cur.delete()  # moves to the next entry; past the last one the cursor is unset
+                        more = bool(cur.key())
+                        n += 1
+                    else:
+                        more = cur.next()
+                return n, (bytes(cur.key()) if more else b"")
+
+        return index.update(put)
+
+    # ----------------------------------------------------------------- quarantine and verification
+
+    def quarantine(self, key: ObjectKey, reason: QuarantineReason) -> bool:
+        """Take a record out of service with reason and time (readers get a miss); False if it is not indexed."""
+        index = self._ctx.index
+        raw_key = encode_key(key)
+        now = time.time()
+
+        def put(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(raw_key, db=index.obj)
+            if raw is None:
+                return False
+            entry = entry_or_none(raw)
+            if entry is None:  # location unknown: keep a tombstone so the key reads as corrupt
+                entry = IndexEntry(
+                    RecordState.QUARANTINED, key.form, Codec.NONE, 0, 0, 0, 0, 0, bytes(16), bytes(16), 0, now
+                )
+            quarantined = dataclasses.replace(
+                entry, state=RecordState.QUARANTINED, quarantine_reason=int(reason), quarantined_at=now
+            )
+            txn.put(raw_key, quarantined.pack(), db=index.obj)
+            return True
+
+        return index.update(put)
+
+    def quarantine_faults(self, faults: Iterable[tuple[ObjectKey, QuarantineReason]]) -> None:
+        """Quarantine what a read or a check found, one short transaction each."""
+        for key, why in faults:
+            log.warning("quarantining %s: %s", key_str(key), why.label)
+            self.quarantine(key, why)
+
+    def verify_many(self, keys: Sequence[ObjectKey], *, apply: bool = True) -> list[VerifyResult]:
+        """Read and check records in one short read transaction (bound the batch); with `apply`, quarantine the
+        failures and stamp verified_at (clearing dirty) on the good ones in one write transaction."""
+        index = self._ctx.index
+        results: list[VerifyResult] = []
+        failures: list[tuple[ObjectKey, QuarantineReason]] = []
+        good: list[tuple[bytes, bytes, IndexEntry]] = []
+        with index.read() as txn:
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=index.obj)
+                if raw is None:
+                    results.append(VerifyResult(Reason.MISSING))
+                    continue
+                entry = entry_or_none(raw)
+                if entry is None:
+                    failures.append((key, QuarantineReason.INDEX_VALUE))
+                elif entry.state is RecordState.QUARANTINED:
+                    results.append(VerifyResult(QuarantineReason(entry.quarantine_reason).miss_reason))
+                    continue
+                else:
+                    try:
+                        self._reader.read_record(key, entry, None)
+                        good.append((raw_key, bytes(raw), entry))
+                        results.append(VerifyResult(Reason.OK))
+                        continue
+                    except CorruptRecord as exc:
+                        failures.append((key, exc.reason))
+                why = failures[-1][1]
+                results.append(VerifyResult(why.miss_reason, why))
+        if not apply:
+            return results
+        self.quarantine_faults(failures)
+        now = time.time()
+
+        def stamp(txn: lmdb.Transaction) -> None:
+            for raw_key, raw, entry in good:
+                cur = txn.get(raw_key, db=index.obj)
+                if cur is not None and bytes(cur) == raw:  # unchanged since the read
+                    txn.put(raw_key, dataclasses.replace(entry, verified_at=now).pack(), db=index.obj)
+                    txn.delete(u64_key(entry.seq), db=index.dirty)
+
+        if good:
+            index.update(stamp)
+        return results
+
+    # ----------------------------------------------------------------- scans
+
+    def records(self, keys: Sequence[ObjectKey]) -> list[RecordInfo | None]:
+        """The index rows of `keys` (None where a key is not indexed), in one short read transaction."""
+        index = self._ctx.index
+        with index.read() as txn:
+            atimes = txn.cursor(db=index.atime)
+            out: list[RecordInfo | None] = []
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=index.obj)
+                info = None if raw is None else RecordInfo(key, entry_or_none(raw), atime_or_zero(atimes.get(raw_key)))
+                out.append(info)
+            return out
+
+    def iter_records(
+        self, after: ObjectKey | None = None, limit: int = 256, namespace: bytes | None = None
+    ) -> list[RecordInfo]:
+        """Up to `limit` records in key order after `after` (one short read txn per call)."""
+        index = self._ctx.index
+        start = encode_key(after) if after is not None else (namespace or b"")
+        out: list[RecordInfo] = []
+        with index.read() as txn:
+            cur = txn.cursor(db=index.obj)
+            atimes = txn.cursor(db=index.atime)
+            if not cur.set_range(start):
+                return out
+            if after is not None and cur.key() == start and not cur.next():
+                return out
+            for raw_key, raw in cur:
+                if namespace is not None and not raw_key.startswith(namespace):
+                    break
+                key = decode_key(bytes(raw_key))
+                out.append(RecordInfo(key, entry_or_none(raw), atime_or_zero(atimes.get(raw_key))))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def iter_dirty(self, after_seq: int = 0, limit: int = 256) -> list[tuple[int, ObjectKey]]:
+        """Records written (and not verified) since the last verification, oldest first: (seq, key)."""
+        out: list[tuple[int, ObjectKey]] = []
+        with self._ctx.index.read() as txn:
+            cur = txn.cursor(db=self._ctx.index.dirty)
+            if not cur.set_range(u64_key(after_seq + 1)):
+                return out
+            for raw_seq, raw_key in cur:
+                out.append((int.from_bytes(raw_seq, "big"), decode_key(bytes(raw_key))))
+                if len(out) >= limit:
+                    break
+        return out

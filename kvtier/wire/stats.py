@@ -1,0 +1,118 @@
+"""The daemon's stats document, typed: what `stats` answers, what `kvtier status` renders, what metrics export.
+
+Field names are the document's keys (`kvtier status --json` prints it as is). `store` stays the store's own
+document (`kvtier.store.DiskStore.stats`, plus the daemon's persist counters): the store owns its keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class LatencyHistogram(msgspec.Struct):
+    """Cumulative buckets [(upper bound in seconds or "+Inf", count)], as Prometheus wants them."""
+
+    buckets: list[tuple[float | str, int]]
+    sum: float
+    count: int
+
+
+class FormStats(msgspec.Struct):
+    """One form's lookup routes, recoveries and evictions, summed over the served profiles."""
+
+    lookups: int = 0
+    reuse: int = 0
+    recover: int = 0
+    recompute: int = 0
+    recover_ok: int = 0
+    recover_failed: int = 0
+    admission_rejections: int = 0
+    evictions: int = 0
+    recompute_reasons: dict[str, int] = {}
+    recovery_latency: LatencyHistogram | None = None
+
+    @property
+    def needed(self) -> int:
+        """Objects lookups needed: state objects outside the window at the hit were never needed."""
+        return self.reuse + self.recover + self.recompute - self.recompute_reasons.get("outside_window", 0)
+
+    def share(self, route: str) -> float | None:
+        """Share of the needed objects that got `route` (reuse / recover / recompute); None before any lookup."""
+        needed = self.needed
+        if not needed:
+            return None
+        count = getattr(self, route) - (self.recompute_reasons.get("outside_window", 0) if route == "recompute" else 0)
+        return count / needed
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the needed objects that were served (REUSE or RECOVER); 0 before any lookup."""
+        needed = self.needed
+        return (self.reuse + self.recover) / needed if needed else 0.0
+
+
+class PoolStats(msgspec.Struct):
+    slots: int = 0
+    bytes: int = 0
+    used: int = 0
+    quota: int = 0
+
+
+class ProfileStats(msgspec.Struct):
+    name: str
+    namespace: str
+    hash_block_tokens: int
+    device: str
+    pools: dict[str, PoolStats]
+    live_leases: int
+    recovering: int
+    leases_expired: int
+
+
+class DaemonInfo(msgspec.Struct):
+    version: str
+    pid: int
+    uptime_s: float
+    health: str  # "ok" or "degraded: <why>"
+    config_source: str
+    socket: str
+    connections: int
+    metrics: str = ""  # HOST:PORT of the metrics endpoint, "" when off
+
+
+class VerifierReport(msgspec.Struct):
+    """The supervisor's view (mode, state, pid, restarts) laid over what the verifier last published."""
+
+    mode: str = "off"
+    state: str = "not running"
+    restarts: int = 0
+    pid: int | None = None
+    last_exit: int | None = None
+    phase: str = "never ran"
+    running: bool = False
+    ready: bool = False
+    verifier_pid: int | None = None
+    heartbeat_age_s: float | None = None
+    sweep: dict[str, Any] = {}
+    actions: dict[str, int] = {}
+
+
+class Reloadable(msgspec.Struct):
+    """What SIGHUP re-reads, as now in force."""
+
+    store_budget_bytes: int
+    store_quota_bytes: dict[str, int]
+    verifier_rate_bytes_per_s: int
+    verifier_sweep_interval_s: float
+
+
+class StatsDoc(msgspec.Struct):
+    profiles: list[ProfileStats]
+    forms: dict[str, FormStats]
+    store: dict[str, Any]
+    prewarm_pins: int
+    verifier: VerifierReport
+    daemon: DaemonInfo | None = None  # filled by the service around the backend's part
+    reloadable: Reloadable | None = None

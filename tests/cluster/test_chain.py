@@ -1,0 +1,98 @@
+"""TierChain (real DiskStore + real Mooncake): two nodes share prefixes through the cluster; faults stay misses."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+from store.store_helpers import DIGEST, VK, make_key, make_payload
+
+from kvtier.cluster import ClusterTier, WriteThrough
+from kvtier.cluster.chain import TierChain
+from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.tier import LoadRequest
+from kvtier.store import DiskStore
+from tests.cluster.conftest import cluster_config
+
+
+def _node(tmp_path, name: str, cluster, **kw) -> tuple[DiskStore, TierChain]:
+    disk = DiskStore(str(tmp_path / name), writer=True)
+    disk.register_namespace(VK)
+    cfg = cluster_config(cluster, **kw)
+    return disk, TierChain(disk, ClusterTier(cfg), cfg)
+
+
+def _items(tag: str, n: int) -> list:
+    ns = VK.namespace
+    out = [(make_key(ns, f"{tag}-{i}"), make_payload(f"{tag}-{i}", 30_000), DIGEST) for i in range(n)]
+    out.append((make_key(ns, f"{tag}-swa", "swa", CacheForm.SWA), make_payload(f"{tag}-swa", 8_000), DIGEST))
+    return out
+
+
+def _load(tier, items) -> tuple[list[Reason], list[torch.Tensor]]:
+    outs = [torch.zeros_like(p) for _, p, _ in items]
+    return tier.load_into([LoadRequest(k, o, d) for (k, _, d), o in zip(items, outs)]), outs
+
+
+def test_second_node_restores_from_the_cluster_and_promotes(shared_cluster, tmp_path) -> None:
+    disk1, node1 = _node(tmp_path, "n1", shared_cluster)
+    disk2, node2 = _node(tmp_path, "n2", shared_cluster)
+    try:
+        items = _items("share", 5)
+        keys, digests = [k for k, _, _ in items], [DIGEST] * len(items)
+        node1.store_many(items)
+        assert disk1.has(keys, digests) == [Reason.OK] * len(items)  # durable locally when store_many returned
+        assert node1.drain(10)
+        # write-through "history" (the default): the swa state object stays on node 1
+        assert node2.has(keys, digests) == [Reason.OK] * 5 + [Reason.MISSING]
+        reasons, outs = _load(node2, items[:5])
+        assert reasons == [Reason.OK] * 5 and all(torch.equal(o, p) for o, (_, p, _) in zip(outs, items))
+        assert node2.drain(10)
+        assert disk2.has(keys[:5], digests[:5]) == [Reason.OK] * 5  # promoted: the next restore is local
+        s1, s2 = node1.stats(), node2.stats()
+        assert s1.written_through == 5 and s1.cluster.stored == 5
+        assert s2.cluster_hits == 5 and s2.promoted == 5 and s2.dropped == 0
+    finally:
+        for chain, disk in ((node1, disk1), (node2, disk2)):
+            chain.close()
+            disk.close()
+
+
+def test_full_backlog_drops_without_blocking(shared_cluster, tmp_path) -> None:
+    disk, chain = _node(tmp_path, "n", shared_cluster, queue_bytes=40_000, write_through=WriteThrough.ALL)
+    try:
+        items = _items("drop", 6)  # 6 x 30 kB: the first fits the backlog, later ones may not
+        t0 = time.monotonic()
+        for it in items:
+            chain.store_many([it])
+        assert time.monotonic() - t0 < 5
+        assert chain.drain(10)
+        stats = chain.stats()
+        assert stats.dropped > 0 and stats.written_through + stats.dropped == len(items)
+        assert disk.has([k for k, _, _ in items], [DIGEST] * len(items)) == [Reason.OK] * len(items)
+    finally:
+        chain.close()
+        disk.close()
+
+
+def test_master_down_serves_local_hits_and_misses_the_rest(own_cluster, tmp_path) -> None:
+    disk1, node1 = _node(tmp_path, "n1", own_cluster)
+    disk2, node2 = _node(tmp_path, "n2", own_cluster)
+    try:
+        shared, local = _items("remote", 3)[:3], _items("local", 3)[:3]
+        node1.store_many(shared)
+        assert node1.drain(10)
+        node2.store_many(local)
+        own_cluster.masters[0].kill(signal.SIGKILL)
+        both = shared + local
+        t0 = time.monotonic()
+        assert node2.has([k for k, _, _ in both], [DIGEST] * 6) == [Reason.MISSING] * 3 + [Reason.OK] * 3
+        reasons, outs = _load(node2, both)
+        assert reasons == [Reason.MISSING] * 3 + [Reason.OK] * 3
+        assert all(torch.equal(outs[i], both[i][1]) for i in range(3, 6))
+        assert time.monotonic() - t0 < node2.cfg.lookup_timeout_s + node2.cfg.load_timeout_s + 1
+    finally:
+        for chain, disk in ((node1, disk1), (node2, disk2)):
+            chain.close(timeout=0.5)
+            disk.close()

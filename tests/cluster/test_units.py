@@ -1,0 +1,90 @@
+"""The cluster tier's pure parts (no Mooncake needed): object header verdicts, names, deadline lanes, config."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.cluster import ClusterConfig, ClusterConfigError, ClusterUnavailable, WriteThrough
+from kvtier.cluster import header as H
+from kvtier.cluster.lane import Breaker, Lane
+from kvtier.cluster.mooncake_client import chunks
+from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
+
+KEY = ObjectKey(b"n" * 16, b"h" * 16, "c4/x é", CacheForm.INDEXER)
+DIGEST = b"d" * 16
+
+
+def _object(key: ObjectKey = KEY, payload: bytes = b"payload bytes" * 50) -> bytearray:
+    obj = bytearray(H.HEADER_BYTES + len(payload))
+    obj[H.HEADER_BYTES :] = payload
+    H.ObjectHeader.for_payload(key, DIGEST, memoryview(obj)[H.HEADER_BYTES :]).pack_into(memoryview(obj))
+    return obj
+
+
+def test_names_round_trip_and_reject_others() -> None:
+    name = H.object_name("kvt1", KEY)
+    assert H.parse_name("kvt1", name) == KEY
+    assert H.parse_name("other", name) is None and H.parse_name("kvt1", "kvt1/zz/zz/tail/g") is None
+
+
+def test_verdicts() -> None:
+    obj = _object()
+    plen = len(obj) - H.HEADER_BYTES
+    assert H.verify(memoryview(obj), KEY, DIGEST, plen) is H.Verdict.OK
+    assert H.verify(memoryview(obj)[:100], KEY, DIGEST, plen) is H.Verdict.TRUNCATED
+    assert H.verify(memoryview(obj)[:-1], KEY, DIGEST, plen) is H.Verdict.TRUNCATED
+    assert H.verify(memoryview(obj + b"x"), KEY, DIGEST, plen) is H.Verdict.OVERSIZED
+    assert H.verify(memoryview(obj), KEY, b"e" * 16, plen) is H.Verdict.LAYOUT
+    assert H.verify(memoryview(obj), KEY, DIGEST, plen + 1) is H.Verdict.LAYOUT
+    other = ObjectKey(KEY.namespace, KEY.block_hash, KEY.group, CacheForm.COMPRESSED)
+    assert H.verify(memoryview(obj), other, DIGEST, plen) is H.Verdict.FOREIGN
+    assert H.verify(memoryview(bytes(len(obj))), KEY, DIGEST, plen) is H.Verdict.GARBAGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0), st.integers(min_value=0, max_value=7))
+def test_any_single_bit_flip_is_never_ok(at: int, bit: int) -> None:
+    obj = _object()
+    obj[at % len(obj)] ^= 1 << bit
+    assert H.verify(memoryview(obj), KEY, DIGEST, len(obj) - H.HEADER_BYTES) is not H.Verdict.OK
+
+
+def test_lane_answers_within_the_deadline_and_stays_busy_until_the_call_returns() -> None:
+    breaker = Breaker(retry_s=0.3)
+    lane = Lane("t", breaker)
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterUnavailable), lane.hold(time.monotonic() + 0.1) as run:
+        run(release.wait)
+    assert time.monotonic() - t0 < 0.5 and not breaker.up
+    with pytest.raises(ClusterUnavailable, match="marked down"), lane.hold(time.monotonic() + 0.1):
+        pass
+    time.sleep(0.35)  # the breaker's retry wait, by design
+    with pytest.raises(ClusterUnavailable, match="still running"), lane.hold(time.monotonic() + 0.1):
+        pass  # the probe cannot get the lane while the stuck call runs
+    release.set()
+    time.sleep(0.35)
+    with lane.hold(time.monotonic() + 1.0) as run:
+        assert run(lambda: 7) == 7
+    lane.close()
+
+
+def test_chunks_fit_the_staging_buffer() -> None:
+    assert chunks([10, 10, 100, 10], 64) == [[0], [1], [2], [3]]  # 64-byte slots
+    assert chunks([64, 64, 64], 128) == [[0, 1], [2]]
+
+
+def test_config_validation_and_policy() -> None:
+    with pytest.raises(ClusterConfigError, match="replicas"):
+        ClusterConfig(replicas=0)
+    with pytest.raises(ClusterConfigError, match="backend"):
+        ClusterConfig(backend="redis")
+    assert ClusterConfig(etcd="127.0.0.1:2379").master_address == "etcd://127.0.0.1:2379"
+    assert WriteThrough.HISTORY.covers(CacheForm.INDEXER) and not WriteThrough.HISTORY.covers(CacheForm.SWA)
+    assert not WriteThrough.OFF.covers(CacheForm.COMPRESSED) and WriteThrough.ALL.covers(CacheForm.TAIL)

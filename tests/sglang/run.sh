@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# SGLang HiCache backend tests in their own venv: SGLang 0.5.23 (--no-deps) + the few packages its
+# hicache_storage and storage-factory imports need + CPU torch + kvtier (editable, --no-deps). SGLang is
+# never a kvtier dependency and never enters the project's .venv.
+#   KVTIER_SGLANG_VENV   venv folder (default bench/.venv-sglang; reused when complete)
+#   --prepare            only build the venv (CI may do this in the background)
+#   extra arguments      passed to pytest
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+SGLANG_SPEC="sglang==0.5.23"
+TORCH_SPEC="torch==2.13.0"  # the CPU wheel on these hosts; installed first so nothing pulls a CUDA torch
+# What `import sglang.srt.mem_cache.hicache_storage` and its storage factory import (found by trying).
+SGLANG_IMPORTS=(triton orjson IPython transformers pybase64 requests pillow starlette msgspec pyzmq aiohttp)
+VENV=${KVTIER_SGLANG_VENV:-$ROOT/bench/.venv-sglang}
+STAMP="$VENV/.kvtier-sglang-ready"
+PY="$VENV/bin/python"
+WANT="$SGLANG_SPEC $TORCH_SPEC ${SGLANG_IMPORTS[*]}"
+
+quiet() { # run a command, showing its output only when it fails
+    local log rc=0
+    log=$(mktemp)
+    "$@" >"$log" 2>&1 || rc=$?
+    ((rc == 0)) || { cat "$log"; echo "tests/sglang: failed ($rc): $*"; }
+    rm -f "$log"
+    return $rc
+}
+
+probe() {
+    "$PY" -c "import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory"
+}
+
+if ! [[ -x $PY && -f $STAMP && $(cat "$STAMP") == "$WANT" ]] || ! probe >/dev/null 2>&1; then
+    echo "tests/sglang: building $VENV ($WANT)"
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    quiet "$PY" -m pip install -q "$TORCH_SPEC"
+    quiet "$PY" -m pip install -q --no-deps "$SGLANG_SPEC"
+    quiet "$PY" -m pip install -q "${SGLANG_IMPORTS[@]}"
+    probe # a broken install fails here, loudly
+    echo "$WANT" >"$STAMP"
+fi
+
+[[ ${1:-} == --prepare ]] && { echo "tests/sglang: $VENV has $SGLANG_SPEC"; exit 0; }
+
+# kvtier itself, editable and --no-deps, with its own deps and test extra (torch stays as installed above).
+quiet tests/support/kvtier_into_venv.sh "$PY" tests/sglang/run.sh
+
+export KVTIER_SGLANG_REQUIRED=1
+exec "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/sglang "$@"
