@@ -61,9 +61,15 @@ def config() -> None:
 @config.command("show")
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def config_show(config_path: str | None, as_json: bool) -> None:
+@click.option(
+    "--system",
+    is_flag=True,
+    help="The config the systemd units run with (their defaults, /etc/kvtier/kvtier.toml if present), whoever asks.",
+)
+def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
     """Print the effective config (defaults with the file laid over them)."""
-    cfg = load_config(config_path)
+    # --system: the defaults of a daemon under systemd (root, /run/kvtier, /var/lib/kvtier), not this user's
+    cfg = load_config(config_path, env={}, uid=0) if system else load_config(config_path)
     doc = cfg.to_dict()
     if as_json:
         click.echo(json.dumps(doc, indent=2))

@@ -49,6 +49,7 @@ class DaemonUnavailable(KvtierError):
     """No daemon answers on the socket, or it went away mid-request."""
 
     code = "daemon_unavailable"
+    exit_code = 3  # what every CLI command exits with when no daemon answers
 
 
 class DaemonBusy(KvtierError):
