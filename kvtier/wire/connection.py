@@ -68,6 +68,8 @@ class Connection:
 
     def _call(self, req: P.Msg, fds: list[int] | None = None, *, send_fds: list[int] | None = None) -> Any:
         """Send `req` (with `send_fds` as SCM_RIGHTS) and return its reply; descriptors riding back go to `fds`."""
+        if self._sock.fileno() < 0:
+            raise E.OutOfOrder(f"this connection to {self.socket_path} is closed; open a new one")
         with self._lock:
             try:
                 try:

@@ -12,11 +12,18 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from support.daemon import DaemonProc
 
 from kvtier.cli.main import main
+from kvtier.client import Client, LookupResult
+from kvtier.core.errors import KvtierError
+from kvtier.wire import errors as E
 
 USAGE, NO_DAEMON = 2, 3
 
@@ -175,3 +182,74 @@ def test_verbose_adds_the_traceback(bad_dir: Path) -> None:
     proc = run_kvtier(["-v", "verifier", "run", "--store", str(bad_dir / "nostore"), "--wait-for-store", "0"], bad_dir)
     assert proc.returncode == USAGE and "Traceback" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("kvtier: no kvtier store at")
+
+
+# -- the client API: kvtier's typed errors with a one-line message, never Python internals ----------------------
+
+H = 32  # ref-tiny's hash block
+PROMPT = np.arange(4 * H, dtype=np.int64)
+
+CLIENT_CASES = [
+    ("lookup-a-string", lambda c, r: c.lookup("hello"), E.WrongType, r"tokens must be token ids .* got str"),
+    ("lookup-none", lambda c, r: c.lookup(None), E.WrongType, r"tokens must be token ids .* got NoneType"),
+    ("lookup-2d", lambda c, r: c.lookup(np.zeros((2, 64), dtype=np.int64)), E.WrongType, r"one-dimensional"),
+    ("lookup-floats", lambda c, r: c.lookup([0.5, 1.5]), E.WrongType, r"integer token ids, got float64"),
+    ("read-unknown-group", lambda c, r: c.read(r, "no_such_group", 0), E.WrongType, r"no cache group 'no_such_group'"),
+    ("read-block-out-of-range", lambda c, r: c.read(r, "c4", 99), E.BadRange, r"block 99 is outside .* 4 blocks"),
+    ("read-not-a-lookup", lambda c, r: c.read("r", "c4", 0), E.WrongType, r"LookupResult of lookup\(\), got str"),
+    ("offload-a-list", lambda c, r: c.offload(PROMPT, [1, 2]), E.WrongType, r"caches must map group name"),
+    (
+        "offload-not-a-tensor",
+        lambda c, r: c.offload(PROMPT, {"c4": {0: [1, 2]}}),
+        E.WrongType,
+        r"c4: each block's object must be a torch.Tensor, got list",
+    ),
+    (
+        "offload-block-out-of-range",
+        lambda c, r: c.offload(PROMPT, {"c4": {9: torch.zeros(8)}}),
+        E.BadRange,
+        r"c4: block indices must be within the 4 whole blocks",
+    ),
+    ("attach-unknown-profile", lambda c, r: _attach_anew(c, "nope"), KvtierError, r"not 'nope'.*`profiles`"),
+    ("attach-twice", lambda c, r: c.attach("ref-tiny"), E.OutOfOrder, r"already attached to 'ref-tiny'"),
+]
+
+
+def _attach_anew(client: Client, profile: str) -> None:
+    with Client(client.socket_path) as other:
+        other.attach(profile)
+
+
+@pytest.fixture(scope="module")
+def attached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, LookupResult]]:
+    d = DaemonProc(tmp_path_factory.mktemp("daemon"))
+    try:
+        with Client(d.socket, name="bad inputs") as c:
+            c.attach("ref-tiny")
+            result = c.lookup(PROMPT)
+            yield c, result
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize(("call", "error", "pattern"), [c[1:] for c in CLIENT_CASES], ids=[c[0] for c in CLIENT_CASES])
+def test_client_api_mistakes_raise_typed_errors(attached, call, error: type[Exception], pattern: str) -> None:
+    client, result = attached
+    with pytest.raises(error) as raised:
+        call(client, result)
+    message = str(raised.value)
+    assert isinstance(raised.value, KvtierError) and "\n" not in message and re.search(pattern, message), message
+
+
+def test_client_use_after_close(attached) -> None:
+    client, _ = attached
+    with Client(client.socket_path) as other:
+        other.attach("ref-tiny")
+    with pytest.raises(E.OutOfOrder, match="is closed; open a new one"):
+        other.lookup(PROMPT)
+    with pytest.raises(E.OutOfOrder, match="attach\\(profile\\) first"):
+        Client(client.socket_path).lookup(PROMPT)
+
+
+def test_the_tables_hold_at_least_thirty_bad_inputs() -> None:
+    assert len(CASES) + len(CLIENT_CASES) >= 30
