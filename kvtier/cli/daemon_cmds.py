@@ -10,12 +10,18 @@ from typing import Any
 
 import click
 import msgspec
-import numpy as np
 import tomli_w
 
+from kvtier.cli import exits
+from kvtier.cli.manifest import read_manifest
+from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import load_config
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, KvtierError
+from kvtier.core.hashing import block_hashes
+from kvtier.core.units import format_bytes
+from kvtier.wire import OperatorConnection
 from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire.messages import AttachOk
 from kvtier.wire.stats import StatsDoc
 
 config_option = click.option(
@@ -131,7 +137,7 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
             doc = conn.stats()
     except DaemonUnavailable as exc:
         click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(3)
+        sys.exit(exits.NO_DAEMON)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
@@ -139,105 +145,64 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     sys.exit(0 if doc.daemon is not None and doc.daemon.health == "ok" else 1)
 
 
-def _manifest_tokens(entry: dict[str, Any], base: Path, where: str) -> np.ndarray:
-    if "tokens" in entry:
-        tokens = entry["tokens"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise ConfigError("tokens must be a list of non-negative integers", key="tokens", source=where)
-        return np.asarray(tokens, dtype=np.int64)
-    if "token_file" not in entry:
-        raise ConfigError("each prefix needs 'tokens' or 'token_file'", source=where)
-    path = base / entry["token_file"]
-    try:
-        if path.suffix == ".npy":
-            return np.load(path).astype(np.int64).reshape(-1)
-        return np.asarray([int(t) for t in path.read_text().replace(",", " ").split()], dtype=np.int64)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot read token file {path}: {exc} (.npy, or integers separated by spaces or commas)",
-            key="token_file",
-            source=where,
-        ) from None
-
-
-def read_manifest(path: Path) -> list[dict[str, Any]]:
-    """Parse and check a JSONL prewarm manifest: {name, profile, tokens | token_file, ttl_s?} per line."""
-    entries = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the manifest: {exc.strerror}", source=str(path)) from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        where = f"{path}:{i}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"not a JSON object: {exc.msg}", source=where) from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("profile"), str):
-            raise ConfigError("each line must be an object with a 'profile'", key="profile", source=where)
-        unknown = set(entry) - {"name", "profile", "tokens", "token_file", "ttl_s"}
-        if unknown:
-            raise ConfigError("unknown key", key=sorted(unknown)[0], source=where)
-        ttl = entry.get("ttl_s", 600.0)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
-            raise ConfigError(f"must be a positive number of seconds, got {ttl!r}", key="ttl_s", source=where)
-        entries.append(
-            {
-                "name": str(entry.get("name", f"line {i}")),
-                "profile": entry["profile"],
-                "tokens": _manifest_tokens(entry, path.parent, where),
-                "ttl_s": float(ttl),
-            }
-        )
-    return entries
+def _prewarm_line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['name']}: hit {r['hit_tokens']:,}/{r['tokens']:,} tokens, loaded {r['loaded_objects']:,} objects "
+        f"({format_bytes(r['bytes_loaded'])}), pinned {r['pinned']:,} for {r['ttl_s']:g} s, {r['seconds']:.2f} s"
+    )
 
 
 @click.command()
 @click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
 @config_option
 @socket_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON report on stdout (progress stays on stderr).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON report on stdout (per-prefix lines go to stderr).")
 def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as_json: bool) -> None:
-    """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL."""
-    from tqdm import tqdm
+    """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL.
 
-    from kvtier.client import Client
-
-    entries = read_manifest(manifest)
+    A line per prefix as it finishes (on stderr with --json). Exit 2 for a bad manifest, 3 with no daemon,
+    130 when interrupted (after reporting the prefixes done).
+    """
+    prompts = read_manifest(manifest)
     path = _socket(config_path, socket_path)
-    clients: dict[str, Client] = {}
-    reports = []
+    conns: dict[str, tuple[OperatorConnection, AttachOk]] = {}
+    reports: list[dict[str, Any]] = []
     try:
-        for entry in tqdm(entries, desc="prewarm", unit="prefix", file=sys.stderr, disable=not sys.stderr.isatty()):
-            client = clients.get(entry["profile"])
-            if client is None:
-                client = clients[entry["profile"]] = Client(path, name="kvtier prewarm")
-                client.attach(entry["profile"])
+        for prompt in prompts:
+            if prompt.profile not in conns:
+                conn = OperatorConnection(path, name="kvtier prewarm")
+                try:
+                    conns[prompt.profile] = (conn, conn.attach_unmapped(prompt.profile))
+                except DaemonUnavailable:
+                    raise
+                except KvtierError as exc:
+                    conn.close()
+                    raise ConfigError(str(exc), key="profile", source=prompt.where) from None
+            conn, att = conns[prompt.profile]
             started = time.perf_counter()
-            rep = client.prewarm(entry["tokens"], ttl_s=entry["ttl_s"])
+            hashes = b"".join(block_hashes(att.namespace, prompt.tokens, att.hash_block_tokens))
+            rep = conn.prewarm_hashes(hashes, prompt.ttl_s)
+            cv = CheckVector.from_wire(msgspec.structs.asdict(rep.check_vector))
             reports.append(
                 {
-                    "name": entry["name"],
-                    "profile": entry["profile"],
-                    "tokens": int(entry["tokens"].size),
-                    "hit_tokens": rep.hit_tokens,
-                    "routes": rep.check_vector.counts(),
+                    "name": prompt.name,
+                    "profile": prompt.profile,
+                    "tokens": int(prompt.tokens.size),
+                    "hit_tokens": cv.hit_tokens,
+                    "routes": cv.counts(),
                     "loaded_objects": rep.loaded_objects,
                     "bytes_loaded": rep.loaded_bytes,
                     "pinned": rep.pinned,
+                    "ttl_s": prompt.ttl_s,
                     "seconds": round(time.perf_counter() - started, 6),
                 }
             )
+            click.echo(_prewarm_line(reports[-1]), err=as_json)
+    except KeyboardInterrupt:
+        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes (those stay pinned)", err=True)
+        sys.exit(exits.INTERRUPTED)
     finally:
-        for client in clients.values():
-            client.close()
+        for conn, _ in conns.values():
+            conn.close()
     if as_json:
         click.echo(json.dumps({"manifest": str(manifest), "prefixes": reports}, indent=2))
-        return
-    for r in reports:
-        click.echo(
-            f"{r['name']}: hit {r['hit_tokens']}/{r['tokens']} tokens, loaded {r['loaded_objects']} objects "
-            f"({r['bytes_loaded'] / 2**20:.2f} MiB), pinned {r['pinned']}, {r['seconds']:.3f}s"
-        )

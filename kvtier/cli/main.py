@@ -15,6 +15,7 @@ from typing import NoReturn
 import click
 
 from kvtier import __version__
+from kvtier.cli import exits
 from kvtier.cli.audit_cmd import audit
 from kvtier.cli.daemon_cmds import config, prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
@@ -22,10 +23,6 @@ from kvtier.cli.profile_cmd import profile
 from kvtier.cli.store_cmd import store
 from kvtier.cli.verifier_cmd import verifier
 from kvtier.core.errors import KvtierError
-
-USAGE_EXIT = 2
-INTERNAL_EXIT = 70
-INTERRUPTED_EXIT = 130
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -52,23 +49,23 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        _fail("aborted", INTERRUPTED_EXIT)
+        _fail("aborted", exits.INTERRUPTED)
     except KeyboardInterrupt:
-        _fail("interrupted", INTERRUPTED_EXIT)
+        _fail("interrupted", exits.INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except KvtierError as exc:
         # a typed error says what is wrong and what to do; subclasses may name their own exit code
-        _fail(str(exc), getattr(exc, "exit_code", USAGE_EXIT))
+        _fail(str(exc), getattr(exc, "exit_code", exits.USAGE))
     except OSError as exc:
         # a path the user gave (or a default one) that cannot be used: name it and the usual fix
         where = f": {exc.filename}" if exc.filename else ""
-        _fail(f"{exc.strerror or exc}{where} (check the path and its permissions, or pick another one)", USAGE_EXIT)
+        _fail(f"{exc.strerror or exc}{where} (check the path and its permissions, or pick another one)", exits.USAGE)
     except Exception as exc:
         _fail(
             f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback, and report it)",
-            INTERNAL_EXIT,
+            exits.INTERNAL,
         )
 
 

@@ -51,9 +51,7 @@ def read_token_file(path: Path, where: str | None = None) -> np.ndarray:
 
 
 def _token_ids(values: list[Any], key: str, where: str) -> np.ndarray:
-    bad = next(
-        (v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID), None
-    )
+    bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID), None)
     if bad is not None:
         raise ConfigError(f"token ids must be integers in 0..2**63-1, got {bad!r}", key=key, source=where)
     if not values:
@@ -88,7 +86,9 @@ def read_manifest(path: Path, only_line: int | None = None) -> list[Prompt]:
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the manifest: {getattr(exc, 'strerror', None) or exc}", source=str(path)) from None
+        raise ConfigError(
+            f"cannot read the manifest: {getattr(exc, 'strerror', None) or exc}", source=str(path)
+        ) from None
     prompts = []
     for i, text in enumerate(lines, 1):
         if (only_line is not None and i != only_line) or not text.strip() or text.lstrip().startswith("#"):
@@ -101,5 +101,5 @@ def read_manifest(path: Path, only_line: int | None = None) -> list[Prompt]:
         prompts.append(_prompt(entry, path.parent, where, i))
     if not prompts:
         what = f"no prompt on line {only_line}" if only_line is not None else "no prompts (every line blank or #)"
-        raise ConfigError(f"{what}; a line is {{\"profile\": ..., \"tokens\": [...]}}", source=str(path))
+        raise ConfigError(f'{what}; a line is {{"profile": ..., "tokens": [...]}}', source=str(path))
     return prompts

@@ -98,3 +98,20 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OperatorConnection(Connection):
+    """What operator tools (`kvtier prewarm`, `kvtier explain`) speak: attach without mapping the pools, then send
+    block hashes. It needs no torch, so these commands start in a fraction of a second."""
+
+    def attach_unmapped(self, profile: str) -> P.AttachOk:
+        """Attach this connection to `profile`; the pool descriptors that come with the reply are closed at once."""
+        fds: list[int] = []
+        try:
+            return self._call(P.Attach(profile), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def prewarm_hashes(self, hashes: bytes, ttl_s: float) -> P.PrewarmOk:
+        return self._call(P.Prewarm(hashes, ttl_s))

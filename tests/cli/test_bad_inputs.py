@@ -44,6 +44,10 @@ FILES = {
     "no-tokens.jsonl": '{"profile": "ref-tiny"}\n',
     "missing-token-file.jsonl": '{"profile": "ref-tiny", "token_file": "nope.txt"}\n',
     "bad-profile.toml": "[[group]]\nname = 1\n",
+    "both-token-keys.jsonl": '{"profile": "ref-tiny", "tokens": [1], "token_file": "t.txt"}\n',
+    "empty.jsonl": "# nothing here\n\n",
+    "huge-token.jsonl": '{"profile": "ref-tiny", "tokens": [99999999999999999999999]}\n',
+    "good.jsonl": '{"profile": "ref-tiny", "tokens": [1, 2, 3]}\n',
 }
 
 # (id, argv, exit code, regex the stderr must match)
@@ -67,14 +71,28 @@ CASES = [
     ("prewarm-no-profile", ["prewarm", "{d}/no-profile.jsonl"], USAGE, r"no-profile.jsonl:1: .*'profile'"),
     ("prewarm-bad-ttl", ["prewarm", "{d}/bad-ttl.jsonl"], USAGE, r"bad-ttl.jsonl:1: .*ttl_s.*positive"),
     ("prewarm-unknown-key", ["prewarm", "{d}/unknown-key.jsonl"], USAGE, r"unknown-key.jsonl:1: .*'pin'"),
-    ("prewarm-negative-token", ["prewarm", "{d}/bad-tokens.jsonl"], USAGE, r"bad-tokens.jsonl:1: .*non-negative"),
-    ("prewarm-no-tokens", ["prewarm", "{d}/no-tokens.jsonl"], USAGE, r"no-tokens.jsonl:1: .*'tokens' or 'token_file'"),
+    ("prewarm-negative-token", ["prewarm", "{d}/bad-tokens.jsonl"], USAGE, r"bad-tokens.jsonl:1: .*got -2"),
+    (
+        "prewarm-no-tokens",
+        ["prewarm", "{d}/no-tokens.jsonl"],
+        USAGE,
+        r"no-tokens.jsonl:1: give exactly one of 'tokens' and 'token_file'",
+    ),
     (
         "prewarm-missing-token-file",
         ["prewarm", "{d}/missing-token-file.jsonl"],
         USAGE,
         r"missing-token-file.jsonl:1: .*cannot read token file",
     ),
+    (
+        "prewarm-both-token-keys",
+        ["prewarm", "{d}/both-token-keys.jsonl"],
+        USAGE,
+        r"both-token-keys.jsonl:1: give exactly one of 'tokens' and 'token_file'",
+    ),
+    ("prewarm-empty-manifest", ["prewarm", "{d}/empty.jsonl"], USAGE, r"empty.jsonl: no prompts"),
+    ("prewarm-token-too-large", ["prewarm", "{d}/huge-token.jsonl"], USAGE, r"huge-token.jsonl:1: .*0..2\*\*63-1"),
+    ("prewarm-no-daemon", ["prewarm", "{d}/good.jsonl", "--socket", "{d}/none.sock"], NO_DAEMON, r"no kvtier daemon"),
     # audit
     ("audit-no-store", ["audit", "--store", "{d}/nostore"], USAGE, r"no kvtier store at .*nostore"),
     ("audit-not-a-store", ["audit", "--store", "{d}"], USAGE, r"no kvtier store at .*index.lmdb"),

@@ -57,17 +57,25 @@ _NO_TORCH = """
 import sys
 from click.testing import CliRunner
 from kvtier.cli.main import cli
-for args in (["--help"], ["config", "show", "--json"], ["profile", "show", "ref-tiny"], ["status", "--socket", sys.argv[1]]):
+for args in (
+    ["--help"],
+    ["config", "show", "--json"],
+    ["profile", "show", "ref-tiny"],
+    ["status", "--socket", sys.argv[1]],
+    ["prewarm", sys.argv[2], "--socket", sys.argv[1]],
+):
     assert CliRunner().invoke(cli, args).exit_code == 0, args
 print(sorted(m for m in ("torch", "lmdb", "kvtier.store", "kvtier.client") if m in sys.modules))
 """
 
 
-def test_operator_commands_start_without_torch(daemon: DaemonProc) -> None:
-    """`--help`, `config show`, `profile show` and `status` (against a live daemon) import neither torch nor
-    the store nor the engine client: a node's CLI answers in a fraction of a second, not after torch's ~2 s."""
+def test_operator_commands_start_without_torch(daemon: DaemonProc, tmp_path: Path) -> None:
+    """`--help`, `config show`, `profile show`, `status` and `prewarm` (against a live daemon) import neither torch
+    nor the store nor the engine client: a node's CLI answers in a fraction of a second, not after torch's ~2 s."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"profile": "ref-tiny", "tokens": list(range(2 * H))}) + "\n")
     out = subprocess.run(
-        [sys.executable, "-c", _NO_TORCH, str(daemon.socket)],
+        [sys.executable, "-c", _NO_TORCH, str(daemon.socket), str(manifest)],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -103,6 +111,10 @@ def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
         )
         out = _kvtier("prewarm", str(manifest), "--socket", str(d.socket), "--json")
         assert out.returncode == 0, out.stderr
+        # a line per prefix as it finished, on stderr (stdout is the JSON)
+        lines = out.stderr.splitlines()
+        assert lines[0].startswith(f"file: hit {4 * H:,}/{4 * H:,} tokens, loaded ") and "pinned" in lines[0]
+        assert lines[1].startswith(f"inline-miss: hit 0/{3 * H:,} tokens")
         rep = {p["name"]: p for p in json.loads(out.stdout)["prefixes"]}
         assert (
             rep["file"]["hit_tokens"] == 4 * H and rep["file"]["loaded_objects"] > 0 and rep["file"]["bytes_loaded"] > 0
@@ -120,6 +132,13 @@ def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
         bad.write_text('{"profile": "ref-tiny", "tokenz": [1]}\n')
         out = _kvtier("prewarm", str(bad), "--socket", str(d.socket))
         assert out.returncode == 2 and "tokenz" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        # a profile the daemon does not serve: the manifest line is named
+        unknown = tmp_path / "unknown.jsonl"
+        unknown.write_text('# comment\n{"profile": "ref-tiny", "tokens": [1, 2]}\n{"profile": "nope", "tokens": [1]}\n')
+        out = _kvtier("prewarm", str(unknown), "--socket", str(d.socket))
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{unknown}:3: key 'profile': " in out.stderr and "'nope'" in out.stderr
+        assert out.stdout.startswith("line 2: hit 0/2 tokens")  # the prefix before it was done and reported
     finally:
         assert d.terminate() == 0
 
