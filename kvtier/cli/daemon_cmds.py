@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,9 +16,10 @@ import tomli_w
 from kvtier.cli import exits
 from kvtier.cli.manifest import read_manifest
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.config import load_config
-from kvtier.core.errors import ConfigError, KvtierError
+from kvtier.core.config import DaemonConfig, load_config
+from kvtier.core.errors import ConfigError, KvtierError, ProfileError
 from kvtier.core.hashing import block_hashes
+from kvtier.core.profile import load_profile
 from kvtier.core.units import format_bytes
 from kvtier.wire import OperatorConnection
 from kvtier.wire.errors import DaemonUnavailable
@@ -43,20 +45,59 @@ def _socket(config_path: str | None, socket_path: str | None) -> Path:
 @click.command()
 @config_option
 def serve(config_path: str | None) -> None:
-    """Run the daemon: GPU pools, the disk store writer and the local API (under systemd: Type=notify)."""
+    """Run the daemon: GPU pools, the disk store writer and the local API (under systemd: Type=notify).
+
+    Says on stderr what it starts and, once it does, where it listens. Exit 2 for a config or path it cannot use.
+    """
     from kvtier.daemon.backend import build_backend
     from kvtier.daemon.server import claim_socket_path
     from kvtier.daemon.service import Daemon
 
     cfg = load_config(config_path)
+    _check_profiles(cfg)
+    _check_paths(cfg)
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here
+    click.echo(
+        f"kvtier serve: config {cfg.source}; profiles {', '.join(cfg.profiles)} on {cfg.device}; "
+        f"store {cfg.store.root}; allocating pools",
+        err=True,
+    )
     backend = build_backend(cfg)
     try:
         daemon = Daemon(cfg, backend, config_path=config_path)
     except BaseException:
         backend.close()
         raise
-    sys.exit(daemon.run())
+    sys.exit(daemon.run(on_ready=lambda line: click.echo(f"kvtier serve: {line}", err=True)))
+
+
+def _check_profiles(cfg: DaemonConfig) -> None:
+    """Every profile the config lists must load (a bundled name or a TOML file), or one line naming the key."""
+    for name in cfg.profiles:
+        try:
+            load_profile(name)
+        except ProfileError as exc:
+            raise ConfigError(str(exc), key="profiles", source=cfg.source) from None
+
+
+def _check_paths(cfg: DaemonConfig) -> None:
+    """The socket's folder and the store root must be folders this user can write: else one line naming the key."""
+    for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store.root)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe_ok = os.access(folder, os.W_OK | os.X_OK)
+        except OSError as exc:
+            why = "a file, not a folder" if folder.exists() and not folder.is_dir() else exc.strerror or str(exc)
+        else:
+            if probe_ok:
+                continue
+            why = "not writable by this user"
+        raise ConfigError(
+            f"cannot use {folder}: {why}; run as a user who may write there (the systemd unit runs as kvtier), "
+            "or set it elsewhere in --config",
+            key=key,
+            source=cfg.source,
+        )
 
 
 @click.group()
@@ -76,6 +117,7 @@ def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
     """Print the effective config (defaults with the file laid over them)."""
     # --system: the defaults of a daemon under systemd (root, /run/kvtier, /var/lib/kvtier), not this user's
     cfg = load_config(config_path, env={}, uid=0) if system else load_config(config_path)
+    _check_profiles(cfg)
     doc = cfg.to_dict()
     if as_json:
         click.echo(json.dumps(doc, indent=2))

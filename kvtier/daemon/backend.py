@@ -66,6 +66,7 @@ class DaemonBackend:
     """What the server calls: attach / lookup / load / release / offload / seal / flush / prewarm, stats, life cycle."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
+        self._closed = False  # first: close() runs on a failed start too (a bad profile, an unusable store)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
@@ -98,7 +99,6 @@ class DaemonBackend:
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec)
-        self._closed = False
 
     @staticmethod
     def _store_config(cfg: DaemonConfig) -> StoreConfig:

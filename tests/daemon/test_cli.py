@@ -85,6 +85,13 @@ def test_operator_commands_start_without_torch(daemon: DaemonProc, tmp_path: Pat
     assert out.stdout.strip() == "[]"
 
 
+def test_serve_says_what_it_starts_and_where_it_listens(daemon: DaemonProc) -> None:
+    log = daemon.read_log()
+    assert f"kvtier serve: config {daemon.config}; profiles ref-tiny on cpu; store " in log
+    line = next(ln for ln in log.splitlines() if "kvtier serve: listening on" in ln)
+    assert f"listening on {daemon.socket} (pid {daemon.proc.pid}); metrics http://127.0.0.1:" in line
+
+
 def test_status_without_daemon_exits_3(tmp_path: Path) -> None:
     out = _kvtier("status", "--socket", str(tmp_path / "none.sock"))
     assert out.returncode == 3 and len(out.stderr.strip().splitlines()) == 1 and "kvtier serve" in out.stderr
