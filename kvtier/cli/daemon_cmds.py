@@ -38,7 +38,8 @@ socket_option = click.option(
 )
 
 
-def _socket(config_path: str | None, socket_path: str | None) -> Path:
+def socket_path_of(config_path: str | None, socket_path: str | None) -> Path:
+    """--socket, else the socket of the config (--config, or the defaults)."""
     return Path(socket_path) if socket_path else load_config(config_path).server.socket
 
 
@@ -173,7 +174,7 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
-    path = _socket(config_path, socket_path)
+    path = socket_path_of(config_path, socket_path)
     try:
         with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
             doc = conn.stats()
@@ -206,7 +207,7 @@ def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as
     130 when interrupted (after reporting the prefixes done).
     """
     prompts = read_manifest(manifest)
-    path = _socket(config_path, socket_path)
+    path = socket_path_of(config_path, socket_path)
     conns: dict[str, tuple[OperatorConnection, AttachOk]] = {}
     reports: list[dict[str, Any]] = []
     try:

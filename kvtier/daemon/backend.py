@@ -20,7 +20,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from kvtier.core.checkvector import CheckVector
+from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
@@ -284,6 +284,12 @@ class DaemonBackend:
                 heapq.heappush(self._pins, (time.monotonic() + req.ttl_s, next(self._pin_seq), rt, keys))
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
+
+    def explain(self, session: Session, req: P.Explain) -> P.ExplainOk:
+        """Per group what the pool and the store hold of the blocks, and the hit they allow; nothing leased."""
+        rt = self._runtime(session)
+        raw, final = rt.manager.explain(_split_hashes(req.hashes))
+        return P.ExplainOk(_wire_cv(raw), _wire_cv(final), window_blocks(rt.profile).tolist())
 
     def release_owner(self, owner: int) -> int:
         with self._lock:

@@ -115,3 +115,6 @@ class OperatorConnection(Connection):
 
     def prewarm_hashes(self, hashes: bytes, ttl_s: float) -> P.PrewarmOk:
         return self._call(P.Prewarm(hashes, ttl_s))
+
+    def explain_hashes(self, hashes: bytes) -> P.ExplainOk:
+        return self._call(P.Explain(hashes))

@@ -156,6 +156,21 @@ CASES = [
     ("config-unknown-key", ["config", "show", "--config", "{d}/bad-key.toml"], USAGE, r"key 'bogus': unknown key"),
     ("config-bad-toml", ["config", "show", "--config", "{d}/bad-syntax.toml"], USAGE, r"not valid TOML"),
     ("config-missing-file", ["config", "show", "--config", "{d}/nope.toml"], USAGE, r"no such config file"),
+    # explain
+    ("explain-no-prompt", ["explain"], USAGE, r"--tokens FILE or as --manifest-line N MANIFEST"),
+    ("explain-missing-token-file", ["explain", "--tokens", "{d}/nope.txt"], USAGE, r"cannot read token file"),
+    (
+        "explain-manifest-line-blank",
+        ["explain", "--manifest-line", "5", "{d}/good.jsonl"],
+        USAGE,
+        r"no prompt on line 5",
+    ),
+    (
+        "explain-no-daemon",
+        ["explain", "--manifest-line", "1", "{d}/good.jsonl", "--socket", "{d}/none.sock"],
+        NO_DAEMON,
+        r"no kvtier daemon on",
+    ),
     # the demo and the command line itself
     ("demo-too-few-tokens", ["demo", "--tokens", "10"], USAGE, r"'--tokens'.*range"),
     ("unknown-command", ["frobnicate"], USAGE, r"No such command 'frobnicate'"),

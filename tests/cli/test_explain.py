@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -92,3 +96,62 @@ def test_a_whole_hit_has_no_stop() -> None:
     e = explain(2 * H, raw, final, window_blocks(DSV4).tolist())
     assert e.hit_blocks == 2 and e.stops == () and "covers every whole block" in "\n".join(render(e))
     assert e.to_json()["groups"][0]["in_pool"] == 2
+
+
+# -- against a real daemon: the demo's store after engine A ---------------------------------------------------
+
+
+def test_explain_on_the_demo_store_matches_a_lookup(tmp_path) -> None:
+    """Engine A offloads a prompt durably, the daemon restarts (pool cold, as in the demo); engine B's prompt shares
+    70% of A's. `kvtier explain` gives the lookup's hit, and names the block where it stops with the lookup's reason."""
+    from support.daemon import DaemonProc
+
+    from kvtier.client import Client
+    from kvtier.refmodel import RefModel
+    from kvtier.refmodel.engine import RefEngine
+
+    profile = load_profile("ref-tiny")
+    h = profile.hash_block_tokens
+    rng = np.random.default_rng(7)
+    prompt_a = rng.integers(0, 256, 64 * h)
+    shared = int(len(prompt_a) * 0.7)  # 44.8 blocks: B's 45th block differs
+    prompt_b = np.concatenate((prompt_a[:shared], rng.integers(0, 256, len(prompt_a) - shared)))
+    d = DaemonProc(tmp_path)
+    try:
+        with Client(d.socket) as c:
+            c.attach("ref-tiny")
+            RefEngine(c, RefModel(profile), checkpoint_every=8).prefill_and_offload(prompt_a, durable=True)
+        assert d.terminate() == 0
+    finally:
+        d.close()
+    d = DaemonProc(tmp_path)  # the same store, a cold pool
+    try:
+        (tmp_path / "b.txt").write_text(" ".join(map(str, prompt_b.tolist())))
+
+        def kvtier_explain(*extra: str) -> subprocess.CompletedProcess[str]:
+            args = ["explain", "--tokens", str(tmp_path / "b.txt"), "--socket", str(d.socket), *extra]
+            return subprocess.run(
+                [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120
+            )
+
+        out = kvtier_explain("--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        with Client(d.socket) as c:
+            c.attach("ref-tiny")
+            looked = c.lookup(prompt_b)
+            cv = looked.check_vector
+            c.release(looked)
+        # checkpoints every 8 blocks: the last one inside the 44 shared whole blocks is at 40
+        assert doc["hit_blocks"] == cv.hit_blocks == 40 and doc["hit_tokens"] == looked.hit_tokens
+        stops = {(s["group"], s["block"], s["reason"]) for s in doc["stops"]}
+        assert stops and all(b == 40 for _, b, _ in stops)  # state at boundary 41 was never written
+        for group, block, reason in stops:
+            assert cv.reason(group, block).label == reason == "missing"
+        c4 = next(g for g in doc["groups"] if g["group"] == "c4")
+        assert c4["in_pool"] == 0 and c4["on_disk"] == 44 and c4["needed"] == 40  # cold pool: all on disk
+        text = kvtier_explain().stdout
+        assert f"usable hit  {40 * h:,} tokens (40 blocks)" in text and "stops at    block 40" in text
+        assert "checkpoint" in text  # the fix for a state object that was never written
+    finally:
+        assert d.terminate() == 0
