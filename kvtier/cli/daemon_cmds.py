@@ -132,6 +132,27 @@ def _share(share: float | None) -> str:
     return f"{share:6.1%}" if share is not None else "     -"
 
 
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _render_pins(doc: StatsDoc, shown: int = 5) -> None:
+    """Prewarm pins: how many objects, and when they expire (soonest first; --json lists every one)."""
+    if not doc.pins:
+        click.echo("pins       none (kvtier prewarm pins prefixes for their ttl_s)")
+        return
+    objects = sum(p.objects for p in doc.pins)
+    click.echo(
+        f"pins       {len(doc.pins)} prewarmed prefixes, {objects:,} objects; next expiry in "
+        f"{_duration(doc.pins[0].expires_in_s)}, last in {_duration(doc.pins[-1].expires_in_s)}"
+    )
+    for p in doc.pins[:shown]:
+        click.echo(f"  pin      {p.profile}: {p.objects:,} objects, expires in {_duration(p.expires_in_s)}")
+    if len(doc.pins) > shown:
+        click.echo(f"  ... and {len(doc.pins) - shown} more (--json lists them all)")
+
+
 def _render_status(doc: StatsDoc) -> None:
     d = doc.daemon
     assert d is not None  # the service fills it in before answering
@@ -146,8 +167,8 @@ def _render_status(doc: StatsDoc) -> None:
     s = doc.store
     if s:
         click.echo(
-            f"store      {s.get('root')}  backend {s.get('io_backend')}  used {s.get('used_bytes', 0) / 2**20:.1f} MiB"
-            f" of {s.get('budget_bytes', 0) / 2**20:.0f} MiB  persist queue {s.get('persist_queue', 0)}"
+            f"store      {s.get('root')}  backend {s.get('io_backend')}  used {format_bytes(s.get('used_bytes', 0))}"
+            f" of {format_bytes(s.get('budget_bytes'))}  persist queue {s.get('persist_queue', 0)}"
         )
     for prof in doc.profiles:
         click.echo(
@@ -155,7 +176,11 @@ def _render_status(doc: StatsDoc) -> None:
         )
         for form, p in sorted(prof.pools.items()):
             share = p.used / p.slots if p.slots else 0
-            click.echo(f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}), quota {p.quota}")
+            click.echo(
+                f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}) of {format_bytes(p.bytes)}, "
+                f"quota {p.quota}"
+            )
+    _render_pins(doc)
     if doc.forms:
         click.echo(f"{'form':<11} {'lookups':>9} {'reuse':>7} {'recover':>7} {'recompute':>9}")
         for form, f in sorted(doc.forms.items()):

@@ -36,7 +36,7 @@ from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLook
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import PinStats, StatsDoc
 
 log = logging.getLogger(__name__)
 
@@ -352,8 +352,11 @@ class DaemonBackend:
     def stats_doc(self) -> StatsDoc:
         """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
-            prewarm_pins = len(self._pins)
-        return backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+            now = time.monotonic()
+            pins = [PinStats(rt.name, len(keys), max(0.0, exp - now)) for exp, _, rt, keys in sorted(self._pins)]
+        doc = backend_stats(self.runtimes.values(), self.store, self.persister, len(pins))
+        doc.pins = pins
+        return doc
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

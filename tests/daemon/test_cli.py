@@ -136,6 +136,15 @@ def test_prewarm_manifest_loads_from_disk_and_pins(tmp_path: Path) -> None:
             assert np.all(r.check_vector.routes[:, :4][r.check_vector.routes[:, :4] != Route.RECOMPUTE] == Route.REUSE)
             c.release(r)
             assert c.stats().prewarm_pins == 1
+        # status shows the pin and when it expires (ttl_s 60); --json has the figures
+        out = _kvtier("status", "--socket", str(d.socket))
+        assert out.returncode == 0, out.stderr
+        pin_line = next(ln for ln in out.stdout.splitlines() if ln.startswith("pins "))
+        assert "1 prewarmed prefixes" in pin_line and "next expiry in 0m" in pin_line, out.stdout
+        assert "  pin      ref-tiny: " in out.stdout and " of 256.0 MiB  persist queue" in out.stdout  # one size format
+        pins = json.loads(_kvtier("status", "--socket", str(d.socket), "--json").stdout)["pins"]
+        assert len(pins) == 1 and pins[0]["profile"] == "ref-tiny" and 0 < pins[0]["expires_in_s"] <= 60
+        assert pins[0]["objects"] == rep["file"]["pinned"]
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"profile": "ref-tiny", "tokenz": [1]}\n')
         out = _kvtier("prewarm", str(bad), "--socket", str(d.socket))
