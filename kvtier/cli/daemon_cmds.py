@@ -20,7 +20,7 @@ from kvtier.core.config import DaemonConfig, load_config
 from kvtier.core.errors import ConfigError, KvtierError, ProfileError
 from kvtier.core.hashing import block_hashes
 from kvtier.core.profile import load_profile
-from kvtier.core.units import format_bytes
+from kvtier.core.units import format_bytes, size_setting
 from kvtier.wire import OperatorConnection
 from kvtier.wire.errors import DaemonUnavailable
 from kvtier.wire.messages import AttachOk
@@ -125,7 +125,16 @@ def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
         return
     source = doc.pop("source")
     click.echo(f"# effective kvtier config (from: {source})")
-    click.echo(tomli_w.dumps(doc), nl=False)
+    click.echo(tomli_w.dumps(_sizes_readable(doc)), nl=False)
+
+
+def _sizes_readable(value: Any, key: str = "") -> Any:
+    """Byte counts (keys naming bytes, and the per-form tables under them) as `512MiB`; JSON keeps bytes."""
+    if isinstance(value, dict):
+        return {k: _sizes_readable(v, k if "bytes" in k else key) for k, v in value.items()}
+    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
+        return size_setting(value)
+    return value
 
 
 def _share(share: float | None) -> str:

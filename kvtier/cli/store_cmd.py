@@ -30,7 +30,8 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
         click.echo(json.dumps(report))
         return
     for name, value in report.items():
-        click.echo(f"{name:<18} {value}")
+        shown = format_bytes(value) if name.endswith("_bytes") and isinstance(value, int) else value
+        click.echo(f"{name:<18} {shown}")
 
 
 @store.command("stats")

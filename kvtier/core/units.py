@@ -17,3 +17,11 @@ def format_bytes(n: int | float | None) -> str:
         if abs(value) < 1024 or unit == _UNITS[-1]:
             return f"{value:,.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def size_setting(n: int) -> str | int:
+    """A byte count as a config value that reads back exactly: `512MiB` when a binary unit divides it, else bytes."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return n

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.core.units import format_bytes
+from kvtier.core.config import parse_size
+from kvtier.core.units import format_bytes, size_setting
 
 
 @pytest.mark.parametrize(
@@ -23,3 +24,9 @@ from kvtier.core.units import format_bytes
 )
 def test_format_bytes(n: int | None, text: str) -> None:
     assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096, 8 * 2**20, 100 * 2**30, 3 * 2**40, 12345])
+def test_size_settings_read_back_exactly(n: int) -> None:
+    assert parse_size(size_setting(n), "k") == n
+    assert size_setting(8 * 2**20) == "8MiB" and size_setting(12345) == 12345
