@@ -75,7 +75,10 @@ def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
         #!/bin/sh
         # stand-in: no downloads in a test; every package named must be installed already
         for arg in "$@"; do
-          case "$arg" in -*|install) ;; *) dpkg -s "$arg" >/dev/null 2>&1 || { echo "not installed: $arg" >&2; exit 100; } ;; esac
+          case "$arg" in
+            -*|install) ;;
+            *) dpkg -s "$arg" >/dev/null 2>&1 || { echo "not installed: $arg" >&2; exit 100; } ;;
+          esac
         done
         """)
     )
@@ -93,8 +96,15 @@ def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
         cd /etc/systemd/system
         systemd-analyze verify {" ".join(UNITS)} > {tmp_path}/verify.out 2>&1
         """)
+    # "a clone of kvtier": the tracked tree, so pip's build/ and egg-info land there, not in this checkout
+    clone = tmp_path / "kvtier"
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], check=True, capture_output=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (REPO / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, clone / name)
     script = tmp_path / "run.sh"
-    script.write_text(f"set -euo pipefail\n{mounts}\ncd {REPO}\n{recipe}\n{checks}")
+    script.write_text(f"set -euo pipefail\n{mounts}\ncd {clone}\n{recipe}\n{checks}")
     env = {
         "PATH": f"{shims}:/usr/sbin:/usr/bin:/sbin:/bin",  # Debian's python3, as on a fresh host
         "HOME": str(tmp_path),
