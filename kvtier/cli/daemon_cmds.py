@@ -14,6 +14,7 @@ import msgspec
 import tomli_w
 
 from kvtier.cli import exits
+from kvtier.cli.cluster_status import cluster_lines
 from kvtier.cli.manifest import read_manifest
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import DaemonConfig, load_config
@@ -22,7 +23,7 @@ from kvtier.core.hashing import block_hashes
 from kvtier.core.profile import load_profile
 from kvtier.core.units import format_bytes, size_setting
 from kvtier.wire import OperatorConnection
-from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
 from kvtier.wire.messages import AttachOk
 from kvtier.wire.stats import StatsDoc
 
@@ -34,7 +35,11 @@ config_option = click.option(
     help="Daemon config TOML (default: built-in defaults).",
 )
 socket_option = click.option(
-    "--socket", "socket_path", type=click.Path(), envvar="KVTIER_SOCKET", help="Daemon socket (default: the config's)."
+    "--socket",
+    "socket_path",
+    type=click.Path(readable=False),  # a socket we may not open is the client's to report (permission denied)
+    envvar="KVTIER_SOCKET",
+    help="Daemon socket (default: the config's).",
 )
 
 
@@ -195,6 +200,8 @@ def _render_status(doc: StatsDoc) -> None:
         for form, f in sorted(doc.forms.items()):
             reuse, recover, recompute = (_share(f.share(r)) for r in ("reuse", "recover", "recompute"))
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
+    for line in cluster_lines(doc.cluster):
+        click.echo(line)
 
 
 @click.command()
@@ -204,7 +211,8 @@ def _render_status(doc: StatsDoc) -> None:
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Health, profiles, pool occupancy, store usage and I/O backend, verifier state, per-form rates.
 
-    Exit code 0 when healthy, 1 when degraded, 3 when no daemon answers.
+    Exit code 0 when healthy, 1 when degraded, 3 when no daemon is there, 4 when one is there but did not
+    answer us (permission denied, busy, timed out).
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
@@ -212,6 +220,9 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     try:
         with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
             doc = conn.stats()
+    except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
+        click.echo(f"kvtier: {exc}", err=True)
+        sys.exit(exits.NOT_ANSWERING)
     except DaemonUnavailable as exc:
         click.echo(f"kvtier: {exc}", err=True)
         sys.exit(exits.NO_DAEMON)
@@ -250,7 +261,7 @@ def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as
                 conn = OperatorConnection(path, name="kvtier prewarm")
                 try:
                     conns[prompt.profile] = (conn, conn.attach_unmapped(prompt.profile))
-                except DaemonUnavailable:
+                except (DaemonUnavailable, DaemonBusy, PermissionDenied):
                     raise
                 except KvtierError as exc:
                     conn.close()

@@ -16,7 +16,7 @@ from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.hashing import block_hashes
 from kvtier.wire import OperatorConnection
-from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire.errors import DaemonBusy, DaemonUnavailable, PermissionDenied
 
 
 @click.command()
@@ -63,7 +63,7 @@ def explain(
             profile = served[0]
         try:
             att = conn.attach_unmapped(profile)
-        except DaemonUnavailable:
+        except (DaemonUnavailable, DaemonBusy, PermissionDenied):
             raise
         except KvtierError as exc:
             raise ConfigError(str(exc), key="profile", source=where) from None

@@ -1,8 +1,9 @@
 """`kvtier` entry point: groups the subcommands and maps every error to one line on stderr and an exit code.
 
 Exit codes: 0 ok; 1 problems found (audit, status degraded, demo failed); 2 usage or config error (a
-bad option, file, value or path); 3 no daemon answers; 70 an internal error (a bug: rerun with -v for
-the traceback and report it); 130 interrupted. `-v` adds the traceback to any of these.
+bad option, file, value or path); 3 no daemon answers; 4 a daemon refused or did not answer us; 70 an
+internal error (a bug: rerun with -v for the traceback and report it); 130 interrupted. `-v` adds the
+traceback to any of these.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import load_profile
-from kvtier.core.tier import ObjectKey
+from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
+from kvtier.daemon.namespaces import apply_versions, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
@@ -71,7 +73,9 @@ class DaemonBackend:
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
         self.runtimes: dict[str, Runtime] = {}
+        self.lower: LowerTier = self.store
         try:
+            self.lower = build_lower(cfg, self.store)
             for name in cfg.profiles:
                 profile = load_profile(name)
                 if profile.name in self.runtimes:
@@ -82,7 +86,7 @@ class DaemonBackend:
                     profile,
                     budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
                     device=self.device,
-                    lower=self.store,
+                    lower=self.lower,
                     admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
                     lease_ttl_s=cfg.lease_ttl_s,
                 )
@@ -91,6 +95,7 @@ class DaemonBackend:
         except BaseException:
             self.close()
             raise
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
@@ -98,7 +103,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self.tier = TierOps(self.store, cfg.store.codec)
+        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
 
     @staticmethod
     def _store_config(cfg: DaemonConfig) -> StoreConfig:
@@ -276,7 +281,7 @@ class DaemonBackend:
                 if route is Route.REUSE
             ]
             pinned = manager.pin(keys)
-            self.store.pin(keys, req.ttl_s)
+            self.lower.pin(keys, req.ttl_s)  # with a cluster: after the promotions of what it loaded
         finally:
             manager.release(result)
         if keys:
@@ -290,6 +295,11 @@ class DaemonBackend:
         rt = self._runtime(session)
         raw, final = rt.manager.explain(_split_hashes(req.hashes))
         return P.ExplainOk(_wire_cv(raw), _wire_cv(final), window_blocks(rt.profile).tolist())
+
+    def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
+        """The answer for a connection attached to a namespace retired since (None while it is live)."""
+        rt = self._runtime(session)
+        return None if session.namespace == rt.manager.namespace else stale_reply(rt, req)
 
     def release_owner(self, owner: int) -> int:
         with self._lock:
@@ -330,6 +340,7 @@ class DaemonBackend:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
@@ -347,6 +358,7 @@ class DaemonBackend:
             persister.stop(self.cfg.shutdown_timeout_s)
         for rt in getattr(self, "runtimes", {}).values():
             rt.manager.close()
+        close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:
@@ -356,6 +368,7 @@ class DaemonBackend:
             pins = [PinStats(rt.name, len(keys), max(0.0, exp - now)) for exp, _, rt, keys in sorted(self._pins)]
         doc = backend_stats(self.runtimes.values(), self.store, self.persister, len(pins))
         doc.pins = pins
+        doc.cluster = cluster_doc(self.lower)
         return doc
 
 

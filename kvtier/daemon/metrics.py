@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvtier import __version__
 from kvtier.core.errors import ConfigError
+from kvtier.daemon.cluster_metrics import cluster_families
 from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class BackendCollector(Collector):
         yield from _pool_families(doc)
         yield from _store_families(doc)
         yield from _daemon_families(doc)
+        yield from cluster_families(doc.cluster)
 
 
 def _form_families(doc: StatsDoc) -> Iterator[Metric]:

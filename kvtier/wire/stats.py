@@ -125,3 +125,4 @@ class StatsDoc(msgspec.Struct):
     daemon: DaemonInfo | None = None  # filled by the service around the backend's part
     reloadable: Reloadable | None = None
     pins: list[PinStats] = []  # the live prewarm pins, soonest expiry first
+    cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.daemon import DaemonProc
 
 from kvtier.cli.main import main
 from kvtier.client import Client, LookupResult
 from kvtier.core.errors import KvtierError
 from kvtier.wire import errors as E
+from support.daemon import DaemonProc
 
 USAGE, NO_DAEMON = 2, 3
 

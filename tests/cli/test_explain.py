@@ -104,11 +104,10 @@ def test_a_whole_hit_has_no_stop() -> None:
 def test_explain_on_the_demo_store_matches_a_lookup(tmp_path) -> None:
     """Engine A offloads a prompt durably, the daemon restarts (pool cold, as in the demo); engine B's prompt shares
     70% of A's. `kvtier explain` gives the lookup's hit, and names the block where it stops with the lookup's reason."""
-    from support.daemon import DaemonProc
-
     from kvtier.client import Client
     from kvtier.refmodel import RefModel
     from kvtier.refmodel.engine import RefEngine
+    from support.daemon import DaemonProc
 
     profile = load_profile("ref-tiny")
     h = profile.hash_block_tokens

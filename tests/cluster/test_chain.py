@@ -6,14 +6,14 @@ import signal
 import time
 
 import torch
-from store.store_helpers import DIGEST, VK, make_key, make_payload
 
 from kvtier.cluster import ClusterTier, WriteThrough
 from kvtier.cluster.chain import TierChain
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore
-from tests.cluster.conftest import cluster_config
+from support.cluster_nodes import cluster_config
+from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 
 def _node(tmp_path, name: str, cluster, **kw) -> tuple[DiskStore, TierChain]:

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from store.store_helpers import DIGEST, make_key, make_payload
 
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest
-from tests.cluster.harness import MooncakeCluster
+from support.mooncake_loopback import MooncakeCluster
+from support.store_helpers import DIGEST, make_key, make_payload
 
 
 @pytest.fixture

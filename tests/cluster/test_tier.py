@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-from store.store_helpers import DIGEST, make_key, make_payload
 
 from kvtier.cluster import header as H
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
-from tests.cluster.harness import MooncakeCluster
+from support.mooncake_loopback import MooncakeCluster
+from support.store_helpers import DIGEST, make_key, make_payload
 
 NS = b"N" * 16
 

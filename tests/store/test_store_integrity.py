@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from store_helpers import DIGEST, VK, make_key, make_payload
-from support.corrupt import flip_bit, flip_payload_bit, segment_path
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, RecordState
 from kvtier.store.index import encode_key
 from kvtier.store.record import HEADER_BYTES
+from support.corrupt import flip_bit, flip_payload_bit, segment_path
+from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 SIZES = (10_000, 70_000, 4096, 33_333)
 
@@ -73,7 +73,7 @@ def _assert_only_victim_fails(store: DiskStore, keys, victim: int, reason: Reaso
     [
         (1, HEADER_BYTES + 12345, QuarantineReason.PAYLOAD),
         (1, 20, QuarantineReason.HEADER),  # inside the namespace field
-        (2, 4000, QuarantineReason.HEADER),  # zero padding of the header block, still checksummed
+        (2, 148, QuarantineReason.HEADER),  # reserved bytes of the inline header, still checksummed
         (3, HEADER_BYTES + 5, QuarantineReason.PAYLOAD),  # zstd stream
     ],
 )

@@ -6,8 +6,13 @@ import dataclasses
 import os
 
 import pytest
+
+from kvtier.core import CacheForm, Reason
+from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
+from kvtier.store.record import HEADER_BYTES
+from kvtier.verifier import VerifierSettings, audit_store
 from support.corrupt import flip_bit, flip_payload_bit, segment_path
-from verifier_helpers import (
+from support.verifier_helpers import (
     VK,
     VK_OLD,
     Rec,
@@ -24,11 +29,6 @@ from verifier_helpers import (
     totals,
     wait_for,
 )
-
-from kvtier.core import CacheForm, Reason
-from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
-from kvtier.store.record import HEADER_BYTES
-from kvtier.verifier import VerifierSettings, audit_store
 
 FORMS = (CacheForm.COMPRESSED, CacheForm.INDEXER, CacheForm.SWA, CacheForm.TAIL)
 ORPHAN_TAIL, STRAY_A, STRAY_B = 8192, 4096, 8192
@@ -122,7 +122,7 @@ def test_audit_counts_before_and_after_fix(faulty: Faulty, capsys) -> None:
         "corrupt",
         "quarantined",
     }
-    assert doc["format_version"] == 1 and doc["store"] == os.path.abspath(f.root)
+    assert doc["format_version"] == 2 and doc["store"] == os.path.abspath(f.root)
     assert doc["corrupt"] == len(f.corrupt_index) and doc["quarantined"] == 0  # the index alone sees these
     assert doc["orphaned_bytes"] == ORPHAN_TAIL + STRAY_A + STRAY_B
     assert totals(doc, "stale", live=False) == len(f.stale) and totals(doc, "stale", live=True) == 0

@@ -9,14 +9,13 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from support.promlint import problems, promtool
 
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
-
-from .conftest import DaemonProc, child_env
-from .workload import caches_for, tokens_for
+from support.daemon import DaemonProc, child_env
+from support.promlint import problems, promtool
+from support.workload import caches_for, tokens_for
 
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens
