@@ -81,6 +81,12 @@ class Stats(Msg, tag="stats"):
     pass
 
 
+class Explain(Msg, tag="explain"):
+    """What each group of the attached profile has of these blocks, and why the hit stops (no leases taken)."""
+
+    hashes: bytes
+
+
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One object of a raw tier request: key (block hash, index into the opened groups), layout digest, staged bytes."""
 
@@ -126,6 +132,7 @@ Request = (
     | Flush
     | Prewarm
     | Stats
+    | Explain
     | TierOpen
     | TierHas
     | TierStore
@@ -224,6 +231,15 @@ class PrewarmOk(Msg, tag="prewarm_ok"):
     seconds: float
 
 
+class ExplainOk(Msg, tag="explain_ok"):
+    """`raw`: every object routed on its own; `final`: the intersection (what a lookup reports); `windows`: per
+    group 0 for history, else the trailing blocks a state group needs at a boundary."""
+
+    raw: CheckVectorWire
+    final: CheckVectorWire
+    windows: list[int]
+
+
 class Released(Msg, tag="released"):
     released: int
 
@@ -266,6 +282,7 @@ Reply = (
     | SealOk
     | FlushOk
     | PrewarmOk
+    | ExplainOk
     | Released
     | StatsOk
     | TierOpenOk
