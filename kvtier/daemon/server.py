@@ -115,7 +115,7 @@ class SocketServer:
             P.Release: backend.release,
             P.Load: backend.load,
             P.Offload: backend.offload,
-            P.Seal: backend.seal,
+            P.Renew: backend.renew,
             P.Prewarm: backend.prewarm,
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
@@ -302,6 +302,8 @@ class SocketServer:
         if session.attached is None:
             op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
             raise OutOfOrder(f"{op} before attach: attach to a profile first")
+        if isinstance(req, P.Seal):  # a cpu offload's staging memfd rides along
+            return self.backend.seal(session, req, received), []
         return self._dispatch[type(req)](session, req), []
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from kvtier.gpu.audit import audit
 from kvtier.gpu.context import NO_ROWS, ManagerContext, PoolLookup
 from kvtier.gpu.counters import CounterSnapshot
 from kvtier.gpu.errors import BadKey, StaleHandle, TopologyError
+from kvtier.gpu.gentable import GenerationTable
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
 from kvtier.gpu.pools import Pool
-from kvtier.gpu.recovery import Recovery
+from kvtier.gpu.recovery import PersistOutcome, Recovery
 from kvtier.gpu.states import BlockState, CacheBlockState
 from kvtier.gpu.table import IN_FLIGHT
 from kvtier.gpu.writes import Writes
@@ -111,6 +112,10 @@ class CacheManager:
     def pools(self) -> tuple[Pool, ...]:
         """The pools: aligned uint8 tensors, slot stride and size, and (cpu) the memfd to map them by."""
         return self._c.pools
+
+    def generation_table(self) -> tuple[GenerationTable, tuple[int, ...]]:
+        """The shared slot generations, and where each group's pool starts in it (clients re-validate reads)."""
+        return self._c.space.generations, tuple(int(b) for b in self._c.table.base)
 
     # ------------------------------------------------------------------------------------------
     # versions
@@ -320,6 +325,14 @@ class CacheManager:
                     n += 1
         return n
 
+    def renew_owner(self, owner: Hashable) -> int:
+        """Push back the expiry of every lease and write of a client that is still alive (its heartbeat);
+        returns how many it holds. Leases that already expired stay gone (their readers get StaleHandle)."""
+        with self._c.lock:
+            now = self._c.clock()
+            self._c.expire(now)
+            return self._c.book.renew(owner, now + self._c.ttl)
+
     def release_owner(self, owner: Hashable) -> int:
         """Release every lease and abort every write of an owner (a client that went away)."""
         n = 0
@@ -405,11 +418,35 @@ class CacheManager:
         check vector updated."""
         return self._recovery.recover(result, timeout_s)
 
-    def persist(self, limit: int | None = None) -> int:
-        """Store sealed objects the lower tier lacks (write-back); they become recoverable. Returns how many."""
+    def persist(self, limit: int | None = None, *, skip: Iterable[CacheForm] = ()) -> int:
+        """Store sealed objects the lower tier lacks (write-back), up to `limit` per form, forms in `skip`
+        left out; they become recoverable. Returns how many (see `persist_batch` for what failed)."""
+        return self.persist_batch(limit, skip=skip).stored
+
+    def persist_batch(self, limit: int | None = None, *, skip: Iterable[CacheForm] = ()) -> PersistOutcome:
+        """`persist`, with the forms whose batch the lower tier refused and why."""
         if self._c.lower is None:
-            return 0
-        return self._recovery.persist(limit)
+            return PersistOutcome()
+        return self._recovery.persist(limit, frozenset(skip))
+
+    def write_back_backlog(self) -> dict[CacheForm, int]:
+        """Sealed objects of the live namespace the lower tier does not have yet, per form."""
+        with self._c.lock:
+            per_group = self._recovery.backlog()
+        out: dict[CacheForm, int] = {}
+        for form, n in zip(self._c.forms, per_group.tolist()):
+            out[form] = out.get(form, 0) + n
+        return out
+
+    def residence(self, keys: Sequence[ObjectKey]) -> list[BlockState | None]:
+        """Where each object is in the pools now: its slot's state, or None when no slot holds it."""
+        with self._c.lock:
+            t = self._c.table
+            out: list[BlockState | None] = []
+            for key in keys:
+                slot = self._slot_of(key)
+                out.append(BlockState(int(t.s_state[slot])) if slot >= 0 else None)
+            return out
 
     # ------------------------------------------------------------------------------------------
     # introspection

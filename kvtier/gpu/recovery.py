@@ -14,9 +14,10 @@ import time
 from collections import deque
 
 import numpy as np
+import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.forms import Reason, Route
+from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
@@ -244,38 +245,66 @@ class Recovery:
 
     # -- write-back ---------------------------------------------------------------------------------
 
-    def persist(self, limit: int | None) -> int:
-        """See `CacheManager.persist`."""
+    def backlog(self) -> np.ndarray:
+        """Sealed objects of the live namespace not yet in the lower tier, per group."""
+        c = self._c
+        t = c.table
+        todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+        return np.bincount(t.s_group[todo], minlength=t.n_groups)
+
+    def persist(self, limit: int | None, skip: frozenset[CacheForm]) -> PersistOutcome:
+        """See `CacheManager.persist`. Each form is stored in its own batch (up to `limit` objects), so a
+        form the tier refuses (its quota, say) does not hold back the others."""
         c = self._c
         with c.lock:
             t = c.table
             epoch = c.topology_epoch
-            todo = np.flatnonzero((t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id))[:limit]
-            work = []
-            for slot in todo.tolist():
-                g = int(t.s_group[slot])
-                t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
-                key = ObjectKey(c.ns, t.r_hash[t.s_row[slot]], c.names[g], c.forms[g])
-                local = slot - int(t.base[g])
-                work.append((slot, int(t.s_gen[slot]), key, c.pools[g].slot_view(local), c.digests[g]))
-        ok = True
-        if work:
+            todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+            batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
+            for form in dict.fromkeys(c.forms):
+                if form in skip:
+                    continue
+                groups = [g for g, f in enumerate(c.forms) if f is form]
+                mine = np.flatnonzero(todo & np.isin(t.s_group, groups))[:limit]
+                work = batches.setdefault(form, [])
+                for slot in mine.tolist():
+                    g = int(t.s_group[slot])
+                    t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
+                    key = ObjectKey(c.ns, t.r_hash[t.s_row[slot]], c.names[g], c.forms[g])
+                    local = slot - int(t.base[g])
+                    work.append((slot, int(t.s_gen[slot]), key, c.pools[g].slot_view(local), c.digests[g]))
+        outcome = PersistOutcome()
+        done: list[tuple[int, int, bool]] = []
+        for form, work in batches.items():
+            if not work:
+                continue
             try:
                 self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
-            except Exception:
-                log.exception("write-back of %d objects failed; they stay cache-only", len(work))
+                ok = True
+                outcome.stored += len(work)
+            except Exception as exc:
+                log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
+                outcome.failed[form] = f"{type(exc).__name__}: {exc}"
                 ok = False
-        done = [(slot, gen, ok) for slot, gen, *_ in work]
+            done.extend((slot, gen, ok) for slot, gen, *_ in work)
         with c.lock:
             if c.topology_epoch != epoch:
-                return 0
+                return PersistOutcome()
             t = c.table
             for slot, gen, ok in done:
                 if t.s_gen[slot] == gen:
                     t.unpin(slot)
                     if ok:
                         t.mark_recoverable(slot)
-        return sum(ok for *_, ok in done)
+        return outcome
+
+
+@dataclasses.dataclass(slots=True)
+class PersistOutcome:
+    """What one write-back batch did: objects stored, and per form the tier refused, why."""
+
+    stored: int = 0
+    failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
 
 
 def _fail(lease: LeaseSet, g: int, b: int, reason: Reason) -> None:

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, NotDurable, StaleHandle
 from kvtier.wire import errors as E
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P
@@ -27,6 +27,8 @@ _ERRORS: dict[str, type[KvtierError]] = {
         E.PermissionDenied,
         E.DaemonBusy,
         E.BadRange,
+        StaleHandle,
+        NotDurable,
     )
 }
 
