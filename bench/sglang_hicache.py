@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "sglang")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import dsv4_pools as D  # noqa: E402  (the same fakes and calls the tests use)
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE as BATCH  # noqa: E402
+
+import support.sglang_pools as D  # noqa: E402  (the same fakes and calls the tests use)
 
 
 def run(backend, host: D.Dsv4Host, keys: list[str], slots: list[int], flush) -> dict[str, float]:

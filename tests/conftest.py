@@ -1,10 +1,15 @@
-"""Root of the test tree: pytest puts `tests/` on sys.path from here, so `support` (shared helpers) imports
-everywhere. Report hooks live here because only this conftest is loaded by a pytest-xdist controller."""
+"""Root of the test tree. One convention for helpers: everything a test shares lives in the `support` package
+(`tests/support/`), imported as `support.<module>`; pyproject's `pythonpath = ["tests"]` makes it importable, and
+test files are imported with `--import-mode=importlib`, so test folders are not packages and need no __init__.py.
+Report hooks live here because only this conftest is loaded by a pytest-xdist controller."""
 
 from __future__ import annotations
 
 import pytest
+
 from support.fault_table import rows_of, write_table
+
+pytest_plugins = ("support.daemon_fixtures",)
 
 _FAULT_ROWS: list[tuple[str, ...]] = []
 

@@ -61,9 +61,7 @@ class LayoutSpec:
         return hashlib.blake2b(blob, digest_size=16, person=b"kvtier-layout-v1").digest()
 
     @staticmethod
-    def packed(
-        dtype: str, layers: int, rows: int, row_shape: tuple[int, ...], row_bytes: int, abi: str
-    ) -> LayoutSpec:
+    def packed(dtype: str, layers: int, rows: int, row_shape: tuple[int, ...], row_bytes: int, abi: str) -> LayoutSpec:
         """Layout of `layers` x `rows` packed rows, 128-byte aligned, outer byte strides contiguous."""
         return LayoutSpec(
             dtype=dtype,

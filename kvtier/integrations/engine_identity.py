@@ -19,7 +19,7 @@ import xxhash
 
 from kvtier.core.versions import VersionKey
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, plan_groups
+from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, is_dsv4, plan_groups, text_config
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -35,7 +35,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise VllmTierError(
-            f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): point model_dir at the checkpoint vLLM loads"
+            f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): "
+            "point model_dir at the checkpoint vLLM loads"
         )
     return files
 
@@ -86,6 +87,24 @@ class ChunkLayout:
         )
 
 
+# config.json keys that change what DSV4's compressor and indexer write (and so every stored byte of them).
+_DSV4_COMPRESSOR_KEYS = ("compress_ratios", "compress_rope_theta", "sliding_window", "head_dim", "qk_rope_head_dim")
+_DSV4_INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
+def compression_versions(hf_config: Mapping[str, Any]) -> tuple[str, str]:
+    """(compression_version, indexer_version) of a checkpoint: "none" for uncompressed models; for DSV4 the
+    compressor's and the indexer's configuration, so a change of any of them is a new namespace."""
+    cfg = text_config(hf_config)
+    if not is_dsv4(cfg):
+        return "none", "none"
+
+    def pick(keys: Sequence[str]) -> str:
+        return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+
+    return f"dsv4:{pick(_DSV4_COMPRESSOR_KEYS)}", f"dsv4:{pick(_DSV4_INDEXER_KEYS)}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineIdentity:
     """The namespace's version key, each group's plan, and each group's layout digest."""
@@ -107,20 +126,25 @@ def derive_identity(
     kernel_abi: str,
     weights: str | None = None,
 ) -> EngineIdentity:
-    """Namespace and group plans of one engine; `weights` skips digesting the checkpoint (a digest the operator computed)."""
+    """Namespace and group plans of one engine.
+
+    `weights` skips digesting the checkpoint (a digest the operator computed)."""
     if not model_dir.is_dir():
         raise VllmTierError(
-            f"model '{model_id}' is not a local checkpoint directory: set model_dir in the kvtier tier config to the snapshot directory vLLM loads"
+            f"model '{model_id}' is not a local checkpoint directory: set model_dir in the kvtier tier config "
+            "to the snapshot directory vLLM loads"
         )
-    plans = plan_groups(groups, read_hf_config(model_dir), layout.blocks_per_chunk)
+    hf_config = read_hf_config(model_dir)
+    plans = plan_groups(groups, hf_config, layout.blocks_per_chunk)
     ordered = [plans[g] for g in sorted(plans)]
     dtype_layout = layout.describe(ordered)
+    compression, indexer = compression_versions(hf_config)
     key = VersionKey(
         model_id=model_id,
         weights_digest=weights or weights_digest(model_dir),
         kernel_abi=kernel_abi,
-        compression_version="none",
-        indexer_version="none",
+        compression_version=compression,
+        indexer_version=indexer,
         dtype_layout=dtype_layout,
     )
     digests = {

@@ -1,7 +1,9 @@
-"""vLLM KV cache groups as kvtier groups: full attention is a history form, sliding-window attention the `swa` state form.
+"""vLLM KV cache groups as kvtier groups: history forms (every chunk from 0) or state forms (a trailing window).
 
 vLLM's offloading config names each group's layers but not their attention type; the checkpoint's
-`config.json` does (`layer_types` + `sliding_window`), so the two are matched by layer index.
+`config.json` does, so the two are matched by layer index: `layer_types` + `sliding_window` for full /
+sliding-window models, and for DeepSeek-V4 (`compress_ratios`) the cache module's name suffix with that
+layer's compression ratio. A layer that fits neither is refused, naming the layer.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ class GroupPlan:
     name: str
     form: CacheForm
     tokens_per_chunk: int
-    window_tokens: int  # 0: full attention
+    window_tokens: int  # 0: a history group (every chunk from 0); else the state window in tokens
     layers_digest: str
+    kinds: str = ""  # DSV4: the cache modules the group holds, e.g. "c4+c128+indexer" (part of the layout)
 
     @property
     def window_chunks(self) -> int:
@@ -44,7 +47,17 @@ class GroupPlan:
         return -(-self.window_tokens // self.tokens_per_chunk) if self.window_tokens else 0
 
     def describe(self) -> str:
-        return f"{self.name}:{self.form.value}:{self.tokens_per_chunk}t:layers-{self.layers_digest}"
+        kinds = f":{self.kinds}" if self.kinds else ""
+        return f"{self.name}:{self.form.value}:{self.tokens_per_chunk}t{kinds}:layers-{self.layers_digest}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerKind:
+    """What one KV layer holds, as kvtier files it: form, window (0: history) and the module kind it came from."""
+
+    form: CacheForm
+    window: int
+    kind: str  # "full", "swa", "c4", "c128", "indexer", "c4-state", "c128-state", "indexer-c4-state", ...
 
 
 def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -74,7 +87,8 @@ def layer_window(cfg: Mapping[str, Any], index: int) -> int:
     if types is not None:
         if not 0 <= index < len(types):
             raise VllmTierError(
-                f"layer {index} is beyond config.json's layer_types ({len(types)} entries): is model_dir the checkpoint vLLM loaded?"
+                f"layer {index} is beyond config.json's layer_types ({len(types)} entries): "
+                "is model_dir the checkpoint vLLM loaded?"
             )
         kind = types[index]
         if kind == "full_attention":
@@ -82,37 +96,124 @@ def layer_window(cfg: Mapping[str, Any], index: int) -> int:
         if kind == "sliding_attention" and isinstance(window, int) and window > 0:
             return window
         raise VllmTierError(
-            f"layer {index} has attention type '{kind}' (sliding_window={window!r}): the kvtier vLLM tier serves full and sliding-window attention only"
+            f"layer {index} has attention type '{kind}' (sliding_window={window!r}): "
+            "the kvtier vLLM tier serves full and sliding-window attention only"
         )
     if cfg.get("use_sliding_window") is False or not isinstance(window, int):
         return 0
     return max(window, 0)
 
 
+# DeepSeek-V4 cache modules by layer-name suffix, longest first (".attn" ends every other one's parent).
+_DSV4_SUFFIXES = (
+    (".indexer.compressor.state_cache", "indexer-state"),
+    (".compressor.state_cache", "state"),
+    (".indexer.k_cache", "indexer"),
+    (".swa_cache", "swa"),
+    (".attn", "attn"),
+)
+# Suffixes of cache modules that are not attention KV: outside DSV4 nothing may read them as full / sliding.
+_NON_ATTENTION_SUFFIXES = ("state_cache", "k_cache", "swa_cache", "compressor", "indexer")
+
+
+def is_dsv4(cfg: Mapping[str, Any]) -> bool:
+    """DeepSeek-V4-style checkpoint: per-layer compression ratios (compressed MLA + indexer + SWA + states)."""
+    return "compress_ratios" in cfg or cfg.get("model_type") == "deepseek_v4"
+
+
+def _dsv4_ratio(cfg: Mapping[str, Any], index: int, layer_name: str) -> int:
+    ratios = cfg.get("compress_ratios")
+    if not isinstance(ratios, list) or not 0 <= index < len(ratios):
+        raise VllmTierError(
+            f"KV layer '{layer_name}': config.json's compress_ratios has no entry {index}: "
+            "is model_dir the checkpoint vLLM loaded?"
+        )
+    return int(ratios[index])
+
+
+def dsv4_layer_kind(cfg: Mapping[str, Any], layer_name: str) -> LayerKind:
+    """Classify one DSV4 KV layer by its cache module and its layer's compression ratio.
+
+    C4 / C128 attention and indexer keys are history; the SWA cache is `swa` with the model's window;
+    compressor states are `tail` with vLLM's state window (2 x ratio for C4, ratio for C128). The model's
+    `sliding_window` applies to the SWA cache only: it never turns a history layer into a window.
+    """
+    index = layer_index(layer_name)
+    module = next((kind for suffix, kind in _DSV4_SUFFIXES if layer_name.endswith(suffix)), None)
+    if module is None:
+        raise VllmTierError(f"KV layer '{layer_name}' is no DeepSeek-V4 cache module kvtier knows: cannot classify it")
+    if module == "swa":
+        window = cfg.get("sliding_window")
+        if not isinstance(window, int) or window <= 0:
+            raise VllmTierError(
+                f"KV layer '{layer_name}' is a sliding-window cache but config.json's sliding_window is {window!r}"
+            )
+        return LayerKind(CacheForm.SWA, window, "swa")
+    ratio = _dsv4_ratio(cfg, index, layer_name)
+    if ratio not in (4, 128):
+        raise VllmTierError(
+            f"KV layer '{layer_name}' has compress ratio {ratio}: kvtier knows DeepSeek-V4's C4 and C128 caches only"
+        )
+    if module == "attn":
+        return LayerKind(CacheForm.COMPRESSED, 0, f"c{ratio}")
+    if module == "indexer":
+        return LayerKind(CacheForm.COMPRESSED, 0, f"indexer-c{ratio}")
+    window = ratio * (2 if ratio == 4 else 1)  # vLLM's CompressorStateCache: coff * ratio, coff = 2 for C4
+    prefix = "indexer-" if module == "indexer-state" else ""
+    return LayerKind(CacheForm.TAIL, window, f"{prefix}c{ratio}-state")
+
+
+def layer_kind(cfg: Mapping[str, Any], layer_name: str) -> LayerKind:
+    """Classify one KV layer of any supported model (DSV4 by cache module, others by attention type)."""
+    if is_dsv4(cfg):
+        return dsv4_layer_kind(cfg, layer_name)
+    if layer_name.rsplit(".", 1)[-1] in _NON_ATTENTION_SUFFIXES or any(
+        f".{s}." in layer_name for s in _NON_ATTENTION_SUFFIXES
+    ):
+        raise VllmTierError(
+            f"KV layer '{layer_name}' is a cache module, not attention KV, and config.json has no "
+            "compress_ratios: cannot classify it"
+        )
+    window = layer_window(cfg, layer_index(layer_name))
+    return LayerKind(CacheForm.SWA, window, "swa") if window else LayerKind(CacheForm.COMPRESSED, 0, "full")
+
+
 def plan_groups(
     groups: Sequence[EngineGroup], hf_config: Mapping[str, Any], blocks_per_chunk: int
 ) -> dict[int, GroupPlan]:
-    """One plan per vLLM group id; every layer of a group must share one window."""
+    """One plan per vLLM group id; every layer of a group must share one form and one window.
+
+    A history group is `compressed` (its chunks are valid as a prefix from chunk 0); a DSV4 history group
+    holding C4 / C128 attention and indexer keys in one packed row keeps them in one record (the indexer's
+    keys ride with the compressed KV they route over, see docs/vllm.md). State groups (`swa`, `tail`) are
+    valid only as a whole window ending at the resume boundary.
+    """
     cfg = text_config(hf_config)
+    dsv4 = is_dsv4(cfg)
     plans: dict[int, GroupPlan] = {}
     for g in groups:
         if not g.layer_names:
             raise VllmTierError(f"KV group {g.group_id} names no layers: the kvtier vLLM tier cannot classify it")
-        windows = {layer_window(cfg, layer_index(n)) for n in g.layer_names}
-        if len(windows) != 1:
+        kinds = {n: layer_kind(cfg, n) for n in g.layer_names}
+        first = kinds[g.layer_names[0]]
+        odd = next((n for n, k in kinds.items() if (k.form, k.window) != (first.form, first.window)), None)
+        if odd is not None:
             raise VllmTierError(
-                f"KV group {g.group_id} mixes sliding windows {sorted(windows)}: the kvtier vLLM tier needs one attention type per group"
+                f"KV group {g.group_id} mixes {'forms or windows' if dsv4 else 'sliding windows'} "
+                f"({g.layer_names[0]}: {first.form.value}/{first.window}, {odd}: {kinds[odd].form.value}/"
+                f"{kinds[odd].window}): the kvtier vLLM tier needs one attention type per group"
             )
-        window = windows.pop()
-        name = f"vllm.g{g.group_id}.swa{window}" if window else f"vllm.g{g.group_id}.full"
+        form, window = first.form, first.window
+        kind_set = "+".join(sorted({k.kind for k in kinds.values()}))
+        if not dsv4:
+            name, kind_set = (f"vllm.g{g.group_id}.swa{window}" if window else f"vllm.g{g.group_id}.full"), ""
+        elif form is CacheForm.COMPRESSED:
+            name = f"vllm.g{g.group_id}.history"
+        else:
+            name = f"vllm.g{g.group_id}.{form.value}{window}"
         layers = hashlib.blake2b("\n".join(g.layer_names).encode(), digest_size=4).hexdigest()
         plans[g.group_id] = GroupPlan(
-            g.group_id,
-            name,
-            CacheForm.SWA if window else CacheForm.COMPRESSED,
-            g.tokens_per_block * blocks_per_chunk,
-            window,
-            layers,
+            g.group_id, name, form, g.tokens_per_block * blocks_per_chunk, window, layers, kind_set
         )
     return plans
 

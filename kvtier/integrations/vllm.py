@@ -47,14 +47,7 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import (
-    EngineGroup,
-    GroupPlan,
-    in_complete_window,
-    layer_index,
-    layer_window,
-    text_config,
-)
+from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, is_dsv4, layer_kind, text_config
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
 if TYPE_CHECKING:
@@ -69,6 +62,7 @@ LOAD_CHUNKS = "vllm:kvtier_load_chunks"
 STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
 _WARN_EVERY_S = 30.0
 _MAX_FAILED_KEYS = 1 << 16
+_READ_AHEAD = 64  # keys read on each side of the one vLLM asks for
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,15 +78,27 @@ class _Done:
 
 
 @dataclasses.dataclass(slots=True)
-class _KeyIndex:
-    """Per request: (group id, end token) -> key, from vLLM's record of every key's position."""
+class _ReadAhead:
+    """Per request: the store's answers for its keys, read in batches around the key vLLM asks for.
 
-    size: int
-    keys: dict[tuple[int, int], OffloadKey]
+    vLLM asks chunk by chunk (a 128K-token DSV4 request: hundreds of history chunks from the front, state
+    chunks from the back); one index read per ask costs ~40 us, one batched read ~5 us a key. Answers live
+    for `lookup_cache_s` and until this tier finishes a store: a record evicted or quarantined meanwhile
+    fails its load's verification and vLLM recomputes it (never wrong bytes); one another engine stored
+    meanwhile is a hit once the answers expire.
+    """
+
+    keys: list[OffloadKey]  # this request's keys in vLLM's order (per group, by end token)
+    at: dict[OffloadKey, int]  # index in `keys` of every key read so far
+    answers: dict[OffloadKey, Reason]
+    read_at: float
+    stores_done: int  # the tier's count of finished stores when these answers were read
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
-    """vLLM secondary tier backed by a kvtier disk store (the daemon's, or one opened here): verified loads, non-blocking stores, namespaced keys."""
+    """vLLM secondary tier backed by a kvtier disk store (the daemon's, or one opened here).
+
+    Verified loads, non-blocking stores, namespaced keys."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -103,7 +109,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "kvtier tier lookups by kvtier form and answer (hit, retry, or why not).", labelnames=("form", "result")
             ),
             STORE_CHUNKS: OffloadingCounterMetadata(
-                "Chunks offered to the kvtier tier by outcome (stored, present, dropped_backpressure, failed_*, read_only).",
+                "Chunks offered to the kvtier tier by outcome (stored, present, "
+                "dropped_backpressure, failed_*, read_only).",
                 labelnames=("outcome",),
             ),
             LOAD_CHUNKS: OffloadingCounterMetadata(
@@ -127,17 +134,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
         io_threads: int = 4,
         io_backend: str = "auto",
         budget_bytes: int = 0,
+        lookup_cache_s: float = 1.0,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if max_pending_store_chunks < 1 or staging_chunks < 1:
             raise VllmTierError(
-                f"max_pending_store_chunks and staging_chunks must be >= 1, got {max_pending_store_chunks}, {staging_chunks}"
+                "max_pending_store_chunks and staging_chunks must be >= 1, got "
+                f"{max_pending_store_chunks}, {staging_chunks}"
             )
         if (store_dir is None) == (daemon_socket is None):
             raise VllmTierError(
-                "set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened in this engine) in the kvtier tier config"
+                "set one of daemon_socket (the kvtier daemon's socket) or store_dir (a store opened "
+                "in this engine) in the kvtier tier config"
             )
         self.locality = Locality(locality) if locality is not None else None
         self.identity = engine_identity(
@@ -160,6 +170,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._store.register_namespace(self.identity.version_key)
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
+        self._lookup_cache_s = lookup_cache_s
+        self._stores_done = 0  # successful store jobs finished: read-ahead answers older than the last are dropped
 
         # Scheduler-thread state: keys in flight, keys whose load failed, stats since the last get_stats().
         self._loading: collections.Counter[OffloadKey] = collections.Counter()
@@ -201,13 +213,45 @@ class KvtierSecondaryTier(SecondaryTierManager):
         size = self.block_size_bytes
         return self._primary[chunk_id * size : (chunk_id + 1) * size]
 
-    def _reason(self, key: OffloadKey, plan: GroupPlan) -> Reason:
-        """Why the store would (OK) or would not load this chunk; a store that cannot answer (daemon gone) is a miss."""
+    def _reason(self, key: OffloadKey, req_context: ReqContext) -> Reason:
+        """Why the store would (OK) or would not load this chunk, from this request's read-ahead."""
+        ahead = req_context.get_state(_ReadAhead)
+        now = time.monotonic()
+        if ahead is None or now - ahead.read_at > self._lookup_cache_s or ahead.stores_done != self._stores_done:
+            ahead = _ReadAhead([], {}, {}, now, self._stores_done)
+            req_context.set_state(ahead)
+        reason = ahead.answers.get(key)
+        if reason is None:
+            self._read_ahead(key, req_context, ahead)
+            reason = ahead.answers.get(key, Reason.MISSING)
+        return reason
+
+    def _read_ahead(self, key: OffloadKey, req_context: ReqContext, ahead: _ReadAhead) -> None:
+        """One batched index read of the request's keys around `key` (it and up to _READ_AHEAD on each side)."""
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        if len(ahead.keys) != len(positions):  # vLLM's map only grows, in insertion order
+            ahead.keys = list(positions)
+        i = ahead.at.get(key)
+        if i is None:
+            try:
+                i = ahead.keys.index(key)
+            except ValueError:  # a key vLLM did not record a position for: read it alone
+                i = -1
+        span = range(max(0, i - _READ_AHEAD), i + _READ_AHEAD + 1) if i >= 0 else range(0)
+        batch = [(j, k) for j in span if j < len(ahead.keys) for k in (ahead.keys[j],) if k not in ahead.answers]
+        batch = [(j, k) for j, k in batch if get_offload_group_idx(k) in self._plans] or [(i, key)]
+        plans = [self._plans[get_offload_group_idx(k)] for _, k in batch]
         try:
-            return self._store.has([self._object_key(key, plan)], [self._digests[plan.group_id]])[0]
-        except KvtierError as exc:
+            reasons = self._store.has(
+                [self._object_key(k, p) for (_, k), p in zip(batch, plans)], [self._digests[p.group_id] for p in plans]
+            )
+        except KvtierError as exc:  # a store that cannot answer (daemon gone) is a miss, asked again next time
             self._warn(f"kvtier tier: lookups miss while the store cannot answer: {exc}")
-            return Reason.MISSING
+            return
+        for (j, k), reason in zip(batch, reasons):
+            ahead.answers[k] = reason
+            if j >= 0:
+                ahead.at[k] = j
 
     # ----------------------------------------------------------------- lookups (scheduler thread)
 
@@ -220,7 +264,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             return self._answer(form, "retry", LookupResult.RETRY)
         if key in self._failed:
             return self._answer(form, "failed", LookupResult.MISS)
-        reason = self._reason(key, plan)
+        reason = self._reason(key, req_context)
         if reason is not Reason.OK:
             return self._answer(form, reason.label, LookupResult.MISS)
         if plan.window_chunks and not self._in_window(key, plan, req_context):
@@ -232,20 +276,28 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return answer
 
     def _in_window(self, key: OffloadKey, plan: GroupPlan, req_context: ReqContext) -> bool:
-        """A state chunk is a hit only inside a whole window of this request's stored chunks (not by hash alone)."""
+        """A state chunk is a hit only inside a whole window of this request's stored chunks (not by hash alone).
+
+        The group's chunk ending at token e sits (e - end) / t places from this one in vLLM's key order; a
+        key found elsewhere (out-of-order boundary keys) counts as not servable: a miss, never a wrong hit.
+        """
         end = req_context.get_offload_key_position(key)
-        if end is None:
+        ahead = req_context.get_state(_ReadAhead)
+        if end is None or ahead is None or key not in ahead.at:
             return False
-        keys = _request_keys(req_context)
+        at, t = ahead.at[key], plan.tokens_per_chunk
         seen: dict[int, bool] = {end: True}
 
         def servable(e: int) -> bool:
             if e not in seen:
-                k = keys.get((plan.group_id, e))
+                j = at + (e - end) // t
+                k = ahead.keys[j] if 0 <= j < len(ahead.keys) else None
                 seen[e] = (
                     k is not None
+                    and get_offload_group_idx(k) == plan.group_id
+                    and req_context.get_offload_key_position(k) == e
                     and k not in self._failed
-                    and (k in self._storing or self._reason(k, plan) is Reason.OK)
+                    and (k in self._storing or self._reason(k, req_context) is Reason.OK)
                 )
             return seen[e]
 
@@ -283,8 +335,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def _warn_dropped(self, n: int) -> None:
         self._dropped_since_warning += n
         if self._warn(
-            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, max_pending_store_chunks={self._max_pending}): "
-            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower than the offload rate"
+            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, "
+            f"max_pending_store_chunks={self._max_pending}): "
+            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower "
+            "than the offload rate"
         ):
             self._dropped_since_warning = 0
 
@@ -311,6 +365,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 self._storing.subtract(done.keys)
                 self._pending_store_chunks -= len(done.keys)
                 if done.result.success:
+                    self._stores_done += 1
                     for key in done.keys:
                         self._failed.pop(key, None)
             metric = LOAD_CHUNKS if done.is_load else STORE_CHUNKS
@@ -427,20 +482,6 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return _Done(result, keys, False, +outcomes)
 
 
-def _request_keys(req_context: ReqContext) -> dict[tuple[int, int], OffloadKey]:
-    """(group id, end token) -> key for every key vLLM derived for this request so far.
-
-    vLLM 0.32 exposes a key's position (`get_offload_key_position`) but not the reverse map; it keeps the
-    forward map in `_offload_key_positions`, which only grows, so the index is rebuilt when it has grown.
-    """
-    positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-    index = req_context.get_state(_KeyIndex)
-    if index is None or index.size != len(positions):
-        index = _KeyIndex(len(positions), {(get_offload_group_idx(k), end): k for k, end in positions.items()})
-        req_context.set_state(index)
-    return index.keys
-
-
 def _open_store(root: str, config: StoreConfig) -> DiskStore:
     """The writer role if free; else (another engine or the daemon writes here) a reader that only loads."""
     try:
@@ -484,8 +525,12 @@ def engine_identity(
 def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGroup]) -> str:
     """The backend vLLM's platform selects for this model's attention (full / sliding), as vLLM's selector would."""
 
+    cfg = text_config(read_hf_config(ckpt))
+    if is_dsv4(cfg):  # its MLA kernels are chosen per platform and cache module, past what the selector answers
+        raise VllmTierError(
+            "a DeepSeek-V4 checkpoint: set attention_backend in the kvtier tier config to the MLA backend vLLM logs"
+        )
     try:
-        cfg = text_config(read_hf_config(ckpt))
         heads = int(cfg["num_attention_heads"])
         head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         torch_dtype = getattr(torch, kv_dtype, None)
@@ -495,7 +540,7 @@ def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGr
             else getattr(torch, str(cfg.get("torch_dtype", "bfloat16")))
         )
         cache_dtype = "auto" if isinstance(torch_dtype, torch.dtype) else kv_dtype
-        kinds = sorted({layer_window(cfg, layer_index(n)) > 0 for g in groups for n in g.layer_names})
+        kinds = sorted({layer_kind(cfg, n).window > 0 for g in groups for n in g.layer_names})
         names = []
         for sliding in kinds:
             selector = AttentionSelectorConfig(
@@ -512,6 +557,7 @@ def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGr
         raise
     except Exception as exc:  # vLLM's selectors differ by platform and version; say what to set instead
         raise VllmTierError(
-            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set attention_backend in the kvtier tier config"
+            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set "
+            "attention_backend in the kvtier tier config"
         ) from exc
     return ",".join(names)

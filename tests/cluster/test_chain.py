@@ -6,13 +6,13 @@ import signal
 import time
 
 import torch
-from store.store_helpers import DIGEST, VK, make_key, make_payload
 
 from kvtier.cluster import ClusterTier, WriteThrough
 from kvtier.cluster.chain import TierChain
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore
+from support.store_helpers import DIGEST, VK, make_key, make_payload
 from tests.cluster.conftest import cluster_config
 
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-from store.store_helpers import DIGEST, make_key, make_payload
 
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest
+from support.store_helpers import DIGEST, make_key, make_payload
 from tests.cluster.harness import MooncakeCluster
 
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from store.store_helpers import DIGEST, make_key, make_payload
 
 from kvtier.cluster import header as H
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
+from support.store_helpers import DIGEST, make_key, make_payload
 from tests.cluster.harness import MooncakeCluster
 
 NS = b"N" * 16

@@ -11,14 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.daemon import wait_leases_released
 
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
-
-from .conftest import DaemonProc, child_env
-from .workload import caches_for, compare, tokens_for
+from support.daemon import DaemonProc, child_env, wait_leases_released
+from support.workload import caches_for, compare, tokens_for
 
 WORKLOAD = str(Path(__file__).with_name("workload.py"))
 PROFILE = load_profile("ref-tiny")

@@ -10,8 +10,7 @@ import pytest
 
 from kvtier.client import Client
 from kvtier.store import DiskStore, StoreConfig
-
-from .conftest import DaemonProc
+from support.daemon import DaemonProc
 
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["path-socket", "abstract-socket"])

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from kvtier import wire as P
 from kvtier.client import Client
 from kvtier.wire.errors import DaemonUnavailable, OutOfOrder
-
-from .conftest import DaemonProc, child_env
+from support.daemon import DaemonProc, child_env
 
 
 def _conn(d: DaemonProc) -> socket.socket:

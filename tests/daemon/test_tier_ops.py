@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.corrupt import flip_payload_bit
 
 from kvtier import wire as P
 from kvtier.client import BadRange, Client, OutOfOrder, TierClient
@@ -28,8 +27,8 @@ from kvtier.core.versions import VersionKey
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
 from kvtier.wire.errors import DaemonUnavailable, WrongType
-
-from .conftest import DaemonProc, child_env
+from support.corrupt import flip_payload_bit
+from support.daemon import DaemonProc, child_env
 
 VKEY = VersionKey("test/engine", "xxh3_128:00", "test-abi", "none", "none", "bf16;chunk=4096")
 GROUPS = [("eng.g0.full", CacheForm.COMPRESSED), ("eng.g1.swa", CacheForm.SWA)]

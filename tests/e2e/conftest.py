@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from support.fault_table import FaultRows
 
-from .harness import Oracle
+from support.e2e_harness import Oracle
+from support.fault_table import FaultRows
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from support.daemon import DaemonProc
 
 from kvtier.core.forms import Route
-
-from .engine_proc import CHECKPOINT_EVERY
-from .harness import H, Oracle, branch, prompt, run_engine, save_prompts
+from support.daemon import DaemonProc
+from support.e2e_harness import H, Oracle, branch, prompt, run_engine, save_prompts
+from support.engine_proc import CHECKPOINT_EVERY
 
 CP = CHECKPOINT_EVERY * H  # 128 tokens
 

@@ -18,10 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.corrupt import flip_payload_bit
-from support.daemon import DaemonProc, wait_leases_released
-from support.fault_table import FaultRows
-from support.mounts import mounted
 
 from kvtier.client import Client, OutOfOrder
 from kvtier.core.errors import KvtierError
@@ -34,9 +30,12 @@ from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
 from kvtier.store import DiskStore, StoreLimits
 from kvtier.store.index import IndexEntry, encode_key
 from kvtier.verifier import Verifier, VerifierSettings, open_store
-
-from .engine_proc import CHECKPOINT_EVERY
-from .harness import PROFILE, H, Oracle, prompt, save_prompts, start_engine
+from support.corrupt import flip_payload_bit
+from support.daemon import DaemonProc, wait_leases_released
+from support.e2e_harness import PROFILE, H, Oracle, prompt, save_prompts, start_engine
+from support.engine_proc import CHECKPOINT_EVERY
+from support.fault_table import FaultRows
+from support.mounts import mounted
 
 BLOCKS = 12  # A's prompts: 384 tokens, checkpoints after blocks 4, 8 and 12
 EXTRA = 40  # B asks for A's prompt and 40 tokens more

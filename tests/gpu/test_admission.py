@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 
 import torch
-from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused
+from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 
 def _on_lower_only(n: int = 4, **adm):

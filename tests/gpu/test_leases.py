@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 from kvtier.core import Reason, Route
 from kvtier.gpu import AdmissionRefused, StaleHandle
+from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 
 def _filled(blocks: int = 6, n: int = 4, **kw):

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
-from gpuworld import PROFILE, H, budgets, hashes_of, make, payload, prompt, state_blocks_for, write
 
 from kvtier.core import CacheForm
 from kvtier.gpu import BudgetError, CacheManager, StaleHandle, TopologyError
+from support.gpuworld import PROFILE, H, budgets, hashes_of, make, payload, prompt, state_blocks_for, write
 
 
 def test_pools_sized_from_budgets_and_aligned() -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 import threading
 
-from driver import GROUPS, N_BLOCKS, N_PROMPTS, Driver
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier.gpu import PoolLookup
+from support.gpu_driver import GROUPS, N_BLOCKS, N_PROMPTS, Driver
 
 prompts = st.integers(0, N_PROMPTS - 1)
 blocks = st.integers(0, N_BLOCKS - 1)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 from kvtier.core import CacheForm, GroupKind, Reason, Route, VersionError, block_hashes, load_profile
 from kvtier.core.errors import LayoutError
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionConfig, BadKey, BlockState, CacheManager, IllegalTransition, PartialBlock
 from kvtier.gpu.table import BlockTable
+from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 
 def test_partial_block_is_never_sealed() -> None:

@@ -10,11 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv4_pools import (
+
+from kvtier.store import DiskStore
+from support.corrupt import flip_payload_bit
+from support.daemon import DaemonProc
+from support.sglang_pools import (  # first: it skips this module unless SGLang imports
     DSV4_POOLS,
     PAGE,
     Dsv4Host,
     FakePagedPool,
+    HiCacheStorageExtraInfo,
+    KvtierHiCacheStorage,
+    PoolName,
+    PoolTransfer,
     backup,
     chain,
     file_backend,
@@ -24,12 +32,6 @@ from dsv4_pools import (
     query,
     write_checkpoint,
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName, PoolTransfer
-from support.corrupt import flip_payload_bit
-from support.daemon import DaemonProc
-
-from kvtier.integrations.sglang import KvtierHiCacheStorage
-from kvtier.store import DiskStore
 
 PAGES = 4
 SLOTS = list(range(PAGES))
@@ -173,8 +175,9 @@ def test_v1_interface_for_a_plain_kv_pool(tmp_path: Path, model: Path) -> None:
     pool = FakePagedPool(item_bytes=2 * 128 * 2, layer_num=4, num_pages=PAGES, page_size=64)
     pool.kv_buffer.copy_(torch.randint(0, 256, pool.kv_buffer.shape, dtype=torch.uint8))
     written = pool.kv_buffer.clone()
-    from dsv4_pools import storage_config
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from support.sglang_pools import storage_config
 
     extra = {
         "backend_name": "kvtier",

@@ -11,7 +11,6 @@ import time
 import lmdb
 import pytest
 import torch
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest, LowerTier
@@ -29,6 +28,7 @@ from kvtier.store import (
 )
 from kvtier.store import index as index_mod
 from kvtier.store.record import record_length
+from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_map_grows_on_full_and_other_process_adopts_it(tmp_path, monkeypatch) ->
 _READER = """
 import sys
 from kvtier.store import DiskStore
-from store_helpers import DIGEST, VK, make_key
+from support.store_helpers import DIGEST, VK, make_key
 s = DiskStore(sys.argv[1])
 ns = VK.namespace
 keys = [make_key(ns, "first"), make_key(ns, "g2999")]

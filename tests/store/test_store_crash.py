@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from store_crashloop import crash_loop, orphan_bytes_independent
-from store_helpers import subprocess_env
+from support.store_crashloop import crash_loop, orphan_bytes_independent
+from support.store_helpers import subprocess_env
 
 
 def test_kill_minus_9_fifty_times_loses_no_acknowledged_record(tmp_path) -> None:

@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from store_helpers import DIGEST, VK, make_key, make_payload, mounted
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig, StoreError, StoreFull
+from support.store_helpers import DIGEST, VK, make_key, make_payload, mounted
 
 RECORD = 300_000
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from store_helpers import DIGEST, VK, make_key, make_payload
-from support.corrupt import flip_bit, flip_payload_bit, segment_path
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, RecordState
 from kvtier.store.index import encode_key
 from kvtier.store.record import HEADER_BYTES
+from support.corrupt import flip_bit, flip_payload_bit, segment_path
+from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 SIZES = (10_000, 70_000, 4096, 33_333)
 

@@ -11,12 +11,12 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.segments import segment_name
+from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 _HOLD_READ_TXN = """
 import sys, lmdb

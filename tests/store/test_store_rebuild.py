@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 import xxhash
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
-from support.corrupt import flip_payload_bit
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, FormatVersionError, StoreConfig, StoreLocked, rebuild_index
 from kvtier.store.record import HEADER_BYTES, record_length
+from support.corrupt import flip_payload_bit
+from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 VK2 = VK.bumped(kernel_abi="abi-2")
 

@@ -12,11 +12,11 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from store_helpers import DIGEST, VK, make_key, make_payload
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, StoreConfig
+from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 TAGS = [f"k{i}" for i in range(5)]
 SIZE = 5000

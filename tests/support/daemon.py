@@ -1,6 +1,6 @@
 """A real `kvtier serve` subprocess on a temporary socket, with a datagram socket standing in for systemd's.
 
-Shared by tests/daemon and tests/e2e (import as `support.daemon`: pytest puts `tests/` on the path).
+Shared by the daemon, CLI and e2e tests (import as `support.daemon`; pyproject puts `tests/` on the path).
 """
 
 from __future__ import annotations

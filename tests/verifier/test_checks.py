@@ -10,7 +10,6 @@ import time
 
 import torch
 import xxhash
-from verifier_helpers import REPO, VK, assert_consistent, entries, payload, populate, start_verifier, stop, wait_for
 
 from kvtier.core import CacheForm, Reason
 from kvtier.core.config import embedded_default
@@ -20,6 +19,17 @@ from kvtier.daemon.service import default_verifier_command
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.verifier import LayoutOracle, Verifier, VerifierSettings, verifier_status
+from support.verifier_helpers import (
+    REPO,
+    VK,
+    assert_consistent,
+    entries,
+    payload,
+    populate,
+    start_verifier,
+    stop,
+    wait_for,
+)
 
 
 def test_layout_digest_that_contradicts_the_version_key_is_quarantined(tmp_path) -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import signal
 
-from support.corrupt import flip_payload_bit
-from verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
-
 from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.store.record import record_length
+from support.corrupt import flip_payload_bit
+from support.verifier_helpers import VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
 
 
 def _doc(root: str) -> dict:

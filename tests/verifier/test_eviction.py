@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import time
 
-from verifier_helpers import DIGEST, VK, assert_consistent, entries, load, populate, start_verifier, stop, wait_for
-
 from kvtier.core import CacheForm, Reason
 from kvtier.store import DiskStore, StoreConfig, StoreLimits
 from kvtier.store.record import record_length
 from kvtier.verifier import Verifier, VerifierSettings
+from support.verifier_helpers import (
+    DIGEST,
+    VK,
+    assert_consistent,
+    entries,
+    load,
+    populate,
+    start_verifier,
+    stop,
+    wait_for,
+)
 
 SIZE = 20_000
 REC = record_length(SIZE)

@@ -6,8 +6,13 @@ import dataclasses
 import os
 
 import pytest
+
+from kvtier.core import CacheForm, Reason
+from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
+from kvtier.store.record import HEADER_BYTES
+from kvtier.verifier import VerifierSettings, audit_store
 from support.corrupt import flip_bit, flip_payload_bit, segment_path
-from verifier_helpers import (
+from support.verifier_helpers import (
     VK,
     VK_OLD,
     Rec,
@@ -24,11 +29,6 @@ from verifier_helpers import (
     totals,
     wait_for,
 )
-
-from kvtier.core import CacheForm, Reason
-from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
-from kvtier.store.record import HEADER_BYTES
-from kvtier.verifier import VerifierSettings, audit_store
 
 FORMS = (CacheForm.COMPRESSED, CacheForm.INDEXER, CacheForm.SWA, CacheForm.TAIL)
 ORPHAN_TAIL, STRAY_A, STRAY_B = 8192, 4096, 8192

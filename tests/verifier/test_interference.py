@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-from verifier_helpers import REPO
+from support.verifier_helpers import REPO
 
 
 def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None:

@@ -48,22 +48,9 @@ fi
 
 [[ ${1:-} == --prepare ]] && { echo "tests/vllm: $VENV has $VLLM_SPEC"; exit 0; }
 
-# kvtier itself, editable and without letting pip move vLLM's pins; its own deps and its test extra,
-# read from pyproject (torch stays vLLM's). Redone when pyproject changes.
-KV_STAMP="$VENV/.kvtier-editable"
-want="$ROOT $(sha256sum pyproject.toml tests/vllm/run.sh | sha256sum | cut -c1-64)"
-if [[ ! -f $KV_STAMP || $(cat "$KV_STAMP") != "$want" ]]; then
-    mapfile -t deps < <("$PY" - <<'PY'
-import re, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-deps = project["dependencies"] + project["optional-dependencies"]["test"]
-print("\n".join(d for d in deps if re.split(r"[<>=!~ \[]", d, maxsplit=1)[0].lower() != "torch"))
-PY
-    )
-    quiet "$PY" -m pip install --no-deps -e .
-    quiet "$PY" -m pip install "${deps[@]}" pytest-rerunfailures
-    echo "$want" >"$KV_STAMP"
-fi
+# kvtier itself, editable and without letting pip move vLLM's pins (torch stays vLLM's); redone when pyproject
+# or this script changes.
+quiet tests/support/kvtier_into_venv.sh "$PY" tests/vllm/run.sh pytest-rerunfailures
 
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu KVTIER_VLLM_REQUIRED=1
 # One rerun of a failed test: vLLM's CPU engine was seen once (in 13 runs) to decode with slightly

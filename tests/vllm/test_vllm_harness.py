@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_harness import require_vllm
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from vllm_harness import assert_same_output, new_checkpoint, run_engine, shared_prefix_prompts  # noqa: E402
+from support.vllm_harness import assert_same_output, new_checkpoint, run_engine, shared_prefix_prompts  # noqa: E402
 
 
 def test_second_engine_hits_the_tier_and_reproduces_the_first(tmp_path: Path) -> None:
     model = new_checkpoint(tmp_path / "model", seed=1)
     prompts = shared_prefix_prompts(seed=0)
-    tiers = [{"type": "PlainFileTier", "module_path": "file_tier", "root": str(tmp_path / "tier")}]
+    tiers = [{"type": "PlainFileTier", "module_path": "support.vllm_file_tier", "root": str(tmp_path / "tier")}]
 
     first = run_engine(tmp_path, "store", model, prompts, tiers)
     chunks = sorted((tmp_path / "tier").iterdir())

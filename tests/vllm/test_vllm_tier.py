@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_harness import require_vllm
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from vllm_harness import (  # noqa: E402
+from support.vllm_harness import (  # noqa: E402
     KVTIER_TIER,
     assert_same_output,
     audit_namespaces,

@@ -7,15 +7,14 @@ bytes through a staging region shared with the daemon.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from vllm_harness import require_vllm
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from vllm_harness import (  # noqa: E402
-    HERE,
+from support.daemon import DaemonProc  # noqa: E402
+from support.vllm_harness import (  # noqa: E402
     KVTIER_TIER,
     assert_same_output,
     audit_namespaces,
@@ -25,9 +24,6 @@ from vllm_harness import (  # noqa: E402
     run_engine,
     shared_prefix_prompts,
 )
-
-sys.path.append(str(HERE.parent))  # tests/, for the daemon subprocess helper the daemon tests use
-from support.daemon import DaemonProc  # noqa: E402
 
 FULL = "vllm.g0.full"
 PREFIX_CHUNKS = 4

@@ -9,13 +9,20 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from vllm_harness import require_vllm
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from engine_run import BLOCK_SIZE  # noqa: E402
-from tiny_model import GEMMA2_WINDOW, VOCAB  # noqa: E402
-from vllm_harness import KVTIER_TIER, assert_same_output, audit_namespaces, kvtier_tiers, new_checkpoint, run_engine  # noqa: E402
+from support.vllm_engine_run import BLOCK_SIZE  # noqa: E402
+from support.vllm_harness import (  # noqa: E402
+    KVTIER_TIER,
+    assert_same_output,
+    audit_namespaces,
+    kvtier_tiers,
+    new_checkpoint,
+    run_engine,
+)
+from support.vllm_tiny_model import GEMMA2_WINDOW, VOCAB  # noqa: E402
 
 SWA, FULL = f"vllm.g0.swa{GEMMA2_WINDOW}", "vllm.g1.full"
 PREFIX_CHUNKS = 4

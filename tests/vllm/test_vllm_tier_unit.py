@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from vllm_harness import require_vllm
+
+from support.vllm_harness import require_vllm
 
 require_vllm()
 
@@ -28,9 +29,9 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
-from vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
+from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 ROW = 8192
 CHUNKS = 16

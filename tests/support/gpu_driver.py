@@ -6,11 +6,11 @@ from __future__ import annotations
 import threading
 
 import torch
-from gpuworld import PROFILE, make, payload, prompt
 
 from kvtier.core import GroupKind, Reason, Route, VersionError, block_hashes
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionRefused, PartialBlock, PoolLookup, StaleHandle
+from support.gpuworld import PROFILE, make, payload, prompt
 
 N_PROMPTS = 4
 N_BLOCKS = 6

@@ -13,9 +13,8 @@ import numpy as np
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
-
-from .conftest import DaemonProc, child_env
-from .workload import caches_for, tokens_for
+from support.daemon import DaemonProc, child_env
+from support.workload import caches_for, tokens_for
 
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens

@@ -7,14 +7,13 @@ import os
 import numpy as np
 import torch
 import xxhash
-from support.mounts import mounted  # noqa: F401  (re-exported for the store tests)
 
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import ObjectKey
+from support.mounts import mounted  # noqa: F401  (re-exported for the store tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGEST = b"L" * 16
 VK = VersionKey("ref-model", "w0", "abi-1", "comp-1", "idx-1", "fp8-packed")
 
@@ -22,7 +21,7 @@ VK = VersionKey("ref-model", "w0", "abi-1", "comp-1", "idx-1", "fp8-packed")
 def subprocess_env() -> dict[str, str]:
     """Environment for child Pythons: the checkout and these helpers importable, whatever is installed."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, HERE, TESTS, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, TESTS, env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from support.daemon import DaemonProc, child_env
 
 from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import recompute
-
-from .engine_proc import CHECKPOINT_EVERY
+from support.daemon import DaemonProc, child_env
+from support.engine_proc import CHECKPOINT_EVERY
 
 ENGINE = str(Path(__file__).with_name("engine_proc.py"))
 PROFILE = load_profile("ref-tiny")

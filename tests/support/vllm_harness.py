@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_run import BLOCK_SIZE
-from engine_run import main as engine_main
-from support.corrupt import flip_payload_bit
-from tiny_model import VOCAB, write_checkpoint
 
 from kvtier.store import DiskStore, RecordState
+from support.corrupt import flip_payload_bit
+from support.vllm_engine_run import BLOCK_SIZE
+from support.vllm_engine_run import main as engine_main
+from support.vllm_tiny_model import VOCAB, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 240
@@ -88,7 +88,9 @@ def _engine_processes() -> multiprocessing.context.ForkServerContext:
             VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu"
         )  # the server's env is every engine's
         _FORK_SERVER = multiprocessing.get_context("forkserver")
-        _FORK_SERVER.set_forkserver_preload(["engine_run", "vllm", "vllm.inputs", "kvtier.integrations.vllm"])
+        _FORK_SERVER.set_forkserver_preload(
+            ["support.vllm_engine_run", "vllm", "vllm.inputs", "kvtier.integrations.vllm"]
+        )
     return _FORK_SERVER
 
 

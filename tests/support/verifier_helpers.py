@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 import xxhash
-from support.corrupt import segment_path
 
 from kvtier.cli.main import main
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, IndexEntry, RecordState, StoreConfig
+from support.corrupt import segment_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGEST = b"L" * 16

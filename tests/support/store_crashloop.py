@@ -19,10 +19,10 @@ import time
 import traceback
 
 import torch
-from store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
+from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
 RECORDS_PER_ROUND = 40
 SEGMENT_BYTES = 1 << 20

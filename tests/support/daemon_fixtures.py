@@ -1,4 +1,4 @@
-"""Fixtures over a real `kvtier serve` subprocess (the helpers live in tests/support/daemon.py)."""
+"""pytest fixtures over a real `kvtier serve` subprocess (registered for the whole tree in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.daemon import ROOT, DaemonProc, child_env
 
-__all__ = ["ROOT", "DaemonProc", "child_env"]
+from support.daemon import DaemonProc
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Run one vLLM engine (in this process) over a prompt set and write tokens, logprobs and tier metrics as JSON.
 
-Usage: python engine_run.py SPEC.json OUT.json   (SPEC: model, prompts, max_tokens, secondary_tiers)
+Usage: python vllm_engine_run.py SPEC.json OUT.json   (SPEC: model, prompts, max_tokens, secondary_tiers)
 The tests call `main` in a new process per engine (vllm_harness.run_engine), so a second engine sees only
 what the first left in the secondary tier.
 """
@@ -35,7 +35,7 @@ def engine_kwargs(model: str, secondary_tiers: list[dict]) -> dict:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "spec_name": "SyncCpuTieringSpec",
-                "spec_module_path": "cpu_shim",
+                "spec_module_path": "support.vllm_cpu_shim",
                 "cpu_bytes_to_use": 8 << 20,
                 "secondary_tiers": secondary_tiers,
             },
