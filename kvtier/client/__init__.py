@@ -11,6 +11,7 @@ from kvtier.client.client import (
     PrewarmReport,
 )
 from kvtier.client.errors import TierFull
+from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.client.tier import TierClient
 from kvtier.wire import (
     BadRange,
@@ -32,11 +33,13 @@ __all__ = [
     "Lease",
     "LoadReport",
     "LookupResult",
+    "NotDurable",
     "OffloadReport",
     "OutOfOrder",
     "PermissionDenied",
     "PrewarmReport",
     "RemoteError",
+    "StaleHandle",
     "TierClient",
     "TierFull",
     "WrongType",
