@@ -78,6 +78,7 @@ class VerifierConfig:
     sweep_interval_s: float = 300.0
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
+    hung_after_s: float = 120.0  # a supervised verifier whose heartbeat is older than this is killed and restarted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -370,6 +371,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         sweep_interval_s=float(v.number("sweep_interval_s", b3.sweep_interval_s)),
         restart_backoff_s=float(v.number("restart_backoff_s", b3.restart_backoff_s)),
         max_backoff_s=float(v.number("max_backoff_s", b3.max_backoff_s)),
+        hung_after_s=float(v.number("hung_after_s", b3.hung_after_s)),
     )
     v.finish()
 

@@ -27,6 +27,7 @@ from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import ObjectKey
+from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.durability import make_durable
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
@@ -363,6 +364,11 @@ class DaemonBackend:
         if not reasons:
             return ""
         return f"write-back blocked, {self.persister.queued} objects waiting: " + "; ".join(reasons)
+
+    def verifier_heartbeat_age(self, pid: int) -> float | None:
+        """Age of the heartbeat the verifier with `pid` last published in the store (None: it has not yet)."""
+        doc = verifier_status(self.store)
+        return doc.get("heartbeat_age_s") if doc.get("verifier_pid") == pid else None
 
     def reload(self, cfg: DaemonConfig) -> None:
         """Apply a new store budget and per-form quotas."""
