@@ -11,9 +11,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests", "store")]
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-from store_crashloop import crash_loop  # noqa: E402
+from support.store_crashloop import crash_loop  # noqa: E402
 
 
 def main() -> None:

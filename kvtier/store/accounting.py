@@ -11,6 +11,7 @@ import dataclasses
 
 import lmdb
 
+from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.index import Index, IndexEntry, SegmentEntry, Usage, u64_key
 
@@ -36,7 +37,7 @@ class Ledger:
         assert seg is not None, f"segment {seg_id:016x} has no index row"
         self._segments[seg_id] = dataclasses.replace(
             seg,
-            tail=max(seg.tail, offset + record_len),
+            tail=max(seg.tail, align_up(offset + record_len, DISK_ALIGNMENT)),  # extents end padded to 4096
             referenced=seg.referenced + record_len,
             records=seg.records + 1,
         )

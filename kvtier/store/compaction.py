@@ -4,21 +4,41 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 
 import lmdb
+import torch
 
 from kvtier.core.tier import ObjectKey
+from kvtier.core.versions import VersionKey
 from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
-from kvtier.store.index import IndexEntry, RecordState, SegmentEntry, encode_key, u64_key
-from kvtier.store.io import SegmentFile
+from kvtier.store.extent import ExtentPlan, write_extent
+from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
+from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.maintenance import Maintenance
-from kvtier.store.reader import Reader
+from kvtier.store.reader import AnyHeader, Reader, ReadJob
+from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
 from kvtier.store.segments import Appender, seal_segment, segment_name
 
-_Copied = tuple[bytes, IndexEntry, int, int]  # (raw key, entry at the old place, new segment id, new offset)
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Copy:
+    """A checked record read for relocation: its key, its entry where it was read, its v2 header and bytes."""
+
+    raw_key: bytes
+    entry: IndexEntry
+    header: RecordHeader
+    data: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Moved:
+    copy: _Copy
+    seg_id: int
+    offset: int
 
 
 class Compaction:
@@ -109,8 +129,9 @@ class Compaction:
             probe.close()
 
     def relocate(self, keys: Sequence[ObjectKey]) -> int:
-        """Compaction: copy live records verbatim (checked first) into a segment this process appends, then repoint
-        each entry that still names the old place, in one commit; returns how many moved. A bad record is quarantined.
+        """Compaction: copy live records (checked first) into extents of a segment this process appends, then
+        repoint each entry that still names the old place, in one commit; returns how many moved. A bad record is
+        quarantined. Format v1 records move as v2 records (same payload and checksum, inline header).
 
         The old bytes stay readable until their segment is unlinked under the epoch rule, so a reader that looked
         the old entry up finishes on it; a record that changed meanwhile keeps its entry (its copy is garbage).
@@ -121,49 +142,79 @@ class Compaction:
         if self._relocator is None:
             self._relocator = Appender(ctx.root, ctx.index, ctx.backend, ctx.config.segment_bytes)
         app = self._relocator
-        failures: list[tuple[ObjectKey, QuarantineReason]] = []
-        written: list[_Copied] = []
+        copies, namespaces, failures = self._read_for_relocation(keys)
         moved = 0
-        with ctx.write_lock:
-            app.begin_batch()
-            synced = False
-            try:
-                with ctx.index.read() as txn:  # an epoch: the source segments cannot be unlinked while we copy
-                    for key in keys:
-                        raw_key = encode_key(key)
-                        raw = txn.get(raw_key, db=ctx.index.obj)
-                        entry = entry_or_none(raw) if raw is not None else None
-                        if entry is None or entry.state is not RecordState.LIVE:
-                            continue
-                        try:
-                            buf = self._reader.fetch_checked(key, entry, self._reader.segment(entry.segment))
-                        except CorruptRecord as exc:
-                            failures.append((key, exc.reason))
-                            continue
-                        try:
-                            place = app.place(entry.record_len)
-                            place.file.pwrite_all(buf.mv[: entry.record_len], place.offset)
-                        finally:
-                            ctx.buffers.release(buf)
-                        written.append((raw_key, entry, place.seg_id, place.offset))
-                if written:
+        if copies:
+            with ctx.write_lock:
+                app.begin_batch()
+                synced = False
+                try:
+                    written = [w for part in _cut(copies) for w in self._write_copies(part, namespaces)]
                     app.sync_batch()
                     synced = True
                     moved = ctx.index.update(lambda txn: self._repoint(txn, written))
-            except BaseException:
-                app.rewind(abandon=bool(written) and not synced)
-                raise
-            finally:
-                app.end_batch()
+                except BaseException:
+                    app.rewind(abandon=not synced)
+                    raise
+                finally:
+                    app.end_batch()
         self._maintenance.quarantine_faults(failures)
         return moved
 
-    def _repoint(self, txn: lmdb.Transaction, written: list[_Copied]) -> int:
+    def _read_for_relocation(
+        self, keys: Sequence[ObjectKey]
+    ) -> tuple[list[_Copy], dict[bytes, VersionKey], list[tuple[ObjectKey, QuarantineReason]]]:
+        """Read and check the live records of `keys` into memory, in one read transaction (an epoch: their
+        segments cannot be unlinked meanwhile) that closes before anything is written. Writing may roll a
+        segment, whose write transaction may grow the LMDB map, and growing the map waits for every read
+        transaction of this process: one held here would wait for itself (issue 18)."""
+        index = self._ctx.index
+        copies: list[_Copy] = []
+        namespaces: dict[bytes, VersionKey] = {}
+        failures: list[tuple[ObjectKey, QuarantineReason]] = []
+        with index.read() as txn:
+            jobs: list[ReadJob] = []
+            for key in keys:
+                raw_key = encode_key(key)
+                raw = txn.get(raw_key, db=index.obj)
+                entry = entry_or_none(raw) if raw is not None else None
+                if entry is None or entry.state is not RecordState.LIVE:
+                    continue
+                if key.namespace not in namespaces:
+                    ns = _namespace_or_none(index, txn, key.namespace)
+                    if ns is None:
+                        continue  # no version key to make the new extent self-describing: the record stays
+                    namespaces[key.namespace] = ns.version_key
+                jobs.append(ReadJob(len(jobs), key, entry, None))
+
+            def keep(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
+                assert header is not None and buf is not None
+                data = torch.frombuffer(bytearray(buf.mv[at : at + job.entry.stored_len]), dtype=torch.uint8)
+                copies.append(_Copy(encode_key(job.key), job.entry, _as_v2(header, job.entry), data))
+
+            for job, exc in self._reader.read(jobs, keep):
+                if exc is not None:
+                    failures.append((job.key, exc.reason))
+        copies.sort(key=lambda c: (c.entry.segment, c.entry.offset))  # keep neighbours neighbours
+        return copies, namespaces, failures
+
+    def _write_copies(self, copies: list[_Copy], namespaces: dict[bytes, VersionKey]) -> list[_Moved]:
+        ctx = self._ctx
+        assert self._relocator is not None
+        now = time.time()
+        ns_records = [namespace_record(namespaces[ns], now) for ns in dict.fromkeys(c.header.namespace for c in copies)]
+        records = [(h, torch.frombuffer(bytearray(body), dtype=torch.uint8)) for h, body in ns_records]
+        records += [(c.header, c.data) for c in copies]
+        seg_id, offsets = write_extent(self._relocator, ctx.backend, ctx.buffers, records, None)
+        return [_Moved(c, seg_id, at) for c, at in zip(copies, offsets[len(ns_records) :])]
+
+    def _repoint(self, txn: lmdb.Transaction, written: list[_Moved]) -> int:
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
         moved = 0
-        for raw_key, old, seg_id, offset in written:
-            raw = txn.get(raw_key, db=obj_db)
+        for w in written:
+            old, new_len = w.copy.entry, w.copy.header.record_len
+            raw = txn.get(w.copy.raw_key, db=obj_db)
             cur = entry_or_none(raw) if raw is not None else None
             if (
                 cur is None
@@ -171,9 +222,13 @@ class Compaction:
                 or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq)
             ):
                 continue
-            txn.put(raw_key, dataclasses.replace(cur, segment=seg_id, offset=offset).pack(), db=obj_db)
+            entry = dataclasses.replace(
+                cur, segment=w.seg_id, offset=w.offset, record_len=new_len, record_version=FORMAT_VERSION
+            )
+            txn.put(w.copy.raw_key, entry.pack(), db=obj_db)
             ledger.release(old.segment, old.record_len)
-            ledger.add(seg_id, offset, old.record_len)
+            ledger.add(w.seg_id, w.offset, new_len)
+            ledger.usage[cur.form].record_bytes += new_len - old.record_len  # a v1 record shrinks as it moves
             moved += 1
         ledger.save()
         return moved
@@ -194,3 +249,42 @@ def _lock_segment(path: str) -> SegmentFile | bool | None:
         return probe
     probe.close()
     return False
+
+
+def _as_v2(h: AnyHeader, entry: IndexEntry) -> RecordHeader:
+    """The record's v2 header: the same identity, payload checksums and creation time, wherever it lies."""
+    assert h.form is not None
+    return RecordHeader(
+        h.namespace,
+        h.block_hash,
+        h.group,
+        h.form,
+        h.layout_digest,
+        h.codec,
+        h.payload_len,
+        h.stored_len,
+        h.created,
+        Flags(entry.flags),
+        h.payload_checksum,
+        h.device_checksum,
+    )
+
+
+def _namespace_or_none(index: Index, txn: lmdb.Transaction, ns: bytes) -> NamespaceEntry | None:
+    try:
+        return index.namespace(txn, ns)
+    except CorruptRecord:
+        return None
+
+
+def _cut(copies: list[_Copy]) -> list[list[_Copy]]:
+    """Copies in extents of about MAX_EXTENT_BYTES, in order."""
+    parts: list[list[_Copy]] = []
+    plan = ExtentPlan()
+    for c in copies:
+        if not parts or not plan.fits(c.header.stored_len):
+            parts.append([])
+            plan = ExtentPlan()
+        plan.add(c.header.stored_len)
+        parts[-1].append(c)
+    return parts

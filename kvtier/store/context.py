@@ -19,12 +19,14 @@ from kvtier.store.io import BufferPool, PosixBackend
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Knobs of one store; the budget and quotas count record bytes on disk (header + padded payload)."""
+    """Knobs of one store; the budget and quotas count record bytes on disk (header + stored payload)."""
 
     budget_bytes: int = 0  # 0: no budget
     form_quotas: tuple[tuple[CacheForm, int], ...] = ()
     segment_bytes: int = 1 << 30
-    io_threads: int = 4
+    io_threads: int = 4  # writer threads (extents are built and written in parallel)
+    read_threads: int = 8  # parallel reads of a load: runs of records and GDS reads (the disk's queue depth)
+    device_checksums: str = "auto"  # auto | on | off: write the device checksum beside xxh3 (auto: on a GDS store)
     io_backend: str = "auto"  # auto | gds | odirect | buffered
     min_free_bytes: int | None = 1 << 20  # refuse writes that would leave less free space; None: no check
     atime_flush_s: float = 5.0
@@ -67,13 +69,20 @@ class StoreContext:
     def quotas(self) -> dict[CacheForm, int]:
         return dict(self.config.form_quotas)
 
+    @property
+    def device_checksums(self) -> bool:
+        """Whether records get the device checksum beside xxh3, so GDS readers check them on the device."""
+        choice = self.config.device_checksums
+        if choice not in ("auto", "on", "off"):
+            raise StoreRequestError(f"device_checksums {choice!r}: use auto, on or off")
+        return choice == "on" or (choice == "auto" and self.backend.gpu_direct)
+
     def executor(self, role: str) -> ThreadPoolExecutor:
         """Separate read and write pools, so loads never queue behind a write that is growing the map."""
         pool = self._pools.get(role)
         if pool is None:
-            pool = self._pools[role] = ThreadPoolExecutor(
-                max(1, self.config.io_threads), thread_name_prefix=f"kvtier-store-{role}"
-            )
+            threads = self.config.read_threads if role == "read" else self.config.io_threads
+            pool = self._pools[role] = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-store-{role}")
         return pool
 
     def close_pools(self) -> None:

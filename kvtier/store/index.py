@@ -20,7 +20,8 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
-from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, Codec
+from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags
+from kvtier.store.record_v1 import V1_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +101,28 @@ class IndexEntry:
     pin_until: float = 0.0
     quarantine_reason: int = 0
     quarantined_at: float = 0.0
+    record_version: int = FORMAT_VERSION  # the format of the record it points at: 1 (4 KiB header block) or 2
+    flags: int = int(Flags.XXH3)  # which checksums the record carries (v2; v1 records have xxh3 only)
+    device_checksum: int = 0
 
-    _S = struct.Struct("<BBBBBxxxQQQQQ16s16sQdddd")
+    _V1 = struct.Struct("<BBBBBxxxQQQQQ16s16sQdddd")
+    _V2 = struct.Struct("<BBBBBBxxQQQQQ16s16sQddddQ")
+
+    @property
+    def payload_offset(self) -> int:
+        """Where the stored payload starts in the segment."""
+        return self.offset + (V1_HEADER_BYTES if self.record_version == 1 else HEADER_BYTES)
 
     def pack(self) -> bytes:
+        if self.record_version == 1:
+            head: tuple[int, ...] = (1, self.state, FORM_CODES[self.form], self.codec, self.quarantine_reason)
+            tail: tuple[int, ...] = ()
+        else:
+            head = (2, self.state, FORM_CODES[self.form], self.codec, self.quarantine_reason, self.flags)
+            tail = (self.device_checksum,)
         return seal(
-            self._S.pack(
-                1,
-                self.state,
-                FORM_CODES[self.form],
-                self.codec,
-                self.quarantine_reason,
+            (self._V1 if self.record_version == 1 else self._V2).pack(
+                *head,
                 self.segment,
                 self.offset,
                 self.record_len,
@@ -123,6 +135,7 @@ class IndexEntry:
                 self.verified_at,
                 self.pin_until,
                 self.quarantined_at,
+                *tail,
             )
         )
 
@@ -130,9 +143,16 @@ class IndexEntry:
     def unpack(cls, value: bytes | memoryview) -> IndexEntry:
         body = unseal(value)
         try:
-            (_v, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
-                cls._S.unpack(body)
-            )
+            if body[:1] == b"\x01":
+                (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
+                    cls._V1.unpack(body)
+                )
+                flags, dsum = int(Flags.XXH3), 0
+            else:
+                (version, state, form, codec, qr, flags, *rest) = cls._V2.unpack(body)
+                (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
+                if version != 2:
+                    raise ValueError(f"entry version {version}")
             return cls(
                 RecordState(state),
                 FORMS_BY_CODE[form],
@@ -150,6 +170,9 @@ class IndexEntry:
                 pin,
                 qr,
                 qat,
+                version,
+                flags,
+                dsum,
             )
         except (struct.error, KeyError, ValueError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
@@ -354,6 +377,12 @@ class Index:
         if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{self.path} has index format v{version}, this kvtier reads v{FORMAT_VERSION}: upgrade kvtier"
+            )
+        if version < FORMAT_VERSION and not self.readonly:
+            # Its old records stay readable; new ones are v2, so a kvtier that reads only v1 must now refuse it.
+            self.update(lambda txn: txn.put(b"format_version", seal(_U64.pack(FORMAT_VERSION)), db=self.meta))
+            log.info(
+                "%s: index format v%d -> v%d (v%d records stay readable)", self.path, version, FORMAT_VERSION, version
             )
 
     @contextlib.contextmanager

@@ -25,13 +25,14 @@ _MIN_BUFFER = 64 * 1024
 class AlignedBuffer:
     """Page-aligned anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor."""
 
-    __slots__ = ("_map", "capacity", "mv", "tensor")
+    __slots__ = ("_map", "addr", "capacity", "mv", "tensor")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._map = mmap.mmap(-1, capacity)
         self.mv = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.addr = self.tensor.data_ptr()  # for memmove/memset without a Python-level copy
 
 
 class BufferPool:
@@ -118,6 +119,8 @@ class SegmentFile:
 class PosixBackend:
     """os.preadv/os.pwritev on page-aligned buffers, with O_DIRECT unless the filesystem refuses it."""
 
+    gpu_direct = False  # reads into and writes from device memory (GDS)
+
     def __init__(self, direct: bool) -> None:
         self.direct = direct
         self.name = "odirect" if direct else "buffered"
@@ -130,16 +133,21 @@ class PosixBackend:
             flags |= os.O_DIRECT
         return SegmentFile(path, os.open(path, flags, 0o644))
 
-    @property
-    def device_reads(self) -> bool:
+    def device_io(self, t: torch.Tensor) -> bool:
+        """Whether this backend moves `t`'s bytes to and from disk directly (GDS: device memory, no host copy)."""
         return False
 
     def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
         raise NotImplementedError("the POSIX backend reads into host buffers only")
 
+    def write_device(self, seg: SegmentFile, data: torch.Tensor, offset: int) -> None:
+        raise NotImplementedError("the POSIX backend writes from host buffers only")
+
 
 class GdsBackend(PosixBackend):
-    """KvikIO CuFile reads straight into device tensors; host-side I/O stays on O_DIRECT."""
+    """KvikIO CuFile reads into and writes from device tensors; host-side I/O stays on O_DIRECT."""
+
+    gpu_direct = True
 
     def __init__(self) -> None:
         super().__init__(direct=True)
@@ -148,14 +156,22 @@ class GdsBackend(PosixBackend):
         self._kvikio = kvikio
         self.name = "gds"
 
-    @property
-    def device_reads(self) -> bool:
-        return True
+    def device_io(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
 
     def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
         if seg.device_handle is None:
             seg.device_handle = self._kvikio.CuFile(seg.path, "r")
         return int(seg.device_handle.pread(out, out.numel(), offset).get())
+
+    def write_device(self, seg: SegmentFile, data: torch.Tensor, offset: int) -> None:
+        """One KvikIO write from device memory (a whole extent staged on the device; aligned offset and size)."""
+        handle = self._kvikio.CuFile(seg.path, "r+")
+        try:
+            if int(handle.pwrite(data, data.numel(), offset).get()) != data.numel():
+                raise OSError(errno.ENOSPC, "short write", seg.path)
+        finally:
+            handle.close()
 
 
 def cuda_driver_present() -> bool:

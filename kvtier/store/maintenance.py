@@ -23,7 +23,7 @@ from kvtier.store.index import (
     u64_key,
     unpack_time,
 )
-from kvtier.store.reader import Reader
+from kvtier.store.reader import Reader, ReadJob
 from kvtier.store.record import Codec
 
 log = logging.getLogger(__name__)
@@ -167,32 +167,35 @@ class Maintenance:
         """Read and check records in one short read transaction (bound the batch); with `apply`, quarantine the
         failures and stamp verified_at (clearing dirty) on the good ones in one write transaction."""
         index = self._ctx.index
-        results: list[VerifyResult] = []
         failures: list[tuple[ObjectKey, QuarantineReason]] = []
         good: list[tuple[bytes, bytes, IndexEntry]] = []
+        slots: list[VerifyResult | None] = []
+        jobs: list[ReadJob] = []
+        raws: dict[int, bytes] = {}
         with index.read() as txn:
-            for key in keys:
+            for i, key in enumerate(keys):
                 raw_key = encode_key(key)
                 raw = txn.get(raw_key, db=index.obj)
+                entry = entry_or_none(raw) if raw is not None else None
                 if raw is None:
-                    results.append(VerifyResult(Reason.MISSING))
-                    continue
-                entry = entry_or_none(raw)
-                if entry is None:
+                    slots.append(VerifyResult(Reason.MISSING))
+                elif entry is None:
                     failures.append((key, QuarantineReason.INDEX_VALUE))
+                    slots.append(VerifyResult(Reason.CORRUPT, QuarantineReason.INDEX_VALUE))
                 elif entry.state is RecordState.QUARANTINED:
-                    results.append(VerifyResult(QuarantineReason(entry.quarantine_reason).miss_reason))
-                    continue
+                    slots.append(VerifyResult(QuarantineReason(entry.quarantine_reason).miss_reason))
                 else:
-                    try:
-                        self._reader.read_record(key, entry, None)
-                        good.append((raw_key, bytes(raw), entry))
-                        results.append(VerifyResult(Reason.OK))
-                        continue
-                    except CorruptRecord as exc:
-                        failures.append((key, exc.reason))
-                why = failures[-1][1]
-                results.append(VerifyResult(why.miss_reason, why))
+                    slots.append(None)
+                    jobs.append(ReadJob(i, key, entry, None))
+                    raws[i] = bytes(raw)
+            for job, exc in self._reader.read(jobs, lambda *_: None):  # runs of records, checked, read nowhere
+                if exc is None:
+                    good.append((encode_key(job.key), raws[job.index], job.entry))
+                    slots[job.index] = VerifyResult(Reason.OK)
+                else:
+                    failures.append((job.key, exc.reason))
+                    slots[job.index] = VerifyResult(exc.reason.miss_reason, exc.reason)
+        results = [r for r in slots if r is not None]
         if not apply:
             return results
         self.quarantine_faults(failures)

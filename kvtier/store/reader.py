@@ -7,23 +7,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import lmdb
 import torch
 
 from kvtier.core.forms import Reason
+from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store.context import StoreContext, flat_uint8
+from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
+from kvtier.store.extent import Run, copy_out, plan_runs
 from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, encode_key, pack_time
 from kvtier.store.io import AlignedBuffer, SegmentFile
-from kvtier.store.record import HEADER_BYTES, Codec, RecordHeader, payload_checksum, zstd_decompress_into
+from kvtier.store.record import FORMAT_VERSION, Codec, Flags, RecordHeader, payload_checksum, zstd_decompress_into
+from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 from kvtier.store.segments import segment_name
 
 log = logging.getLogger(__name__)
-
-_ReadJob = tuple[int, ObjectKey, IndexEntry, torch.Tensor]
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,7 +102,7 @@ class Reader:
     # ----------------------------------------------------------------- loads
 
     def load(self, requests: Sequence[LoadRequest]) -> LoadOutcome:
-        """Read, verify and copy each record into its `out`; batched over the I/O thread pool.
+        """Read, verify and copy each record into its `out`, in as few large reads as the layout allows.
 
         The read transaction stays open across the batch's reads: LMDB's reader table is the epoch
         that keeps the cleaner from unlinking a segment this batch could still read (FORMAT.md).
@@ -109,94 +111,108 @@ class Reader:
         corrupt_values: list[ObjectKey] = []
         with self._ctx.index.read() as txn:
             ns_cache: dict[bytes, NamespaceEntry | None] = {}
-            jobs: list[_ReadJob] = []
+            jobs: list[ReadJob] = []
             for i, req in enumerate(requests):
                 out = flat_uint8(req.out)
                 reason, entry = self.lookup(txn, req.key, req.layout_digest, ns_cache, corrupt_values)
                 if entry is not None and entry.payload_len != out.numel():
                     reason = Reason.ABI_MISMATCH
                 if reason is Reason.OK and entry is not None:
-                    jobs.append((i, req.key, entry, out))
+                    jobs.append(ReadJob(i, req.key, entry, out))
                 outcome.reasons[i] = reason
-            for i, key, exc in self._run_reads(jobs):
+            for job, exc in self.read(jobs, _fill_out):
                 if exc is None:
-                    outcome.hits.append(encode_key(key))
+                    outcome.hits.append(encode_key(job.key))
                 else:
-                    outcome.faults.append((key, exc.reason))
-                    outcome.reasons[i] = exc.reason.miss_reason
+                    outcome.faults.append((job.key, exc.reason))
+                    outcome.reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
         return outcome
 
-    def _run_reads(self, jobs: list[_ReadJob]) -> list[tuple[int, ObjectKey, CorruptRecord | None]]:
-        def one(job: _ReadJob) -> tuple[int, ObjectKey, CorruptRecord | None]:
-            i, key, entry, out = job
+    def read(self, jobs: Sequence[ReadJob], visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        """Read and check every job's record; `visit(job, header, buf, payload_at)` gets each good one while its
+        bytes are in `buf` (None for a GDS read: the payload is already in `job.out`). Runs of nearby records
+        are one aligned read each; runs and GDS reads are spread over the read pool."""
+        backend = self._ctx.backend
+        device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+        chosen = {id(j) for j in device}
+        runs = plan_runs(
+            [(j.entry.segment, j.entry.offset, j.entry.record_len, j) for j in jobs if id(j) not in chosen]
+        )
+        units: list[Run[ReadJob] | ReadJob] = [*runs, *device]
+        lanes = min(len(units), max(1, self._ctx.config.read_threads))
+        if lanes <= 1:
+            return [r for u in units for r in self._read_unit(u, visit)]
+        chunks = [units[k::lanes] for k in range(lanes)]
+        done = self._ctx.executor("read").map(lambda c: [r for u in c for r in self._read_unit(u, visit)], chunks)
+        return [r for chunk in done for r in chunk]
+
+    def _read_unit(self, unit: Run[ReadJob] | ReadJob, visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        if isinstance(unit, ReadJob):
             try:
-                self.read_record(key, entry, out)
-                return i, key, None
+                self._read_device(unit)
+                visit(unit, None, None, 0)
+                return [(unit, None)]
             except CorruptRecord as exc:
-                return i, key, exc
+                return [(unit, exc)]
+        return self._read_run(unit, visit)
 
-        if len(jobs) <= 1:
-            return [one(j) for j in jobs]
-        return list(self._ctx.executor("read").map(one, jobs))
-
-    def read_record(self, key: ObjectKey, entry: IndexEntry, out: torch.Tensor | None) -> None:
-        """Read one record, verify header against the index and the payload checksum, then fill `out`."""
-        seg = self.segment(entry.segment)
-        if out is not None and out.is_cuda and self._ctx.backend.device_reads and entry.codec is Codec.NONE:
-            self._read_record_device(key, entry, seg, out)
-            return
-        buf = self.fetch_checked(key, entry, seg)
+    def _read_run(self, run: Run[ReadJob], visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        """One aligned read of the run, then each record checked on its own (one bad record fails alone)."""
         try:
-            if entry.codec is Codec.ZSTD:
-                self._decode_into(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len], entry.payload_len, out)
-            elif out is not None:
-                out.copy_(buf.tensor[HEADER_BYTES : HEADER_BYTES + entry.payload_len])
-        finally:
-            self._ctx.buffers.release(buf)
-
-    def fetch_checked(self, key: ObjectKey, entry: IndexEntry, seg: SegmentFile) -> AlignedBuffer:
-        """The whole record in a pooled buffer (the caller releases it), header and payload checksum verified."""
+            seg = self.segment(run.seg_id)
+        except CorruptRecord as exc:
+            return [(job, exc) for _, _, job in run.jobs]
         buffers = self._ctx.buffers
-        buf = buffers.acquire(entry.record_len)
+        buf = buffers.acquire(run.end - run.start)
         try:
-            got = seg.pread_into(buf.mv[: entry.record_len], entry.offset)
-            if got < entry.record_len:
-                raise CorruptRecord(
-                    QuarantineReason.SEGMENT_TRUNCATED, f"segment {entry.segment:016x} ends inside the record"
-                )
-            check_header(RecordHeader.unpack(buf.mv[:HEADER_BYTES]), key, entry)
-            if payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.stored_len]) != entry.payload_checksum:
-                raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-            return buf
-        except BaseException:
-            buffers.release(buf)
-            raise
-
-    def _decode_into(self, stored: memoryview, payload_len: int, out: torch.Tensor | None) -> None:
-        plain = self._ctx.buffers.acquire(payload_len)
-        try:
-            zstd_decompress_into(stored, plain.mv[:payload_len])
-            if out is not None:
-                out.copy_(plain.tensor[:payload_len])
+            got = seg.pread_into(buf.mv[: run.end - run.start], run.start)
+            results: list[tuple[ReadJob, CorruptRecord | None]] = []
+            for offset, length, job in run.jobs:
+                at = offset - run.start
+                try:
+                    if got < at + length:
+                        raise CorruptRecord(
+                            QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
+                        )
+                    header = _parse_header(job.entry, buf.mv, at)
+                    check_header(header, job.key, job.entry)
+                    payload_at = at + header.header_bytes
+                    check_payload(job.entry, buf, payload_at)
+                    visit(job, header, buf, payload_at)
+                    results.append((job, None))
+                except CorruptRecord as exc:
+                    results.append((job, exc))
+            return results
         finally:
-            self._ctx.buffers.release(plain)
+            buffers.release(buf)
 
-    def _read_record_device(self, key: ObjectKey, entry: IndexEntry, seg: SegmentFile, out: torch.Tensor) -> None:
-        """GDS: payload straight into the device slot; checksum on a host copy before it counts as loaded."""
-        buf = self._ctx.buffers.acquire(HEADER_BYTES + entry.payload_len)
+    def _read_device(self, job: ReadJob) -> None:
+        """GDS: the header through a small host read, the payload straight into the device slot, checked there
+        with the device checksum (never copied back to host). On a failed check the slot holds the bad bytes:
+        the load reports the record corrupt and the caller must not use the slot."""
+        entry, out = job.entry, job.out
+        assert out is not None
+        seg = self.segment(entry.segment)
+        start = entry.offset - entry.offset % DISK_ALIGNMENT
+        end = align_up(entry.payload_offset, DISK_ALIGNMENT)
+        buf = self._ctx.buffers.acquire(end - start)
         try:
-            if seg.pread_into(buf.mv[:HEADER_BYTES], entry.offset) < HEADER_BYTES:
+            if seg.pread_into(buf.mv[: end - start], start) < entry.payload_offset - start:
                 raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the header")
-            check_header(RecordHeader.unpack(buf.mv[:HEADER_BYTES]), key, entry)
-            if self._ctx.backend.read_device(seg, out, entry.offset + HEADER_BYTES) < entry.payload_len:
-                raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the payload")
-            host = buf.tensor[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-            host.copy_(out)
-            if payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) != entry.payload_checksum:
-                raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
+            check_header(_parse_header(entry, buf.mv, entry.offset - start), job.key, entry)
         finally:
             self._ctx.buffers.release(buf)
+        if self._ctx.backend.read_device(seg, out, entry.payload_offset) < entry.payload_len:
+            raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the payload")
+        if device_checksum(out) != entry.device_checksum:
+            raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
+
+    def read_record(self, key: ObjectKey, entry: IndexEntry) -> None:
+        """Read and check one record without loading it anywhere (the verifier's check); CorruptRecord if bad."""
+        ((_, exc),) = self.read([ReadJob(0, key, entry, None)], _fill_out)
+        if exc is not None:
+            raise exc
 
     # ----------------------------------------------------------------- segment files
 
@@ -225,13 +241,16 @@ class Reader:
 
 
 class AccessTimes:
-    """Access times noted in memory and flushed in one write txn every `atime_flush_s` (LRU is advisory)."""
+    """Access times noted in memory and written by a background thread every `atime_flush_s`, in one write
+    transaction, so a load never waits for a synced index commit (LRU order is advisory)."""
 
     def __init__(self, ctx: StoreContext) -> None:
         self._ctx = ctx
         self._pending: dict[bytes, float] = {}
         self._lock = threading.Lock()
-        self._flushed = time.monotonic()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     def touch(self, raw_keys: list[bytes]) -> None:
         if not raw_keys:
@@ -240,14 +259,24 @@ class AccessTimes:
         with self._lock:
             for k in raw_keys:
                 self._pending[k] = now
-            due = time.monotonic() - self._flushed >= self._ctx.config.atime_flush_s or len(self._pending) >= 4096
-        if due:
-            self.flush()
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="kvtier-store-atime", daemon=True)
+                self._thread.start()
+            if len(self._pending) >= 65536:  # bound the memory between flushes
+                self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self._ctx.config.atime_flush_s)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # advisory data: log, keep the thread (the next flush retries what is pending)
+                log.exception("flushing access times failed")
 
     def flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-            self._flushed = time.monotonic()
         if not pending:
             return
         index = self._ctx.index
@@ -259,8 +288,68 @@ class AccessTimes:
 
         index.update(put)
 
+    def close(self) -> None:
+        """Stop the background thread and write what is pending (the store is closing)."""
+        with self._lock:
+            self._stop = True
+            thread, self._thread = self._thread, None
+        self._wake.set()
+        if thread is not None:
+            thread.join()
+        self.flush()
 
-def check_header(h: RecordHeader, key: ObjectKey, e: IndexEntry) -> None:
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadJob:
+    """One record to read: the request's index, its key and entry, and where its payload goes (None: nowhere)."""
+
+    index: int
+    key: ObjectKey
+    entry: IndexEntry
+    out: torch.Tensor | None
+
+
+AnyHeader = RecordHeader | RecordHeaderV1
+Visit = Callable[[ReadJob, "AnyHeader | None", "AlignedBuffer | None", int], None]
+
+
+def _gds_ready(entry: IndexEntry) -> bool:
+    """A record a GDS read can check on the device: v2, stored as is, with a device checksum."""
+    return entry.record_version == FORMAT_VERSION and entry.codec is Codec.NONE and bool(entry.flags & Flags.DEVSUM)
+
+
+def _parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:
+    if entry.record_version == 1:
+        return RecordHeaderV1.unpack(mv[at : at + V1_HEADER_BYTES])
+    return RecordHeader.unpack(mv, at)
+
+
+def check_payload(entry: IndexEntry, buf: AlignedBuffer, at: int) -> None:
+    """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu."""
+    if entry.flags & Flags.XXH3:
+        if payload_checksum(buf.mv[at : at + entry.stored_len]) != entry.payload_checksum:
+            raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
+    elif device_checksum(buf.tensor[at : at + entry.stored_len]) != entry.device_checksum:
+        raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
+
+
+def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
+    """A checked record's payload into the job's `out` (decoded first if it is stored compressed)."""
+    if job.out is None or buf is None:
+        return
+    entry = job.entry
+    if entry.codec is Codec.ZSTD:
+        if job.out.device.type == "cpu":
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(job.out.numpy()))
+        else:
+            plain = torch.empty(entry.payload_len, dtype=torch.uint8)
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(plain.numpy()))
+            job.out.copy_(plain)
+    else:
+        copy_out(job.out, buf, at, entry.payload_len)
+
+
+def check_header(h: AnyHeader, key: ObjectKey, e: IndexEntry) -> None:
     if (
         h.namespace != key.namespace
         or h.block_hash != key.block_hash
@@ -271,5 +360,8 @@ def check_header(h: RecordHeader, key: ObjectKey, e: IndexEntry) -> None:
         or h.payload_len != e.payload_len
         or h.stored_len != e.stored_len
         or h.payload_checksum != e.payload_checksum
+        or h.record_version != e.record_version
+        or int(h.flags) != e.flags
+        or h.device_checksum != e.device_checksum
     ):
         raise CorruptRecord(QuarantineReason.HEADER_MISMATCH, "record header does not match its index entry")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import mmap
 import os
 import shutil
 import struct
@@ -11,8 +13,11 @@ import time
 from collections.abc import Iterator
 
 import lmdb
+import torch
 
 from kvtier.core.tier import ObjectKey
+from kvtier.core.versions import VersionKey
+from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, StoreError
 from kvtier.store.index import (
     INDEX_DIR,
@@ -27,8 +32,18 @@ from kvtier.store.index import (
     pack_time,
     u64_key,
 )
-from kvtier.store.io import BufferPool, select_backend
-from kvtier.store.record import FORM_CODES, HEADER_BYTES, Codec, RecordHeader, payload_checksum
+from kvtier.store.record import (
+    FORM_CODES,
+    HEADER_BYTES,
+    MAGIC,
+    RECORD_ALIGNMENT,
+    Codec,
+    Flags,
+    RecordHeader,
+    namespace_of,
+    payload_checksum,
+)
+from kvtier.store.record_v1 import V1_HEADER_BYTES, V1_MAGIC, RecordHeaderV1
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock, fsync_dir, list_segments, segment_name
 
 log = logging.getLogger(__name__)
@@ -42,11 +57,12 @@ class ScannedRecord:
 
     seg_id: int
     offset: int
-    header: RecordHeader
+    header: RecordHeader | RecordHeaderV1
 
     @property
     def key(self) -> ObjectKey:
         h = self.header
+        assert h.form is not None
         return ObjectKey(h.namespace, h.block_hash, h.group, h.form)
 
 
@@ -64,8 +80,10 @@ class RebuildReport:
     indexed_records: int = 0
     referenced_bytes: int = 0
     orphan_records: int = 0
-    orphan_bytes: int = 0
+    orphan_bytes: int = 0  # good object records on disk that no entry references
+    unreferenced_bytes: int = 0  # every segment byte no entry references: orphans, namespace records, padding, junk
     missing_records: int = 0
+    unattributed_records: int = 0  # good records whose namespace's version key survives nowhere
     records_after: int = 0
     namespaces_after: int = 0
 
@@ -73,49 +91,75 @@ class RebuildReport:
         return dataclasses.asdict(self)
 
 
-def scan_segment(path: str, seg_id: int, pool: BufferPool, report: RebuildReport) -> Iterator[ScannedRecord]:
-    """Walk one segment at 4096-B steps: a good header skips its record; anything else resyncs at the next block."""
-    backend = select_backend(os.path.dirname(path), "auto", readonly=True)
-    seg = backend.open(path)
-    try:
-        size = seg.size()
+def scan_segment(
+    path: str, seg_id: int, report: RebuildReport, versions: dict[bytes, bytes]
+) -> Iterator[ScannedRecord]:
+    """Walk one segment: a good header skips its record; anything else resyncs at the next magic (v2 headers
+    start 32-aligned, v1 header blocks 4096-aligned). Namespace records found go into `versions` (ns -> JSON)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         report.segment_bytes += size
-        offset = 0
-        while offset + HEADER_BYTES <= size:
-            buf = pool.acquire(HEADER_BYTES)
+        if size == 0:
+            return
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            mv = memoryview(mm)
             try:
-                seg.pread_into(buf.mv[:HEADER_BYTES], offset)
-                header = RecordHeader.unpack(buf.mv[:HEADER_BYTES])
-            except CorruptRecord:
-                header = None
+                offset = 0
+                while (at := _next_magic(mm, offset)) >= 0:
+                    try:
+                        header = _header_at(mv, at)
+                    except CorruptRecord:
+                        header = None
+                    if header is None or at + header.record_len > size:
+                        report.corrupt_bytes += HEADER_BYTES
+                        offset = at + 1
+                        continue
+                    offset = at + header.record_len
+                    stored = mv[at + header.header_bytes : at + header.header_bytes + header.stored_len]
+                    if not _payload_good(header, stored):
+                        report.corrupt_extents += 1
+                        report.corrupt_bytes += header.record_len
+                    elif header.form is None:  # a namespace record: its version key, for the records after it
+                        if namespace_of(bytes(stored)) == header.namespace:
+                            versions[header.namespace] = bytes(stored)
+                    elif isinstance(header, RecordHeaderV1) and header.version_key_namespace() != header.namespace:
+                        report.corrupt_bytes += header.record_len
+                    else:
+                        if isinstance(header, RecordHeaderV1):
+                            versions[header.namespace] = header.version_key
+                        report.records_on_disk += 1
+                        yield ScannedRecord(seg_id, at, header)
+                    del stored
             finally:
-                pool.release(buf)
-            if (
-                header is None
-                or offset + header.record_len > size
-                or header.version_key_namespace() != header.namespace
-            ):
-                report.corrupt_bytes += HEADER_BYTES if header is None else 0
-                offset += HEADER_BYTES
-                continue
-            buf = pool.acquire(header.record_len)
-            try:
-                seg.pread_into(buf.mv[: header.record_len], offset)
-                good = (
-                    payload_checksum(buf.mv[HEADER_BYTES : HEADER_BYTES + header.stored_len]) == header.payload_checksum
-                )
-            finally:
-                pool.release(buf)
-            if good:
-                report.records_on_disk += 1
-                yield ScannedRecord(seg_id, offset, header)
-            else:
-                report.corrupt_extents += 1
-                report.corrupt_bytes += header.record_len
-            offset += header.record_len
-        report.corrupt_bytes += size - offset if size > offset else 0
-    finally:
-        seg.close()
+                mv.release()
+
+
+def _next_magic(mm: mmap.mmap, start: int) -> int:
+    """The first offset >= start holding a v2 magic at a 32-byte step or a v1 magic at a 4096-byte step."""
+    found = [
+        i
+        for i in (_find_aligned(mm, MAGIC, start, RECORD_ALIGNMENT), _find_aligned(mm, V1_MAGIC, start, 4096))
+        if i >= 0
+    ]
+    return min(found) if found else -1
+
+
+def _find_aligned(mm: mmap.mmap, magic: bytes, start: int, align: int) -> int:
+    while (i := mm.find(magic, start)) >= 0 and i % align:
+        start = i + 1
+    return i
+
+
+def _header_at(mv: memoryview, at: int) -> RecordHeader | RecordHeaderV1:
+    if bytes(mv[at : at + 8]) == V1_MAGIC:
+        return RecordHeaderV1.unpack(mv[at : at + V1_HEADER_BYTES])
+    return RecordHeader.unpack(mv, at)
+
+
+def _payload_good(header: RecordHeader | RecordHeaderV1, stored: memoryview) -> bool:
+    if header.flags & Flags.XXH3:
+        return payload_checksum(stored) == header.payload_checksum
+    return device_checksum(torch.frombuffer(bytearray(stored), dtype=torch.uint8)) == header.device_checksum
 
 
 def _read_old_index(
@@ -167,19 +211,23 @@ def rebuild_index(root: str, *, dry_run: bool = False) -> RebuildReport:
     try:
         old = _read_old_index(root)
         report = RebuildReport(dry_run=dry_run, index_present=old is not None)
-        pool = BufferPool(64 << 20)
+        versions: dict[bytes, bytes] = {}
         found: dict[bytes, ScannedRecord] = {}
-        extents: set[tuple[int, int]] = set()
+        extents: dict[tuple[int, int], int] = {}  # every good object record on disk -> its length
         seg_ids = list_segments(seg_dir)
         sizes: dict[int, int] = {}
         for seg_id in seg_ids:
             path = os.path.join(seg_dir, segment_name(seg_id))
             before = report.segment_bytes
-            for rec in scan_segment(path, seg_id, pool, report):
-                extents.add((seg_id, rec.offset))
+            for rec in scan_segment(path, seg_id, report, versions):
+                extents[(seg_id, rec.offset)] = rec.header.record_len
                 found[encode_key(rec.key)] = rec  # later segments / offsets win
             sizes[seg_id] = report.segment_bytes - before
         report.segments = len(seg_ids)
+        known = set(versions) | (set(old[1]) if old is not None else set())
+        for raw_key in [k for k, rec in found.items() if rec.header.namespace not in known]:
+            del found[raw_key]  # no version key anywhere (its namespace record is damaged): not indexed
+            report.unattributed_records += 1
         report.records_after = len(found)
         if old is not None:
             entries, _, _, _ = old
@@ -189,13 +237,14 @@ def rebuild_index(root: str, *, dry_run: bool = False) -> RebuildReport:
             report.missing_records = sum(
                 1 for e in entries.values() if e.state is RecordState.LIVE and (e.segment, e.offset) not in extents
             )
-            report.orphan_records = len(extents - set(referenced))
         else:
-            report.referenced_bytes = sum(r.header.record_len for r in found.values())
-            report.orphan_records = report.records_on_disk - len(found)
-        report.orphan_bytes = report.segment_bytes - report.referenced_bytes
+            referenced = {(r.seg_id, r.offset): r.header.record_len for r in found.values()}
+            report.referenced_bytes = sum(referenced.values())
+        orphans = [n for place, n in extents.items() if place not in referenced]
+        report.orphan_records, report.orphan_bytes = len(orphans), sum(orphans)
+        report.unreferenced_bytes = report.segment_bytes - report.referenced_bytes
         if not dry_run:
-            report.namespaces_after = _write_index(root, found, sizes, old)
+            report.namespaces_after = _write_index(root, found, sizes, old, versions)
         return report
     finally:
         if lock is not None:
@@ -207,6 +256,7 @@ def _write_index(
     found: dict[bytes, ScannedRecord],
     sizes: dict[int, int],
     old: tuple[dict[bytes, IndexEntry], dict[bytes, NamespaceEntry], dict[bytes, float], int] | None,
+    versions: dict[bytes, bytes],
 ) -> int:
     """Write the new index next to the old one, then swap directories. Returns the namespace count."""
     old_entries, old_ns, old_atimes, old_next = old if old is not None else ({}, {}, {}, 1)
@@ -222,7 +272,7 @@ def _write_index(
         if h.codec is Codec.ZSTD:
             codecs.setdefault(h.namespace, {})[h.form.value] = "zstd"
         if h.namespace not in namespaces:
-            namespaces[h.namespace] = NamespaceEntry(h.parsed_version_key(), True, now)
+            namespaces[h.namespace] = NamespaceEntry(VersionKey.from_dict(json.loads(versions[h.namespace])), True, now)
     for ns, forms in codecs.items():
         if ns not in old_ns:
             namespaces[ns] = dataclasses.replace(namespaces[ns], codecs=tuple(sorted(forms.items())))
@@ -253,6 +303,9 @@ def _write_index(
                         h.created,
                         now,
                         pin,
+                        record_version=h.record_version,
+                        flags=int(h.flags),
+                        device_checksum=h.device_checksum,
                     )
                     txn.put(raw_key, entry.pack(), db=index.obj)
                     txn.put(raw_key, pack_time(old_atimes.get(raw_key, h.created)), db=index.atime)
@@ -260,6 +313,7 @@ def _write_index(
             index.update(put)
             for _, rec in chunk:
                 h = rec.header
+                assert h.form is not None
                 usage[h.form].add(h.record_len, h.payload_len, h.stored_len, +1)
                 seg = segs[rec.seg_id]
                 segs[rec.seg_id] = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""The self-describing on-disk record: a 4096-byte header block, then the stored payload, padded to 4096 B."""
+"""The self-describing on-disk record (format v2): a 160-byte inline header, then the stored payload (FORMAT.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason
 
-FORMAT_VERSION = 1
-MAGIC = b"KVTREC\x00\x01"
-HEADER_BYTES = DISK_ALIGNMENT
+FORMAT_VERSION = 2
+MAGIC = b"KVTEXT\x00\x02"
 MAX_GROUP_BYTES = 32
 
 # Form codes are part of the format (FORMAT.md), independent of enum order.
@@ -46,79 +45,101 @@ class Codec(enum.IntEnum):
             raise ValueError(f"unknown codec {name!r}: use 'none' or 'zstd'") from None
 
 
-# magic, version, header bytes, form, codec, group len, flags, namespace, block hash, layout digest, group,
-# payload len, stored len, record len, created, payload checksum (xxh3_128), version-key json len
-_FIXED = struct.Struct("<8sHHBBBB16s16s16s32sQQQd16sH")
+# magic, version, form (0: namespace record), codec, group len, flags, header bytes, namespace, block hash,
+# layout digest, group, payload len, stored len, created, payload checksum (xxh3_128), device checksum, reserved
+_FIXED = struct.Struct("<8sHBBBBH16s16s16s32sQQd16sQ8x")
 _CHECKSUM = struct.Struct("<Q")
-_CHECKSUM_AT = HEADER_BYTES - _CHECKSUM.size
-MAX_VERSION_KEY_BYTES = _CHECKSUM_AT - _FIXED.size
+HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 160: the inline header in front of every v2 payload
+LARGE_PAYLOAD = DISK_ALIGNMENT  # payloads at least this long start 4096-aligned (O_DIRECT / GDS straight reads)
+RECORD_ALIGNMENT = 32  # every v2 header starts 32-aligned (HEADER_BYTES is a multiple: rebuild resyncs in these steps)
+NAMESPACE_RECORD = 0  # form code of the record that carries a namespace's VersionKey JSON
+MAX_VERSION_KEY_BYTES = 3942  # the v1 header block's room for it, kept so a namespace fits either format
+
+
+class Flags(enum.IntFlag):
+    """Which payload checksums a v2 record carries (at least one)."""
+
+    XXH3 = 1  # payload_checksum holds xxh3_128 of the stored bytes
+    DEVSUM = 2  # device_checksum holds `devsum.device_checksum` of the stored bytes
 
 
 def record_length(stored_len: int) -> int:
-    """Bytes a record occupies in its segment: header block plus payload padded to 4096."""
-    return HEADER_BYTES + align_up(stored_len, DISK_ALIGNMENT)
+    """Bytes a v2 record occupies: its inline header and the stored payload (alignment gaps are not counted)."""
+    return HEADER_BYTES + stored_len
+
+
+def header_offset(cursor: int, stored_len: int) -> int:
+    """Where the next record's header goes at or after `cursor` in an extent that starts 4096-aligned.
+
+    Small payloads pack at 32-byte steps (a 1 KB object costs about 1 KB); a large one is placed so that its
+    payload starts on a 4096 boundary with its header in the bytes just before it."""
+    if stored_len >= LARGE_PAYLOAD:
+        return align_up(cursor + HEADER_BYTES, DISK_ALIGNMENT) - HEADER_BYTES
+    return align_up(cursor, RECORD_ALIGNMENT)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordHeader:
-    """Everything needed to index a record from its segment alone."""
+    """The 160-byte inline header of a v2 record (or of a namespace record: form None, payload = VersionKey JSON)."""
 
     namespace: bytes
     block_hash: bytes
     group: str
-    form: CacheForm
+    form: CacheForm | None
     layout_digest: bytes
     codec: Codec
     payload_len: int
     stored_len: int
     created: float
-    payload_checksum: bytes
-    version_key: bytes  # canonical VersionKey JSON of the namespace
+    flags: Flags
+    payload_checksum: bytes = bytes(16)
+    device_checksum: int = 0
+
+    record_version = FORMAT_VERSION
+    header_bytes = HEADER_BYTES
 
     @property
     def record_len(self) -> int:
         return record_length(self.stored_len)
 
-    def pack_into(self, buf: memoryview) -> None:
-        """Write the 4096-byte header block (zero padded, checksummed) into buf[:HEADER_BYTES]."""
+    def pack_into(self, buf: memoryview, at: int) -> None:
+        """Write the header (checksummed) into buf[at : at + HEADER_BYTES]."""
         group = self.group.encode()
-        fixed = _FIXED.pack(
+        _FIXED.pack_into(
+            buf,
+            at,
             MAGIC,
             FORMAT_VERSION,
-            HEADER_BYTES,
-            FORM_CODES[self.form],
+            NAMESPACE_RECORD if self.form is None else FORM_CODES[self.form],
             int(self.codec),
             len(group),
-            0,
+            int(self.flags),
+            HEADER_BYTES,
             self.namespace,
             self.block_hash,
             self.layout_digest,
             group,
             self.payload_len,
             self.stored_len,
-            self.record_len,
             self.created,
             self.payload_checksum,
-            len(self.version_key),
+            self.device_checksum,
         )
-        end = _FIXED.size + len(self.version_key)
-        buf[: _FIXED.size] = fixed
-        buf[_FIXED.size : end] = self.version_key
-        buf[end:_CHECKSUM_AT] = bytes(_CHECKSUM_AT - end)
-        _CHECKSUM.pack_into(buf, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(buf[:_CHECKSUM_AT]))
+        end = at + _FIXED.size
+        _CHECKSUM.pack_into(buf, end, xxhash.xxh3_64_intdigest(buf[at:end]))
 
     @classmethod
-    def unpack(cls, buf: memoryview | bytes) -> RecordHeader:
-        """Parse and check a header block; CorruptRecord if it is not one, FormatVersionError if newer."""
-        if len(buf) < HEADER_BYTES:
-            raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, f"header is {len(buf)} bytes")
-        if bytes(buf[:8]) != MAGIC:
+    def unpack(cls, buf: memoryview | bytes, at: int = 0) -> RecordHeader:
+        """Parse and check the header at `at`; CorruptRecord if it is not one, FormatVersionError if newer."""
+        end = at + _FIXED.size
+        if len(buf) < end + _CHECKSUM.size:
+            raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside a record header")
+        if bytes(buf[at : at + 8]) != MAGIC:
             raise CorruptRecord(QuarantineReason.HEADER, "bad magic")
-        (stored_sum,) = _CHECKSUM.unpack_from(buf, _CHECKSUM_AT)
-        if xxhash.xxh3_64_intdigest(buf[:_CHECKSUM_AT]) != stored_sum:
+        if xxhash.xxh3_64_intdigest(buf[at:end]) != _CHECKSUM.unpack_from(buf, end)[0]:
             raise CorruptRecord(QuarantineReason.HEADER, "header checksum mismatch")
-        (_, version, hbytes, form, codec, glen, _flags, ns, bh, ld, group, plen, slen, rlen, created, psum, vklen) = (
-            _FIXED.unpack_from(buf, 0)
+        (_, version, form, codec, glen, flags, hbytes, ns, bh, ld, group, plen, slen, created, psum, dsum) = (
+            _FIXED.unpack_from(buf, at)
         )
         if version > FORMAT_VERSION:
             raise FormatVersionError(
@@ -129,30 +150,48 @@ class RecordHeader:
                 ns,
                 bh,
                 group[:glen].decode(),
-                FORMS_BY_CODE[form],
+                None if form == NAMESPACE_RECORD else FORMS_BY_CODE[form],
                 ld,
                 Codec(codec),
                 plen,
                 slen,
                 created,
+                Flags(flags),
                 psum,
-                bytes(buf[_FIXED.size : _FIXED.size + vklen]),
+                dsum,
             )
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             raise CorruptRecord(QuarantineReason.HEADER, f"unparseable field: {exc}") from None
-        if hbytes != HEADER_BYTES or rlen != header.record_len or vklen > MAX_VERSION_KEY_BYTES:
-            raise CorruptRecord(QuarantineReason.HEADER, "inconsistent lengths")
+        if version != FORMAT_VERSION or hbytes != HEADER_BYTES or not flags & (Flags.XXH3 | Flags.DEVSUM):
+            raise CorruptRecord(QuarantineReason.HEADER, "inconsistent header")
         return header
 
-    def parsed_version_key(self) -> VersionKey:
-        return VersionKey.from_dict(json.loads(self.version_key))
 
-    def version_key_namespace(self) -> bytes | None:
-        """The namespace the header's version key digests to (must equal `namespace`); None if unparseable."""
-        try:
-            return self.parsed_version_key().namespace
-        except (ValueError, KeyError, TypeError):
-            return None
+def namespace_record(version_key: VersionKey, created: float) -> tuple[RecordHeader, bytes]:
+    """The record that makes an extent self-describing: its namespace's canonical VersionKey JSON."""
+    body = version_key.canonical()
+    header = RecordHeader(
+        version_key.namespace,
+        bytes(16),
+        "",
+        None,
+        bytes(16),
+        Codec.NONE,
+        len(body),
+        len(body),
+        created,
+        Flags.XXH3,
+        payload_checksum(body),
+    )
+    return header, body
+
+
+def namespace_of(body: bytes) -> bytes | None:
+    """The namespace a namespace record's VersionKey JSON digests to; None if it does not parse."""
+    try:
+        return VersionKey.from_dict(json.loads(body)).namespace
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def payload_checksum(data: memoryview | bytes) -> bytes:

@@ -277,7 +277,7 @@ class DiskStore:
         if self._ctx.forked:
             return
         if not self.readonly:
-            self.flush_atimes()
+            self._atimes.close()
         self._ctx.close_pools()
         if self._writer is not None:
             self._writer.close()

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+import support.workload
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
 from support.daemon import DaemonProc, child_env, wait_leases_released
 from support.workload import caches_for, compare, tokens_for
 
-WORKLOAD = str(Path(__file__).with_name("workload.py"))
+WORKLOAD = str(Path(support.workload.__file__))
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens
 

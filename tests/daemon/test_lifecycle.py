@@ -72,7 +72,7 @@ def test_second_daemon_on_a_live_socket_is_refused(daemon: DaemonProc, tmp_path:
     import subprocess
     import sys
 
-    from .conftest import child_env
+    from support.daemon import child_env
 
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)],

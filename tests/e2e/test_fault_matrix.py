@@ -175,7 +175,7 @@ def disk_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiskWorld]:
         store.close()
     seg = root / "segments"
     with open(seg / f"{cut.segment:016x}.seg", "r+b") as f:
-        f.truncate(cut.offset + 4096 + 100)
+        f.truncate(cut.payload_offset + 100)  # inside the record's payload
     (seg / f"{deleted:016x}.seg").unlink()
     d = DaemonProc(tmp)
     try:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from support.store_crashloop import crash_loop, orphan_bytes_independent
+from support.store_crashloop import crash_loop, unreferenced_bytes_independent
 from support.store_helpers import subprocess_env
 
 
@@ -23,4 +23,4 @@ def test_kill_minus_9_fifty_times_loses_no_acknowledged_record(tmp_path) -> None
         check=True,
     )
     report = json.loads(out.stdout)
-    assert report["dry_run"] and report["orphan_bytes"] == orphan_bytes_independent(root) > 0
+    assert report["dry_run"] and report["unreferenced_bytes"] == unreferenced_bytes_independent(root) > 0

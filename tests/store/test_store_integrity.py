@@ -73,7 +73,7 @@ def _assert_only_victim_fails(store: DiskStore, keys, victim: int, reason: Reaso
     [
         (1, HEADER_BYTES + 12345, QuarantineReason.PAYLOAD),
         (1, 20, QuarantineReason.HEADER),  # inside the namespace field
-        (2, 4000, QuarantineReason.HEADER),  # zero padding of the header block, still checksummed
+        (2, 148, QuarantineReason.HEADER),  # reserved bytes of the inline header, still checksummed
         (3, HEADER_BYTES + 5, QuarantineReason.PAYLOAD),  # zstd stream
     ],
 )

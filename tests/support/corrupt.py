@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 from kvtier.store import IndexEntry
-from kvtier.store.record import HEADER_BYTES
 from kvtier.store.segments import SEGMENTS_DIR, segment_name
 
 
@@ -27,4 +26,4 @@ def flip_bit(path: str | Path, offset: int, bit: int) -> None:
 
 def flip_payload_bit(root: str | Path, entry: IndexEntry, at: int, bit: int) -> None:
     """Flip one bit `at` bytes into a record's payload, in its segment file."""
-    flip_bit(segment_path(root, entry.segment), entry.offset + HEADER_BYTES + at, bit)
+    flip_bit(segment_path(root, entry.segment), entry.payload_offset + at, bit)

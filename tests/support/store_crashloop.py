@@ -145,7 +145,7 @@ def _all_records(s: DiskStore):
         after = batch[-1].key
 
 
-def orphan_bytes_independent(root: str) -> int:
+def unreferenced_bytes_independent(root: str) -> int:
     """Segment bytes not referenced by the index, computed without rebuild-index."""
     seg_dir = os.path.join(root, "segments")
     total = sum(os.path.getsize(os.path.join(seg_dir, n)) for n in os.listdir(seg_dir) if n.endswith(".seg"))
@@ -196,7 +196,7 @@ def crash_loop(root: str, kills: int, seed: int = 0, check=check_store) -> LoopR
                     acked.add((int(msg[1]), int(msg[2])))
             check(root, acked, attempted)
             report = rebuild_index(root, dry_run=True)
-            assert report.orphan_bytes == orphan_bytes_independent(root)
+            assert report.unreferenced_bytes == unreferenced_bytes_independent(root)
             assert report.missing_records == 0 and report.corrupt_extents == 0
             if report.orphan_bytes > last_orphans:
                 orphan_rounds += 1

@@ -122,7 +122,7 @@ def test_audit_counts_before_and_after_fix(faulty: Faulty, capsys) -> None:
         "corrupt",
         "quarantined",
     }
-    assert doc["format_version"] == 1 and doc["store"] == os.path.abspath(f.root)
+    assert doc["format_version"] == 2 and doc["store"] == os.path.abspath(f.root)
     assert doc["corrupt"] == len(f.corrupt_index) and doc["quarantined"] == 0  # the index alone sees these
     assert doc["orphaned_bytes"] == ORPHAN_TAIL + STRAY_A + STRAY_B
     assert totals(doc, "stale", live=False) == len(f.stale) and totals(doc, "stale", live=True) == 0
