@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.core.checkvector import CheckVector
+from kvtier.core.errors import LayoutError
 from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
@@ -185,9 +186,15 @@ class Recovery:
         except AdmissionRefused:
             _fail(lease, g, b, Reason.ADMISSION)
             return Settled.DONE
+        try:
+            local = c.space.local(g, slot)  # layer 4: never load into a slot that is not aligned and whole
+        except LayoutError:
+            log.exception("refusing to recover into a misaligned slot")
+            c.space.unallocate(g, slot)
+            _fail(lease, g, b, Reason.MISALIGNED)
+            return Settled.DONE
         t.move(slot, BlockState.RECOVERING)
         t.bind(slot, row, IN_FLIGHT, c.ns_id)
-        local = c.space.local(g, slot)
         key = ObjectKey(c.ns, t.r_hash[row], c.names[g], c.forms[g])
         request = LoadRequest(key, c.pools[g].slot_view(local), c.digests[g])
         return PendingLoad(g, b, slot, request, time.monotonic())
