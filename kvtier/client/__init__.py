@@ -11,8 +11,8 @@ from kvtier.client.client import (
     PrewarmReport,
 )
 from kvtier.client.errors import TierFull
-from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.client.tier import TierClient
+from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.wire import (
     BadRange,
     DaemonBusy,
