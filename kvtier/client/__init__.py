@@ -16,6 +16,7 @@ from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.wire import (
     BadRange,
     DaemonBusy,
+    DaemonTimeout,
     DaemonUnavailable,
     OutOfOrder,
     PermissionDenied,
@@ -29,6 +30,7 @@ __all__ = [
     "BadRange",
     "Client",
     "DaemonBusy",
+    "DaemonTimeout",
     "DaemonUnavailable",
     "Lease",
     "LoadReport",

@@ -48,7 +48,10 @@ class ServerConfig:
     allowed_gids: tuple[int, ...] = ()
     max_frame_bytes: int = 16 * 2**20
     max_connections: int = 256
-    frame_timeout_s: float = 10.0
+    frame_timeout_s: float = 10.0  # a begun frame must arrive whole (and its reply be taken) within this
+    hello_timeout_s: float = 5.0  # a new connection must send its first frame within this
+    idle_timeout_s: float = 900.0  # a connection silent between frames for this long is closed (0: never)
+    max_buffered_bytes: int = 256 * 2**20  # frame bytes being received at once, all connections together
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,6 +120,8 @@ class DaemonConfig:
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
     durable_wait_s: float = 30.0  # how long a durable offload waits for objects other connections are writing
+    # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
+    versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     source: str = "embedded default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,7 +207,8 @@ def load_config(
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
-    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, and the verifier's rates.
+    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -216,6 +222,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             rate_bytes_per_s=new.verifier.rate_bytes_per_s,
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
+        versions=new.versions,
     )
 
 
@@ -325,6 +332,24 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     return value
 
 
+VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexer_version", "dtype_layout")
+
+
+def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    out: dict[str, dict[str, str]] = {}
+    for name in list(reader.table):
+        if name not in profiles:
+            raise reader.error(name, f"not a served profile (profiles: {', '.join(profiles)})")
+        sub = reader.sub(name)
+        out[name] = {f: sub.string(f, "") for f in VERSION_FIELDS if f in sub.table}
+        if any(not v for v in out[name].values()):
+            raise sub.error(next(f for f, v in out[name].items() if not v), "must be a non-empty string")
+        sub.finish()
+    reader.finish()
+    return out
+
+
 def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> DaemonConfig:
     """Lay a parsed TOML document over `base`; unknown keys and bad values are ConfigErrors naming the key."""
     top = _Reader(data, "", source)
@@ -343,9 +368,17 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         max_frame_bytes=s.size("max_frame_bytes", b.max_frame_bytes),
         max_connections=s.number("max_connections", b.max_connections, integer=True, minimum=1),
         frame_timeout_s=float(s.number("frame_timeout_s", b.frame_timeout_s)),
+        hello_timeout_s=float(s.number("hello_timeout_s", b.hello_timeout_s)),
+        idle_timeout_s=float(s.number("idle_timeout_s", b.idle_timeout_s, allow_zero=True)),
+        max_buffered_bytes=s.size("max_buffered_bytes", b.max_buffered_bytes),
     )
     if server.max_frame_bytes < 4096:
         raise s.error("max_frame_bytes", f"must be at least 4096, got {server.max_frame_bytes}")
+    if server.max_buffered_bytes < server.max_frame_bytes:
+        raise s.error(
+            "max_buffered_bytes",
+            f"must be at least max_frame_bytes ({server.max_frame_bytes}), got {server.max_buffered_bytes}",
+        )
     s.finish()
 
     p = top.sub("pool")
@@ -405,6 +438,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
         durable_wait_s=float(top.number("durable_wait_s", base.durable_wait_s)),
+        versions=_versions(top.sub("versions"), tuple(profiles)),
         source=source,
     )
     top.finish()

@@ -29,6 +29,7 @@ from kvtier.core.profile import load_profile
 from kvtier.core.tier import ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.durability import make_durable
+from kvtier.daemon.namespaces import apply_versions, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
@@ -95,6 +96,7 @@ class DaemonBackend:
         except BaseException:
             self.close()
             raise
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
@@ -323,6 +325,11 @@ class DaemonBackend:
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
 
+    def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
+        """The answer for a connection attached to a namespace retired since (None while it is live)."""
+        rt = self._runtime(session)
+        return None if session.namespace == rt.manager.namespace else stale_reply(rt, req)
+
     def release_owner(self, owner: int) -> int:
         with self._lock:
             mine = [i for i, h in self._held.items() if h.owner == owner]
@@ -374,6 +381,7 @@ class DaemonBackend:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
