@@ -38,6 +38,7 @@ from kvtier.wire import errors as E
 from kvtier.wire import messages as P
 
 log = logging.getLogger(__name__)
+ABANDONED = "reservation was abandoned"  # in a not-durable reason: nobody will write it unless we do
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -281,11 +282,7 @@ class Client(Connection):
         """The pool, slot and leased generation of one REUSE object of a live lookup."""
         if result.released:
             raise StaleHandle(f"lookup {result.lookup_id} was released; look the prefix up again")
-        if result.epoch != self.epoch:
-            raise StaleHandle(
-                f"lookup {result.lookup_id} was made on a connection closed since (a call failed);"
-                " its leases are gone: look up again"
-            )
+        self._current(result)
         route = result.check_vector.route(group, block)
         if route is not Route.REUSE:
             hint = "call load(result) first" if route is Route.RECOVER else "recompute it"
@@ -348,8 +345,22 @@ class Client(Connection):
     ) -> OffloadReport:
         """Write new objects: `caches[group][block]` is that block's object (any dtype, exactly the layout's bytes).
 
-        Acknowledged after the pool write; with `durable`, after the store commit.
+        Acknowledged after the pool write; with `durable`, after the store commit, with every named object
+        counted durable or not (see `OffloadReport`). Objects another connection had reserved and then
+        abandoned (it died mid-copy) are offloaded once more from `caches`.
         """
+        report = self._offload_once(tokens, caches, durable)
+        if durable and any(ABANDONED in r for r in report.reasons):
+            again = self._offload_once(tokens, caches, durable)
+            report = dataclasses.replace(again, written=report.written + again.written, skipped=report.skipped)
+        return report
+
+    def _offload_once(
+        self,
+        tokens: Sequence[int] | np.ndarray | torch.Tensor,
+        caches: Mapping[str, Mapping[int, torch.Tensor]],
+        durable: bool,
+    ) -> OffloadReport:
         epoch = self.connected()  # first: a reconnect may bring a new namespace (hashes) and pool mappings
         att = self._attached()
         hashes = self.hashes(tokens)

@@ -166,7 +166,7 @@ sys.stdin.read()  # "mid-copy" until stopped or killed
 @pytest.mark.parametrize("a_state", ["stopped", "killed"])
 def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_state: str) -> None:
     store = tmp_path / "store"
-    d = DaemonProc(tmp_path, top_toml="durable_wait_s = 1.5\n", pools=SMALL_POOLS, store_root=store)
+    d = DaemonProc(tmp_path, top_toml="durable_wait_s = 8\n", pools=SMALL_POOLS, store_root=store)
     a = subprocess.Popen(
         [sys.executable, "-c", RESERVER, str(d.socket)],
         env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
