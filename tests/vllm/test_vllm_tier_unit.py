@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
 from kvtier.core.forms import Reason  # noqa: E402
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
+from kvtier.integrations.vllm import log as tier_log  # noqa: E402
 from kvtier.store import QuarantineReason  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
@@ -277,3 +278,26 @@ def test_a_stale_key_set_costs_a_recompute_or_a_miss_never_wrong_bytes(env) -> N
     load = job([key(6)], [13], promotion=True)
     fresh.submit_load(load)
     assert finish(fresh)[load.job_id].success and np.array_equal(env.primary[13], env.primary[6])
+
+
+def test_a_failing_store_logs_one_warning_not_a_traceback_per_job(env, caplog) -> None:
+    """Once the daemon is gone every job fails: one WARNING line per 30 s, no tracebacks above DEBUG."""
+    tier = env.tier()
+    finish(tier)
+
+    def gone(*_args, **_kwargs):
+        raise ConnectionError("lost the kvtier daemon")
+
+    tier._store.load_into = gone  # the daemon went away: every load and store job raises
+    tier._store.store_many = gone
+    tier._store.has = gone
+    caplog.set_level("DEBUG", logger=tier_log.name)
+    for i in range(9):
+        tier.submit_store(job([key(100 + i)], [i]))
+        tier.submit_load(job([key(200 + i)], [8 + i]))
+    results = finish(tier)
+    assert len(results) == 18 and not any(r.success for r in results.values())  # every job still reported
+    above_debug = [r for r in caplog.records if r.levelno > 10]
+    assert len(above_debug) == 1 and "failed: lost the kvtier daemon" in above_debug[0].getMessage()
+    assert not any(r.exc_info for r in above_debug)
+    assert sum(1 for r in caplog.records if r.levelno == 10 and r.exc_info) == 18  # tracebacks at DEBUG only
