@@ -66,7 +66,7 @@ class KeySet:
         fresh: dict[int, set[bytes]] = {g: set() for g in self._gids.values()}
         with self._lock:
             self._added = []
-        after, txn = b"", None
+        after, txn, complete = b"", None, False
         try:
             while True:
                 page = self._read(after, _PAGE)
@@ -77,12 +77,13 @@ class KeySet:
                         fresh[gid].add(block_hash)
                         self._present[gid].add(block_hash)
                 if not (after := page.cursor):
+                    complete = True
                     break
                 time.sleep(0)  # let the scheduler thread in between pages
         finally:
             with self._lock:
                 added, self._added = self._added or [], None
-                if not after:  # complete: the pass's view (plus what this tier stored meanwhile) replaces the set
+                if complete:  # the pass's view (plus what this tier stored meanwhile) replaces the set
                     for gid, block_hash in added:
                         fresh[gid].add(block_hash)
                     self._present = fresh
@@ -95,6 +96,8 @@ class KeySet:
                     self._pass()
             except KvtierError as exc:  # the store cannot answer now (daemon gone): keep the set, try again later
                 log.debug("kvtier tier: key set not refreshed: %s", exc)
+            except Exception:  # anything else: say so, keep the set (stale answers stay safe), try again later
+                log.warning("kvtier tier: key set not refreshed", exc_info=True)
 
     def close(self) -> None:
         self._stop.set()
