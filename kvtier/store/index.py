@@ -43,7 +43,7 @@ def seal(body: bytes) -> bytes:
 
 def unseal(value: bytes | memoryview) -> bytes:
     body = bytes(value[:-8])
-    if len(value) < 8 or _SUM.unpack(bytes(value[-8:]))[0] != xxhash.xxh3_64_intdigest(body):
+    if len(value) < 8 or _SUM.unpack_from(value, len(value) - 8)[0] != xxhash.xxh3_64_intdigest(body):
         raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
     return body
 
@@ -79,6 +79,10 @@ def u64_key(n: int) -> bytes:
 class RecordState(enum.IntEnum):
     LIVE = 0
     QUARANTINED = 1
+
+
+_STATES = tuple(RecordState)  # by value (0, 1, ...)
+_CODECS = tuple(Codec)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,10 +157,11 @@ class IndexEntry:
                 (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
                 if version != 2:
                     raise ValueError(f"entry version {version}")
+            # Table lookups, not enum calls: this runs once per object of every load.
             return cls(
-                RecordState(state),
+                _STATES[state],
                 FORMS_BY_CODE[form],
-                Codec(codec),
+                _CODECS[codec],
                 seg,
                 off,
                 rlen,
@@ -174,7 +179,7 @@ class IndexEntry:
                 flags,
                 dsum,
             )
-        except (struct.error, KeyError, ValueError) as exc:
+        except (struct.error, KeyError, IndexError, ValueError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
 
     @property
