@@ -163,6 +163,10 @@ def scatter(run: Run[J], wants: Sequence[tuple[int, int]]) -> Scatter:
     reads through the bounce buffer). The bytes after a direct part (a tail shorter than the alignment) follow
     the header in the bounce buffer: at `where + header length`."""
     jobs = run.jobs
+    if not any(take for _, take in wants):  # the common case of small records: the whole run into the buffer
+        return Scatter(
+            run.end - run.start, [(run.end - run.start, -1)], [j[0] - run.start for j in jobs], [0] * len(jobs)
+        )
     pieces: list[tuple[int, int]] = []
     where: list[int] = []
     direct: list[int] = []

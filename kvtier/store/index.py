@@ -85,9 +85,10 @@ _STATES = tuple(RecordState)  # by value (0, 1, ...)
 _CODECS = tuple(Codec)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class IndexEntry:
-    """Where a record lives and what the index knows about it (one LMDB value in `obj`)."""
+    """Where a record lives and what the index knows about it (one LMDB value in `obj`). Not frozen: one is built
+    per object of every load, and a frozen dataclass's __init__ costs twice as much; treat it as read-only."""
 
     state: RecordState
     form: CacheForm

@@ -153,7 +153,11 @@ class Reader:
         record's header bytes matched its index entry exactly (the fast check). Runs of nearby records are one
         scattered read each; runs and GDS reads are spread over the read pool."""
         backend = self._ctx.backend
-        device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+        device = (
+            [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+            if backend.gpu_direct
+            else []
+        )
         chosen = {id(j) for j in device}
         runs = plan_runs(
             [(j.entry.segment, j.entry.offset, j.entry.record_len, j) for j in jobs if id(j) not in chosen]
@@ -224,14 +228,19 @@ class Reader:
 
     def _direct_want(self, job: ReadJob) -> tuple[int, int]:
         """(payload offset, bytes to read straight into `job.out`): the aligned bulk of a large, uncompressed
-        v2 payload whose target is host memory at an address O_DIRECT takes; (offset, 0) for the rest."""
+        v2 payload whose target is host memory at an address O_DIRECT takes; (0, 0) for the rest."""
         e, out = job.entry, job.out
+        if e.payload_len < LARGE_PAYLOAD or out is None or e.codec is not Codec.NONE:
+            return _NO_DIRECT
         payload_at = e.payload_offset
-        if out is None or e.codec is not Codec.NONE or e.record_version != FORMAT_VERSION or not out.is_cpu:
-            return payload_at, 0
         align = self._ctx.backend.direct_align
-        if e.payload_len < LARGE_PAYLOAD or payload_at % DISK_ALIGNMENT or out.data_ptr() % align:
-            return payload_at, 0
+        if (
+            e.record_version != FORMAT_VERSION
+            or not out.is_cpu
+            or payload_at % DISK_ALIGNMENT
+            or out.data_ptr() % align
+        ):
+            return _NO_DIRECT
         return payload_at, e.payload_len - e.payload_len % align
 
     @staticmethod
@@ -387,6 +396,7 @@ class ReadJob(NamedTuple):
 
 AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
+_NO_DIRECT = (0, 0)
 Visit = Callable[[ReadJob, "AnyHeader | None", "AlignedBuffer | None", int], None]
 
 
@@ -403,14 +413,15 @@ def _parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:
 
 def check_payload(entry: IndexEntry, buf: AlignedBuffer, at: int) -> None:
     """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu."""
-    _check_sums(entry, buf.mv[at : at + entry.stored_len], lambda: buf.tensor[at : at + entry.stored_len])
+    _check_sums(entry, buf.mv[at : at + entry.stored_len], buf.tensor, at)
 
 
-def _check_sums(entry: IndexEntry, data: memoryview, tensor: Callable[[], torch.Tensor]) -> None:
+def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
+    """`data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
     if entry.flags & _XXH3:
         if payload_checksum(data) != entry.payload_checksum:
             raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-    elif device_checksum(tensor()) != entry.device_checksum:
+    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
         raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
 
 
@@ -429,7 +440,7 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
     tail = e.payload_len - took
     if tail:
         ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
-    _check_sums(e, memoryview(out.numpy()), lambda: out)
+    _check_sums(e, memoryview(out.numpy()), out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
