@@ -13,9 +13,10 @@ import msgspec
 import numpy as np
 import tomli_w
 
+from kvtier.cli.cluster_status import cluster_lines
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
-from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
 from kvtier.wire.stats import StatsDoc
 
 config_option = click.option(
@@ -26,7 +27,11 @@ config_option = click.option(
     help="Daemon config TOML (default: built-in defaults).",
 )
 socket_option = click.option(
-    "--socket", "socket_path", type=click.Path(), envvar="KVTIER_SOCKET", help="Daemon socket (default: the config's)."
+    "--socket",
+    "socket_path",
+    type=click.Path(readable=False),  # a socket we may not open is the client's to report (permission denied)
+    envvar="KVTIER_SOCKET",
+    help="Daemon socket (default: the config's).",
 )
 
 
@@ -106,6 +111,8 @@ def _render_status(doc: StatsDoc) -> None:
         for form, f in sorted(doc.forms.items()):
             reuse, recover, recompute = (_share(f.share(r)) for r in ("reuse", "recover", "recompute"))
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
+    for line in cluster_lines(doc.cluster):
+        click.echo(line)
 
 
 @click.command()
@@ -115,7 +122,8 @@ def _render_status(doc: StatsDoc) -> None:
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Health, profiles, pool occupancy, store usage and I/O backend, verifier state, per-form rates.
 
-    Exit code 0 when healthy, 1 when degraded, 3 when no daemon answers.
+    Exit code 0 when healthy, 1 when degraded, 3 when no daemon is there, 4 when one is there but did not
+    answer us (permission denied, busy, timed out).
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
@@ -123,6 +131,9 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     try:
         with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
             doc = conn.stats()
+    except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
+        click.echo(f"kvtier: {exc}", err=True)
+        sys.exit(4)
     except DaemonUnavailable as exc:
         click.echo(f"kvtier: {exc}", err=True)
         sys.exit(3)

@@ -15,6 +15,7 @@ from kvtier.client.tier import TierClient
 from kvtier.wire import (
     BadRange,
     DaemonBusy,
+    DaemonTimeout,
     DaemonUnavailable,
     OutOfOrder,
     PermissionDenied,
@@ -28,6 +29,7 @@ __all__ = [
     "BadRange",
     "Client",
     "DaemonBusy",
+    "DaemonTimeout",
     "DaemonUnavailable",
     "Lease",
     "LoadReport",

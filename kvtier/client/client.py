@@ -46,6 +46,7 @@ class LookupResult:
     slots: np.ndarray  # int64 (groups, blocks)
     generations: np.ndarray
     released: bool = False
+    epoch: int = 0  # the client's connection it was made on: its leases end with that connection
 
     @property
     def hit_tokens(self) -> int:
@@ -119,13 +120,25 @@ def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
 
 
 class Client(Connection):
-    """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm."""
+    """A connection to the kvtier daemon: `attach` once, then lookup / load / release / offload / prewarm.
+
+    `lookup_timeout_s` bounds a lookup on its own (an engine's scheduler waits at most that long; a hung daemon
+    costs a miss: `DaemonTimeout`, which the engine treats as one). After a call times out the connection is
+    closed and the next call reconnects and attaches again; lookups made before that hold nothing any more.
+    """
 
     def __init__(
-        self, socket_path: str | Path | None = None, *, timeout_s: float | None = 60.0, name: str = ""
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        timeout_s: float | None = 60.0,
+        lookup_timeout_s: float | None = None,
+        name: str = "",
     ) -> None:
         super().__init__(socket_path, timeout_s=timeout_s, name=name)
+        self.lookup_timeout_s = lookup_timeout_s
         self.attachment: Attachment | None = None
+        self._attach_req: P.Attach | None = None
 
     # -- plumbing -----------------------------------------------------------------------------------
 
@@ -145,31 +158,61 @@ class Client(Connection):
 
     def attach(self, profile: str) -> Attachment:
         """Attach to a profile the daemon serves and map its pools into this process."""
+        req = P.Attach(profile)
         fds: list[int] = []
         try:
-            reply: P.AttachOk = self._call(P.Attach(profile), fds)
-            pools = {info.group: map_pool(info, fds) for info in reply.pools}
+            reply: P.AttachOk = self._call(req, fds)
+            self._mapped(reply, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        self.attachment = Attachment(
-            reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools
-        )
+        self._attach_req = req
+        assert self.attachment is not None
         return self.attachment
+
+    def _mapped(self, reply: P.AttachOk, fds: list[int]) -> None:
+        pools = {info.group: map_pool(info, fds) for info in reply.pools}
+        old, self.attachment = (
+            self.attachment,
+            Attachment(reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools),
+        )
+        if old is not None:
+            for pool in old.pools.values():
+                pool.close()
+
+    def _reopened(self, timeout_s: float | None) -> None:
+        """Attach again on the fresh connection (the daemon may serve a newer namespace by now)."""
+        if self._attach_req is None:
+            return
+        fds: list[int] = []
+        try:
+            self._mapped(self._exchange(self._attach_req, fds, timeout_s=timeout_s), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _current(self, result: LookupResult) -> None:
+        if result.epoch != self.epoch:
+            raise E.OutOfOrder(
+                f"lookup {result.lookup_id} was made on a connection closed since (a call failed);"
+                " its leases are gone: look up again"
+            )
 
     def lookup(
         self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None, *, hashes: bytes | None = None
     ) -> LookupResult:
         """Longest usable hit for `tokens` (or precomputed concatenated `hashes`); leases every REUSE / RECOVER slot."""
+        self.connected(self.lookup_timeout_s)  # a reconnect may bring a new namespace: hash under the lookup's one
         if hashes is None:
             hashes = self.hashes(tokens if tokens is not None else [])
-        reply: P.LookupOk = self._call(P.Lookup(hashes))
+        reply: P.LookupOk = self._call(P.Lookup(hashes), timeout_s=self.lookup_timeout_s)
         cv = _cv(reply.check_vector)
-        return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv))
+        return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv), epoch=self.epoch)
 
     def load(self, result: LookupResult) -> LoadReport:
         """Recover the RECOVER objects into their leased slots; `result` is updated (REUSE now, or a shorter hit)."""
-        reply: P.LoadOk = self._call(P.Load(result.lookup_id))
+        self._current(result)
+        reply: P.LoadOk = self._call(P.Load(result.lookup_id), epoch=result.epoch)
         cv = _cv(reply.check_vector)
         result.check_vector, result.slots, result.generations = cv, _grid(reply.slots, cv), _grid(reply.generations, cv)
         return LoadReport(reply.loaded_objects, reply.loaded_bytes, reply.seconds)
@@ -178,6 +221,7 @@ class Client(Connection):
         """A view of one REUSE object in the mapped pool; valid until `release(result)`."""
         if result.released:
             raise E.OutOfOrder(f"lookup {result.lookup_id} was released; look up again")
+        self._current(result)
         route = result.check_vector.route(group, block)
         if route is not Route.REUSE:
             hint = "call load(result) first" if route is Route.RECOVER else "recompute it"
@@ -189,7 +233,10 @@ class Client(Connection):
         """Give the leases back (idempotent); returns how many were released."""
         if result.released:
             return 0
-        reply: P.Released = self._call(P.Release(result.lookup_id))
+        if result.epoch != self.epoch:  # its connection is gone, and the daemon released everything it held
+            result.released = True
+            return 0
+        reply: P.Released = self._call(P.Release(result.lookup_id), epoch=result.epoch)
         result.released = True
         return reply.released
 
@@ -203,6 +250,7 @@ class Client(Connection):
 
         Acknowledged after the pool write; with `durable`, after the store commit.
         """
+        epoch = self.connected()  # first: a reconnect may bring a new namespace (hashes) and pool mappings
         att = self._attached()
         hashes = self.hashes(tokens)
         n_blocks = len(hashes) // HASH_BYTES
@@ -218,7 +266,7 @@ class Client(Connection):
                 t = caches[g][b]
                 if t.numel() * t.element_size() != need:
                     raise E.WrongType(f"{g} block {b}: {t.numel() * t.element_size()} bytes, the layout needs {need}")
-        reply: P.OffloadOk = self._call(P.Offload(hashes, groups, blocks))
+        reply: P.OffloadOk = self._call(P.Offload(hashes, groups, blocks), epoch=epoch)
         written = 0
         try:
             for g, bs, slots in zip(groups, blocks, reply.slots):
@@ -230,9 +278,10 @@ class Client(Connection):
             if att.device != "cpu":
                 torch.cuda.synchronize()
         except BaseException:
-            self._call(P.Release(reply.offload_id))  # give the reserved slots back unsealed
+            self._call(P.Release(reply.offload_id), epoch=epoch)  # give the reserved slots back unsealed
             raise
-        sealed: P.SealOk = self._call(P.Seal(reply.offload_id, durable))
+        # the offload is this connection's: sealing it on another would name a stranger's (or no) reservation
+        sealed: P.SealOk = self._call(P.Seal(reply.offload_id, durable), epoch=epoch)
         skipped = sum(len(bs) for bs in blocks) - written - reply.refused
         return OffloadReport(sealed.sealed, skipped, reply.refused, sealed.persisted)
 

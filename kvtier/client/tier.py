@@ -43,28 +43,46 @@ class TierClient(Connection):
     ) -> None:
         super().__init__(socket_path, timeout_s=timeout_s, name=name)
         self._groups = {g: i for i, (g, _) in enumerate(groups)}
+        self._open_req = P.TierOpen(version_key.to_dict(), [(g, f.value) for g, f in groups], max(staging_bytes, 0))
         self._staged = threading.Lock()  # the staging region holds one request's bytes at a time
         self._mapping: mmap.mmap | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
-        fd = -1
         try:
-            if staging_bytes > 0:
-                fd = os.memfd_create("kvtier-tier-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                os.ftruncate(fd, staging_bytes)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-                self._mapping = mmap.mmap(fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                self.staging = torch.frombuffer(self._mapping, dtype=torch.uint8)
-            req = P.TierOpen(version_key.to_dict(), [(g, f.value) for g, f in groups], max(staging_bytes, 0))
-            reply: P.TierOpenOk = self._call(req, send_fds=[fd] if fd >= 0 else None)
+            with self._lock:
+                self._tier_open(None)
         except BaseException:
             self.close()
             raise
+
+    def _tier_open(self, timeout_s: float | None) -> None:
+        """Open the namespace on the current connection with a staging region of its own.
+
+        A new connection never reuses the previous one's region: a daemon that answers a timed-out request
+        late may still write into the old region, so nothing is ever read from (or staged in) it again.
+        """
+        size = self._open_req.staging_bytes
+        fd = -1
+        try:
+            if size > 0:
+                fd = os.memfd_create("kvtier-tier-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._unmap()
+                self._mapping = mapping
+                self.staging = torch.frombuffer(mapping, dtype=torch.uint8)
+            reply: P.TierOpenOk = self._exchange(
+                self._open_req, send_fds=[fd] if fd >= 0 else None, timeout_s=timeout_s
+            )
         finally:
             if fd >= 0:
                 os.close(fd)
         self.namespace = reply.namespace
         self.store_root = reply.store
         self.io_backend = reply.io_backend
+
+    def _reopened(self, timeout_s: float | None) -> None:
+        self._tier_open(timeout_s)
 
     # -- raw ops: items name bytes in the staging region ---------------------------------------------
 
@@ -77,13 +95,14 @@ class TierClient(Connection):
             )
         return P.TierItem(key.block_hash, group, layout_digest, offset, nbytes)
 
-    def load_staged(self, items: list[P.TierItem]) -> list[Reason]:
-        reply: P.TierReasons = self._call(P.TierLoad(items))
+    def load_staged(self, items: list[P.TierItem], epoch: int | None = None) -> list[Reason]:
+        """Reasons per item; with `epoch` (from `connected()`), only on the connection whose region was staged."""
+        reply: P.TierReasons = self._call(P.TierLoad(items), epoch=epoch)
         return [Reason(r) for r in reply.reasons]
 
-    def store_staged(self, items: list[P.TierItem]) -> int:
+    def store_staged(self, items: list[P.TierItem], epoch: int | None = None) -> int:
         """Objects committed; TierFull (nothing of the batch visible) over the store's budget, a quota or the disk."""
-        reply: P.TierStored = self._call(P.TierStore(items))
+        reply: P.TierStored = self._call(P.TierStore(items), epoch=epoch)
         if reply.full_limit:
             raise TierFull(reply.full_message, limit=reply.full_limit)
         return reply.stored
@@ -103,13 +122,15 @@ class TierClient(Connection):
         outs = [_flat(r.out, writable=True) for r in requests]
         with self._staged:
             for batch in self._batches([o.numel() for o in outs]):
+                epoch, staging = self.connected(), self.staging  # the region of the connection the load goes to
                 items = [
                     self.item(requests[i].key, requests[i].layout_digest, off, outs[i].numel()) for i, off in batch
                 ]
-                for (i, off), reason in zip(batch, self.load_staged(items)):
+                # read only after an OK answer to this very request (a failed call raises before any copy)
+                for (i, off), reason in zip(batch, self.load_staged(items, epoch)):
                     reasons[i] = reason
                     if reason is Reason.OK:
-                        outs[i].copy_(self.staging[off : off + outs[i].numel()])
+                        outs[i].copy_(staging[off : off + outs[i].numel()])
         return reasons
 
     def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
@@ -117,12 +138,13 @@ class TierClient(Connection):
         payloads = [_flat(p) for _, p, _ in items]
         with self._staged:
             for batch in self._batches([p.numel() for p in payloads]):
+                epoch, staging = self.connected(), self.staging
                 wire = []
                 for i, off in batch:
                     n = payloads[i].numel()
-                    self.staging[off : off + n].copy_(payloads[i])
+                    staging[off : off + n].copy_(payloads[i])
                     wire.append(self.item(items[i][0], items[i][2], off, n))
-                self.store_staged(wire)
+                self.store_staged(wire, epoch)
 
     def _batches(self, sizes: list[int]) -> Iterator[list[tuple[int, int]]]:
         """(index, staging offset) runs that fit the staging region, in order."""
@@ -143,7 +165,7 @@ class TierClient(Connection):
         if batch:
             yield batch
 
-    def close(self) -> None:
+    def _unmap(self) -> None:
         self.staging = torch.empty(0, dtype=torch.uint8)
         if self._mapping is not None:
             try:
@@ -151,6 +173,9 @@ class TierClient(Connection):
             except BufferError:  # a caller still holds a view of the staging region; the mapping goes with it
                 pass
             self._mapping = None
+
+    def close(self) -> None:
+        self._unmap()
         super().close()
 
     def __enter__(self) -> TierClient:

@@ -7,6 +7,7 @@ limits, profiles).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import tomllib
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.cluster_config import ClusterConfig, WriteThrough
 from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
 
@@ -48,7 +50,10 @@ class ServerConfig:
     allowed_gids: tuple[int, ...] = ()
     max_frame_bytes: int = 16 * 2**20
     max_connections: int = 256
-    frame_timeout_s: float = 10.0
+    frame_timeout_s: float = 10.0  # a begun frame must arrive whole (and its reply be taken) within this
+    hello_timeout_s: float = 5.0  # a new connection must send its first frame within this
+    idle_timeout_s: float = 900.0  # a connection silent between frames for this long is closed (0: never)
+    max_buffered_bytes: int = 256 * 2**20  # frame bytes being received at once, all connections together
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +108,10 @@ class DaemonConfig:
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
+    # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
+    versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    # off (single node) unless a `[cluster]` table enables it
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     source: str = "embedded default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +128,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -188,7 +199,8 @@ def load_config(
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
-    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, and the verifier's rates.
+    """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -202,6 +214,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             rate_bytes_per_s=new.verifier.rate_bytes_per_s,
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
+        versions=new.versions,
     )
 
 
@@ -252,6 +265,12 @@ class _Reader:
             raise self.error(key, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
         if value < minimum or (value == 0 and not allow_zero):
             raise self.error(key, f"must be {'>=' if allow_zero else '>'} {minimum}, got {value}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
         return value
 
     def size(self, key: str, default: int) -> int:
@@ -311,6 +330,48 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     return value
 
 
+def _cluster(reader: _Reader, base: ClusterConfig) -> ClusterConfig:
+    """The `[cluster]` table: each key read by the type of its default; ranges checked by ClusterConfig itself."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(ClusterConfig):
+        key, default = field.name, getattr(base, field.name)
+        if isinstance(default, bool):
+            values[key] = reader.boolean(key, default)
+        elif isinstance(default, WriteThrough):
+            values[key] = WriteThrough(reader.string(key, default.value, choices=tuple(w.value for w in WriteThrough)))
+        elif isinstance(default, int) and key.endswith("_bytes"):
+            values[key] = reader.size(key, default)
+        elif isinstance(default, int):
+            values[key] = reader.number(key, default, integer=True, allow_zero=True)
+        elif isinstance(default, float):
+            values[key] = float(reader.number(key, default))
+        else:
+            values[key] = reader.string(key, default)
+    reader.finish()
+    try:
+        return ClusterConfig(**values)
+    except ConfigError as exc:  # ClusterConfig names the key; say which file too
+        raise ConfigError(str(exc).removeprefix(f"key '{exc.key}': "), key=exc.key, source=reader.source) from None
+
+
+VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexer_version", "dtype_layout")
+
+
+def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    out: dict[str, dict[str, str]] = {}
+    for name in list(reader.table):
+        if name not in profiles:
+            raise reader.error(name, f"not a served profile (profiles: {', '.join(profiles)})")
+        sub = reader.sub(name)
+        out[name] = {f: sub.string(f, "") for f in VERSION_FIELDS if f in sub.table}
+        if any(not v for v in out[name].values()):
+            raise sub.error(next(f for f, v in out[name].items() if not v), "must be a non-empty string")
+        sub.finish()
+    reader.finish()
+    return out
+
+
 def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> DaemonConfig:
     """Lay a parsed TOML document over `base`; unknown keys and bad values are ConfigErrors naming the key."""
     top = _Reader(data, "", source)
@@ -329,9 +390,17 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         max_frame_bytes=s.size("max_frame_bytes", b.max_frame_bytes),
         max_connections=s.number("max_connections", b.max_connections, integer=True, minimum=1),
         frame_timeout_s=float(s.number("frame_timeout_s", b.frame_timeout_s)),
+        hello_timeout_s=float(s.number("hello_timeout_s", b.hello_timeout_s)),
+        idle_timeout_s=float(s.number("idle_timeout_s", b.idle_timeout_s, allow_zero=True)),
+        max_buffered_bytes=s.size("max_buffered_bytes", b.max_buffered_bytes),
     )
     if server.max_frame_bytes < 4096:
         raise s.error("max_frame_bytes", f"must be at least 4096, got {server.max_frame_bytes}")
+    if server.max_buffered_bytes < server.max_frame_bytes:
+        raise s.error(
+            "max_buffered_bytes",
+            f"must be at least max_frame_bytes ({server.max_frame_bytes}), got {server.max_buffered_bytes}",
+        )
     s.finish()
 
     p = top.sub("pool")
@@ -377,6 +446,8 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        versions=_versions(top.sub("versions"), tuple(profiles)),
+        cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )
     top.finish()

@@ -26,7 +26,9 @@ from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import load_profile
-from kvtier.core.tier import ObjectKey
+from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
+from kvtier.daemon.namespaces import apply_versions, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
@@ -70,7 +72,9 @@ class DaemonBackend:
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
         self.runtimes: dict[str, Runtime] = {}
+        self.lower: LowerTier = self.store
         try:
+            self.lower = build_lower(cfg, self.store)
             for name in cfg.profiles:
                 profile = load_profile(name)
                 if profile.name in self.runtimes:
@@ -81,7 +85,7 @@ class DaemonBackend:
                     profile,
                     budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
                     device=self.device,
-                    lower=self.store,
+                    lower=self.lower,
                     admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
                     lease_ttl_s=cfg.lease_ttl_s,
                 )
@@ -90,6 +94,7 @@ class DaemonBackend:
         except BaseException:
             self.close()
             raise
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
@@ -97,7 +102,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self.tier = TierOps(self.store, cfg.store.codec)
+        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
         self._closed = False
 
     @staticmethod
@@ -276,7 +281,7 @@ class DaemonBackend:
                 if route is Route.REUSE
             ]
             pinned = manager.pin(keys)
-            self.store.pin(keys, req.ttl_s)
+            self.lower.pin(keys, req.ttl_s)  # with a cluster: after the promotions of what it loaded
         finally:
             manager.release(result)
         if keys:
@@ -284,6 +289,11 @@ class DaemonBackend:
                 heapq.heappush(self._pins, (time.monotonic() + req.ttl_s, next(self._pin_seq), rt, keys))
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
+
+    def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
+        """The answer for a connection attached to a namespace retired since (None while it is live)."""
+        rt = self._runtime(session)
+        return None if session.namespace == rt.manager.namespace else stale_reply(rt, req)
 
     def release_owner(self, owner: int) -> int:
         with self._lock:
@@ -324,6 +334,7 @@ class DaemonBackend:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
+        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
@@ -341,13 +352,16 @@ class DaemonBackend:
             persister.stop(self.cfg.shutdown_timeout_s)
         for rt in getattr(self, "runtimes", {}).values():
             rt.manager.close()
+        close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:
         """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
             prewarm_pins = len(self._pins)
-        return backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+        doc = backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+        doc.cluster = cluster_doc(self.lower)
+        return doc
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

@@ -1,14 +1,18 @@
 """The unix-socket server: one thread per connection, peer credentials, request order, error frames.
 
 A connection never blocks another: each has its own thread, the backend is thread-safe, and no lock
-is held while waiting on a socket. A connection idles freely between requests, but once a frame has
-begun it must arrive (and its reply be taken) within `frame_timeout_s`, or it is closed. Each
-connection is an *owner*: when it goes away, for any reason, `backend.release_owner(owner)` drops
-every lease it held.
+is held while waiting on a socket. What a client can hold is bounded: its first frame must come within
+`hello_timeout_s`, it may idle `idle_timeout_s` between frames, a begun frame must arrive whole (and its
+reply be taken) within `frame_timeout_s`, and the receive buffer grows with the bytes that arrived (never
+the length a header announces) under `max_frame_bytes` per frame and `max_buffered_bytes` over all
+connections. At `max_connections` the oldest connection that has not sent a frame yet makes room, else
+the new one is answered `busy`. Each connection is an *owner*: when it goes away, for any reason,
+`backend.release_owner(owner)` drops every lease it held. Every reply carries its request's id.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -26,11 +30,14 @@ from kvtier.core.errors import KvtierError
 from kvtier.daemon.session import Backend, Peer, Session
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P
+from kvtier.wire.dial import group_names
 from kvtier.wire.errors import DaemonBusy, OutOfOrder, PermissionDenied, ProtocolError, UnsupportedVersion
 from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 def peer_credentials(conn: socket.socket) -> Peer:
@@ -83,8 +90,31 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, mode)
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)  # the main loop accepts until the backlog is empty
     return sock
+
+
+def _return_big_buffers_to_the_os() -> None:
+    """Frame buffers of many MiB come and go on many threads; glibc's adaptive mmap threshold would soon serve
+    them from per-thread heaps that keep the memory after a frame is done. A fixed 1 MiB threshold maps each
+    one and unmaps it when freed, so RSS follows the frames in flight (bounded by max_buffered_bytes)."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc: its allocator has its own policy
+        pass
+
+
+class _Quiet(Exception):
+    """A connection closed for saying nothing (no first frame in time, or idle too long): no answer owed."""
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a connection another thread serves: its blocked recv returns EOF and the thread cleans up."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class SocketServer:
@@ -106,7 +136,10 @@ class SocketServer:
         self._owners = itertools.count(1)
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
+        self._fresh: dict[int, socket.socket] = {}  # connections that have not sent a frame yet, oldest first
         self._threads: dict[int, threading.Thread] = {}
+        self.budget = F.ByteBudget(cfg.max_buffered_bytes)
+        _return_big_buffers_to_the_os()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closing = False
@@ -129,39 +162,58 @@ class SocketServer:
     def fileno(self) -> int:
         return self.listener.fileno()
 
-    def accept_one(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            if self._closing:
+    def accept_ready(self) -> None:
+        """Accept every connection waiting in the backlog (the listener is non-blocking)."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            log.warning("accept failed: %s", exc)
-            return
+            except OSError as exc:
+                if not self._closing:
+                    log.warning("accept failed: %s", exc)
+                return
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         peer = peer_credentials(conn)
         refusal: KvtierError | None = None
+        victim: socket.socket | None = None
         if not peer_allowed(peer, self.cfg):
             refusal = PermissionDenied(
-                f"uid {peer.uid} / gid {peer.gid} may not use this daemon;"
-                " add it to server.allowed_uids or allowed_gids"
+                f"uid {peer.uid} / gid {peer.gid} may not use this daemon; {self._how_to_join()}"
             )
         with self._lock:
-            if refusal is None and (self._closing or len(self._conns) >= self.cfg.max_connections):
-                refusal = DaemonBusy("the daemon is shutting down or at server.max_connections; retry later")
+            if refusal is None and self._closing:
+                refusal = DaemonBusy("the daemon is shutting down; retry later")
+            elif refusal is None and len(self._conns) >= self.cfg.max_connections:
+                if self._fresh:  # one that has said nothing yet makes room for this one
+                    victim = self._fresh.pop(next(iter(self._fresh)))
+                else:
+                    refusal = DaemonBusy(
+                        f"the daemon is at server.max_connections ({self.cfg.max_connections}); retry later"
+                    )
             if refusal is None:
                 owner = next(self._owners)
-                self._conns[owner] = conn
+                self._conns[owner] = self._fresh[owner] = conn
                 thread = threading.Thread(
                     target=self._serve, args=(conn, Session(owner, peer)), name=f"kvtier-conn-{owner}", daemon=True
                 )
                 self._threads[owner] = thread
+        if victim is not None:
+            log.info("at max_connections: closing a connection that sent nothing yet")
+            _shut(victim)
         if refusal is not None:
             log.warning("refused pid %d uid %d: %s", peer.pid, peer.uid, refusal)
             self._refuse(conn, refusal)
             return
         thread.start()
+
+    def _how_to_join(self) -> str:
+        if self.cfg.allowed_gids:
+            return f"join one of the groups {', '.join(group_names(self.cfg.allowed_gids))} (then log in again)"
+        return "add the uid to server.allowed_uids, or a group of it to server.allowed_gids"
 
     def _refuse(self, conn: socket.socket, exc: KvtierError) -> None:
         try:
@@ -183,31 +235,34 @@ class SocketServer:
         try:
             while True:
                 received: list[int] = []
+                body: bytearray | None = None
                 try:
-                    body = self._read_frame(conn, received)
+                    body = self._read_frame(conn, received, first=session.requests == 0)
                     if body is None:
                         return
                     with self._lock:
+                        self._fresh.pop(session.owner, None)
                         self._inflight += 1
                     try:
                         reply, fds = self._handle(session, body, received)
-                        conn.settimeout(self.cfg.frame_timeout_s)
-                        F.send_frame(conn, reply, fds)
+                        F.send_frame(conn, reply, fds, time.monotonic() + self.cfg.frame_timeout_s)
                     finally:
                         with self._lock:
                             self._inflight -= 1
                             self._idle.notify_all()
                 finally:
-                    for (
-                        fd
-                    ) in received:  # a handler maps what it keeps: no descriptor a client sends outlives its request
+                    if body:
+                        self.budget.give(len(body))
+                    for fd in received:  # a handler maps what it keeps: no descriptor a client sends outlives it
                         os.close(fd)
-        except ProtocolError as exc:
+        except (ProtocolError, DaemonBusy) as exc:
             log.info("connection %d (pid %d): %s; closing", session.owner, session.peer.pid, exc)
             try:
-                F.send_frame(conn, P.Error(exc.code, str(exc)))
+                F.send_frame(conn, P.Error(exc.code, str(exc)), None, time.monotonic() + 1.0)
             except OSError:
                 pass
+        except _Quiet as exc:
+            log.info("connection %d (pid %d): %s; closing", session.owner, session.peer.pid, exc)
         except (OSError, KvtierError) as exc:
             log.info("connection %d (pid %d) dropped: %s", session.owner, session.peer.pid, exc)
         finally:
@@ -217,39 +272,52 @@ class SocketServer:
                 log.info("connection %d (pid %d) gone: released %d leases", session.owner, session.peer.pid, released)
             with self._lock:
                 self._conns.pop(session.owner, None)
+                self._fresh.pop(session.owner, None)
                 self._threads.pop(session.owner, None)
                 self._idle.notify_all()
 
-    def _read_frame(self, conn: socket.socket, fds: list[int]) -> bytes | None:
+    def _read_frame(self, conn: socket.socket, fds: list[int], *, first: bool) -> bytearray | None:
         """The next request body; None when the peer closed between frames. Framing errors raise (and close).
 
-        SCM_RIGHTS descriptors riding along with the frame are appended to `fds` (the caller closes them).
+        SCM_RIGHTS descriptors riding along with the frame are appended to `fds` (the caller closes them);
+        the body's bytes are reserved from `self.budget` (the caller gives them back).
         """
-        conn.settimeout(None)
-        first = F.recv_exact(conn, 1, fds)
-        if not first:
-            return None
-        conn.settimeout(self.cfg.frame_timeout_s)
+        cfg = self.cfg
+        wait = cfg.hello_timeout_s if first else (cfg.idle_timeout_s or None)
+        conn.settimeout(wait)
         try:
-            header = first + F.recv_exact(conn, F.HEADER.size - 1, fds)
+            start = F.recv_exact(conn, 1, fds)
+        except TimeoutError:
+            raise _Quiet(f"{'no first frame' if first else 'idle'} for {wait}s") from None
+        if not start:
+            return None
+        deadline = time.monotonic() + cfg.frame_timeout_s
+        try:
+            header = start + F.recv_exact(conn, F.HEADER.size - 1, fds, deadline=deadline)
             if len(header) < F.HEADER.size:
                 raise ProtocolError("truncated frame header")
-            length = F.parse_header(header, self.cfg.max_frame_bytes)
-            body = F.recv_exact(conn, length, fds)
+            length = F.parse_header(header, cfg.max_frame_bytes)
+            body = F.recv_exact(conn, length, fds, deadline=deadline, budget=self.budget)
         except TimeoutError:
-            raise ProtocolError(f"frame not completed within {self.cfg.frame_timeout_s}s") from None
+            raise ProtocolError(f"frame not completed within {cfg.frame_timeout_s}s") from None
         if len(body) < length:
+            self.budget.give(len(body))
             raise ProtocolError("truncated frame body")
         return body
 
-    def _handle(self, session: Session, body: bytes, received: list[int]) -> tuple[P.Msg, list[int]]:
+    def _handle(self, session: Session, body: bytearray, received: list[int]) -> tuple[P.Msg, list[int]]:
         """One request to its reply; every KvtierError (including bad requests) becomes an error frame."""
         started = time.perf_counter()
         op = "?"
+        rid = 0
+        session.requests += 1
         try:
-            req = P.decode_request(body)
-            op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
-            session.requests += 1
+            try:
+                req = P.decode_request(body)
+            except ProtocolError as exc:
+                log.info("connection %d (pid %d): %s", session.owner, session.peer.pid, exc)
+                raise
+            op, rid = type(req).__struct_config__.tag, req.id  # type: ignore[attr-defined]
             reply, fds = self._route(session, req, received)
         except KvtierError as exc:
             reply, fds = P.Error(exc.code, str(exc)), []
@@ -261,6 +329,7 @@ class SocketServer:
             )
         if self.on_request is not None:
             self.on_request(op, time.perf_counter() - started, reply.code if isinstance(reply, P.Error) else "ok")
+        reply.id = rid
         return reply, fds
 
     def _route(self, session: Session, req: P.Msg, received: list[int]) -> tuple[P.Msg, list[int]]:
@@ -280,7 +349,7 @@ class SocketServer:
                     " open another connection for another profile"
                 )
             reply, fds = self.backend.attach(session, req)
-            session.attached = reply.profile
+            session.attached, session.namespace = reply.profile, reply.namespace
             return reply, fds
         if isinstance(req, P.Stats):
             return P.StatsOk(self.stats_doc()), []
@@ -302,6 +371,9 @@ class SocketServer:
         if session.attached is None:
             op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
             raise OutOfOrder(f"{op} before attach: attach to a profile first")
+        stale = self.backend.stale_reply(session, req)  # attached to a namespace retired since (a rollout)
+        if stale is not None:
+            return stale, []
         return self._dispatch[type(req)](session, req), []
 
     # -- shutdown ---------------------------------------------------------------------------------
@@ -321,9 +393,7 @@ class SocketServer:
             conns = list(self._conns.values())
         for conn in conns:
             try:
-                conn.shutdown(
-                    socket.SHUT_RD
-                )  # a thread waiting for its next request sees EOF; one mid-request finishes
+                conn.shutdown(socket.SHUT_RD)  # a thread waiting for its next request sees EOF; one mid-request ends
             except OSError:
                 pass
         while True:

@@ -198,7 +198,7 @@ class Daemon:
                 due = self.notifier.watchdog_due()
                 for key, _ in sel.select(min(TICK_S, due) if due is not None else TICK_S):
                     if key.data == "accept":
-                        self.server.accept_one()
+                        self.server.accept_ready()
                     else:
                         self._handle_signals()
                 now = time.monotonic()

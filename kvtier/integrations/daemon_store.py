@@ -32,13 +32,19 @@ class DaemonStore:
         version_key: VersionKey,
         groups: Sequence[tuple[str, CacheForm]],
         staging_bytes: int,
+        *,
+        lookup_timeout_s: float = 2.0,
     ) -> None:
         self.socket_path = Path(socket_path)
         self._clients: list[TierClient] = []
         try:
-            for role, staging in (("lookups", 0), ("loads", staging_bytes), ("stores", staging_bytes)):
+            # a lookup has a short deadline of its own: a hung daemon costs the scheduler a miss, not a stall
+            roles = (("lookups", 0, lookup_timeout_s), ("loads", staging_bytes, 60.0), ("stores", staging_bytes, 60.0))
+            for role, staging, timeout_s in roles:
                 self._clients.append(
-                    TierClient(self.socket_path, version_key, groups, staging, name=f"engine tier {role}")
+                    TierClient(
+                        self.socket_path, version_key, groups, staging, timeout_s=timeout_s, name=f"engine tier {role}"
+                    )
                 )
         except BaseException:
             self.close()

@@ -40,19 +40,27 @@ class OutOfOrder(ProtocolError):
 
 
 class PermissionDenied(KvtierError):
-    """The peer's uid / gid is not among the daemon's allowed ones."""
+    """The socket's file mode refused us (EACCES), or the peer's uid / gid is not among the daemon's allowed ones;
+    the message names the group to join."""
 
     code = "permission_denied"
 
 
 class DaemonUnavailable(KvtierError):
-    """No daemon answers on the socket, or it went away mid-request."""
+    """No daemon on the socket (ENOENT / ECONNREFUSED), or it went away mid-request."""
 
     code = "daemon_unavailable"
 
 
+class DaemonTimeout(DaemonUnavailable):
+    """The daemon did not answer within the call's deadline; the connection was closed (the next call reconnects)."""
+
+    code = "daemon_timeout"
+
+
 class DaemonBusy(KvtierError):
-    """The daemon refuses new work: it is at its connection cap or shutting down."""
+    """The daemon refuses new work: its listen backlog stayed full for the client's timeout, it is at its
+    connection or receive-buffer cap, or it is shutting down. Retrying later is the remedy."""
 
     code = "busy"
 

@@ -20,8 +20,11 @@ from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
 from kvtier.wire.stats import StatsDoc
 
 
-class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
-    """Base of every frame body."""
+class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """Base of every frame body. `id` names the request; its reply echoes it (0: a connection-level error frame,
+    after which the daemon closes), so a client never takes one request's answer for another's."""
+
+    id: int = 0
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -286,15 +289,19 @@ def decode_request(body: bytes) -> Request:
         return _request_decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise _classify(body, exc) from None
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable request body ({exc}); send a msgpack map with an 'op'") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(f"undecodable request body ({_why(exc)}); send a msgpack map with an 'op'") from None
+
+
+def _why(exc: BaseException) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 
 def _classify(body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
-        return ProtocolError(f"undecodable request body ({exc})")
+    except (msgspec.DecodeError, RecursionError) as inner:
+        return ProtocolError(f"undecodable request body ({exc}; {_why(inner)})")
     if not isinstance(raw, dict) or "op" not in raw:
         return WrongType("a request must be a msgpack map with an 'op' key")
     op = raw["op"]
@@ -306,5 +313,5 @@ def _classify(body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
 def decode_reply(body: bytes) -> Reply:
     try:
         return _reply_decoder.decode(body)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:
         raise ProtocolError(f"undecodable reply from the daemon ({exc}); client and daemon versions differ?") from None
