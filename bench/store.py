@@ -1,10 +1,11 @@
 """Disk store throughput next to raw dd O_DIRECT on the same filesystem, in one run; prints one JSON object.
 
 Sequential write (store_many, group commit: one fdatasync + one LMDB commit per batch, checksums on) and
-cold sequential read (load_into batches through the thread pool into page-aligned targets, as pool slots are;
-O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered backend) of >= 1 GiB in fixed-size records, against
-`dd oflag=direct conv=fsync` and `dd iflag=direct` of the same size with the same block size. dd and
-store passes alternate `--repeat` times (the disk is shared) and each side's best pass is reported.
+cold sequential read (load_into batches through the thread pool into page-aligned targets, as pool slots
+are; O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered backend) of >= 1 GiB in
+fixed-size records, against `dd oflag=direct conv=fsync` and `dd iflag=direct` of the same size with the
+same block size. dd and store passes alternate `--repeat` times (the disk is shared) and each side's best
+pass is reported.
 
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
 (`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them).
