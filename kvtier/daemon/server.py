@@ -154,6 +154,7 @@ class SocketServer:
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
             P.TierHas: backend.tier.has,
+            P.TierKeys: backend.tier.keys,
             P.TierStore: backend.tier.store_many,
             P.TierLoad: backend.tier.load,
         }

@@ -120,6 +120,13 @@ class TierHas(Msg, tag="tier_has"):
     items: list[TierItem]
 
 
+class TierKeys(Msg, tag="tier_keys"):
+    """A page of the namespace's live keys after `after` (a cursor from the previous page; b"": from the first)."""
+
+    after: bytes = b""
+    limit: int = 4096
+
+
 class TierStore(Msg, tag="tier_store"):
     """Persist the staged bytes of each item; answered after the store commit (fdatasync + index commit)."""
 
@@ -147,6 +154,7 @@ Request = (
     | Explain
     | TierOpen
     | TierHas
+    | TierKeys
     | TierStore
     | TierLoad
 )
@@ -288,6 +296,16 @@ class TierReasons(Msg, tag="tier_reasons"):
     reasons: bytes
 
 
+class TierKeyPage(Msg, tag="tier_key_page"):
+    """Live keys: 16-byte block hashes concatenated, one group index byte each; `cursor` b"" when done; `txn` the
+    index snapshot read (the same again: nothing changed)."""
+
+    hashes: bytes
+    groups: bytes
+    cursor: bytes
+    txn: int
+
+
 class TierStored(Msg, tag="tier_stored"):
     """`stored` items committed (live ones skipped); `full_limit`: the limit a refused batch hit (nothing visible)."""
 
@@ -316,6 +334,7 @@ Reply = (
     | StatsOk
     | TierOpenOk
     | TierReasons
+    | TierKeyPage
     | TierStored
     | Error
 )
