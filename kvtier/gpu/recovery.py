@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.core.checkvector import CheckVector
+from kvtier.core.errors import VersionError
 from kvtier.core.forms import Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
@@ -265,6 +266,9 @@ class Recovery:
         if work:
             try:
                 self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
+            except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
+                log.info("write-back of %d objects skipped: %s", len(work), exc)
+                ok = False
             except Exception:
                 log.exception("write-back of %d objects failed; they stay cache-only", len(work))
                 ok = False
