@@ -27,13 +27,14 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # support.mooncake
 
 from bench.pagecache import drop_cache_tree
 from kvtier.cluster import ClusterConfig, ClusterTier
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore
-from tests.cluster.harness import mooncake_cluster, unavailable
+from support.mooncake_loopback import mooncake_cluster, unavailable
 
 DIGEST = b"L" * 16
 VK = VersionKey("bench-cluster", "w0", "abi-1", "comp-1", "idx-1", "fp8")

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import tomli_w
 
+from kvtier.cli.cluster_status import cluster_lines
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
@@ -110,6 +111,8 @@ def _render_status(doc: StatsDoc) -> None:
         for form, f in sorted(doc.forms.items()):
             reuse, recover, recompute = (_share(f.share(r)) for r in ("reuse", "recover", "recompute"))
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
+    for line in cluster_lines(doc.cluster):
+        click.echo(line)
 
 
 @click.command()

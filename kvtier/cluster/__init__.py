@@ -1,8 +1,6 @@
 """The cluster tier: Mooncake Store below the local disk, behind the same LowerTier interface (docs/cluster.md)."""
 
-from kvtier.cluster.config import ClusterConfig, WriteThrough
 from kvtier.cluster.errors import (
-    ClusterConfigError,
     ClusterError,
     ClusterPutError,
     ClusterRequestError,
@@ -11,11 +9,11 @@ from kvtier.cluster.errors import (
 )
 from kvtier.cluster.stats import ChainStats, ClusterStats, Histogram
 from kvtier.cluster.tier import ClusterTier
+from kvtier.core.cluster_config import ClusterConfig, WriteThrough
 
 __all__ = [
     "ChainStats",
     "ClusterConfig",
-    "ClusterConfigError",
     "ClusterError",
     "ClusterPutError",
     "ClusterRequestError",

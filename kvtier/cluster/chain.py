@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.cluster.background import BackgroundWriter
-from kvtier.cluster.config import ClusterConfig
 from kvtier.cluster.errors import ClusterError
 from kvtier.cluster.stats import ChainStats, Counters
 from kvtier.cluster.tier import ClusterTier
+from kvtier.core.cluster_config import ClusterConfig
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 
@@ -85,7 +85,9 @@ class TierChain:
                 self._writer.submit("written_through", self.cluster.store_many, through)
 
     def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
-        """Pins local records only: the cluster cannot pin (ClusterTier.pin)."""
+        """Pins local records only (the cluster cannot pin, ClusterTier.pin), after waiting up to load_timeout_s
+        for queued promotions: a prewarm that just loaded objects from the cluster pins their local copies."""
+        self._writer.drain(self.cfg.load_timeout_s)
         return self.local.pin(keys, ttl_s)
 
     def remove(self, keys: Sequence[ObjectKey]) -> int:

@@ -19,10 +19,6 @@ class ClusterSetupError(ClusterError):
     """The cluster client could not be created: the extra is missing or the master refused the setup."""
 
 
-class ClusterConfigError(ClusterError, ValueError):
-    """A `[cluster]` setting is out of range or inconsistent."""
-
-
 class ClusterRequestError(ClusterError, ValueError):
     """A call into the cluster tier was malformed (e.g. keys and layout digests of different lengths)."""
 

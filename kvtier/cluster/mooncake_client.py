@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.cluster.config import ClusterConfig
 from kvtier.cluster.errors import ClusterSetupError
 from kvtier.cluster.lane import Breaker, Lane
+from kvtier.core.cluster_config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
 TOO_LARGE = -(1 << 30)  # ours: the object cannot fit the staging buffer at all
+
+
+def require_mooncake() -> None:
+    """Raise ClusterSetupError, saying how to install it, where Mooncake cannot be imported."""
+    _import_store()
 
 
 def _import_store():  # the extension module has no stubs

@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.cluster import header as H
-from kvtier.cluster.config import ClusterConfig
 from kvtier.cluster.errors import ClusterError, ClusterPutError, ClusterRequestError, ClusterUnavailable
+from kvtier.cluster.link import ClientLink
 from kvtier.cluster.mooncake_client import BUFFER_TOO_SMALL, NOT_FOUND, TOO_LARGE, MooncakeClient
 from kvtier.cluster.stats import ClusterStats, Counters, LatencyRecorder
+from kvtier.core.cluster_config import ClusterConfig
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 
@@ -47,13 +48,18 @@ class ClusterTier:
 
     def __init__(self, cfg: ClusterConfig, client: MooncakeClient | None = None) -> None:
         self.cfg = cfg
-        self.client = client if client is not None else MooncakeClient(cfg)
+        self._link = ClientLink(cfg, (lambda _cfg: client) if client is not None else MooncakeClient)
         self._counters = Counters(
             "lookups", "found", "hits", "bytes_loaded", "stored", "bytes_stored", "put_failed", "removed"
         )
         self._lookup_latency = LatencyRecorder()
         self._load_latency = LatencyRecorder()
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-cluster-janitor")
+
+    @property
+    def client(self) -> MooncakeClient:
+        """The Mooncake client; ClusterUnavailable while it is not connected (the cluster was down at start)."""
+        return self._link.client
 
     def name(self, key: ObjectKey) -> str:
         return H.object_name(self.cfg.key_prefix, key)
@@ -190,7 +196,7 @@ class ClusterTier:
 
     @property
     def up(self) -> bool:
-        return self.client.breaker.up
+        return self._link.up
 
     def stats(self) -> ClusterStats:
         v = self._counters.values()
@@ -204,4 +210,4 @@ class ClusterTier:
 
     def close(self) -> None:
         self._janitor.shutdown(wait=True)
-        self.client.close()
+        self._link.close()

@@ -7,6 +7,7 @@ limits, profiles).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import tomllib
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.cluster_config import ClusterConfig, WriteThrough
 from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
 
@@ -108,6 +110,8 @@ class DaemonConfig:
     shutdown_timeout_s: float = 20.0
     # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
     versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    # off (single node) unless a `[cluster]` table enables it
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     source: str = "embedded default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +128,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -261,6 +267,12 @@ class _Reader:
             raise self.error(key, f"must be {'>=' if allow_zero else '>'} {minimum}, got {value}")
         return value
 
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
+
     def size(self, key: str, default: int) -> int:
         return parse_size(self.get(key, default), f"{self.prefix}{key}", self.source)
 
@@ -316,6 +328,30 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     if value and not re.fullmatch(r"[\w.\-\[\]:]*:\d{1,5}", value):
         raise reader.error("address", f"must be HOST:PORT or empty to disable, got {value!r}")
     return value
+
+
+def _cluster(reader: _Reader, base: ClusterConfig) -> ClusterConfig:
+    """The `[cluster]` table: each key read by the type of its default; ranges checked by ClusterConfig itself."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(ClusterConfig):
+        key, default = field.name, getattr(base, field.name)
+        if isinstance(default, bool):
+            values[key] = reader.boolean(key, default)
+        elif isinstance(default, WriteThrough):
+            values[key] = WriteThrough(reader.string(key, default.value, choices=tuple(w.value for w in WriteThrough)))
+        elif isinstance(default, int) and key.endswith("_bytes"):
+            values[key] = reader.size(key, default)
+        elif isinstance(default, int):
+            values[key] = reader.number(key, default, integer=True, allow_zero=True)
+        elif isinstance(default, float):
+            values[key] = float(reader.number(key, default))
+        else:
+            values[key] = reader.string(key, default)
+    reader.finish()
+    try:
+        return ClusterConfig(**values)
+    except ConfigError as exc:  # ClusterConfig names the key; say which file too
+        raise ConfigError(str(exc).removeprefix(f"key '{exc.key}': "), key=exc.key, source=reader.source) from None
 
 
 VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexer_version", "dtype_layout")
@@ -411,6 +447,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
         versions=_versions(top.sub("versions"), tuple(profiles)),
+        cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )
     top.finish()

@@ -26,7 +26,8 @@ from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import load_profile
-from kvtier.core.tier import ObjectKey
+from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
 from kvtier.daemon.namespaces import apply_versions, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
@@ -71,7 +72,9 @@ class DaemonBackend:
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
         self.runtimes: dict[str, Runtime] = {}
+        self.lower: LowerTier = self.store
         try:
+            self.lower = build_lower(cfg, self.store)
             for name in cfg.profiles:
                 profile = load_profile(name)
                 if profile.name in self.runtimes:
@@ -82,7 +85,7 @@ class DaemonBackend:
                     profile,
                     budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
                     device=self.device,
-                    lower=self.store,
+                    lower=self.lower,
                     admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
                     lease_ttl_s=cfg.lease_ttl_s,
                 )
@@ -99,7 +102,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self.tier = TierOps(self.store, cfg.store.codec)
+        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
         self._closed = False
 
     @staticmethod
@@ -278,7 +281,7 @@ class DaemonBackend:
                 if route is Route.REUSE
             ]
             pinned = manager.pin(keys)
-            self.store.pin(keys, req.ttl_s)
+            self.lower.pin(keys, req.ttl_s)  # with a cluster: after the promotions of what it loaded
         finally:
             manager.release(result)
         if keys:
@@ -349,13 +352,16 @@ class DaemonBackend:
             persister.stop(self.cfg.shutdown_timeout_s)
         for rt in getattr(self, "runtimes", {}).values():
             rt.manager.close()
+        close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:
         """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
             prewarm_pins = len(self._pins)
-        return backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+        doc = backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+        doc.cluster = cluster_doc(self.lower)
+        return doc
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvtier.core.errors import ConfigError
+from kvtier.daemon.cluster_metrics import cluster_families
 from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class BackendCollector(Collector):
         restarts = CounterMetricFamily("kvtier_verifier_restarts", "Times the supervised verifier was restarted")
         restarts.add_metric([], doc.verifier.restarts)
         yield restarts
+        yield from cluster_families(doc.cluster)
 
 
 def _le(value: float | str) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.hashing import HASH_BYTES
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.daemon.session import Session
 from kvtier.store import DiskStore, StoreFull
@@ -96,8 +96,9 @@ def _map_staging(fds: list[int], size: int) -> mmap.mmap:
 class TierOps:
     """The raw tier connections of one daemon, by owner (connection), over its store."""
 
-    def __init__(self, store: DiskStore, codec: str) -> None:
+    def __init__(self, store: DiskStore, codec: str, lower: LowerTier | None = None) -> None:
         self.store = store
+        self.lower = lower if lower is not None else store  # objects go through the tier chain where there is one
         self.codec = codec
         self._lock = threading.Lock()
         self._conns: dict[int, TierConn] = {}
@@ -150,7 +151,7 @@ class TierOps:
 
     def has(self, session: Session, req: P.TierHas) -> P.TierReasons:
         keys, digests = self._conn(session).keys(req.items)
-        return P.TierReasons(bytes(self.store.has(keys, digests)))
+        return P.TierReasons(bytes(self.lower.has(keys, digests)))
 
     def store_many(self, session: Session, req: P.TierStore) -> P.TierStored:
         """Persist the staged objects with one store_many (one fdatasync + one commit); answered after the commit."""
@@ -158,7 +159,7 @@ class TierOps:
         keys, digests = conn.keys(req.items)
         payloads = conn.ranges(req.items)
         try:
-            self.store.store_many(list(zip(keys, payloads, digests)))
+            self.lower.store_many(list(zip(keys, payloads, digests)))
         except StoreFull as exc:
             return P.TierStored(0, exc.limit, str(exc))
         return P.TierStored(len(keys))
@@ -168,7 +169,7 @@ class TierOps:
         conn = self._conn(session)
         keys, digests = conn.keys(req.items)
         outs = conn.ranges(req.items)
-        reasons = self.store.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
+        reasons = self.lower.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
         return P.TierReasons(bytes(reasons))
 
     def release_owner(self, owner: int) -> None:

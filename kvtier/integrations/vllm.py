@@ -62,7 +62,7 @@ LOAD_CHUNKS = "vllm:kvtier_load_chunks"
 STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
 _WARN_EVERY_S = 30.0
 _MAX_FAILED_KEYS = 1 << 16
-_READ_AHEAD = 64  # keys read on each side of the one vLLM asks for
+_FIRST_BATCH, _MAX_BATCH = 16, 1024  # keys of one group read per index batch, in the direction the connector scans
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,6 +93,7 @@ class _ReadAhead:
     answers: dict[OffloadKey, Reason]
     read_at: float
     stores_done: int  # the tier's count of finished stores when these answers were read
+    batch: dict[int, int] = dataclasses.field(default_factory=dict)  # group id -> size of its last batch
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
@@ -179,6 +180,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._failed: dict[OffloadKey, None] = {}
         self._stats = OffloadingConnectorStats()
+        self._lookups: collections.Counter[tuple[str, str]] = collections.Counter()
         self._dropped_since_warning = 0
         self._last_warning = 0.0
 
@@ -227,7 +229,15 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return reason
 
     def _read_ahead(self, key: OffloadKey, req_context: ReqContext, ahead: _ReadAhead) -> None:
-        """One batched index read of the request's keys around `key` (it and up to _READ_AHEAD on each side)."""
+        """One batched index read of this group's keys next in the connector's scan from `key`.
+
+        vLLM scans a history group from chunk 0 forward and a state group from the end backward (until a whole
+        window hits), so the batch runs that way: forward, or back plus the window's chunks forward (what
+        `_in_window` asks about). Every key in the span gets its place recorded, so the list
+        search runs once per group and request.
+        """
+        gid = get_offload_group_idx(key)
+        plan = self._plans[gid]
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         if len(ahead.keys) != len(positions):  # vLLM's map only grows, in insertion order
             ahead.keys = list(positions)
@@ -237,21 +247,28 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 i = ahead.keys.index(key)
             except ValueError:  # a key vLLM did not record a position for: read it alone
                 i = -1
-        span = range(max(0, i - _READ_AHEAD), i + _READ_AHEAD + 1) if i >= 0 else range(0)
-        batch = [(j, k) for j in span if j < len(ahead.keys) for k in (ahead.keys[j],) if k not in ahead.answers]
-        batch = [(j, k) for j, k in batch if get_offload_group_idx(k) in self._plans] or [(i, key)]
-        plans = [self._plans[get_offload_group_idx(k)] for _, k in batch]
+        # Batches double per group and request: a hit at the first window reads little, a long scan few batches.
+        size = ahead.batch[gid] = min(2 * ahead.batch.get(gid, _FIRST_BATCH // 2), _MAX_BATCH)
+        if i < 0:
+            span: range = range(0)
+        elif plan.window_chunks:
+            back = max(size, 2 * plan.window_chunks)
+            span = range(max(0, i - back), min(len(ahead.keys), i + plan.window_chunks))
+        else:
+            span = range(i, min(len(ahead.keys), i + size))
+        keys, batch = ahead.keys, [key]
+        for j in span:
+            k = keys[j]
+            if get_offload_group_idx(k) == gid:
+                ahead.at[k] = j
+                if k not in ahead.answers and k != key:
+                    batch.append(k)
         try:
-            reasons = self._store.has(
-                [self._object_key(k, p) for (_, k), p in zip(batch, plans)], [self._digests[p.group_id] for p in plans]
-            )
+            reasons = self._store.has([self._object_key(k, plan) for k in batch], [self._digests[gid]] * len(batch))
         except KvtierError as exc:  # a store that cannot answer (daemon gone) is a miss, asked again next time
             self._warn(f"kvtier tier: lookups miss while the store cannot answer: {exc}")
             return
-        for (j, k), reason in zip(batch, reasons):
-            ahead.answers[k] = reason
-            if j >= 0:
-                ahead.at[k] = j
+        ahead.answers.update(zip(batch, reasons))
 
     # ----------------------------------------------------------------- lookups (scheduler thread)
 
@@ -272,7 +289,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return self._answer(form, "hit", LookupResult.HIT)
 
     def _answer(self, form: str, result: str, answer: LookupResult) -> LookupResult:
-        self._stats.increase_counter(LOOKUPS, 1, (form, result))
+        self._lookups[form, result] += 1  # counted here, handed to vLLM's stats in get_stats (the hot path)
         return answer
 
     def _in_window(self, key: OffloadKey, plan: GroupPlan, req_context: ReqContext) -> bool:
@@ -385,6 +402,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         self._stats.set_gauge(STORE_QUEUE, self._pending_store_chunks)
+        for labels, n in self._lookups.items():
+            self._stats.increase_counter(LOOKUPS, n, labels)
+        self._lookups.clear()
         stats, self._stats = self._stats, OffloadingConnectorStats()
         return stats
 
@@ -399,6 +419,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             t.join()
         log.info("kvtier tier: shut down; store %s", self._store.stats())
         self._store.close()
+        # The view pins vLLM's shared mmap: the primary tier, shut down after its secondaries, closes it next.
+        self._primary = torch.empty(0, dtype=torch.uint8)
 
     # ----------------------------------------------------------------- worker threads
 

@@ -116,3 +116,4 @@ class StatsDoc(msgspec.Struct):
     verifier: VerifierReport
     daemon: DaemonInfo | None = None  # filled by the service around the backend's part
     reloadable: Reloadable | None = None
+    cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node

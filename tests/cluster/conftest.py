@@ -11,26 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.cluster import ClusterConfig, ClusterTier
-from tests.cluster.harness import MooncakeCluster, mooncake_cluster, unavailable
-
-
-def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
-    """A client of `cluster` with test-sized buffers and short deadlines."""
-    base: dict[str, object] = dict(
-        enabled=True,
-        master=cluster.master,
-        metadata=cluster.metadata,
-        staging_bytes=4 << 20,
-        transfer_buffer_bytes=4 << 20,
-        lookup_timeout_s=0.5,
-        load_timeout_s=2.0,
-        put_timeout_s=5.0,
-        retry_s=0.5,
-    )
-    if cluster.etcd_endpoint:
-        base["etcd"] = cluster.etcd_endpoint
-    return ClusterConfig(**{**base, **kw})
+from kvtier.cluster import ClusterTier
+from support.cluster_nodes import cluster_config
+from support.mooncake_loopback import MooncakeCluster, mooncake_cluster, unavailable
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ from kvtier.cluster.chain import TierChain
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore
+from support.cluster_nodes import cluster_config
 from support.store_helpers import DIGEST, VK, make_key, make_payload
-from tests.cluster.conftest import cluster_config
 
 
 def _node(tmp_path, name: str, cluster, **kw) -> tuple[DiskStore, TierChain]:

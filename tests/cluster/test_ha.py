@@ -11,8 +11,8 @@ import torch
 
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest
+from support.mooncake_loopback import MooncakeCluster
 from support.store_helpers import DIGEST, make_key, make_payload
-from tests.cluster.harness import MooncakeCluster
 
 
 @pytest.fixture

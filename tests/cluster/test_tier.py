@@ -12,8 +12,8 @@ import torch
 from kvtier.cluster import header as H
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
+from support.mooncake_loopback import MooncakeCluster
 from support.store_helpers import DIGEST, make_key, make_payload
-from tests.cluster.harness import MooncakeCluster
 
 NS = b"N" * 16
 

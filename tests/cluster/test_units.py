@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.cluster import ClusterConfig, ClusterConfigError, ClusterUnavailable, WriteThrough
+from kvtier.cluster import ClusterConfig, ClusterUnavailable, WriteThrough
 from kvtier.cluster import header as H
 from kvtier.cluster.lane import Breaker, Lane
 from kvtier.cluster.mooncake_client import chunks
+from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 
@@ -81,9 +82,9 @@ def test_chunks_fit_the_staging_buffer() -> None:
 
 
 def test_config_validation_and_policy() -> None:
-    with pytest.raises(ClusterConfigError, match="replicas"):
+    with pytest.raises(ConfigError, match=r"cluster\.replicas"):
         ClusterConfig(replicas=0)
-    with pytest.raises(ClusterConfigError, match="backend"):
+    with pytest.raises(ConfigError, match=r"cluster\.backend"):
         ClusterConfig(backend="redis")
     assert ClusterConfig(etcd="127.0.0.1:2379").master_address == "etcd://127.0.0.1:2379"
     assert WriteThrough.HISTORY.covers(CacheForm.INDEXER) and not WriteThrough.HISTORY.covers(CacheForm.SWA)

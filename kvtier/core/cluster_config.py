@@ -1,11 +1,15 @@
-"""The `[cluster]` settings: where the cluster is, how much to wait for it, and what goes down to it."""
+"""The `[cluster]` settings: where the cluster is, how much to wait for it, and what goes down to it.
+
+In `core` because the daemon's config (`kvtier.core.config`) parses them; `kvtier.cluster` runs on them.
+Off by default: the embedded and systemd defaults are single-node.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 
-from kvtier.cluster.errors import ClusterConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm, GroupKind
 
 
@@ -45,17 +49,24 @@ class ClusterConfig:
     promote: bool = True  # a load from the cluster is also stored on local disk (in the background)
 
     def __post_init__(self) -> None:
+        def bad(key: str, message: str) -> ConfigError:
+            return ConfigError(message, key=f"cluster.{key}")
+
         if self.backend != "mooncake":
-            raise ClusterConfigError(f"cluster backend {self.backend!r} is not supported: use 'mooncake'")
+            raise bad("backend", f"{self.backend!r} is not supported: use 'mooncake'")
+        if self.protocol not in ("tcp", "rdma"):
+            raise bad("protocol", f"must be 'tcp' or 'rdma', got {self.protocol!r}")
         if not 1 <= self.replicas <= 16:
-            raise ClusterConfigError(f"cluster replicas must be 1..16, got {self.replicas}")
+            raise bad("replicas", f"must be 1..16, got {self.replicas}")
         for name in ("lookup_timeout_s", "load_timeout_s", "put_timeout_s", "retry_s"):
             if not getattr(self, name) > 0:
-                raise ClusterConfigError(f"cluster {name} must be > 0, got {getattr(self, name)}")
-        if self.staging_bytes < 1 << 20 or self.queue_bytes < 0:
-            raise ClusterConfigError("cluster staging_bytes must be >= 1 MiB and queue_bytes >= 0")
+                raise bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.staging_bytes < 1 << 20:
+            raise bad("staging_bytes", f"must be >= 1 MiB, got {self.staging_bytes}")
+        if self.queue_bytes < 0:
+            raise bad("queue_bytes", f"must be >= 0, got {self.queue_bytes}")
         if not self.key_prefix or "/" in self.key_prefix:
-            raise ClusterConfigError(f"cluster key_prefix {self.key_prefix!r} must be non-empty and contain no '/'")
+            raise bad("key_prefix", f"{self.key_prefix!r} must be non-empty and contain no '/'")
 
     @property
     def master_address(self) -> str:

@@ -1,6 +1,6 @@
 """A Mooncake holder: contributes `segment` bytes of memory to the pool until killed (tests, bench).
 
-usage: python -m tests.cluster.holder METADATA MASTER SEGMENT_BYTES READY_FILE
+usage: python tests/support/mooncake_holder.py METADATA MASTER SEGMENT_BYTES READY_FILE
 """
 
 from __future__ import annotations

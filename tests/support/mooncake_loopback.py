@@ -145,8 +145,7 @@ class MooncakeCluster:
         ready = self.workdir / f"holder-{self._n + 1}.ready"
         argv = [
             sys.executable,
-            "-m",
-            "tests.cluster.holder",
+            str(pathlib.Path(__file__).with_name("mooncake_holder.py")),
             self.metadata,
             master or self.master,
             str(segment_bytes),
@@ -156,6 +155,10 @@ class MooncakeCluster:
         self.holders.append(proc)
         _started(proc, ready.exists, 30)
         return proc
+
+    def segments_expired(self) -> int:
+        """Holder segments the masters unmounted after their holder stopped answering (client_ttl)."""
+        return sum(m.log.read_bytes().count(b"action=unmount_expired_mem_segment") for m in self.masters)
 
     def close(self) -> None:
         for proc in [*self.holders, *self.masters, *([self.etcd] if self.etcd else [])]:

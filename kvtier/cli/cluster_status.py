@@ -1,0 +1,34 @@
+"""The cluster tier's lines in `kvtier status` (from `StatsDoc.cluster`; none on a single node)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _quantile(hist: dict[str, Any], q: float) -> str:
+    """The upper bound of the bucket holding quantile q ("-" before any call; "> last bound" past it)."""
+    total = sum(hist["counts"])
+    if not total:
+        return "-"
+    running = 0
+    for bound, n in zip(hist["bounds"], hist["counts"]):
+        running += n
+        if running >= q * total:
+            return f"<= {bound * 1000:g} ms"
+    return f"> {hist['bounds'][-1] * 1000:g} ms"
+
+
+def cluster_lines(doc: dict[str, Any]) -> list[str]:
+    if not doc:
+        return []
+    t = doc["cluster"]
+    misses = ", ".join(f"{r} {n}" for r, n in sorted(t["misses"].items())) or "none"
+    return [
+        f"cluster    {'up' if t['up'] else 'DOWN'}  hits {doc['cluster_hits']} (local disk {doc['local_hits']})"
+        f"  misses: {misses}",
+        f"  moved    loaded {t['bytes_loaded'] / 2**20:.1f} MiB, stored {t['bytes_stored'] / 2**20:.1f} MiB;"
+        f" written through {doc['written_through']}, promoted {doc['promoted']}, dropped {doc['dropped']},"
+        f" failed {doc['background_failed']}, backlog {doc['backlog_bytes'] / 2**20:.1f} MiB",
+        f"  latency  lookup p50 {_quantile(t['lookup_latency'], 0.5)} p99 {_quantile(t['lookup_latency'], 0.99)};"
+        f" load p50 {_quantile(t['load_latency'], 0.5)} p99 {_quantile(t['load_latency'], 0.99)}",
+    ]

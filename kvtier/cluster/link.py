@@ -1,0 +1,114 @@
+"""The cluster client as a link that may not be up yet: connected at start, or later by a background retry.
+
+A daemon must start (and serve node-local hits) while its cluster is down; until the client connects,
+every cluster call is `ClusterUnavailable`, which the tier turns into misses. A missing Mooncake install
+is not retried: it is a setup error at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable
+
+from kvtier.cluster.errors import ClusterSetupError, ClusterUnavailable
+from kvtier.cluster.mooncake_client import MooncakeClient, require_mooncake
+from kvtier.core.cluster_config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+class ClientLink:
+    """Holds the MooncakeClient once one is set up; connects in a background thread, retrying until it is.
+
+    Mooncake's setup against a master that does not answer retries for about 90 s before failing, and holds
+    the GIL meanwhile (the whole daemon would stop): so the master (or etcd) and the metadata server are first
+    probed with a plain TCP connect, and setup is called only once they accept. The constructor waits at most
+    `load_timeout_s` for the first attempt.
+    """
+
+    def __init__(self, cfg: ClusterConfig, connect: Callable[[ClusterConfig], MooncakeClient] = MooncakeClient) -> None:
+        require_mooncake()
+        self.cfg = cfg
+        self._connect = connect
+        self._client: MooncakeClient | None = None
+        self._closed = threading.Event()
+        self._attempted = threading.Event()
+        self.last_error = "connecting"
+        self._thread = threading.Thread(target=self._run, name="kvtier-cluster-connect", daemon=True)
+        self._thread.start()
+        if not self._attempted.wait(cfg.load_timeout_s) or self._client is None:
+            log.warning(
+                "cluster at %s not connected yet (%s): serving node-local, connecting in the background",
+                cfg.master_address,
+                self.last_error,
+            )
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                _probe(self.cfg)
+                client = self._connect(self.cfg)
+            except ClusterSetupError as exc:
+                self.last_error = str(exc)
+                log.info("cluster setup failed, retrying in %gs: %s", self.cfg.retry_s, exc)
+                self._attempted.set()
+                self._closed.wait(self.cfg.retry_s)
+                continue
+            if self._closed.is_set():  # closed while connecting
+                client.close()
+                return
+            self._client = client
+            self.last_error = ""
+            self._attempted.set()
+            log.info("cluster connected at %s", self.cfg.master_address)
+            return
+
+    @property
+    def client(self) -> MooncakeClient:
+        """The connected client; ClusterUnavailable (a miss for the caller) while there is none."""
+        client = self._client
+        if client is None:
+            raise ClusterUnavailable(f"cluster not connected yet: {self.last_error}")
+        return client
+
+    @property
+    def up(self) -> bool:
+        client = self._client
+        return client is not None and client.breaker.up
+
+    def close(self) -> None:
+        """Close the client; an attempt still blocked in Mooncake's setup is left to end on its own (daemon thread)."""
+        self._closed.set()
+        self._thread.join(timeout=1.0)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _endpoints(cfg: ClusterConfig) -> tuple[list[str], str]:
+    """host:port of the masters (or their etcd endpoints), and of the metadata server ("" when it is not HTTP)."""
+    masters = cfg.etcd.split(";") if cfg.etcd else [cfg.master]
+    url = urllib.parse.urlsplit(cfg.metadata)
+    return [m.strip() for m in masters if m.strip()], (url.netloc if url.scheme == "http" else "")
+
+
+def _accepts(endpoint: str, timeout_s: float) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _probe(cfg: ClusterConfig) -> None:
+    """ClusterSetupError unless a master (or etcd) endpoint and the metadata server accept a TCP connection."""
+    masters, metadata = _endpoints(cfg)
+    timeout = min(1.0, cfg.load_timeout_s)
+    if not any(_accepts(m, timeout) for m in masters):
+        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections")
+    if metadata and not _accepts(metadata, timeout):
+        raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections")

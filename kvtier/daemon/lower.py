@@ -1,0 +1,53 @@
+"""The tier below the daemon's pools: the local DiskStore, or, with `[cluster] enabled`, the chain
+local disk -> cluster (Mooncake Store) over it (docs/cluster.md).
+
+Everything that reads or writes objects below the pools (the managers' recovery and write-back, the raw
+tier ops, prewarm's pins) goes through this one object; the store keeps its other jobs (namespaces,
+limits, stats, the verifier's view).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from kvtier.cluster import ClusterTier
+from kvtier.cluster.chain import TierChain
+from kvtier.core.config import DaemonConfig
+from kvtier.core.tier import LowerTier
+from kvtier.store import DiskStore
+
+log = logging.getLogger(__name__)
+
+
+def build_lower(cfg: DaemonConfig, store: DiskStore) -> LowerTier:
+    """`store` alone (single node, the default), or the tier chain over it when the cluster is enabled.
+
+    A cluster that is down at start does not stop the daemon: it serves node-local hits and connects
+    when the cluster answers (ClusterTier's link retries). A missing Mooncake install is an error here.
+    """
+    c = cfg.cluster
+    if not c.enabled:
+        return store
+    chain = TierChain(store, ClusterTier(c), c)
+    log.info(
+        "cluster tier: mooncake at %s, %d replicas, write-through %s, promote %s",
+        c.master_address,
+        c.replicas,
+        c.write_through.value,
+        c.promote,
+    )
+    return chain
+
+
+def cluster_doc(lower: LowerTier) -> dict[str, Any]:
+    """The cluster tier's own stats document (ChainStats as plain data) for `kvtier status`; {} on a single node."""
+    return msgspec.to_builtins(lower.stats()) if isinstance(lower, TierChain) else {}
+
+
+def close_lower(lower: LowerTier, timeout_s: float) -> None:
+    """Finish queued write-through / promotions for up to `timeout_s` and close the cluster client (not the store)."""
+    if isinstance(lower, TierChain):
+        lower.close(timeout_s)
