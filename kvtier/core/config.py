@@ -110,6 +110,8 @@ class DaemonConfig:
     shutdown_timeout_s: float = 20.0
     # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
     versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    # per profile, the version-key fields of a canary served beside the live version (`<profile>@canary`)
+    canary: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # off (single node) unless a `[cluster]` table enables it
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     source: str = "embedded default"
@@ -200,7 +202,7 @@ def load_config(
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
-    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired; `canary`).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -215,6 +217,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
         versions=new.versions,
+        canary=new.canary,
     )
 
 
@@ -358,7 +361,7 @@ VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexe
 
 
 def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
-    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    """`[versions.<profile>]` / `[canary.<profile>]`: version-key fields that override the profile's own."""
     out: dict[str, dict[str, str]] = {}
     for name in list(reader.table):
         if name not in profiles:
@@ -447,6 +450,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
         versions=_versions(top.sub("versions"), tuple(profiles)),
+        canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )

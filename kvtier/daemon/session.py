@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from kvtier.daemon.runtime import Runtime
 from kvtier.wire import messages as P
 
 
@@ -26,7 +27,8 @@ class Session:
     peer: Peer
     requests: int = 0
     attached: str | None = None
-    namespace: bytes = b""  # the profile's live namespace when this connection attached
+    namespace: bytes = b""  # the namespace its pools served when this connection attached
+    runtime: Runtime | None = None  # the pools it mapped at attach (live or canary; they stay its pools)
     tier_open: bool = False
 
 
@@ -43,6 +45,7 @@ class Backend(Protocol):
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk: ...
     def release_owner(self, owner: int) -> int: ...
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None: ...
+    def namespaces(self, session: Session, req: P.Msg) -> P.NamespacesOk: ...
 
     @property
     def tier(self) -> TierService: ...
