@@ -14,6 +14,7 @@ import numpy as np
 import tomli_w
 
 from kvtier.cli.cluster_status import cluster_lines
+from kvtier.cli.namespace_table import namespace_lines
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
@@ -113,6 +114,10 @@ def _render_status(doc: StatsDoc) -> None:
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
     for line in cluster_lines(doc.cluster):
         click.echo(line)
+    if doc.namespaces:
+        click.echo("")
+        for line in namespace_lines(doc.namespaces):
+            click.echo(line)
 
 
 @click.command()

@@ -7,6 +7,7 @@ import datetime
 from typing import Any
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.rollout_doc import namespace_roles
 from kvtier.store import RECORD_FORMS, DiskStore, StoreLimits
 from kvtier.verifier.checks import NamespaceView, SegmentFiles
 from kvtier.verifier.inventory import FormCounts, Progress, take_inventory
@@ -21,6 +22,7 @@ COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(FormCounts))
 class NamespaceReport:
     namespace: bytes
     live: bool
+    state: str  # live / canary (as the daemon last published its roles) / retired
     version_key: dict[str, str] | None  # None: records name a namespace the index has no entry for
     forms: dict[CacheForm, FormCounts]
 
@@ -55,6 +57,7 @@ class AuditReport:
                 {
                     "namespace": n.namespace.hex(),
                     "live": n.live,
+                    "state": n.state,
                     "version_key": n.version_key,
                     "forms": {f.value: c.to_dict() for f, c in n.forms.items()},
                 }
@@ -93,12 +96,13 @@ def audit_store(
         progress=progress,
     )
     reports = []
+    roles = namespace_roles(store)
     for ns in sorted(set(namespaces.entries) | set(inv.counts)):
         entry = namespaces.entries.get(ns)
         forms = inv.counts.get(ns) or {f: FormCounts() for f in RECORD_FORMS}
-        reports.append(
-            NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms)
-        )
+        live = bool(entry and entry.live)
+        state = "retired" if not live else "canary" if roles.get(ns.hex(), ("",))[0] == "canary" else "live"
+        reports.append(NamespaceReport(ns, live, state, entry.version_key.to_dict() if entry else None, forms))
     reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
     reclaimable += sum(s.size for s in survey.old_strays())
     limits = settings.limits or store.limits() or StoreLimits()
@@ -132,14 +136,14 @@ def render_table(report: AuditReport) -> str:
         f"corrupt      {report.corrupt}  quarantined {report.quarantined}",
         "",
     ]
-    header = ("namespace", "live", "model", "form", *COUNT_FIELDS)
+    header = ("namespace", "state", "model", "form", *COUNT_FIELDS)
     rows = [header]
     for n in report.namespaces:
         model = (n.version_key or {}).get("model_id", "?")
         shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(RECORD_FORMS[0], n.forms[RECORD_FORMS[0]])]
         for form, c in shown:
             counts = [_size(c.bytes) if k == "bytes" else str(getattr(c, k)) for k in COUNT_FIELDS]
-            rows.append((n.namespace.hex()[:16], "live" if n.live else "retired", model[:24], form.value, *counts))
+            rows.append((n.namespace.hex()[:16], n.state, model[:24], form.value, *counts))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append(
