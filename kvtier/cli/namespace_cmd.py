@@ -12,6 +12,7 @@ import sys
 import click
 import msgspec
 
+from kvtier.cli import exits
 from kvtier.cli.daemon_cmds import _socket, config_option, socket_option
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.wire import messages as P
@@ -28,10 +29,10 @@ def _ask(config_path: str | None, socket_path: str | None, req: P.Msg, as_json: 
             reply = conn.namespaces(req)  # type: ignore[arg-type]
     except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
         click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(4)
+        sys.exit(exits.NOT_ANSWERING)
     except DaemonUnavailable as exc:
         click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(3)
+        sys.exit(exits.NO_DAEMON)
     if as_json:
         click.echo(json.dumps({"done": reply.done, "namespaces": msgspec.to_builtins(reply.namespaces)}))
         return

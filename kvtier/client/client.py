@@ -115,6 +115,28 @@ def _cv(wire: P.CheckVectorWire) -> CheckVector:
     return CheckVector.from_wire(msgspec.structs.asdict(wire))
 
 
+def _token_ids(tokens: object) -> np.ndarray:
+    """A prompt as a 1-D integer array, or WrongType saying what was given instead."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise E.WrongType(
+            f"tokens must be token ids (a list of ints, a 1-D numpy array or torch tensor), got {type(tokens).__name__}"
+        )
+    ids = np.asarray(tokens)
+    if ids.ndim != 1:
+        raise E.WrongType(f"tokens must be one-dimensional (one prompt), got shape {ids.shape}")
+    if ids.size and ids.dtype.kind not in "iu":
+        raise E.WrongType(f"tokens must be integer token ids, got {ids.dtype} values")
+    return ids
+
+
+def _lookup_result(result: object, op: str) -> LookupResult:
+    if not isinstance(result, LookupResult):
+        raise E.WrongType(f"{op}() takes the LookupResult of lookup(), got {type(result).__name__}")
+    return result
+
+
 def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").reshape(cv.routes.shape)
 
@@ -150,9 +172,7 @@ class Client(Connection):
     def hashes(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
         """The chained block hashes of every whole block of `tokens`, concatenated (what lookups send)."""
         att = self._attached()
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.cpu().numpy()
-        return b"".join(block_hashes(att.namespace, tokens, att.hash_block_tokens))
+        return b"".join(block_hashes(att.namespace, _token_ids(tokens), att.hash_block_tokens))
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -204,13 +224,14 @@ class Client(Connection):
         """Longest usable hit for `tokens` (or precomputed concatenated `hashes`); leases every REUSE / RECOVER slot."""
         self.connected(self.lookup_timeout_s)  # a reconnect may bring a new namespace: hash under the lookup's one
         if hashes is None:
-            hashes = self.hashes(tokens if tokens is not None else [])
+            hashes = self.hashes(tokens)
         reply: P.LookupOk = self._call(P.Lookup(hashes), timeout_s=self.lookup_timeout_s)
         cv = _cv(reply.check_vector)
         return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv), epoch=self.epoch)
 
     def load(self, result: LookupResult) -> LoadReport:
         """Recover the RECOVER objects into their leased slots; `result` is updated (REUSE now, or a shorter hit)."""
+        result = _lookup_result(result, "load")
         self._current(result)
         reply: P.LoadOk = self._call(P.Load(result.lookup_id), epoch=result.epoch)
         cv = _cv(reply.check_vector)
@@ -219,18 +240,27 @@ class Client(Connection):
 
     def read(self, result: LookupResult, group: str, block: int) -> torch.Tensor:
         """A view of one REUSE object in the mapped pool; valid until `release(result)`."""
+        result = _lookup_result(result, "read")
         if result.released:
             raise E.OutOfOrder(f"lookup {result.lookup_id} was released; look up again")
         self._current(result)
-        route = result.check_vector.route(group, block)
+        cv = result.check_vector
+        if group not in cv.group_names:
+            raise E.WrongType(f"no cache group {group!r} in this profile; its groups: {', '.join(cv.group_names)}")
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+            raise E.WrongType(f"block must be a block index (int), got {type(block).__name__}")
+        if not 0 <= block < cv.num_blocks:
+            raise E.BadRange(f"block {block} is outside this lookup's {cv.num_blocks} blocks (0..{cv.num_blocks - 1})")
+        route = cv.route(group, int(block))
         if route is not Route.REUSE:
             hint = "call load(result) first" if route is Route.RECOVER else "recompute it"
             raise E.OutOfOrder(f"{group} block {block} is {route.name}, not REUSE: {hint}")
-        gi = result.check_vector.group_names.index(group)
+        gi = cv.group_names.index(group)
         return self._attached().pools[group].object_view(int(result.slots[gi, block]))
 
     def release(self, result: LookupResult) -> int:
-        """Give the leases back (idempotent); returns how many were released."""
+        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released."""
+        result = _lookup_result(result, "release")
         if result.released:
             return 0
         if result.epoch != self.epoch:  # its connection is gone, and the daemon released everything it held
@@ -254,13 +284,21 @@ class Client(Connection):
         att = self._attached()
         hashes = self.hashes(tokens)
         n_blocks = len(hashes) // HASH_BYTES
+        if not isinstance(caches, Mapping) or not all(isinstance(c, Mapping) for c in caches.values()):
+            raise E.WrongType(
+                f"caches must map group name -> {{block index: tensor}}, got {type(caches).__name__}"
+                + ("" if not isinstance(caches, Mapping) else " of non-mappings")
+            )
         groups = list(caches)
         blocks = [sorted(caches[g]) for g in groups]
         for g, bs in zip(groups, blocks):
             if g not in att.pools:
-                raise E.WrongType(f"profile {att.profile} has no cache group {g!r}")
+                raise E.WrongType(f"profile {att.profile} has no cache group {g!r}; its groups: {', '.join(att.pools)}")
+            bad = next((caches[g][b] for b in bs if not isinstance(caches[g][b], torch.Tensor)), None)
+            if bad is not None:
+                raise E.WrongType(f"{g}: each block's object must be a torch.Tensor, got {type(bad).__name__}")
             if bs and (bs[0] < 0 or bs[-1] >= n_blocks):
-                raise E.WrongType(f"{g}: block indices must be within the {n_blocks} whole blocks of tokens")
+                raise E.BadRange(f"{g}: block indices must be within the {n_blocks} whole blocks of tokens")
             need = att.pools[g].info.object_bytes
             for b in bs:
                 t = caches[g][b]
@@ -294,7 +332,7 @@ class Client(Connection):
     ) -> PrewarmReport:
         """Longest usable hit loaded into the pool and pinned for `ttl_s` (nothing leased to this client)."""
         if hashes is None:
-            hashes = self.hashes(tokens if tokens is not None else [])
+            hashes = self.hashes(tokens)
         reply: P.PrewarmOk = self._call(P.Prewarm(hashes, ttl_s))
         return PrewarmReport(
             _cv(reply.check_vector), reply.loaded_objects, reply.loaded_bytes, reply.pinned, reply.seconds

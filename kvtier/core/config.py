@@ -157,7 +157,9 @@ def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
     return DaemonConfig(
         device="auto",
         profiles=("deepseek-v4-flash",),
-        server=ServerConfig(socket=runtime / SOCKET_NAME),
+        # 0666 in a 0755 directory: every local user reaches the socket, and the daemon admits each peer by its
+        # credentials (root, its own uid, server.allowed_uids / allowed_gids), so those lists can grant access
+        server=ServerConfig(socket=runtime / SOCKET_NAME, socket_mode=0o666),
         pool=PoolConfig({f: 512 * 2**20 for f in FORMS}),
         store=StoreSection(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="external"),

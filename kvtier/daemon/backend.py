@@ -20,7 +20,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from kvtier.core.checkvector import CheckVector
+from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import KvtierError, ProfileError
 from kvtier.core.forms import CacheForm, Route
@@ -38,7 +38,7 @@ from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLook
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import PinStats, StatsDoc
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class DaemonBackend:
     """What the server calls: attach / lookup / load / release / offload / seal / flush / prewarm, stats, life cycle."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
+        self._closed = False  # first: close() runs on a failed start too (a bad profile, an unusable store)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
@@ -95,7 +96,6 @@ class DaemonBackend:
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
-        self._closed = False
 
     @staticmethod
     def _store_config(cfg: DaemonConfig) -> StoreConfig:
@@ -293,6 +293,12 @@ class DaemonBackend:
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
 
+    def explain(self, session: Session, req: P.Explain) -> P.ExplainOk:
+        """Per group what the pool and the store hold of the blocks, and the hit they allow; nothing leased."""
+        rt = self._runtime(session)
+        raw, final = rt.manager.explain(_split_hashes(req.hashes))
+        return P.ExplainOk(_wire_cv(raw), _wire_cv(final), window_blocks(rt.profile).tolist())
+
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
         """The answer for a connection attached to a namespace retired since (None while it is live)."""
         rt = self._runtime(session)
@@ -366,8 +372,10 @@ class DaemonBackend:
     def stats_doc(self) -> StatsDoc:
         """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
-            prewarm_pins = len(self._pins)
-        doc = backend_stats(self.rollout.runtimes(), self.store, self.persister, prewarm_pins)
+            now = time.monotonic()
+            pins = [PinStats(rt.name, len(keys), max(0.0, exp - now)) for exp, _, rt, keys in sorted(self._pins)]
+        doc = backend_stats(self.rollout.runtimes(), self.store, self.persister, len(pins))
+        doc.pins = pins
         doc.cluster = cluster_doc(self.lower)
         doc.namespaces = self.rollout.namespace_stats()
         return doc

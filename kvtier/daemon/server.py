@@ -150,6 +150,7 @@ class SocketServer:
             P.Offload: backend.offload,
             P.Seal: backend.seal,
             P.Prewarm: backend.prewarm,
+            P.Explain: backend.explain,
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
             P.TierHas: backend.tier.has,

@@ -13,6 +13,7 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -179,8 +180,9 @@ class Daemon:
         else:
             log.warning("unhealthy, withholding the watchdog ping: %s", why)
 
-    def run(self) -> int:
-        """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain)."""
+    def run(self, on_ready: Callable[[str], None] | None = None) -> int:
+        """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain). `on_ready` hears one line
+        saying where it listens, once it does."""
         previous = self._install_signals()
         sel = selectors.DefaultSelector()
         sel.register(self.server.listener, selectors.EVENT_READ, "accept")
@@ -191,6 +193,12 @@ class Daemon:
             if self.supervisor is not None:
                 self.supervisor.start()
             log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
+            if on_ready is not None:  # before READY: whoever waits for READY finds the line written
+                metrics = "http://{}:{}/metrics".format(*self.metrics_address) if self.metrics_address else "off"
+                on_ready(
+                    f"listening on {self.cfg.server.socket} (pid {os.getpid()}); metrics {metrics}; "
+                    f"verifier {self.cfg.verifier.mode}"
+                )
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             self.notifier.ping_watchdog()
             last_tick = 0.0

@@ -182,6 +182,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._stats = OffloadingConnectorStats()
         self._lookups: collections.Counter[tuple[str, str]] = collections.Counter()
         self._dropped_since_warning = 0
+        self._failed_jobs = 0  # jobs that raised since the last warning
         self._last_warning = 0.0
 
         self._done: collections.deque[_Done] = collections.deque()
@@ -359,6 +360,17 @@ class KvtierSecondaryTier(SecondaryTierManager):
         ):
             self._dropped_since_warning = 0
 
+    def _job_failed(self, kind: str, job_id: int, exc: Exception) -> None:
+        """A job that raised: its traceback at DEBUG only, and at most one warning per _WARN_EVERY_S (once the
+        daemon is gone every job fails; a traceback per job would flood the engine's log)."""
+        log.debug("kvtier tier: %s job %d failed", kind, job_id, exc_info=exc)
+        self._failed_jobs += 1
+        if self._warn(
+            f"kvtier tier: {kind} job {job_id} failed: {exc} ({self._failed_jobs} failed jobs since the last "
+            "warning); vLLM recomputes what it cannot load"
+        ):
+            self._failed_jobs = 0
+
     def _warn(self, message: str) -> bool:
         """Log `message` unless a warning went out in the last _WARN_EVERY_S seconds; True if it was logged."""
         now = time.monotonic()
@@ -446,18 +458,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     LoadRequest(self._object_key(key, plan), self._chunk(int(chunk)), self._digests[plan.group_id])
                 )
             reasons = self._store.load_into(requests)
-        except Exception:  # a worker must report every job, or vLLM waits for it forever
-            log.exception("kvtier tier: load job %d failed", job.job_id)
+        except Exception as exc:  # a worker must report every job, or vLLM waits for it forever
+            self._job_failed("load", job.job_id, exc)
             reasons = [None] * len(keys)
         ok = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
         if failed:
-            log.warning(
-                "kvtier tier: %d of %d chunks failed to load (%s): vLLM recomputes them",
-                len(failed),
-                len(keys),
-                dict(outcomes),
+            self._warn(
+                f"kvtier tier: {len(failed)} of {len(keys)} chunks failed to load ({dict(outcomes)}): "
+                "vLLM recomputes them"
             )
         result = JobResult(
             job.job_id,
@@ -491,8 +501,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 False,
                 collections.Counter({f"failed_{exc.limit.split(':')[0]}": len(keys)}),
             )
-        except Exception:  # a worker must report every job, or vLLM waits for it forever
-            log.exception("kvtier tier: store job %d failed", job.job_id)
+        except Exception as exc:  # a worker must report every job, or vLLM waits for it forever
+            self._job_failed("store", job.job_id, exc)
             return _Done(JobResult(job.job_id, False), keys, False, collections.Counter({"failed_error": len(keys)}))
         outcomes = collections.Counter({"stored": len(items), "present": len(keys) - len(items)})
         result = JobResult(

@@ -66,6 +66,11 @@ def run(
                 waited += 0.5
             if stop.is_set():
                 return 0
+            if not store_exists(root):
+                raise StoreNotFound(
+                    f"no kvtier store at {root} after waiting {wait_for_store_s:g}s: start the daemon that creates it "
+                    "(kvtier serve, or systemctl start kvtier), or pass the --store it uses"
+                )
         if not _lock_instance(root, stop):
             return 0
         prio = lower_priority()

@@ -3,7 +3,7 @@
 `kvtier.daemon` serves it and `kvtier.client` speaks it; both build on this package, never on each other.
 """
 
-from kvtier.wire.connection import Connection, default_socket
+from kvtier.wire.connection import Connection, OperatorConnection, default_socket
 from kvtier.wire.errors import (
     BadRange,
     DaemonBusy,
@@ -100,6 +100,7 @@ __all__ = [
     "Msg",
     "Offload",
     "OffloadOk",
+    "OperatorConnection",
     "OutOfOrder",
     "PermissionDenied",
     "PoolInfo",

@@ -97,6 +97,12 @@ class NamespacePromote(Msg, tag="namespace_promote"):
     profile: str
 
 
+class Explain(Msg, tag="explain"):
+    """What each group of the attached profile has of these blocks, and why the hit stops (no leases taken)."""
+
+    hashes: bytes
+
+
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One object of a raw tier request: key (block hash, index into the opened groups), layout digest, staged bytes."""
 
@@ -145,6 +151,7 @@ Request = (
     | Namespaces
     | NamespaceRetire
     | NamespacePromote
+    | Explain
     | TierOpen
     | TierHas
     | TierStore
@@ -243,6 +250,15 @@ class PrewarmOk(Msg, tag="prewarm_ok"):
     seconds: float
 
 
+class ExplainOk(Msg, tag="explain_ok"):
+    """`raw`: every object routed on its own; `final`: the intersection (what a lookup reports); `windows`: per
+    group 0 for history, else the trailing blocks a state group needs at a boundary."""
+
+    raw: CheckVectorWire
+    final: CheckVectorWire
+    windows: list[int]
+
+
 class Released(Msg, tag="released"):
     released: int
 
@@ -292,6 +308,7 @@ Reply = (
     | SealOk
     | FlushOk
     | PrewarmOk
+    | ExplainOk
     | Released
     | StatsOk
     | NamespacesOk

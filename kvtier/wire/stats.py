@@ -121,6 +121,14 @@ class Reloadable(msgspec.Struct):
     verifier_sweep_interval_s: float
 
 
+class PinStats(msgspec.Struct):
+    """One prewarm's pins: its objects stay in the pool (and on disk) until they expire."""
+
+    profile: str
+    objects: int
+    expires_in_s: float
+
+
 class StatsDoc(msgspec.Struct):
     profiles: list[ProfileStats]
     forms: dict[str, FormStats]
@@ -129,5 +137,6 @@ class StatsDoc(msgspec.Struct):
     verifier: VerifierReport
     daemon: DaemonInfo | None = None  # filled by the service around the backend's part
     reloadable: Reloadable | None = None
+    pins: list[PinStats] = []  # the live prewarm pins, soonest expiry first
     cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node
     namespaces: list[NamespaceStats] = []  # every namespace of the store, with its state and bytes

@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
+from kvtier.integrations.vllm import log as tier_log  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 ROW = 8192
@@ -228,3 +229,26 @@ def test_new_weights_under_the_same_path_miss(env) -> None:
     reweighted = env.tier(model_bytes=b"other weights" * 1000)
     assert reweighted.lookup(key(0), ReqContext("r")) is LookupResult.MISS
     assert counters(reweighted)[("vllm:kvtier_lookups", ("compressed", "missing"))] == 1
+
+
+def test_a_failing_store_logs_one_warning_not_a_traceback_per_job(env, caplog) -> None:
+    """Once the daemon is gone every job fails: one WARNING line per 30 s, no tracebacks above DEBUG."""
+    tier = env.tier()
+    finish(tier)
+
+    def gone(*_args, **_kwargs):
+        raise ConnectionError("lost the kvtier daemon")
+
+    tier._store.load_into = gone  # the daemon went away: every load and store job raises
+    tier._store.store_many = gone
+    tier._store.has = gone
+    caplog.set_level("DEBUG", logger=tier_log.name)
+    for i in range(9):
+        tier.submit_store(job([key(100 + i)], [i]))
+        tier.submit_load(job([key(200 + i)], [8 + i]))
+    results = finish(tier)
+    assert len(results) == 18 and not any(r.success for r in results.values())  # every job still reported
+    above_debug = [r for r in caplog.records if r.levelno > 10]
+    assert len(above_debug) == 1 and "failed: lost the kvtier daemon" in above_debug[0].getMessage()
+    assert not any(r.exc_info for r in above_debug)
+    assert sum(1 for r in caplog.records if r.levelno == 10 and r.exc_info) == 18  # tracebacks at DEBUG only
