@@ -13,7 +13,7 @@ import click
 import msgspec
 
 from kvtier.cli import exits
-from kvtier.cli.daemon_cmds import _socket, config_option, socket_option
+from kvtier.cli.daemon_cmds import config_option, socket_option, socket_path_of
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.wire import messages as P
 from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
@@ -25,7 +25,7 @@ def _ask(config_path: str | None, socket_path: str | None, req: P.Msg, as_json: 
     from kvtier.wire import Connection  # not kvtier.client: no torch needed
 
     try:
-        with Connection(_socket(config_path, socket_path), timeout_s=30.0, name="kvtier namespace") as conn:
+        with Connection(socket_path_of(config_path, socket_path), timeout_s=30.0, name="kvtier namespace") as conn:
             reply = conn.namespaces(req)  # type: ignore[arg-type]
     except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
         click.echo(f"kvtier: {exc}", err=True)
