@@ -7,16 +7,14 @@ answer; a refused operation (retiring a live version, an unknown namespace) is a
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 import msgspec
 
-from kvtier.cli import exits
 from kvtier.cli.daemon_cmds import config_option, socket_option, socket_path_of
 from kvtier.cli.namespace_table import namespace_lines
+from kvtier.cli.reach import daemon_exits
 from kvtier.wire import messages as P
-from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
@@ -24,15 +22,9 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-rea
 def _ask(config_path: str | None, socket_path: str | None, req: P.Msg, as_json: bool) -> None:
     from kvtier.wire import Connection  # not kvtier.client: no torch needed
 
-    try:
-        with Connection(socket_path_of(config_path, socket_path), timeout_s=30.0, name="kvtier namespace") as conn:
-            reply = conn.namespaces(req)  # type: ignore[arg-type]
-    except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(exits.NOT_ANSWERING)
-    except DaemonUnavailable as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(exits.NO_DAEMON)
+    path = socket_path_of(config_path, socket_path)
+    with daemon_exits(), Connection(path, timeout_s=30.0, name="kvtier namespace") as conn:
+        reply = conn.namespaces(req)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps({"done": reply.done, "namespaces": msgspec.to_builtins(reply.namespaces)}))
         return
