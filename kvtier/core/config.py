@@ -83,6 +83,18 @@ class VerifierConfig:
     sweep_interval_s: float = 300.0
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
+    hung_after_s: float = 120.0  # a supervised verifier whose heartbeat is older than this is killed and restarted
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionSection:
+    """The pools' admission caps (`kvtier.gpu.AdmissionConfig`): a global cap on occupied slots across every
+    pool of a profile (0: their capacity), split into per-form reservations rebalanced toward demand every
+    `rebalance_every` allocations, never below `min_form_share` of the cap."""
+
+    max_entries: int = 0
+    min_form_share: float = 0.05
+    rebalance_every: int = 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,11 +115,13 @@ class DaemonConfig:
     store: StoreSection
     verifier: VerifierConfig
     metrics: MetricsConfig
+    admission: AdmissionSection = AdmissionSection()
     lease_ttl_s: float = 30.0
     recovering_cap: int = 64
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
+    durable_wait_s: float = 30.0  # how long a durable offload waits for objects other connections are writing
     # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
     versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # per profile, the version-key fields of a canary served beside the live version (`<profile>@canary`)
@@ -431,12 +445,24 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         sweep_interval_s=float(v.number("sweep_interval_s", b3.sweep_interval_s)),
         restart_backoff_s=float(v.number("restart_backoff_s", b3.restart_backoff_s)),
         max_backoff_s=float(v.number("max_backoff_s", b3.max_backoff_s)),
+        hung_after_s=float(v.number("hung_after_s", b3.hung_after_s)),
     )
     v.finish()
 
     m = top.sub("metrics")
     metrics = MetricsConfig(_metrics_address(m, base.metrics.address))
     m.finish()
+
+    a = top.sub("admission")
+    b4 = base.admission
+    admission = AdmissionSection(
+        max_entries=a.number("max_entries", b4.max_entries, integer=True, allow_zero=True),
+        min_form_share=float(a.number("min_form_share", b4.min_form_share, allow_zero=True)),
+        rebalance_every=a.number("rebalance_every", b4.rebalance_every, integer=True, minimum=1),
+    )
+    if admission.min_form_share > 1:
+        raise a.error("min_form_share", f"must be at most 1, got {admission.min_form_share}")
+    a.finish()
 
     cfg = DaemonConfig(
         device=device,
@@ -446,11 +472,13 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         store=store,
         verifier=verifier,
         metrics=metrics,
+        admission=admission,
         lease_ttl_s=float(top.number("lease_ttl_s", base.lease_ttl_s)),
         recovering_cap=top.number("recovering_cap", base.recovering_cap, integer=True, minimum=1),
         recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        durable_wait_s=float(top.number("durable_wait_s", base.durable_wait_s)),
         versions=_versions(top.sub("versions"), tuple(profiles)),
         canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),

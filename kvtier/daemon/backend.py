@@ -2,9 +2,9 @@
 
 Requests arrive from the server as protocol structs and leave as replies. Lookups and offloads hand
 out *handles* (wire ids) owned by the connection that made them; a connection that goes away has
-every handle released, in the manager too (`release_owner`). Offloaded objects are acknowledged once
-sealed in the pool and written to the store by a background `Persister`; `durable` and `flush` wait
-for the store commit.
+every handle released, in the manager too (`release_owner`); while it lives, its heartbeat (`renew`)
+keeps them. Offloaded objects are acknowledged once sealed in the pool and written to the store by a
+background `Persister`; `durable` and `flush` wait for the store commit and say what did not make it.
 """
 
 from __future__ import annotations
@@ -16,22 +16,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
-from kvtier.core.errors import KvtierError, ProfileError
+from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.core.verifier_status import verifier_status
+from kvtier.daemon.durability import make_durable
 from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
+from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
@@ -62,6 +65,8 @@ class Held:
     lookup: PoolLookup | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
+    named: list[ObjectKey] = dataclasses.field(default_factory=list)  # every object an offload names
+    refused: frozenset[int] = frozenset()  # indices into `named` that got no slot
 
 
 class DaemonBackend:
@@ -113,7 +118,7 @@ class DaemonBackend:
             budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
             device=self.device,
             lower=self.lower,
-            admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
+            admission=admission_config(cfg),
             lease_ttl_s=cfg.lease_ttl_s,
         )
         sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
@@ -200,7 +205,8 @@ class DaemonBackend:
         manager = rt.manager
         slots: list[list[int]] = []
         writes: list[WriteHandle] = []
-        refused = 0
+        named: list[ObjectKey] = []
+        refused_at: list[int] = []
         try:
             for name, blocks in zip(req.groups, req.blocks):
                 group = groups.get(name)
@@ -211,15 +217,13 @@ class DaemonBackend:
                 digest = manager.layout_digest(name)
                 row: list[int] = []
                 for b in blocks:
+                    key = ObjectKey(manager.namespace, hashes[b], name, group.form)
+                    named.append(key)
                     try:
-                        handle = manager.begin_write(
-                            ObjectKey(manager.namespace, hashes[b], name, group.form),
-                            layout_digest=digest,
-                            owner=session.owner,
-                        )
+                        handle = manager.begin_write(key, layout_digest=digest, owner=session.owner)
                     except AdmissionRefused:
                         handle = None
-                        refused += 1
+                        refused_at.append(len(named) - 1)
                     if handle is not None:
                         writes.append(handle)
                     row.append(handle.slot if handle is not None else -1)
@@ -228,41 +232,75 @@ class DaemonBackend:
             for w in writes:
                 manager.abort(w)
             raise
-        ident = self._add(Held(session.owner, rt, writes=writes, expires_at=time.monotonic() + self.cfg.lease_ttl_s))
-        return P.OffloadOk(ident, slots, refused)
+        expires = time.monotonic() + self.cfg.lease_ttl_s
+        ident = self._add(
+            Held(session.owner, rt, writes=writes, expires_at=expires, named=named, refused=frozenset(refused_at))
+        )
+        return P.OffloadOk(ident, slots, len(refused_at))
 
-    def seal(self, session: Session, req: P.Seal) -> P.SealOk:
+    def seal(self, session: Session, req: P.Seal, fds: Sequence[int] = ()) -> P.SealOk:
+        """Seal an offload's objects, each only if whole by the bytes that really arrived (on cpu: copied from
+        the client's frozen staging region); with `durable`, count what the store has committed."""
         held = self._get(session, req.offload_id, lookup=False)
         self._pop(req.offload_id)
         manager = held.runtime.manager
         sealed = 0
         try:
-            for w in held.writes:
-                manager.seal(w, written_bytes=w.nbytes)  # the client filled the whole slot through its mapping
+            if len(req.written) != len(held.writes):
+                raise WrongType(f"seal names {len(req.written)} written sizes for {len(held.writes)} reserved objects")
+            for w, n in zip(held.writes, self._fill(held, req.written, fds)):
+                manager.seal(w, written_bytes=n)
                 sealed += 1
         except BaseException:
             for w in held.writes[sealed:]:
                 manager.abort(w)
             raise
-        if not req.durable:
-            self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
-            return P.SealOk(sealed, False)
         self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
-        done, _ = self.persister.wait_pass(max(60.0, self.cfg.shutdown_timeout_s))
-        persisted = done and all(
-            (st := manager.block_state(w.key.group, w.slot)).recoverable and st.generation == w.generation
-            for w in held.writes
-        )
-        if not persisted:
-            raise KvtierError(
-                "the store did not commit these objects (evicted first, or a store error; see the daemon log);"
-                " offload again"
+        if not req.durable:
+            return P.SealOk(sealed, False)
+        d = make_durable(self.store, self.persister, held.runtime, held.named, held.refused, self.cfg.durable_wait_s)
+        if d.not_durable:
+            log.warning(
+                "durable offload: %d of %d objects not in the store: %s",
+                d.not_durable,
+                len(held.named),
+                "; ".join(d.reasons),
             )
-        return P.SealOk(sealed, True)
+        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.reasons)
+
+    def _fill(self, held: Held, written: list[int], fds: Sequence[int]) -> list[int]:
+        """The bytes each reserved object really holds. On cpu the client cannot write the pools: its bytes
+        arrive in one staging memfd, frozen here and copied into the slots; on cuda it wrote them in place."""
+        pools = held.runtime.manager.pools()
+        if not held.writes or pools[0].reader_fd is None:
+            return list(written)
+        if len(fds) != 1:
+            raise StagingError("a cpu offload sends its bytes in one staging memfd along with seal")
+        size = freeze(fds[0])
+        index = {p.group: i for i, p in enumerate(pools)}
+        real: list[int] = []
+        offset = 0
+        for w, claimed in zip(held.writes, written):
+            got = copy_in(fds[0], offset, pools[index[w.key.group]].slot_view(w.slot)) if offset < size else 0
+            real.append(min(got, claimed))
+            offset += w.nbytes
+        return real
+
+    def renew(self, session: Session, req: P.Renew) -> P.Renewed:
+        """The client's heartbeat: its leases and reserved writes live on for another TTL."""
+        expires = time.monotonic() + self.cfg.lease_ttl_s
+        with self._lock:
+            for held in self._held.values():
+                if held.owner == session.owner and held.lookup is None:
+                    held.expires_at = max(held.expires_at, expires)
+        return P.Renewed(sum(rt.manager.renew_owner(session.owner) for rt in self.runtimes.values()))
 
     def flush(self, session: Session, req: P.Flush) -> P.FlushOk:
+        """Write back everything sealed; what still waits at the end is reported with why (blocked forms)."""
         done, persisted = self.persister.wait_pass(req.timeout_s)
-        return P.FlushOk(persisted, 0 if done else max(1, self.persister.queued))
+        pending = self.persister.queued
+        reasons = self.persister.reasons() if done else [f"the write-back pass did not finish in {req.timeout_s}s"]
+        return P.FlushOk(persisted, pending, reasons if pending else [])
 
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk:
         """The longest usable hit, RECOVER objects loaded; every object of it pinned (pool and disk) for ttl_s."""
@@ -343,6 +381,18 @@ class DaemonBackend:
             return False, "the persist thread died; acknowledged writes are not reaching the store"
         return True, ""
 
+    def degraded(self) -> str:
+        """Why serving is degraded though alive (write-back blocked for some forms), or ""."""
+        reasons = self.persister.reasons()
+        if not reasons:
+            return ""
+        return f"write-back blocked, {self.persister.queued} objects waiting: " + "; ".join(reasons)
+
+    def verifier_heartbeat_age(self, pid: int) -> float | None:
+        """Age of the heartbeat the verifier with `pid` last published in the store (None: it has not yet)."""
+        doc = verifier_status(self.store)
+        return doc.get("heartbeat_age_s") if doc.get("verifier_pid") == pid else None
+
     def reload(self, cfg: DaemonConfig) -> None:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
@@ -351,10 +401,21 @@ class DaemonBackend:
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
-        """Persist every sealed object (acknowledged writes) before shutdown; False if time ran out."""
-        done, n = self.persister.wait_pass(timeout_s)
-        log.info("shutdown flush: %d objects persisted%s", n, "" if done else " (timed out)")
-        return done
+        """Persist every sealed object (acknowledged writes) before shutdown; False, logging how many could not
+        be and why, if any remain (blocked forms, or time ran out)."""
+        deadline = time.monotonic() + timeout_s
+        total = 0
+        while True:
+            done, n = self.persister.wait_pass(max(0.0, deadline - time.monotonic()))
+            total += n
+            left = self.persister.queued
+            if not left:
+                log.info("shutdown flush: %d objects persisted, none left", total)
+                return True
+            if not done or not n or time.monotonic() >= deadline:
+                why = "; ".join(self.persister.reasons()) or "the shutdown deadline passed"
+                log.error("shutdown flush: %d acknowledged objects could not be persisted: %s", left, why)
+                return False
 
     def close(self) -> None:
         if getattr(self, "_closed", False):  # also called by a constructor that failed half way
@@ -379,6 +440,18 @@ class DaemonBackend:
         doc.cluster = cluster_doc(self.lower)
         doc.namespaces = self.rollout.namespace_stats()
         return doc
+
+
+def admission_config(cfg: DaemonConfig) -> AdmissionConfig:
+    """The pools' admission caps as the daemon config sets them."""
+    a = cfg.admission
+    return AdmissionConfig(
+        max_entries=a.max_entries or None,
+        min_form_share=a.min_form_share,
+        rebalance_every=a.rebalance_every,
+        max_recovering=cfg.recovering_cap,
+        max_recover_queue=cfg.recover_queue,
+    )
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

@@ -148,7 +148,7 @@ class SocketServer:
             P.Release: backend.release,
             P.Load: backend.load,
             P.Offload: backend.offload,
-            P.Seal: backend.seal,
+            P.Renew: backend.renew,
             P.Prewarm: backend.prewarm,
             P.Explain: backend.explain,
         }
@@ -377,6 +377,8 @@ class SocketServer:
         stale = self.backend.stale_reply(session, req)  # attached to a namespace retired since (a rollout)
         if stale is not None:
             return stale, []
+        if isinstance(req, P.Seal):  # a cpu offload's staging memfd rides along
+            return self.backend.seal(session, req, received), []
         return self._dispatch[type(req)](session, req), []
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ class ServiceBackend(Backend, Protocol):
 
     def stats_doc(self) -> StatsDoc: ...
     def health(self) -> tuple[bool, str]: ...
+    def degraded(self) -> str: ...
+    def verifier_heartbeat_age(self, pid: int) -> float | None: ...
     def tick(self) -> None: ...
     def reload(self, cfg: DaemonConfig) -> None: ...
     def drain(self, timeout_s: float) -> bool: ...
@@ -76,6 +78,8 @@ class Daemon:
                 verifier_command or default_verifier_command(cfg, config_path),
                 backoff_s=cfg.verifier.restart_backoff_s,
                 max_backoff_s=cfg.verifier.max_backoff_s,
+                heartbeat_age=backend.verifier_heartbeat_age,
+                hung_after_s=cfg.verifier.hung_after_s,
             )
         self.metrics_address: tuple[str, int] | None = None
         self._stop = False
@@ -96,6 +100,8 @@ class Daemon:
     def readiness(self) -> tuple[bool, str]:
         """Serving health plus the supervised verifier's state (a verifier down degrades, it never stops serving)."""
         healthy, why = self.backend.health()
+        if healthy and (problem := self.backend.degraded()):
+            return False, problem
         if healthy and self.supervisor is not None:
             st = self.supervisor.state()
             if st.state == "backoff":

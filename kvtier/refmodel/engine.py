@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.client import Client, LookupResult, OutOfOrder
+from kvtier.client import Client, LookupResult, NotDurable, OutOfOrder
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import VersionError
 from kvtier.core.forms import Reason
@@ -162,6 +162,12 @@ class RefEngine:
         started = time.perf_counter()
         rep = self.client.offload(ids, caches, durable=durable)
         offload_s = time.perf_counter() - started
+        if durable and not rep.persisted:
+            raise NotDurable(
+                f"{rep.not_durable} objects of this prefix are not in the store: {'; '.join(rep.reasons)}",
+                pending=rep.not_durable,
+                reasons=rep.reasons,
+            )
         log.info(
             "offloaded %d tokens: %d written, %d cached already, %d refused",
             len(ids),

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, NotDurable, StaleHandle
 from kvtier.wire import errors as E
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P
@@ -32,6 +32,8 @@ _ERRORS: dict[str, type[KvtierError]] = {
         E.DaemonBusy,
         E.DaemonTimeout,
         E.BadRange,
+        StaleHandle,
+        NotDurable,
     )
 }
 

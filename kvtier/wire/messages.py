@@ -62,10 +62,21 @@ class Offload(Msg, tag="offload"):
 
 
 class Seal(Msg, tag="seal"):
-    """The client wrote the reserved slots: seal them (and persist; `durable` waits for the store commit)."""
+    """The client wrote the reserved objects: seal them (and persist; `durable` waits for the store commit).
+
+    `written[i]` is how many bytes the client wrote of the i-th reserved object (slots >= 0 of the offload
+    reply, in order). On cpu the bytes ride along in a staging memfd (SCM_RIGHTS, objects back to back)
+    that the client has unmapped: the daemon seals it against writes and copies each whole object into
+    its slot; an object short in `written` or in the staging region is dropped (partial_block).
+    """
 
     offload_id: int
     durable: bool = False
+    written: list[int] = []
+
+
+class Renew(Msg, tag="renew"):
+    """Heartbeat: push back the expiry of every lease and reserved write of this connection."""
 
 
 class Flush(Msg, tag="flush"):
@@ -145,6 +156,7 @@ Request = (
     | Load
     | Offload
     | Seal
+    | Renew
     | Flush
     | Prewarm
     | Stats
@@ -189,6 +201,9 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
     pool_bytes: int = 0
     offset: int = 0  # byte offset of slot 0 in the shared memory / IPC allocation
     ipc: bytes = b""
+    gen_fd_index: int = -1  # the slot generation table (int64 per slot, host shared memory, read-only)
+    gen_offset: int = 0  # index of this pool's slot 0 in that table
+    gen_bytes: int = 0
 
 
 class HelloOk(Msg, tag="hello_ok"):
@@ -233,13 +248,26 @@ class OffloadOk(Msg, tag="offload_ok"):
 
 
 class SealOk(Msg, tag="seal_ok"):
+    """`durable` / `not_durable` (with `durable=True` only): objects the offload named (written, skipped as
+    reserved or cached elsewhere, or refused) that are / are not committed in the store, and why not."""
+
     sealed: int
     persisted: bool
+    durable: int = 0
+    not_durable: int = 0
+    reasons: list[str] = []
+
+
+class Renewed(Msg, tag="renewed"):
+    held: int
 
 
 class FlushOk(Msg, tag="flush_ok"):
+    """`pending`: sealed objects still not in the store when the flush ended; `reasons` why (blocked forms)."""
+
     persisted: int
     pending: int
+    reasons: list[str] = []
 
 
 class PrewarmOk(Msg, tag="prewarm_ok"):
@@ -306,6 +334,7 @@ Reply = (
     | LoadOk
     | OffloadOk
     | SealOk
+    | Renewed
     | FlushOk
     | PrewarmOk
     | ExplainOk
