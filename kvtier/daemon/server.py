@@ -357,6 +357,8 @@ class SocketServer:
             return P.StatsOk(self.stats_doc()), []
         if isinstance(req, P.Flush):
             return self.backend.flush(session, req), []
+        if isinstance(req, (P.Namespaces, P.NamespaceRetire, P.NamespacePromote)):
+            return self.backend.namespaces(session, req), []
         if isinstance(req, P.TierOpen):
             if session.tier_open:
                 raise OutOfOrder(

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtier.daemon.runtime import Runtime
 from kvtier.wire import messages as P
 
 
@@ -27,7 +28,8 @@ class Session:
     peer: Peer
     requests: int = 0
     attached: str | None = None
-    namespace: bytes = b""  # the profile's live namespace when this connection attached
+    namespace: bytes = b""  # the namespace its pools served when this connection attached
+    runtime: Runtime | None = None  # the pools it mapped at attach (live or canary; they stay its pools)
     tier_open: bool = False
 
 
@@ -46,6 +48,7 @@ class Backend(Protocol):
     def explain(self, session: Session, req: P.Explain) -> P.ExplainOk: ...
     def release_owner(self, owner: int) -> int: ...
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None: ...
+    def namespaces(self, session: Session, req: P.Msg) -> P.NamespacesOk: ...
 
     @property
     def tier(self) -> TierService: ...

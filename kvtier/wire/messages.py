@@ -1,8 +1,8 @@
 """The wire protocol's messages: one tagged msgpack struct per request and reply (frames: `kvtier.wire.framing`).
 
 Requests and replies are tagged unions keyed by `op`. Per connection the order is: optional `hello`
-(first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
-never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
+(first only), `attach` (once), then any of the rest; `stats`, `flush` and the namespace ops need no attach.
+Payload bytes never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
 with the attach reply on cpu; CUDA IPC handles on cuda), and requests only name slots.
 
 The raw tier ops serve the daemon's store to a client that brings its own keys and namespace (an
@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import NamespaceStats, StatsDoc
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -92,6 +92,22 @@ class Stats(Msg, tag="stats"):
     pass
 
 
+class Namespaces(Msg, tag="namespaces"):
+    """List every namespace of the store with its state (live / canary / retired / store) and bytes."""
+
+
+class NamespaceRetire(Msg, tag="namespace_retire"):
+    """Retire a namespace (hex, or a unique prefix of it): a profile's canary, or one no profile serves."""
+
+    namespace: str
+
+
+class NamespacePromote(Msg, tag="namespace_promote"):
+    """Make a profile's canary its live version; the live one is retired."""
+
+    profile: str
+
+
 class Explain(Msg, tag="explain"):
     """What each group of the attached profile has of these blocks, and why the hit stops (no leases taken)."""
 
@@ -151,6 +167,9 @@ Request = (
     | Flush
     | Prewarm
     | Stats
+    | Namespaces
+    | NamespaceRetire
+    | NamespacePromote
     | Explain
     | TierOpen
     | TierHas
@@ -284,6 +303,13 @@ class StatsOk(Msg, tag="stats_ok"):
     stats: StatsDoc
 
 
+class NamespacesOk(Msg, tag="namespaces_ok"):
+    """The namespaces after the request; `done` says what a retire / promote changed ("" for a list)."""
+
+    namespaces: list[NamespaceStats]
+    done: str = ""
+
+
 class TierOpenOk(Msg, tag="tier_open_ok"):
     namespace: bytes
     store: str
@@ -332,6 +358,7 @@ Reply = (
     | ExplainOk
     | Released
     | StatsOk
+    | NamespacesOk
     | TierOpenOk
     | TierReasons
     | TierKeyPage
