@@ -59,7 +59,9 @@ vkey = VersionKey.from_dict(json.loads(sys.argv[2]))
 groups = [(g, CacheForm(f)) for g, f in json.loads(sys.argv[3])]
 obj, n, digest = int(sys.argv[4]), int(sys.argv[5]), bytes(range(16))
 keys = [ObjectKey(vkey.namespace, i.to_bytes(16, "little"), *groups[0]) for i in range(n)]
-payloads = [torch.randint(0, 256, (obj,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+payloads = [
+        torch.randint(0, 256, (obj,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(n)
+    ]
 with TierClient(sys.argv[1], vkey, groups, 2 * obj) as c:
     c.store_many(list(zip(keys, payloads, [digest] * n)))
     print(sum(r.value == 0 for r in c.has(keys, [digest] * n)))

@@ -1,7 +1,7 @@
 """One engine process: the reference model through `kvtier.client` (a `RefEngine`), driven by the e2e tests.
 
-    engine_proc.py SOCKET PROFILE WORKDIR offload NAME...   prefill WORKDIR/NAME.npy and offload (durable), one JSON line each
-    engine_proc.py SOCKET PROFILE WORKDIR continue NAME...  restore + continue; logits to WORKDIR/NAME.logits.pt, one JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR offload NAME...   prefill WORKDIR/NAME.npy, offload durably; a JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR continue NAME...  restore + continue, logits to WORKDIR/NAME.logits.pt; same
     engine_proc.py SOCKET PROFILE WORKDIR hold NAME          look up, print the leases held, wait until killed
     engine_proc.py SOCKET PROFILE WORKDIR wait NAME...      attach, print the namespace, wait for a line on stdin,
                                                             then as `continue` (an engine attached before a rollout)

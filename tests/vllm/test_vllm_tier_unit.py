@@ -42,7 +42,10 @@ ROW = 8192
 CHUNKS = 16
 T = 32  # tokens per chunk
 FULL, SWA = 1, 0  # vLLM group ids, as in a Gemma2: layer 0 sliding (window 64), layer 1 full
-HOLD_WRITER = "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); print('holding', flush=True); sys.stdin.read(); s.close()"
+HOLD_WRITER = (
+    "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); "
+    "print('holding', flush=True); sys.stdin.read(); s.close()"
+)
 
 
 def write_model(path: Path, weights: bytes) -> Path:
