@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,13 +11,22 @@ from typing import Any
 
 import click
 import msgspec
-import numpy as np
 import tomli_w
 
+from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
-from kvtier.core.config import load_config
-from kvtier.core.errors import ConfigError
-from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
+from kvtier.cli.manifest import read_manifest
+from kvtier.cli.namespace_table import namespace_lines
+from kvtier.cli.reach import daemon_exits
+from kvtier.core.checkvector import CheckVector
+from kvtier.core.config import DaemonConfig, load_config
+from kvtier.core.errors import ConfigError, KvtierError, ProfileError
+from kvtier.core.hashing import block_hashes
+from kvtier.core.profile import load_profile
+from kvtier.core.units import format_bytes, size_setting
+from kvtier.wire import OperatorConnection
+from kvtier.wire.errors import DaemonBusy, DaemonUnavailable, PermissionDenied
+from kvtier.wire.messages import AttachOk
 from kvtier.wire.stats import StatsDoc
 
 config_option = click.option(
@@ -35,27 +45,67 @@ socket_option = click.option(
 )
 
 
-def _socket(config_path: str | None, socket_path: str | None) -> Path:
+def socket_path_of(config_path: str | None, socket_path: str | None) -> Path:
+    """--socket, else the socket of the config (--config, or the defaults)."""
     return Path(socket_path) if socket_path else load_config(config_path).server.socket
 
 
 @click.command()
 @config_option
 def serve(config_path: str | None) -> None:
-    """Run the daemon: GPU pools, the disk store writer and the local API (under systemd: Type=notify)."""
+    """Run the daemon: GPU pools, the disk store writer and the local API (under systemd: Type=notify).
+
+    Says on stderr what it starts and, once it does, where it listens. Exit 2 for a config or path it cannot use.
+    """
     from kvtier.daemon.backend import build_backend
     from kvtier.daemon.server import claim_socket_path
     from kvtier.daemon.service import Daemon
 
     cfg = load_config(config_path)
+    _check_profiles(cfg)
+    _check_paths(cfg)
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here
+    click.echo(
+        f"kvtier serve: config {cfg.source}; profiles {', '.join(cfg.profiles)} on {cfg.device}; "
+        f"store {cfg.store.root}; allocating pools",
+        err=True,
+    )
     backend = build_backend(cfg)
     try:
         daemon = Daemon(cfg, backend, config_path=config_path)
     except BaseException:
         backend.close()
         raise
-    sys.exit(daemon.run())
+    sys.exit(daemon.run(on_ready=lambda line: click.echo(f"kvtier serve: {line}", err=True)))
+
+
+def _check_profiles(cfg: DaemonConfig) -> None:
+    """Every profile the config lists must load (a bundled name or a TOML file), or one line naming the key."""
+    for name in cfg.profiles:
+        try:
+            load_profile(name)
+        except ProfileError as exc:
+            raise ConfigError(str(exc), key="profiles", source=cfg.source) from None
+
+
+def _check_paths(cfg: DaemonConfig) -> None:
+    """The socket's folder and the store root must be folders this user can write: else one line naming the key."""
+    for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store.root)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe_ok = os.access(folder, os.W_OK | os.X_OK)
+        except OSError as exc:
+            why = "a file, not a folder" if folder.exists() and not folder.is_dir() else exc.strerror or str(exc)
+        else:
+            if probe_ok:
+                continue
+            why = "not writable by this user"
+        raise ConfigError(
+            f"cannot use {folder}: {why}; run as a user who may write there (the systemd unit runs as kvtier), "
+            "or set it elsewhere in --config",
+            key=key,
+            source=cfg.source,
+        )
 
 
 @click.group()
@@ -66,20 +116,57 @@ def config() -> None:
 @config.command("show")
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def config_show(config_path: str | None, as_json: bool) -> None:
+@click.option(
+    "--system",
+    is_flag=True,
+    help="The config the systemd units run with (their defaults, /etc/kvtier/kvtier.toml if present), whoever asks.",
+)
+def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
     """Print the effective config (defaults with the file laid over them)."""
-    cfg = load_config(config_path)
+    # --system: the defaults of a daemon under systemd (root, /run/kvtier, /var/lib/kvtier), not this user's
+    cfg = load_config(config_path, env={}, uid=0) if system else load_config(config_path)
+    _check_profiles(cfg)
     doc = cfg.to_dict()
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
     source = doc.pop("source")
     click.echo(f"# effective kvtier config (from: {source})")
-    click.echo(tomli_w.dumps(doc), nl=False)
+    click.echo(tomli_w.dumps(_sizes_readable(doc)), nl=False)
+
+
+def _sizes_readable(value: Any, key: str = "") -> Any:
+    """Byte counts (keys naming bytes, and the per-form tables under them) as `512MiB`; JSON keeps bytes."""
+    if isinstance(value, dict):
+        return {k: _sizes_readable(v, k if "bytes" in k else key) for k, v in value.items()}
+    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
+        return size_setting(value)
+    return value
 
 
 def _share(share: float | None) -> str:
     return f"{share:6.1%}" if share is not None else "     -"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _render_pins(doc: StatsDoc, shown: int = 5) -> None:
+    """Prewarm pins: how many objects, and when they expire (soonest first; --json lists every one)."""
+    if not doc.pins:
+        click.echo("pins       none (kvtier prewarm pins prefixes for their ttl_s)")
+        return
+    objects = sum(p.objects for p in doc.pins)
+    click.echo(
+        f"pins       {len(doc.pins)} prewarmed prefixes, {objects:,} objects; next expiry in "
+        f"{_duration(doc.pins[0].expires_in_s)}, last in {_duration(doc.pins[-1].expires_in_s)}"
+    )
+    for p in doc.pins[:shown]:
+        click.echo(f"  pin      {p.profile}: {p.objects:,} objects, expires in {_duration(p.expires_in_s)}")
+    if len(doc.pins) > shown:
+        click.echo(f"  ... and {len(doc.pins) - shown} more (--json lists them all)")
 
 
 def _render_status(doc: StatsDoc) -> None:
@@ -96,8 +183,8 @@ def _render_status(doc: StatsDoc) -> None:
     s = doc.store
     if s:
         click.echo(
-            f"store      {s.get('root')}  backend {s.get('io_backend')}  used {s.get('used_bytes', 0) / 2**20:.1f} MiB"
-            f" of {s.get('budget_bytes', 0) / 2**20:.0f} MiB  persist queue {s.get('persist_queue', 0)}"
+            f"store      {s.get('root')}  backend {s.get('io_backend')}  used {format_bytes(s.get('used_bytes', 0))}"
+            f" of {format_bytes(s.get('budget_bytes'))}  persist queue {s.get('persist_queue', 0)}"
         )
     for prof in doc.profiles:
         click.echo(
@@ -105,7 +192,11 @@ def _render_status(doc: StatsDoc) -> None:
         )
         for form, p in sorted(prof.pools.items()):
             share = p.used / p.slots if p.slots else 0
-            click.echo(f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}), quota {p.quota}")
+            click.echo(
+                f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}) of {format_bytes(p.bytes)}, "
+                f"quota {p.quota}"
+            )
+    _render_pins(doc)
     if doc.forms:
         click.echo(f"{'form':<11} {'lookups':>9} {'reuse':>7} {'recover':>7} {'recompute':>9}")
         for form, f in sorted(doc.forms.items()):
@@ -113,6 +204,10 @@ def _render_status(doc: StatsDoc) -> None:
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
     for line in cluster_lines(doc.cluster):
         click.echo(line)
+    if doc.namespaces:
+        click.echo("")
+        for line in namespace_lines(doc.namespaces):
+            click.echo(line)
 
 
 @click.command()
@@ -127,16 +222,9 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
-    path = _socket(config_path, socket_path)
-    try:
-        with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
-            doc = conn.stats()
-    except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(4)
-    except DaemonUnavailable as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(3)
+    path = socket_path_of(config_path, socket_path)
+    with daemon_exits(), Connection(path, timeout_s=10.0, name="kvtier status") as conn:
+        doc = conn.stats()
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
@@ -144,105 +232,64 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     sys.exit(0 if doc.daemon is not None and doc.daemon.health == "ok" else 1)
 
 
-def _manifest_tokens(entry: dict[str, Any], base: Path, where: str) -> np.ndarray:
-    if "tokens" in entry:
-        tokens = entry["tokens"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise ConfigError("tokens must be a list of non-negative integers", key="tokens", source=where)
-        return np.asarray(tokens, dtype=np.int64)
-    if "token_file" not in entry:
-        raise ConfigError("each prefix needs 'tokens' or 'token_file'", source=where)
-    path = base / entry["token_file"]
-    try:
-        if path.suffix == ".npy":
-            return np.load(path).astype(np.int64).reshape(-1)
-        return np.asarray([int(t) for t in path.read_text().replace(",", " ").split()], dtype=np.int64)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot read token file {path}: {exc} (.npy, or integers separated by spaces or commas)",
-            key="token_file",
-            source=where,
-        ) from None
-
-
-def read_manifest(path: Path) -> list[dict[str, Any]]:
-    """Parse and check a JSONL prewarm manifest: {name, profile, tokens | token_file, ttl_s?} per line."""
-    entries = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the manifest: {exc.strerror}", source=str(path)) from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        where = f"{path}:{i}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"not a JSON object: {exc.msg}", source=where) from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("profile"), str):
-            raise ConfigError("each line must be an object with a 'profile'", key="profile", source=where)
-        unknown = set(entry) - {"name", "profile", "tokens", "token_file", "ttl_s"}
-        if unknown:
-            raise ConfigError("unknown key", key=sorted(unknown)[0], source=where)
-        ttl = entry.get("ttl_s", 600.0)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
-            raise ConfigError(f"must be a positive number of seconds, got {ttl!r}", key="ttl_s", source=where)
-        entries.append(
-            {
-                "name": str(entry.get("name", f"line {i}")),
-                "profile": entry["profile"],
-                "tokens": _manifest_tokens(entry, path.parent, where),
-                "ttl_s": float(ttl),
-            }
-        )
-    return entries
+def _prewarm_line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['name']}: hit {r['hit_tokens']:,}/{r['tokens']:,} tokens, loaded {r['loaded_objects']:,} objects "
+        f"({format_bytes(r['bytes_loaded'])}), pinned {r['pinned']:,} for {r['ttl_s']:g} s, {r['seconds']:.2f} s"
+    )
 
 
 @click.command()
 @click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
 @config_option
 @socket_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON report on stdout (progress stays on stderr).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON report on stdout (per-prefix lines go to stderr).")
 def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as_json: bool) -> None:
-    """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL."""
-    from tqdm import tqdm
+    """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL.
 
-    from kvtier.client import Client
-
-    entries = read_manifest(manifest)
-    path = _socket(config_path, socket_path)
-    clients: dict[str, Client] = {}
-    reports = []
+    A line per prefix as it finishes (on stderr with --json). Exit 2 for a bad manifest, 3 with no daemon,
+    130 when interrupted (after reporting the prefixes done).
+    """
+    prompts = read_manifest(manifest)
+    path = socket_path_of(config_path, socket_path)
+    conns: dict[str, tuple[OperatorConnection, AttachOk]] = {}
+    reports: list[dict[str, Any]] = []
     try:
-        for entry in tqdm(entries, desc="prewarm", unit="prefix", file=sys.stderr, disable=not sys.stderr.isatty()):
-            client = clients.get(entry["profile"])
-            if client is None:
-                client = clients[entry["profile"]] = Client(path, name="kvtier prewarm")
-                client.attach(entry["profile"])
+        for prompt in prompts:
+            if prompt.profile not in conns:
+                conn = OperatorConnection(path, name="kvtier prewarm")
+                try:
+                    conns[prompt.profile] = (conn, conn.attach_unmapped(prompt.profile))
+                except (DaemonUnavailable, DaemonBusy, PermissionDenied):
+                    raise
+                except KvtierError as exc:
+                    conn.close()
+                    raise ConfigError(str(exc), key="profile", source=prompt.where) from None
+            conn, att = conns[prompt.profile]
             started = time.perf_counter()
-            rep = client.prewarm(entry["tokens"], ttl_s=entry["ttl_s"])
+            hashes = b"".join(block_hashes(att.namespace, prompt.tokens, att.hash_block_tokens))
+            rep = conn.prewarm_hashes(hashes, prompt.ttl_s)
+            cv = CheckVector.from_wire(msgspec.structs.asdict(rep.check_vector))
             reports.append(
                 {
-                    "name": entry["name"],
-                    "profile": entry["profile"],
-                    "tokens": int(entry["tokens"].size),
-                    "hit_tokens": rep.hit_tokens,
-                    "routes": rep.check_vector.counts(),
+                    "name": prompt.name,
+                    "profile": prompt.profile,
+                    "tokens": int(prompt.tokens.size),
+                    "hit_tokens": cv.hit_tokens,
+                    "routes": cv.counts(),
                     "loaded_objects": rep.loaded_objects,
                     "bytes_loaded": rep.loaded_bytes,
                     "pinned": rep.pinned,
+                    "ttl_s": prompt.ttl_s,
                     "seconds": round(time.perf_counter() - started, 6),
                 }
             )
+            click.echo(_prewarm_line(reports[-1]), err=as_json)
+    except KeyboardInterrupt:
+        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes (those stay pinned)", err=True)
+        sys.exit(exits.INTERRUPTED)
     finally:
-        for client in clients.values():
-            client.close()
+        for conn, _ in conns.values():
+            conn.close()
     if as_json:
         click.echo(json.dumps({"manifest": str(manifest), "prefixes": reports}, indent=2))
-        return
-    for r in reports:
-        click.echo(
-            f"{r['name']}: hit {r['hit_tokens']}/{r['tokens']} tokens, loaded {r['loaded_objects']} objects "
-            f"({r['bytes_loaded'] / 2**20:.2f} MiB), pinned {r['pinned']}, {r['seconds']:.3f}s"
-        )

@@ -1,22 +1,31 @@
-"""`kvtier` entry point: groups the subcommands and maps typed errors to one-line messages and exit codes."""
+"""`kvtier` entry point: groups the subcommands and maps every error to one line on stderr and an exit code.
+
+Exit codes: 0 ok; 1 problems found (audit, status degraded, demo failed); 2 usage or config error (a
+bad option, file, value or path); 3 no daemon answers; 4 a daemon refused or did not answer us; 70 an
+internal error (a bug: rerun with -v for the traceback and report it); 130 interrupted. `-v` adds the
+traceback to any of these.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
+from typing import NoReturn
 
 import click
 
 from kvtier import __version__
+from kvtier.cli import exits
 from kvtier.cli.audit_cmd import audit
 from kvtier.cli.daemon_cmds import config, prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
+from kvtier.cli.explain_cmd import explain
+from kvtier.cli.namespace_cmd import namespace
 from kvtier.cli.profile_cmd import profile
 from kvtier.cli.store_cmd import store
 from kvtier.cli.verifier_cmd import verifier
 from kvtier.core.errors import KvtierError
-
-USAGE_EXIT = 2
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,17 +46,37 @@ cli.add_command(config)
 cli.add_command(prewarm)
 cli.add_command(verifier)
 cli.add_command(audit)
+cli.add_command(namespace)
+cli.add_command(explain)
 
 
 def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
+        _fail("aborted", exits.INTERRUPTED)
+    except KeyboardInterrupt:
+        _fail("interrupted", exits.INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except KvtierError as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(USAGE_EXIT)
+        # a typed error says what is wrong and what to do; subclasses may name their own exit code
+        _fail(str(exc), getattr(exc, "exit_code", exits.USAGE))
+    except OSError as exc:
+        # a path the user gave (or a default one) that cannot be used: name it and the usual fix
+        where = f": {exc.filename}" if exc.filename else ""
+        _fail(f"{exc.strerror or exc}{where} (check the path and its permissions, or pick another one)", exits.USAGE)
+    except Exception as exc:
+        _fail(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback, and report it)",
+            exits.INTERNAL,
+        )
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """One line on stderr; with -v the traceback of the exception being handled comes first."""
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        traceback.print_exc()
+    click.echo(f"kvtier: {message}", err=True)
+    sys.exit(code)

@@ -7,6 +7,7 @@ import json
 import click
 
 from kvtier.core.profile import bundled_profile_names, load_profile
+from kvtier.core.units import format_bytes
 
 
 @click.group()
@@ -31,15 +32,6 @@ def list_(as_json: bool) -> None:
         click.echo(f"{p.name:<{width}}  H={p.hash_block_tokens:<5} {p.description}")
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 @profile.command("show")
 @click.argument("name_or_path")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -54,14 +46,15 @@ def show(name_or_path: str, as_json: bool) -> None:
     click.echo(f"hash block {summary['hash_block_tokens']} tokens")
     click.echo("")
     click.echo(
-        f"{'group':<12} {'form':<11} {'kind':<8} {'layers':>6} {'tok/blk':>8} {'ratio':>5} {'window':>6} {'bytes/obj':>10}"
+        f"{'group':<12} {'form':<11} {'kind':<8} {'layers':>6} {'tok/blk':>8} {'ratio':>5} {'window':>6} "
+        f"{'bytes/obj':>10}"
     )
     for g in summary["groups"]:
         click.echo(
             f"{g['name']:<12} {g['form']:<11} {g['kind']:<8} {g['layers']:>6} {g['tokens_per_block']:>8} "
-            f"{g['ratio']:>5} {g['window']:>6} {_human_bytes(g['bytes_per_block']):>10}"
+            f"{g['ratio']:>5} {g['window']:>6} {format_bytes(g['bytes_per_block']):>10}"
         )
     click.echo("")
     click.echo(f"{'form':<11} {'per hash block':>14} {'per 1M tokens':>14}")
     for form, n in summary["bytes_per_hash_block"].items():
-        click.echo(f"{form:<11} {_human_bytes(n):>14} {_human_bytes(summary['bytes_per_million_tokens'][form]):>14}")
+        click.echo(f"{form:<11} {format_bytes(n):>14} {format_bytes(summary['bytes_per_million_tokens'][form]):>14}")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
+
+from kvtier.core.units import format_bytes
 
 
 @click.group()
@@ -27,14 +30,13 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
         click.echo(json.dumps(report))
         return
     for name, value in report.items():
-        click.echo(f"{name:<18} {value}")
+        shown = format_bytes(value) if name.endswith("_bytes") and isinstance(value, int) else value
+        click.echo(f"{name:<18} {shown}")
 
 
 @store.command("stats")
-@click.option(
-    "--store", "root", required=True, type=click.Path(exists=True, file_okay=False), help="Store root directory."
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (sizes in bytes).")
 def stats_cmd(root: str, as_json: bool) -> None:
     """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""
     from kvtier.store import DiskStore
@@ -44,11 +46,25 @@ def stats_cmd(root: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(stats))
         return
-    click.echo(f"store      {stats['root']}  ({stats['io_backend']})")
-    click.echo(
-        f"records    {stats['records']}  ({stats['record_bytes']} bytes, budget {stats['budget_bytes']}); "
-        f"{stats['evicted_tombstones']} evicted keys remembered"
-    )
-    click.echo(f"segments   {stats['segments']}  unverified {stats['unverified']}  namespaces {stats['namespaces']}")
+    for line in render_stats(stats):
+        click.echo(line)
+
+
+def render_stats(stats: dict[str, Any]) -> list[str]:
+    """The store's statistics for a person: sizes in binary units, one row per form."""
+    ns = stats["namespaces"]
+    payload = sum(f["payload_bytes"] for f in stats["forms"].values())
+    lines = [
+        f"store       {stats['root']}  (I/O {stats['io_backend']})",
+        f"records     {stats['records']:,}, {format_bytes(stats['record_bytes'])} on disk "
+        f"(payload {format_bytes(payload)}), budget {format_bytes(stats['budget_bytes'])}",
+        f"segments    {stats['segments']:,}  unverified {stats['unverified']:,}  namespaces {ns['live']} live, "
+        f"{ns['retired']} retired  evicted keys remembered {stats['evicted_tombstones']:,}",
+        "",
+        f"{'form':<11} {'records':>9} {'on disk':>11} {'payload':>11} {'codec':>6} {'quota':>11}",
+    ]
     for form, f in stats["forms"].items():
-        click.echo(f"  {form:<11} {f['records']:>8} records {f['record_bytes']:>14} B  codec ratio {f['codec_ratio']}")
+        on_disk, payload_bytes, quota = (format_bytes(f[k]) for k in ("record_bytes", "payload_bytes", "quota_bytes"))
+        codec = "-" if f["codec_ratio"] is None else f"{f['codec_ratio']:.2f}"  # None: no records of the form
+        lines.append(f"{form:<11} {f['records']:>9,} {on_disk:>11} {payload_bytes:>11} {codec:>6} {quota:>11}")
+    return lines

@@ -12,6 +12,7 @@ from kvtier.client.client import (
 )
 from kvtier.client.errors import TierFull
 from kvtier.client.tier import TierClient
+from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.wire import (
     BadRange,
     DaemonBusy,
@@ -34,11 +35,13 @@ __all__ = [
     "Lease",
     "LoadReport",
     "LookupResult",
+    "NotDurable",
     "OffloadReport",
     "OutOfOrder",
     "PermissionDenied",
     "PrewarmReport",
     "RemoteError",
+    "StaleHandle",
     "TierClient",
     "TierFull",
     "WrongType",

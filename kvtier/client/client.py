@@ -3,12 +3,24 @@
 Tensors move through the pools the client maps at attach; the socket carries only hashes, slot
 numbers and check vectors. One request at a time per Client (a lock serialises threads); open one
 Client per engine process (or per thread that wants its own queue).
+
+Reads: a lookup's leases hold while this client renews them (a heartbeat thread does, every third of
+the daemon's lease TTL) and end when it releases them, closes, or stops renewing for a TTL. Every read
+re-validates against the daemon's slot generation table in shared memory: `read_into` copies an object
+out and checks the generation before and after the copy; `read` returns a view that is good only while
+the lease holds (check `valid` after using it). Both raise `StaleHandle` when the object is gone.
+
+Writes (cpu): the pools are mapped read-only; an offload's bytes go into a staging memfd that this client
+fills, unmaps and hands to the daemon with `seal`; the daemon seals the memfd against writes, checks every
+object is whole and copies it into its reserved slot. On cuda the reserved slots are written in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -16,13 +28,17 @@ import msgspec
 import numpy as np
 import torch
 
-from kvtier.client.pools import MappedPool, map_pool
+from kvtier.client.pools import MappedPool, map_generations, map_pool
 from kvtier.core.checkvector import CheckVector
+from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES, block_hashes
 from kvtier.wire import Connection
 from kvtier.wire import errors as E
 from kvtier.wire import messages as P
+
+log = logging.getLogger(__name__)
+ABANDONED = "reservation was abandoned"  # in a not-durable reason: nobody will write it unless we do
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,7 +101,10 @@ class OffloadReport:
     written: int  # objects copied into pool slots and sealed
     skipped: int  # already cached (or being written by another client): nothing to write
     refused: int  # no slot to be had (admission: everything pinned, leased or in flight); not cached
-    persisted: bool  # True when the store committed them (durable=True)
+    persisted: bool  # durable=True: every object the call named is committed in the store
+    durable: int = 0  # durable=True: named objects committed in the store (written here or by others)
+    not_durable: int = 0  # durable=True: named objects not in the store, never acknowledged
+    reasons: tuple[str, ...] = ()  # why they are not
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,8 +134,50 @@ def _cv(wire: P.CheckVectorWire) -> CheckVector:
     return CheckVector.from_wire(msgspec.structs.asdict(wire))
 
 
+def _token_ids(tokens: object) -> np.ndarray:
+    """A prompt as a 1-D integer array, or WrongType saying what was given instead."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise E.WrongType(
+            f"tokens must be token ids (a list of ints, a 1-D numpy array or torch tensor), got {type(tokens).__name__}"
+        )
+    ids = np.asarray(tokens)
+    if ids.ndim != 1:
+        raise E.WrongType(f"tokens must be one-dimensional (one prompt), got shape {ids.shape}")
+    if ids.size and ids.dtype.kind not in "iu":
+        raise E.WrongType(f"tokens must be integer token ids, got {ids.dtype} values")
+    return ids
+
+
+def _lookup_result(result: object, op: str) -> LookupResult:
+    if not isinstance(result, LookupResult):
+        raise E.WrongType(f"{op}() takes the LookupResult of lookup(), got {type(result).__name__}")
+    return result
+
+
 def _grid(data: bytes, cv: CheckVector) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").reshape(cv.routes.shape)
+
+
+def _stage(tensors: list[torch.Tensor]) -> tuple[int, list[int]]:
+    """A sealable memfd holding the tensors' bytes back to back (written with pwrite: this process never maps
+    it, so the daemon can freeze it); returns it and the bytes written per tensor."""
+    fd = os.memfd_create("kvtier-offload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        offset = 0
+        written: list[int] = []
+        for t in tensors:
+            view = memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+            written.append(done)
+            offset += done
+        return fd, written
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class Client(Connection):
@@ -134,11 +195,15 @@ class Client(Connection):
         timeout_s: float | None = 60.0,
         lookup_timeout_s: float | None = None,
         name: str = "",
+        heartbeat: bool = True,
     ) -> None:
         super().__init__(socket_path, timeout_s=timeout_s, name=name)
         self.lookup_timeout_s = lookup_timeout_s
         self.attachment: Attachment | None = None
         self._attach_req: P.Attach | None = None
+        self._heartbeat = heartbeat
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     # -- plumbing -----------------------------------------------------------------------------------
 
@@ -150,9 +215,7 @@ class Client(Connection):
     def hashes(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
         """The chained block hashes of every whole block of `tokens`, concatenated (what lookups send)."""
         att = self._attached()
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.cpu().numpy()
-        return b"".join(block_hashes(att.namespace, tokens, att.hash_block_tokens))
+        return b"".join(block_hashes(att.namespace, _token_ids(tokens), att.hash_block_tokens))
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -168,10 +231,28 @@ class Client(Connection):
                 os.close(fd)
         self._attach_req = req
         assert self.attachment is not None
+        if self._heartbeat and self._beat is None:
+            self._beat = threading.Thread(
+                target=self._renew_forever, args=(reply.lease_ttl_s / 3,), name="kvtier-heartbeat", daemon=True
+            )
+            self._beat.start()
         return self.attachment
 
+    def renew(self) -> int:
+        """Renew every lease and reserved write of this client (the heartbeat does this); how many it holds."""
+        reply: P.Renewed = self._call(P.Renew())
+        return reply.held
+
+    def _renew_forever(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.renew()
+            except Exception as exc:  # the next call reports a lost daemon; the heartbeat only keeps trying
+                log.debug("lease renewal failed: %s", exc)
+
     def _mapped(self, reply: P.AttachOk, fds: list[int]) -> None:
-        pools = {info.group: map_pool(info, fds) for info in reply.pools}
+        gens = map_generations(reply.pools[0], fds) if reply.pools else None
+        pools = {info.group: map_pool(info, fds, gens) for info in reply.pools}
         old, self.attachment = (
             self.attachment,
             Attachment(reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools),
@@ -204,33 +285,79 @@ class Client(Connection):
         """Longest usable hit for `tokens` (or precomputed concatenated `hashes`); leases every REUSE / RECOVER slot."""
         self.connected(self.lookup_timeout_s)  # a reconnect may bring a new namespace: hash under the lookup's one
         if hashes is None:
-            hashes = self.hashes(tokens if tokens is not None else [])
+            hashes = self.hashes(tokens)
         reply: P.LookupOk = self._call(P.Lookup(hashes), timeout_s=self.lookup_timeout_s)
         cv = _cv(reply.check_vector)
         return LookupResult(reply.lookup_id, cv, _grid(reply.slots, cv), _grid(reply.generations, cv), epoch=self.epoch)
 
     def load(self, result: LookupResult) -> LoadReport:
         """Recover the RECOVER objects into their leased slots; `result` is updated (REUSE now, or a shorter hit)."""
+        result = _lookup_result(result, "load")
         self._current(result)
         reply: P.LoadOk = self._call(P.Load(result.lookup_id), epoch=result.epoch)
         cv = _cv(reply.check_vector)
         result.check_vector, result.slots, result.generations = cv, _grid(reply.slots, cv), _grid(reply.generations, cv)
         return LoadReport(reply.loaded_objects, reply.loaded_bytes, reply.seconds)
 
-    def read(self, result: LookupResult, group: str, block: int) -> torch.Tensor:
-        """A view of one REUSE object in the mapped pool; valid until `release(result)`."""
+    def _object(self, result: LookupResult, group: str, block: int, op: str) -> tuple[MappedPool, int, int]:
+        """The pool, slot and leased generation of one REUSE object of a live lookup."""
+        result = _lookup_result(result, op)
         if result.released:
-            raise E.OutOfOrder(f"lookup {result.lookup_id} was released; look up again")
+            raise StaleHandle(f"lookup {result.lookup_id} was released; look the prefix up again")
         self._current(result)
-        route = result.check_vector.route(group, block)
+        cv = result.check_vector
+        if group not in cv.group_names:
+            raise E.WrongType(f"no cache group {group!r} in this profile; its groups: {', '.join(cv.group_names)}")
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+            raise E.WrongType(f"block must be a block index (int), got {type(block).__name__}")
+        if not 0 <= block < cv.num_blocks:
+            raise E.BadRange(f"block {block} is outside this lookup's {cv.num_blocks} blocks (0..{cv.num_blocks - 1})")
+        route = cv.route(group, int(block))
         if route is not Route.REUSE:
             hint = "call load(result) first" if route is Route.RECOVER else "recompute it"
             raise E.OutOfOrder(f"{group} block {block} is {route.name}, not REUSE: {hint}")
-        gi = result.check_vector.group_names.index(group)
-        return self._attached().pools[group].object_view(int(result.slots[gi, block]))
+        gi = cv.group_names.index(group)
+        return self._attached().pools[group], int(result.slots[gi, block]), int(result.generations[gi, block])
+
+    @staticmethod
+    def _check(pool: MappedPool, slot: int, generation: int, group: str, block: int) -> None:
+        if pool.generation(slot) != generation:
+            raise StaleHandle(
+                f"{group} block {block}: its slot was reused (the lease expired or was released); look up again"
+            )
+
+    def read(self, result: LookupResult, group: str, block: int) -> torch.Tensor:
+        """A view of one REUSE object in the mapped pool, good only while the lease holds: the bytes can change
+        under it once the lease ends. Check `valid` after using it, or copy out with `read_into`."""
+        pool, slot, gen = self._object(result, group, block, "read")
+        self._check(pool, slot, gen, group, block)
+        return pool.object_view(slot)
+
+    def read_into(self, result: LookupResult, group: str, block: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy one REUSE object into `out` (contiguous, exactly the object's bytes, any dtype / device) and
+        return it; raises StaleHandle unless the slot held the leased object for the whole copy (seqlock:
+        the generation is checked before and after)."""
+        pool, slot, gen = self._object(result, group, block, "read_into")
+        if not out.is_contiguous() or out.numel() * out.element_size() != pool.info.object_bytes:
+            raise E.WrongType(f"{group}: out must be contiguous and {pool.info.object_bytes} bytes")
+        self._check(pool, slot, gen, group, block)
+        out.view(torch.uint8).reshape(-1).copy_(pool.object_bytes(slot))
+        if out.device.type == "cuda" or self._attached().device != "cpu":
+            torch.cuda.synchronize()  # the copy must be done before the second check means anything
+        self._check(pool, slot, gen, group, block)
+        return out
+
+    def valid(self, result: LookupResult, group: str, block: int) -> bool:
+        """Whether the object still sits in its leased slot (check after using a `read` view)."""
+        try:
+            pool, slot, gen = self._object(result, group, block, "valid")
+        except StaleHandle:
+            return False
+        return pool.generation(slot) == gen
 
     def release(self, result: LookupResult) -> int:
-        """Give the leases back (idempotent); returns how many were released."""
+        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released."""
+        result = _lookup_result(result, "release")
         if result.released:
             return 0
         if result.epoch != self.epoch:  # its connection is gone, and the daemon released everything it held
@@ -248,42 +375,91 @@ class Client(Connection):
     ) -> OffloadReport:
         """Write new objects: `caches[group][block]` is that block's object (any dtype, exactly the layout's bytes).
 
-        Acknowledged after the pool write; with `durable`, after the store commit.
+        Acknowledged after the pool write; with `durable`, after the store commit, with every named object
+        counted durable or not (see `OffloadReport`). Objects another connection had reserved and then
+        abandoned (it died mid-copy) are offloaded once more from `caches`.
         """
+        report = self._offload_once(tokens, caches, durable)
+        if durable and any(ABANDONED in r for r in report.reasons):
+            again = self._offload_once(tokens, caches, durable)
+            report = dataclasses.replace(again, written=report.written + again.written, skipped=report.skipped)
+        return report
+
+    def _offload_once(
+        self,
+        tokens: Sequence[int] | np.ndarray | torch.Tensor,
+        caches: Mapping[str, Mapping[int, torch.Tensor]],
+        durable: bool,
+    ) -> OffloadReport:
         epoch = self.connected()  # first: a reconnect may bring a new namespace (hashes) and pool mappings
         att = self._attached()
         hashes = self.hashes(tokens)
         n_blocks = len(hashes) // HASH_BYTES
+        if not isinstance(caches, Mapping) or not all(isinstance(c, Mapping) for c in caches.values()):
+            raise E.WrongType(
+                f"caches must map group name -> {{block index: tensor}}, got {type(caches).__name__}"
+                + ("" if not isinstance(caches, Mapping) else " of non-mappings")
+            )
         groups = list(caches)
         blocks = [sorted(caches[g]) for g in groups]
         for g, bs in zip(groups, blocks):
             if g not in att.pools:
-                raise E.WrongType(f"profile {att.profile} has no cache group {g!r}")
+                raise E.WrongType(f"profile {att.profile} has no cache group {g!r}; its groups: {', '.join(att.pools)}")
+            bad = next((caches[g][b] for b in bs if not isinstance(caches[g][b], torch.Tensor)), None)
+            if bad is not None:
+                raise E.WrongType(f"{g}: each block's object must be a torch.Tensor, got {type(bad).__name__}")
             if bs and (bs[0] < 0 or bs[-1] >= n_blocks):
-                raise E.WrongType(f"{g}: block indices must be within the {n_blocks} whole blocks of tokens")
+                raise E.BadRange(f"{g}: block indices must be within the {n_blocks} whole blocks of tokens")
             need = att.pools[g].info.object_bytes
             for b in bs:
                 t = caches[g][b]
                 if t.numel() * t.element_size() != need:
                     raise E.WrongType(f"{g} block {b}: {t.numel() * t.element_size()} bytes, the layout needs {need}")
         reply: P.OffloadOk = self._call(P.Offload(hashes, groups, blocks), epoch=epoch)
-        written = 0
+        objects = [
+            (att.pools[g], slot, caches[g][b])
+            for g, bs, slots in zip(groups, blocks, reply.slots)
+            for b, slot in zip(bs, slots)
+            if slot >= 0
+        ]
+        staging: int | None = None
         try:
-            for g, bs, slots in zip(groups, blocks, reply.slots):
-                pool = att.pools[g]
-                for b, slot in zip(bs, slots):
-                    if slot >= 0:
-                        pool.object_bytes(slot).copy_(caches[g][b].detach().contiguous().view(torch.uint8).reshape(-1))
-                        written += 1
-            if att.device != "cpu":
-                torch.cuda.synchronize()
-        except BaseException:
-            self._call(P.Release(reply.offload_id), epoch=epoch)  # give the reserved slots back unsealed
+            if objects and not objects[0][0].writable:
+                staging, written = _stage([t for _, _, t in objects])
+            else:  # cuda: the reserved slots are written in place through the IPC mapping
+                written = []
+                for pool, slot, t in objects:
+                    pool.object_bytes(slot).copy_(t.detach().contiguous().view(torch.uint8).reshape(-1))
+                    written.append(pool.info.object_bytes)
+                if objects:
+                    torch.cuda.synchronize()
+            # the offload is this connection's: sealing it on another would name a stranger's (or no) reservation
+            sealed: P.SealOk = self._call(
+                P.Seal(reply.offload_id, durable, written),
+                send_fds=[staging] if staging is not None else None,
+                epoch=epoch,
+            )
+        except E.DaemonUnavailable:
             raise
-        # the offload is this connection's: sealing it on another would name a stranger's (or no) reservation
-        sealed: P.SealOk = self._call(P.Seal(reply.offload_id, durable), epoch=epoch)
-        skipped = sum(len(bs) for bs in blocks) - written - reply.refused
-        return OffloadReport(sealed.sealed, skipped, reply.refused, sealed.persisted)
+        except BaseException:
+            try:
+                self._call(P.Release(reply.offload_id), epoch=epoch)  # give the reserved slots back unsealed
+            except (E.ProtocolError, E.DaemonUnavailable):  # answered and failed, or the connection is gone:
+                pass  # either way the daemon holds nothing of it any more
+            raise
+        finally:
+            if staging is not None:
+                os.close(staging)
+        skipped = sum(len(bs) for bs in blocks) - len(objects) - reply.refused
+        return OffloadReport(
+            sealed.sealed,
+            skipped,
+            reply.refused,
+            sealed.persisted,
+            sealed.durable,
+            sealed.not_durable,
+            tuple(sealed.reasons),
+        )
 
     def prewarm(
         self,
@@ -294,7 +470,7 @@ class Client(Connection):
     ) -> PrewarmReport:
         """Longest usable hit loaded into the pool and pinned for `ttl_s` (nothing leased to this client)."""
         if hashes is None:
-            hashes = self.hashes(tokens if tokens is not None else [])
+            hashes = self.hashes(tokens)
         reply: P.PrewarmOk = self._call(P.Prewarm(hashes, ttl_s))
         return PrewarmReport(
             _cv(reply.check_vector), reply.loaded_objects, reply.loaded_bytes, reply.pinned, reply.seconds
@@ -304,13 +480,17 @@ class Client(Connection):
         """Wait until every sealed object is committed to the store; returns how many were persisted meanwhile."""
         reply: P.FlushOk = self._call(P.Flush(timeout_s))
         if reply.pending:
-            raise E.RemoteError(
-                "flush_timeout", f"{reply.pending} objects still waiting for the store after {timeout_s}s"
+            why = "; ".join(reply.reasons) or f"still waiting after {timeout_s}s"
+            raise NotDurable(
+                f"{reply.pending} sealed objects are not in the store: {why}",
+                pending=reply.pending,
+                reasons=tuple(reply.reasons),
             )
         return reply.persisted
 
     def close(self) -> None:
         """Disconnect; the daemon releases every lease this client still holds."""
+        self._stop.set()
         if self.attachment is not None:
             for pool in self.attachment.pools.values():
                 pool.close()

@@ -1,4 +1,5 @@
-"""The daemon's pools as this process sees them: mapped shared memory (cpu) or CUDA IPC tensors (cuda)."""
+"""The daemon's pools as this process sees them: read-only shared memory (cpu) or CUDA IPC tensors (cuda),
+and the slot generation table (host shared memory, read-only) that reads re-validate against."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import dataclasses
 import mmap
 import os
 import pickle
+import warnings
 
+import numpy as np
 import torch
 
 from kvtier.wire.messages import PoolInfo
@@ -17,8 +20,19 @@ class MappedPool:
     """One group's pool: `slots` rows of `slot_bytes`, the first `object_bytes` of each row being one object."""
 
     info: PoolInfo
-    rows: torch.Tensor  # uint8 (slots, slot_bytes), the daemon's memory
+    rows: torch.Tensor  # uint8 (slots, slot_bytes), the daemon's memory (read-only on cpu)
+    gens: np.ndarray  # int64 per slot of this pool: the daemon's generation table, read-only
     _mmap: mmap.mmap | None = None
+
+    @property
+    def writable(self) -> bool:
+        """Whether this process may write reserved slots in place (CUDA IPC); on cpu offloads are staged."""
+        return self._mmap is None
+
+    def generation(self, slot: int) -> int:
+        """The slot's generation now (it moves before the slot is reused: a lease's reads are good while
+        it equals the lease's)."""
+        return int(self.gens[slot])
 
     def object_bytes(self, slot: int) -> torch.Tensor:
         """The raw bytes of the object in `slot` (a view, no copy)."""
@@ -42,18 +56,28 @@ class MappedPool:
             self._mmap = None
 
 
-def map_pool(info: PoolInfo, fds: list[int]) -> MappedPool:
-    """Map a pool from the attach reply: a shared-memory fd (cpu) or a pickled CUDA IPC handle (cuda)."""
+def map_generations(info: PoolInfo, fds: list[int]) -> np.ndarray:
+    """The whole slot generation table of the attach reply, mapped read-only (shared by its pools)."""
+    fd = fds[info.gen_fd_index]
+    size = info.gen_bytes or os.fstat(fd).st_size
+    return np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), dtype=np.int64)
+
+
+def map_pool(info: PoolInfo, fds: list[int], gens: np.ndarray) -> MappedPool:
+    """Map a pool from the attach reply: a read-only shared-memory fd (cpu) or a pickled CUDA IPC handle (cuda)."""
+    mine = gens[info.gen_offset : info.gen_offset + info.slots]
     if info.ipc:
         rebuild, args = pickle.loads(info.ipc)  # the daemon's own torch.multiprocessing.reductions.reduce_tensor
         flat = rebuild(*args).view(torch.uint8).reshape(-1)
         return MappedPool(
-            info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes)
+            info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes), mine
         )
     fd = fds[info.fd_index]
     size = info.pool_bytes or os.fstat(fd).st_size
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: it is not meant to be
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
     return MappedPool(
-        info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes), mm
+        info, flat[info.offset : info.offset + info.slots * info.slot_bytes].view(info.slots, info.slot_bytes), mine, mm
     )

@@ -83,6 +83,18 @@ class VerifierConfig:
     sweep_interval_s: float = 300.0
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
+    hung_after_s: float = 120.0  # a supervised verifier whose heartbeat is older than this is killed and restarted
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionSection:
+    """The pools' admission caps (`kvtier.gpu.AdmissionConfig`): a global cap on occupied slots across every
+    pool of a profile (0: their capacity), split into per-form reservations rebalanced toward demand every
+    `rebalance_every` allocations, never below `min_form_share` of the cap."""
+
+    max_entries: int = 0
+    min_form_share: float = 0.05
+    rebalance_every: int = 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,13 +115,17 @@ class DaemonConfig:
     store: StoreSection
     verifier: VerifierConfig
     metrics: MetricsConfig
+    admission: AdmissionSection = AdmissionSection()
     lease_ttl_s: float = 30.0
     recovering_cap: int = 64
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0
+    durable_wait_s: float = 30.0  # how long a durable offload waits for objects other connections are writing
     # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
     versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    # per profile, the version-key fields of a canary served beside the live version (`<profile>@canary`)
+    canary: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # off (single node) unless a `[cluster]` table enables it
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     source: str = "embedded default"
@@ -155,7 +171,9 @@ def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
     return DaemonConfig(
         device="auto",
         profiles=("deepseek-v4-flash",),
-        server=ServerConfig(socket=runtime / SOCKET_NAME),
+        # 0666 in a 0755 directory: every local user reaches the socket, and the daemon admits each peer by its
+        # credentials (root, its own uid, server.allowed_uids / allowed_gids), so those lists can grant access
+        server=ServerConfig(socket=runtime / SOCKET_NAME, socket_mode=0o666),
         pool=PoolConfig({f: 512 * 2**20 for f in FORMS}),
         store=StoreSection(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="external"),
@@ -200,7 +218,7 @@ def load_config(
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
-    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired; `canary`).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -215,6 +233,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
         versions=new.versions,
+        canary=new.canary,
     )
 
 
@@ -358,7 +377,7 @@ VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexe
 
 
 def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
-    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    """`[versions.<profile>]` / `[canary.<profile>]`: version-key fields that override the profile's own."""
     out: dict[str, dict[str, str]] = {}
     for name in list(reader.table):
         if name not in profiles:
@@ -426,12 +445,24 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         sweep_interval_s=float(v.number("sweep_interval_s", b3.sweep_interval_s)),
         restart_backoff_s=float(v.number("restart_backoff_s", b3.restart_backoff_s)),
         max_backoff_s=float(v.number("max_backoff_s", b3.max_backoff_s)),
+        hung_after_s=float(v.number("hung_after_s", b3.hung_after_s)),
     )
     v.finish()
 
     m = top.sub("metrics")
     metrics = MetricsConfig(_metrics_address(m, base.metrics.address))
     m.finish()
+
+    a = top.sub("admission")
+    b4 = base.admission
+    admission = AdmissionSection(
+        max_entries=a.number("max_entries", b4.max_entries, integer=True, allow_zero=True),
+        min_form_share=float(a.number("min_form_share", b4.min_form_share, allow_zero=True)),
+        rebalance_every=a.number("rebalance_every", b4.rebalance_every, integer=True, minimum=1),
+    )
+    if admission.min_form_share > 1:
+        raise a.error("min_form_share", f"must be at most 1, got {admission.min_form_share}")
+    a.finish()
 
     cfg = DaemonConfig(
         device=device,
@@ -441,12 +472,15 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         store=store,
         verifier=verifier,
         metrics=metrics,
+        admission=admission,
         lease_ttl_s=float(top.number("lease_ttl_s", base.lease_ttl_s)),
         recovering_cap=top.number("recovering_cap", base.recovering_cap, integer=True, minimum=1),
         recover_queue=top.number("recover_queue", base.recover_queue, integer=True, minimum=1),
         persist_queue_depth=top.number("persist_queue_depth", base.persist_queue_depth, integer=True, minimum=1),
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
+        durable_wait_s=float(top.number("durable_wait_s", base.durable_wait_s)),
         versions=_versions(top.sub("versions"), tuple(profiles)),
+        canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )

@@ -52,3 +52,23 @@ class LayoutError(KvtierError):
     """A tensor or record does not match the layout the current kernels read."""
 
     code = "abi_mismatch"
+
+
+class StaleHandle(KvtierError):
+    """A lease or write handle no longer names the object it was issued for (evicted, expired or released):
+    look the prefix up again (or recompute). Raised in the daemon and, for reads through mapped pools, in the
+    client when the slot's generation moved."""
+
+    code = "stale_handle"
+
+
+class NotDurable(KvtierError):
+    """Objects an acknowledgement would cover are not committed to the store; `pending` counts them and
+    `reasons` says why (quota, budget, store error, timed out)."""
+
+    code = "not_durable"
+
+    def __init__(self, message: str, *, pending: int = 0, reasons: tuple[str, ...] = ()) -> None:
+        self.pending = pending
+        self.reasons = reasons
+        super().__init__(message)

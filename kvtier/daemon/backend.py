@@ -2,9 +2,9 @@
 
 Requests arrive from the server as protocol structs and leave as replies. Lookups and offloads hand
 out *handles* (wire ids) owned by the connection that made them; a connection that goes away has
-every handle released, in the manager too (`release_owner`). Offloaded objects are acknowledged once
-sealed in the pool and written to the store by a background `Persister`; `durable` and `flush` wait
-for the store commit.
+every handle released, in the manager too (`release_owner`); while it lives, its heartbeat (`renew`)
+keeps them. Offloaded objects are acknowledged once sealed in the pool and written to the store by a
+background `Persister`; `durable` and `flush` wait for the store commit and say what did not make it.
 """
 
 from __future__ import annotations
@@ -16,29 +16,32 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from kvtier.core.checkvector import CheckVector
+from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
-from kvtier.core.errors import KvtierError, ProfileError
+from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
-from kvtier.core.profile import load_profile
+from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.core.verifier_status import verifier_status
+from kvtier.daemon.durability import make_durable
 from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
-from kvtier.daemon.namespaces import apply_versions, stale_reply
+from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
+from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import PinStats, StatsDoc
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +65,15 @@ class Held:
     lookup: PoolLookup | None = None
     writes: list[WriteHandle] = dataclasses.field(default_factory=list)
     expires_at: float = float("inf")
+    named: list[ObjectKey] = dataclasses.field(default_factory=list)  # every object an offload names
+    refused: frozenset[int] = frozenset()  # indices into `named` that got no slot
 
 
 class DaemonBackend:
     """What the server calls: attach / lookup / load / release / offload / seal / flush / prewarm, stats, life cycle."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
+        self._closed = False  # first: close() runs on a failed start too (a bad profile, an unusable store)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
@@ -81,21 +87,13 @@ class DaemonBackend:
                     raise ProfileError(f"profile {profile.name!r} is listed twice", field="profiles")
                 codecs = {g.form: cfg.store.codec for g in profile.groups} if cfg.store.codec != "none" else None
                 self.store.register_namespace(profile.version, codecs=codecs)
-                manager = CacheManager(
-                    profile,
-                    budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
-                    device=self.device,
-                    lower=self.lower,
-                    admission=AdmissionConfig(max_recovering=cfg.recovering_cap, max_recover_queue=cfg.recover_queue),
-                    lease_ttl_s=cfg.lease_ttl_s,
-                )
-                sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
-                self.runtimes[profile.name] = Runtime(profile.name, profile, manager, sizes)
+                self.runtimes[profile.name] = self._new_pools(profile)
+            self.rollout = Rollout(self.store, cfg.store.codec, self.runtimes, self._new_pools)
+            self.rollout.apply(cfg)
         except BaseException:
             self.close()
             raise
-        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
-        self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
+        self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -103,7 +101,6 @@ class DaemonBackend:
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
-        self._closed = False
 
     @staticmethod
     def _store_config(cfg: DaemonConfig) -> StoreConfig:
@@ -113,11 +110,25 @@ class DaemonBackend:
             io_threads=cfg.store.io_threads,
         )
 
+    def _new_pools(self, profile: ModelProfile) -> Runtime:
+        """A pool set for `profile` (its live version's at start; a canary's when the first one starts)."""
+        cfg = self.cfg
+        manager = CacheManager(
+            profile,
+            budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
+            device=self.device,
+            lower=self.lower,
+            admission=admission_config(cfg),
+            lease_ttl_s=cfg.lease_ttl_s,
+        )
+        sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
+        return Runtime(profile.name, profile, manager, sizes)
+
     # -- handles ------------------------------------------------------------------------------------
 
     def _runtime(self, session: Session) -> Runtime:
-        assert session.attached is not None
-        return self.runtimes[session.attached]
+        assert session.runtime is not None
+        return session.runtime
 
     def _add(self, held: Held) -> int:
         with self._lock:
@@ -142,11 +153,8 @@ class DaemonBackend:
     # -- ops ----------------------------------------------------------------------------------------
 
     def attach(self, session: Session, req: P.Attach) -> tuple[P.AttachOk, list[int]]:
-        rt = self.runtimes.get(req.profile)
-        if rt is None:
-            raise ProfileError(
-                f"this daemon serves {sorted(self.runtimes)}, not {req.profile!r}; add it to `profiles` in the config"
-            )
+        rt = self.rollout.runtime_for(req.profile)
+        session.runtime = rt
         infos, fds = rt.pool_infos()
         ok = P.AttachOk(
             rt.name, rt.manager.namespace, rt.profile.hash_block_tokens, self.device, self.cfg.lease_ttl_s, infos
@@ -197,7 +205,8 @@ class DaemonBackend:
         manager = rt.manager
         slots: list[list[int]] = []
         writes: list[WriteHandle] = []
-        refused = 0
+        named: list[ObjectKey] = []
+        refused_at: list[int] = []
         try:
             for name, blocks in zip(req.groups, req.blocks):
                 group = groups.get(name)
@@ -208,15 +217,13 @@ class DaemonBackend:
                 digest = manager.layout_digest(name)
                 row: list[int] = []
                 for b in blocks:
+                    key = ObjectKey(manager.namespace, hashes[b], name, group.form)
+                    named.append(key)
                     try:
-                        handle = manager.begin_write(
-                            ObjectKey(manager.namespace, hashes[b], name, group.form),
-                            layout_digest=digest,
-                            owner=session.owner,
-                        )
+                        handle = manager.begin_write(key, layout_digest=digest, owner=session.owner)
                     except AdmissionRefused:
                         handle = None
-                        refused += 1
+                        refused_at.append(len(named) - 1)
                     if handle is not None:
                         writes.append(handle)
                     row.append(handle.slot if handle is not None else -1)
@@ -225,41 +232,75 @@ class DaemonBackend:
             for w in writes:
                 manager.abort(w)
             raise
-        ident = self._add(Held(session.owner, rt, writes=writes, expires_at=time.monotonic() + self.cfg.lease_ttl_s))
-        return P.OffloadOk(ident, slots, refused)
+        expires = time.monotonic() + self.cfg.lease_ttl_s
+        ident = self._add(
+            Held(session.owner, rt, writes=writes, expires_at=expires, named=named, refused=frozenset(refused_at))
+        )
+        return P.OffloadOk(ident, slots, len(refused_at))
 
-    def seal(self, session: Session, req: P.Seal) -> P.SealOk:
+    def seal(self, session: Session, req: P.Seal, fds: Sequence[int] = ()) -> P.SealOk:
+        """Seal an offload's objects, each only if whole by the bytes that really arrived (on cpu: copied from
+        the client's frozen staging region); with `durable`, count what the store has committed."""
         held = self._get(session, req.offload_id, lookup=False)
         self._pop(req.offload_id)
         manager = held.runtime.manager
         sealed = 0
         try:
-            for w in held.writes:
-                manager.seal(w, written_bytes=w.nbytes)  # the client filled the whole slot through its mapping
+            if len(req.written) != len(held.writes):
+                raise WrongType(f"seal names {len(req.written)} written sizes for {len(held.writes)} reserved objects")
+            for w, n in zip(held.writes, self._fill(held, req.written, fds)):
+                manager.seal(w, written_bytes=n)
                 sealed += 1
         except BaseException:
             for w in held.writes[sealed:]:
                 manager.abort(w)
             raise
-        if not req.durable:
-            self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
-            return P.SealOk(sealed, False)
         self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
-        done, _ = self.persister.wait_pass(max(60.0, self.cfg.shutdown_timeout_s))
-        persisted = done and all(
-            (st := manager.block_state(w.key.group, w.slot)).recoverable and st.generation == w.generation
-            for w in held.writes
-        )
-        if not persisted:
-            raise KvtierError(
-                "the store did not commit these objects (evicted first, or a store error; see the daemon log);"
-                " offload again"
+        if not req.durable:
+            return P.SealOk(sealed, False)
+        d = make_durable(self.store, self.persister, held.runtime, held.named, held.refused, self.cfg.durable_wait_s)
+        if d.not_durable:
+            log.warning(
+                "durable offload: %d of %d objects not in the store: %s",
+                d.not_durable,
+                len(held.named),
+                "; ".join(d.reasons),
             )
-        return P.SealOk(sealed, True)
+        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.reasons)
+
+    def _fill(self, held: Held, written: list[int], fds: Sequence[int]) -> list[int]:
+        """The bytes each reserved object really holds. On cpu the client cannot write the pools: its bytes
+        arrive in one staging memfd, frozen here and copied into the slots; on cuda it wrote them in place."""
+        pools = held.runtime.manager.pools()
+        if not held.writes or pools[0].reader_fd is None:
+            return list(written)
+        if len(fds) != 1:
+            raise StagingError("a cpu offload sends its bytes in one staging memfd along with seal")
+        size = freeze(fds[0])
+        index = {p.group: i for i, p in enumerate(pools)}
+        real: list[int] = []
+        offset = 0
+        for w, claimed in zip(held.writes, written):
+            got = copy_in(fds[0], offset, pools[index[w.key.group]].slot_view(w.slot)) if offset < size else 0
+            real.append(min(got, claimed))
+            offset += w.nbytes
+        return real
+
+    def renew(self, session: Session, req: P.Renew) -> P.Renewed:
+        """The client's heartbeat: its leases and reserved writes live on for another TTL."""
+        expires = time.monotonic() + self.cfg.lease_ttl_s
+        with self._lock:
+            for held in self._held.values():
+                if held.owner == session.owner and held.lookup is None:
+                    held.expires_at = max(held.expires_at, expires)
+        return P.Renewed(sum(rt.manager.renew_owner(session.owner) for rt in self.runtimes.values()))
 
     def flush(self, session: Session, req: P.Flush) -> P.FlushOk:
+        """Write back everything sealed; what still waits at the end is reported with why (blocked forms)."""
         done, persisted = self.persister.wait_pass(req.timeout_s)
-        return P.FlushOk(persisted, 0 if done else max(1, self.persister.queued))
+        pending = self.persister.queued
+        reasons = self.persister.reasons() if done else [f"the write-back pass did not finish in {req.timeout_s}s"]
+        return P.FlushOk(persisted, pending, reasons if pending else [])
 
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk:
         """The longest usable hit, RECOVER objects loaded; every object of it pinned (pool and disk) for ttl_s."""
@@ -290,10 +331,20 @@ class DaemonBackend:
         n_bytes = int((loaded.sum(axis=1) * rt.object_bytes).sum())
         return P.PrewarmOk(_wire_cv(cv), int(loaded.sum()), n_bytes, pinned, time.perf_counter() - started)
 
+    def explain(self, session: Session, req: P.Explain) -> P.ExplainOk:
+        """Per group what the pool and the store hold of the blocks, and the hit they allow; nothing leased."""
+        rt = self._runtime(session)
+        raw, final = rt.manager.explain(_split_hashes(req.hashes))
+        return P.ExplainOk(_wire_cv(raw), _wire_cv(final), window_blocks(rt.profile).tolist())
+
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
         """The answer for a connection attached to a namespace retired since (None while it is live)."""
         rt = self._runtime(session)
-        return None if session.namespace == rt.manager.namespace else stale_reply(rt, req)
+        return None if self.rollout.serving(rt, session.namespace) else stale_reply(rt, req)
+
+    def namespaces(self, session: Session, req: P.Msg) -> P.NamespacesOk:
+        """List the namespaces, or retire one, or promote a profile's canary (`kvtier namespace`)."""
+        return self.rollout.request(req)
 
     def release_owner(self, owner: int) -> int:
         with self._lock:
@@ -301,7 +352,7 @@ class DaemonBackend:
             for i in mine:
                 del self._held[i]
         self.tier.release_owner(owner)
-        return sum(rt.manager.release_owner(owner) for rt in self.runtimes.values())
+        return sum(rt.manager.release_owner(owner) for rt in self.rollout.runtimes())
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -330,27 +381,51 @@ class DaemonBackend:
             return False, "the persist thread died; acknowledged writes are not reaching the store"
         return True, ""
 
+    def degraded(self) -> str:
+        """Why serving is degraded though alive (write-back blocked for some forms), or ""."""
+        reasons = self.persister.reasons()
+        if not reasons:
+            return ""
+        return f"write-back blocked, {self.persister.queued} objects waiting: " + "; ".join(reasons)
+
+    def verifier_heartbeat_age(self, pid: int) -> float | None:
+        """Age of the heartbeat the verifier with `pid` last published in the store (None: it has not yet)."""
+        doc = verifier_status(self.store)
+        return doc.get("heartbeat_age_s") if doc.get("verifier_pid") == pid else None
+
     def reload(self, cfg: DaemonConfig) -> None:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
-        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
+        self.rollout.apply(cfg, before=self.cfg)
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
-        """Persist every sealed object (acknowledged writes) before shutdown; False if time ran out."""
-        done, n = self.persister.wait_pass(timeout_s)
-        log.info("shutdown flush: %d objects persisted%s", n, "" if done else " (timed out)")
-        return done
+        """Persist every sealed object (acknowledged writes) before shutdown; False, logging how many could not
+        be and why, if any remain (blocked forms, or time ran out)."""
+        deadline = time.monotonic() + timeout_s
+        total = 0
+        while True:
+            done, n = self.persister.wait_pass(max(0.0, deadline - time.monotonic()))
+            total += n
+            left = self.persister.queued
+            if not left:
+                log.info("shutdown flush: %d objects persisted, none left", total)
+                return True
+            if not done or not n or time.monotonic() >= deadline:
+                why = "; ".join(self.persister.reasons()) or "the shutdown deadline passed"
+                log.error("shutdown flush: %d acknowledged objects could not be persisted: %s", left, why)
+                return False
 
     def close(self) -> None:
-        if self._closed:
+        if getattr(self, "_closed", False):  # also called by a constructor that failed half way
             return
         self._closed = True
         persister = getattr(self, "persister", None)
         if persister is not None:
             persister.stop(self.cfg.shutdown_timeout_s)
-        for rt in getattr(self, "runtimes", {}).values():
+        rollout = getattr(self, "rollout", None)  # absent when a profile failed to load
+        for rt in rollout.all if rollout is not None else getattr(self, "runtimes", {}).values():
             rt.manager.close()
         close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         self.store.close()
@@ -358,10 +433,25 @@ class DaemonBackend:
     def stats_doc(self) -> StatsDoc:
         """The backend's part of the stats document behind `kvtier status` and the metrics."""
         with self._lock:
-            prewarm_pins = len(self._pins)
-        doc = backend_stats(self.runtimes.values(), self.store, self.persister, prewarm_pins)
+            now = time.monotonic()
+            pins = [PinStats(rt.name, len(keys), max(0.0, exp - now)) for exp, _, rt, keys in sorted(self._pins)]
+        doc = backend_stats(self.rollout.runtimes(), self.store, self.persister, len(pins))
+        doc.pins = pins
         doc.cluster = cluster_doc(self.lower)
+        doc.namespaces = self.rollout.namespace_stats()
         return doc
+
+
+def admission_config(cfg: DaemonConfig) -> AdmissionConfig:
+    """The pools' admission caps as the daemon config sets them."""
+    a = cfg.admission
+    return AdmissionConfig(
+        max_entries=a.max_entries or None,
+        min_form_share=a.min_form_share,
+        rebalance_every=a.rebalance_every,
+        max_recovering=cfg.recovering_cap,
+        max_recover_queue=cfg.recover_queue,
+    )
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

@@ -11,15 +11,17 @@ import threading
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier import __version__
 from kvtier.core.errors import ConfigError
 from kvtier.daemon.cluster_metrics import cluster_families
 from kvtier.wire.stats import StatsDoc
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # no `_created` series: Prometheus does not need them, and they double the families
 
 
 class BackendCollector(Collector):
@@ -34,72 +36,83 @@ class BackendCollector(Collector):
         except Exception:  # a scrape must never take the daemon down
             log.exception("stats for a metrics scrape failed")
             return
-        routes = CounterMetricFamily(
-            "kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"]
-        )
-        hit_rate = GaugeMetricFamily(
-            "kvtier_hit_rate",
-            "Share of the objects lookups needed that were served (REUSE or RECOVER), by form",
-            labels=["form"],
-        )
-        recov = CounterMetricFamily(
-            "kvtier_recoveries", "Loads of RECOVER objects into pool slots, by outcome", labels=["form", "outcome"]
-        )
-        recov_rate = GaugeMetricFamily(
-            "kvtier_recovery_success_rate", "Share of recoveries that succeeded, by form", labels=["form"]
-        )
-        reasons = CounterMetricFamily("kvtier_recomputes", "RECOMPUTE routes by reason", labels=["form", "reason"])
-        admission = CounterMetricFamily(
-            "kvtier_admission_rejections", "Objects refused by the admission caps", labels=["form"]
-        )
-        latency = HistogramMetricFamily(
-            "kvtier_recovery_latency_seconds", "Time to recover one batch into the pool", labels=["form"]
-        )
-        for form, f in sorted(doc.forms.items()):
-            routes.add_metric([form, "reuse"], f.reuse)
-            routes.add_metric([form, "recover"], f.recover)
-            routes.add_metric([form, "recompute"], f.recompute)
-            hit_rate.add_metric([form], f.hit_rate)
-            ok, failed = f.recover_ok, f.recover_failed
-            recov.add_metric([form, "ok"], ok)
-            recov.add_metric([form, "failed"], failed)
-            recov_rate.add_metric([form], ok / (ok + failed) if ok + failed else 1.0)
-            for reason, n in sorted(f.recompute_reasons.items()):
-                reasons.add_metric([form, reason], n)
-            admission.add_metric([form], f.admission_rejections)
-            if f.recovery_latency is not None:
-                buckets = [(_le(le), n) for le, n in f.recovery_latency.buckets]
-                latency.add_metric([form], buckets, f.recovery_latency.sum)
-        yield from (routes, hit_rate, recov, recov_rate, reasons, admission, latency)
-
-        pool = GaugeMetricFamily(
-            "kvtier_pool_slots",
-            "Pool slots by profile and form: capacity, occupied, and the admission quota",
-            labels=["profile", "form", "state"],
-        )
-        for prof in doc.profiles:
-            for form, p in sorted(prof.pools.items()):
-                for state, n in (("slots", p.slots), ("used", p.used), ("quota", p.quota)):
-                    pool.add_metric([prof.name, form, state], n)
-        yield pool
-
-        store = doc.store
-        by_state = GaugeMetricFamily("kvtier_store_bytes", "Disk store bytes by record state", labels=["state"])
-        for state, n in sorted(store.get("bytes_by_state", {}).items()):
-            by_state.add_metric([state], int(n))
-        yield by_state
-        queue = GaugeMetricFamily("kvtier_persist_queue", "Sealed objects waiting to be written to the store")
-        queue.add_metric([], int(store.get("persist_queue", 0)))
-        yield queue
-
-        actions = CounterMetricFamily("kvtier_verifier_actions", "Actions the verifier took", labels=["action"])
-        for action, n in sorted(doc.verifier.actions.items()):
-            actions.add_metric([action], n)
-        yield actions
-        restarts = CounterMetricFamily("kvtier_verifier_restarts", "Times the supervised verifier was restarted")
-        restarts.add_metric([], doc.verifier.restarts)
-        yield restarts
+        yield from _form_families(doc)
+        yield from _pool_families(doc)
+        yield from _store_families(doc)
+        yield from _daemon_families(doc)
         yield from cluster_families(doc.cluster)
+
+
+def _form_families(doc: StatsDoc) -> Iterator[Metric]:
+    """Counters only: hit and success ratios are PromQL over them (docs/metrics.md), over the window you choose."""
+    routes = CounterMetricFamily(
+        "kvtier_lookup_objects", "Objects a lookup routed, by form and route", labels=["form", "route"]
+    )
+    recov = CounterMetricFamily(
+        "kvtier_recoveries", "Loads of RECOVER objects into pool slots, by outcome", labels=["form", "outcome"]
+    )
+    reasons = CounterMetricFamily("kvtier_recomputes", "RECOMPUTE routes by reason", labels=["form", "reason"])
+    admission = CounterMetricFamily(
+        "kvtier_admission_rejections", "Objects refused by the admission caps", labels=["form"]
+    )
+    evictions = CounterMetricFamily("kvtier_evictions", "Objects evicted from the pool", labels=["form"])
+    latency = HistogramMetricFamily(
+        "kvtier_recovery_latency_seconds", "Time to recover one batch into the pool", labels=["form"]
+    )
+    for form, f in sorted(doc.forms.items()):
+        for route in ("reuse", "recover", "recompute"):
+            routes.add_metric([form, route], getattr(f, route))
+        recov.add_metric([form, "ok"], f.recover_ok)
+        recov.add_metric([form, "failed"], f.recover_failed)
+        for reason, n in sorted(f.recompute_reasons.items()):
+            reasons.add_metric([form, reason], n)
+        admission.add_metric([form], f.admission_rejections)
+        evictions.add_metric([form], f.evictions)
+        if f.recovery_latency is not None:
+            buckets = [(_le(le), n) for le, n in f.recovery_latency.buckets]
+            latency.add_metric([form], buckets, f.recovery_latency.sum)
+    yield from (routes, recov, reasons, admission, evictions, latency)
+
+
+def _pool_families(doc: StatsDoc) -> Iterator[Metric]:
+    """Capacity, use and quota as families of their own: one label never mixes what a slot count means."""
+    labels = ["profile", "form"]
+    slots = GaugeMetricFamily("kvtier_pool_slots", "Pool slots allocated at start (capacity)", labels=labels)
+    used = GaugeMetricFamily("kvtier_pool_used_slots", "Pool slots holding an object or reserved", labels=labels)
+    quota = GaugeMetricFamily("kvtier_pool_quota_slots", "Slots the admission quota lets one form use", labels=labels)
+    size = GaugeMetricFamily("kvtier_pool_bytes", "Pool memory allocated at start", labels=labels)
+    for prof in doc.profiles:
+        for form, p in sorted(prof.pools.items()):
+            for family, value in ((slots, p.slots), (used, p.used), (quota, p.quota), (size, p.bytes)):
+                family.add_metric([prof.name, form], value)
+    yield from (slots, used, quota, size)
+
+
+def _store_families(doc: StatsDoc) -> Iterator[Metric]:
+    store = doc.store
+    by_state = GaugeMetricFamily("kvtier_store_bytes", "Disk store bytes by record state", labels=["state"])
+    for state, n in sorted(store.get("bytes_by_state", {}).items()):
+        by_state.add_metric([state], int(n))
+    budget = GaugeMetricFamily("kvtier_store_budget_bytes", "The store's byte budget (0: none)")
+    budget.add_metric([], int(store.get("budget_bytes") or 0))
+    queue = GaugeMetricFamily("kvtier_persist_queue_objects", "Sealed objects waiting to be written to the store")
+    queue.add_metric([], int(store.get("persist_queue", 0)))
+    pins = GaugeMetricFamily("kvtier_prewarm_pins", "Prewarmed prefixes whose pins have not expired")
+    pins.add_metric([], doc.prewarm_pins)
+    actions = CounterMetricFamily("kvtier_verifier_actions", "Actions the verifier took", labels=["action"])
+    for action, n in sorted(doc.verifier.actions.items()):
+        actions.add_metric([action], n)
+    restarts = CounterMetricFamily("kvtier_verifier_restarts", "Times the supervised verifier was restarted")
+    restarts.add_metric([], doc.verifier.restarts)
+    yield from (by_state, budget, queue, pins, actions, restarts)
+
+
+def _daemon_families(doc: StatsDoc) -> Iterator[Metric]:
+    healthy = GaugeMetricFamily("kvtier_healthy", "1 when the daemon is healthy (kvtier status: health ok), else 0")
+    healthy.add_metric([], 1 if doc.daemon is not None and doc.daemon.health == "ok" else 0)
+    info = GaugeMetricFamily("kvtier_build_info", "The running kvtier version (value 1)", labels=["version"])
+    info.add_metric([__version__], 1)
+    yield from (healthy, info)
 
 
 def _le(value: float | str) -> str:

@@ -1,4 +1,10 @@
-"""The manager's write-back: sealed pool objects persisted to the store by one background thread, bounded."""
+"""The manager's write-back: sealed pool objects persisted to the store by one background thread, bounded.
+
+Fair across forms: each form goes to the store in its own batches, and a form the store refuses (its quota,
+the budget, a disk error) is set aside for the rest of the pass and named in `blocked` with the store's
+reason, so it holds back no other form. What waits (`backlog`), what is blocked and how many passes failed
+are exported; `flush`, `durable` and the shutdown drain read them to say what is not on disk and why.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import logging
 import threading
 import time
 
+from kvtier.core.forms import CacheForm
 from kvtier.daemon.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ class Persister:
         self._completed = 0
         self.persisted = 0
         self.failed_passes = 0
+        self.blocked: dict[tuple[str, str], str] = {}  # (profile, form) -> why the store refused it last pass
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
         self._thread.start()
@@ -39,8 +47,16 @@ class Persister:
 
     @property
     def queued(self) -> int:
-        with self._cond:
-            return self._waiting
+        """Sealed objects not yet in the store (all profiles and forms): the write-back queue."""
+        return sum(n for per_form in self.backlog().values() for n in per_form.values())
+
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """Per profile and form, sealed objects not yet in the store."""
+        return {rt.name: {f.value: n for f, n in rt.manager.write_back_backlog().items() if n} for rt in self.runtimes}
+
+    def reasons(self) -> list[str]:
+        """Why objects wait: one line per blocked (profile, form)."""
+        return [f"{profile}/{form}: {why}" for (profile, form), why in sorted(self.blocked.items())]
 
     def sealed(self, n: int, timeout_s: float) -> None:
         """Note n newly sealed objects; wait (up to timeout_s) while the queue is over its depth."""
@@ -83,18 +99,28 @@ class Persister:
                 covering = self._requested
                 self._waiting = 0
                 self._cond.notify_all()
+            blocked: dict[tuple[str, str], str] = {}
+            failed = False
             for rt in self.runtimes:
+                skip: set[CacheForm] = set()
                 try:
                     while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
-                        n = rt.manager.persist(limit=PERSIST_BATCH)
+                        out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
                         with self._cond:
-                            self.persisted += n
-                        if n < PERSIST_BATCH:
+                            self.persisted += out.stored
+                        for form, why in out.failed.items():
+                            skip.add(form)
+                            blocked[(rt.name, form.value)] = why
+                        if not out.stored:
                             break
-                except Exception:  # the pass failed as a whole; objects stay sealed and are retried next pass
+                except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
                     log.exception("persisting %s objects to the store failed", rt.name)
-                    self.failed_passes += 1
+                    blocked[(rt.name, "*")] = f"{type(exc).__name__}: {exc}"
+                    failed = True
             with self._cond:
+                if blocked or failed:
+                    self.failed_passes += 1
+                self.blocked = blocked
                 self._completed = covering
                 self._cond.notify_all()
 

@@ -31,10 +31,12 @@ class Runtime:
     object_bytes: np.ndarray  # per group
 
     def pool_infos(self) -> tuple[list[P.PoolInfo], list[int]]:
-        """Pool descriptions for an attach reply, and the fds (cpu memfds) that ride along with it."""
+        """Pool descriptions for an attach reply, and the read-only fds that ride along with it (the slot
+        generation table's, and on cpu each pool's memfd's)."""
+        table, bases = self.manager.generation_table()
+        fds: list[int] = [table.reader_fd]
         infos: list[P.PoolInfo] = []
-        fds: list[int] = []
-        for group, pool in zip(self.profile.groups, self.manager.pools()):
+        for group, pool, base in zip(self.profile.groups, self.manager.pools(), bases):
             layout = self.profile.layout(group)
             common = dict(
                 group=pool.group,
@@ -44,14 +46,20 @@ class Runtime:
                 object_bytes=pool.slot_nbytes,
                 dtype=layout.dtype,
                 shape=list(layout.shape),
+                gen_fd_index=0,
+                gen_offset=base,
+                gen_bytes=table.nbytes,
             )
-            if pool.fd is not None:
+            if pool.reader_fd is not None:
                 infos.append(
                     P.PoolInfo(
-                        **common, fd_index=len(fds), pool_bytes=os.fstat(pool.fd).st_size, offset=pool.base_offset
+                        **common,
+                        fd_index=len(fds),
+                        pool_bytes=os.fstat(pool.reader_fd).st_size,
+                        offset=pool.base_offset,
                     )
                 )
-                fds.append(pool.fd)
+                fds.append(pool.reader_fd)
             else:
                 from torch.multiprocessing.reductions import reduce_tensor
 

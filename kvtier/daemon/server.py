@@ -148,11 +148,13 @@ class SocketServer:
             P.Release: backend.release,
             P.Load: backend.load,
             P.Offload: backend.offload,
-            P.Seal: backend.seal,
+            P.Renew: backend.renew,
             P.Prewarm: backend.prewarm,
+            P.Explain: backend.explain,
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
             P.TierHas: backend.tier.has,
+            P.TierKeys: backend.tier.keys,
             P.TierStore: backend.tier.store_many,
             P.TierLoad: backend.tier.load,
         }
@@ -355,6 +357,8 @@ class SocketServer:
             return P.StatsOk(self.stats_doc()), []
         if isinstance(req, P.Flush):
             return self.backend.flush(session, req), []
+        if isinstance(req, (P.Namespaces, P.NamespaceRetire, P.NamespacePromote)):
+            return self.backend.namespaces(session, req), []
         if isinstance(req, P.TierOpen):
             if session.tier_open:
                 raise OutOfOrder(
@@ -374,6 +378,8 @@ class SocketServer:
         stale = self.backend.stale_reply(session, req)  # attached to a namespace retired since (a rollout)
         if stale is not None:
             return stale, []
+        if isinstance(req, P.Seal):  # a cpu offload's staging memfd rides along
+            return self.backend.seal(session, req, received), []
         return self._dispatch[type(req)](session, req), []
 
     # -- shutdown ---------------------------------------------------------------------------------

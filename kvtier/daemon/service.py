@@ -13,6 +13,7 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +38,8 @@ class ServiceBackend(Backend, Protocol):
 
     def stats_doc(self) -> StatsDoc: ...
     def health(self) -> tuple[bool, str]: ...
+    def degraded(self) -> str: ...
+    def verifier_heartbeat_age(self, pid: int) -> float | None: ...
     def tick(self) -> None: ...
     def reload(self, cfg: DaemonConfig) -> None: ...
     def drain(self, timeout_s: float) -> bool: ...
@@ -75,6 +78,8 @@ class Daemon:
                 verifier_command or default_verifier_command(cfg, config_path),
                 backoff_s=cfg.verifier.restart_backoff_s,
                 max_backoff_s=cfg.verifier.max_backoff_s,
+                heartbeat_age=backend.verifier_heartbeat_age,
+                hung_after_s=cfg.verifier.hung_after_s,
             )
         self.metrics_address: tuple[str, int] | None = None
         self._stop = False
@@ -95,6 +100,8 @@ class Daemon:
     def readiness(self) -> tuple[bool, str]:
         """Serving health plus the supervised verifier's state (a verifier down degrades, it never stops serving)."""
         healthy, why = self.backend.health()
+        if healthy and (problem := self.backend.degraded()):
+            return False, problem
         if healthy and self.supervisor is not None:
             st = self.supervisor.state()
             if st.state == "backoff":
@@ -179,8 +186,9 @@ class Daemon:
         else:
             log.warning("unhealthy, withholding the watchdog ping: %s", why)
 
-    def run(self) -> int:
-        """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain)."""
+    def run(self, on_ready: Callable[[str], None] | None = None) -> int:
+        """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain). `on_ready` hears one line
+        saying where it listens, once it does."""
         previous = self._install_signals()
         sel = selectors.DefaultSelector()
         sel.register(self.server.listener, selectors.EVENT_READ, "accept")
@@ -191,6 +199,12 @@ class Daemon:
             if self.supervisor is not None:
                 self.supervisor.start()
             log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
+            if on_ready is not None:  # before READY: whoever waits for READY finds the line written
+                metrics = "http://{}:{}/metrics".format(*self.metrics_address) if self.metrics_address else "off"
+                on_ready(
+                    f"listening on {self.cfg.server.socket} (pid {os.getpid()}); metrics {metrics}; "
+                    f"verifier {self.cfg.verifier.mode}"
+                )
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             self.notifier.ping_watchdog()
             last_tick = 0.0

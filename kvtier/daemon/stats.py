@@ -47,6 +47,8 @@ def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Pers
     doc["bytes_by_state"] = {"live": doc.get("record_bytes", 0)}
     doc["persist_queue"] = persister.queued
     doc["persisted"] = persister.persisted
+    doc["failed_passes"] = persister.failed_passes  # write-back passes in which the store refused a form
+    doc["write_back_blocked"] = persister.reasons()  # "<profile>/<form>: why", one per blocked form
     published = VerifierReport(**verifier_status(store))  # what the verifier last published in the index
     return StatsDoc(profiles=profiles, forms=forms, store=doc, prewarm_pins=prewarm_pins, verifier=published)
 

@@ -2,7 +2,11 @@
 
 The child is started with `subprocess.Popen` (fork + immediate exec, nothing of ours runs in it),
 so it never inherits an open LMDB environment or cuFile handle; it gets its own session so a
-terminal's signals reach it only through us. `poll()` is called from the daemon's main loop.
+terminal's signals reach it only through us. `poll()` is called from the daemon's main loop (the thread
+that spawns the child must be the long-lived one: the child's parent-death signal follows that thread).
+
+A child that runs but stopped making progress (its published heartbeat older than `hung_after_s`, e.g.
+stuck in a lock wait) is killed and restarted like one that exited.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.core.verifier_status import PARENT_PID_ENV
 
@@ -35,9 +39,20 @@ class Supervisor:
     """Keeps one command running; restarts after exits with backoff doubling from `backoff_s` to `max_backoff_s`."""
 
     def __init__(
-        self, name: str, command: Sequence[str], *, backoff_s: float = 1.0, max_backoff_s: float = 60.0
+        self,
+        name: str,
+        command: Sequence[str],
+        *,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        heartbeat_age: Callable[[int], float | None] | None = None,
+        hung_after_s: float = 120.0,
     ) -> None:
+        """`heartbeat_age(pid)`: seconds since the child with that pid last published progress (None: never)."""
         self.name = name
+        self.heartbeat_age = heartbeat_age
+        self.hung_after_s = hung_after_s
+        self.hung_kills = 0
         self.command = list(command)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -84,6 +99,9 @@ class Supervisor:
         now = time.monotonic()
         if self._proc is not None:
             code = self._proc.poll()
+            if code is None and self._hung(now):
+                self._proc.kill()
+                code = self._proc.wait()
             if code is None:
                 if now - self._started_at >= STABLE_AFTER_S:
                     self._delay = self.backoff_s
@@ -96,6 +114,22 @@ class Supervisor:
         if self._next_start is not None and now >= self._next_start:
             self.restarts += 1
             self._spawn()
+
+    def _hung(self, now: float) -> bool:
+        """Whether the running child's heartbeat (or, before its first one, its start) is too old."""
+        if self.heartbeat_age is None or self._proc is None or now - self._started_at < self.hung_after_s:
+            return False
+        try:
+            age = self.heartbeat_age(self._proc.pid)
+        except Exception:  # an unreadable status is not evidence of a hang
+            log.exception("%s: cannot read its heartbeat", self.name)
+            return False
+        age = now - self._started_at if age is None else age
+        if age < self.hung_after_s:
+            return False
+        self.hung_kills += 1
+        log.error("%s (pid %d) made no progress for %.0fs; killing it to restart", self.name, self._proc.pid, age)
+        return True
 
     def signal(self, signum: int) -> None:
         """Forward a signal (SIGHUP: reload rates) to the running child."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, StaleHandle
 
-
-class StaleHandle(KvtierError):
-    """A lease or write handle no longer names the object it was issued for (evicted, expired or released)."""
-
-    code = "stale_handle"
+__all__ = [
+    "AdmissionRefused",
+    "BadKey",
+    "BudgetError",
+    "IllegalTransition",
+    "PartialBlock",
+    "StaleHandle",
+    "TopologyError",
+]
 
 
 class TopologyError(KvtierError):

@@ -107,15 +107,37 @@ class LeaseBook:
             if not ids:
                 del self._owners[owner]
 
+    def expiry(self, ident: int) -> float | None:
+        """When a live lease / write handle expires (None if it is gone)."""
+        lease = self.leases.get(ident)
+        if lease is not None:
+            return lease.expires_at
+        write = self.writes.get(ident)
+        return write[1] if write is not None else None
+
+    def renew(self, owner: Hashable, expires_at: float) -> int:
+        """Push back the expiry of every lease and write handle of `owner` (a client that is still alive);
+        returns how many it holds. The old heap entries stay and are skipped when they come due."""
+        ids = self._owners.get(owner, ())
+        for ident in ids:
+            lease = self.leases.get(ident)
+            if lease is not None:
+                lease.expires_at = max(lease.expires_at, expires_at)
+            else:
+                self.writes[ident] = (self.writes[ident][0], max(self.writes[ident][1], expires_at))
+            heapq.heappush(self._heap, (expires_at, ident))
+        return len(ids)
+
     def due(self, now: float) -> list[int]:
-        """Ids of live leases / write handles whose expiry is at or before `now`."""
-        out: list[int] = []
+        """Ids of live leases / write handles whose expiry is at or before `now` (renewals respected)."""
+        out: dict[int, None] = {}  # ordered, and a renewed id has several heap entries
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, ident = heapq.heappop(heap)
-            if ident in self.leases or ident in self.writes:
-                out.append(ident)
-        return out
+            expiry = self.expiry(ident)
+            if expiry is not None and expiry <= now:
+                out[ident] = None
+        return list(out)
 
     def of_owner(self, owner: Hashable) -> list[int]:
         return sorted(self._owners.get(owner, ()))

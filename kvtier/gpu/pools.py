@@ -1,8 +1,11 @@
 """Preallocated pools, one per cache group: a 128-B aligned base, fixed slot stride, never moved.
 
 On cpu a pool lives in a memfd (sparse until written), so another process can map it: the daemon
-passes `PoolInfo.fd` over its unix socket and the client maps `/proc/self/fd/<fd>` with
-`torch.from_file(..., shared=True)` at `base_offset`. On cuda a pool is a plain device tensor.
+passes a read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps it
+read-only at `base_offset`. The memfd is sealed against every future writable mapping once the daemon
+has mapped it (`F_SEAL_FUTURE_WRITE`), so no client can write a slot: offloads reach the pool through
+the daemon (see `kvtier.daemon.staging`). On cuda a pool is a plain device tensor (CUDA IPC mappings
+cannot be read-only: clients there are trusted to write only their reserved slots).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.gpu.gentable import reader_fd, seal_for_readers
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,6 +32,7 @@ class Pool:
     tensor: torch.Tensor
     base_offset: int
     fd: int | None
+    reader_fd: int | None = None
 
     @property
     def address(self) -> int:
@@ -39,9 +44,10 @@ class Pool:
         return self.tensor[start : start + self.slot_nbytes]
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in (self.fd, self.reader_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.reader_fd = None
 
     def info(self) -> dict[str, object]:
         """What a client needs to map and address the pool."""
@@ -58,17 +64,18 @@ class Pool:
         }
 
 
-def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None]:
+def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None, int | None]:
     if device.type == "cpu":
-        fd = os.memfd_create(f"kvtier-pool-{name}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"kvtier-pool-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
             raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+            seal_for_readers(fd)
+            return raw, fd, reader_fd(fd)
         except BaseException:
             os.close(fd)
             raise
-        return raw, fd
-    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None
 
 
 def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: int, device: torch.device) -> Pool:
@@ -76,7 +83,7 @@ def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: i
     stride = align_up(slot_nbytes, POOL_ALIGNMENT)
     n_slots = budget_bytes // stride
     span = n_slots * stride
-    raw, fd = _raw_buffer(span + POOL_ALIGNMENT, device, group)
+    raw, fd, rfd = _raw_buffer(span + POOL_ALIGNMENT, device, group)
     offset = (-raw.data_ptr()) % POOL_ALIGNMENT
     tensor = raw[offset : offset + span]
-    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd)
+    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd)

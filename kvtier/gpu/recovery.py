@@ -12,20 +12,19 @@ import enum
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.forms import Reason, Route
+from kvtier.core.errors import LayoutError, VersionError
+from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
+from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
 from kvtier.gpu.leases import LeaseSet
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import IN_FLIGHT
-
-if TYPE_CHECKING:
-    from kvtier.gpu.manager import CacheManager, PoolLookup
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +51,14 @@ Claim = PendingLoad | Settled
 
 
 class Recovery:
-    """The manager's lower-tier paths; runs under (and between holds of) the manager's lock."""
+    """The manager's lower-tier paths; runs under (and between holds of) the context's lock."""
 
-    def __init__(self, manager: CacheManager) -> None:
-        self._m = manager
+    def __init__(self, context: ManagerContext) -> None:
+        self._c = context
 
     @property
     def _lower(self) -> LowerTier:
-        lower = self._m._lower
+        lower = self._c.lower
         assert lower is not None, "the manager recovers and writes back only with a lower tier"
         return lower
 
@@ -67,17 +66,17 @@ class Recovery:
 
     def recover(self, result: PoolLookup, timeout_s: float | None) -> PoolLookup:
         """See `CacheManager.recover`."""
-        m = self._m
+        c = self._c
         lease = result.leases
-        deadline = time.monotonic() + (m._cfg.recover_wait_s if timeout_s is None else timeout_s)
-        with m._lock:
-            m._expire(m._clock())
-            m._require_live(lease)
-            epoch = m._topology_epoch
+        deadline = time.monotonic() + (c.cfg.recover_wait_s if timeout_s is None else timeout_s)
+        with c.lock:
+            c.expire(c.clock())
+            c.require_live(lease)
+            epoch = c.topology_epoch
             adopted: list[int] = []
         try:
             while True:
-                with m._lock:
+                with c.lock:
                     self._require_current(lease, epoch)
                     self._rebuild(result)  # objects evicted since the lookup turn RECOMPUTE first
                     pending = [(int(g), int(b)) for b, g in np.argwhere(result.check_vector.routes.T == Route.RECOVER)]
@@ -85,31 +84,31 @@ class Recovery:
                     return result
                 self._round(lease, pending, deadline, epoch, adopted)
         finally:
-            with m._lock:
-                if m._topology_epoch == epoch:
-                    t = m._table
+            with c.lock:
+                if c.topology_epoch == epoch:
+                    t = c.table
                     for row in adopted:
                         if t.let_go_row(row):
                             lease.rows[lease.rows == row] = t.sentinel
-                m._unreserve(lease)
+                c.unreserve(lease)
 
     def _require_current(self, lease: LeaseSet, epoch: int) -> None:
-        self._m._require_live(lease)
-        if self._m._topology_epoch != epoch:
+        self._c.require_live(lease)
+        if self._c.topology_epoch != epoch:
             raise StaleHandle("the pools were resized during recovery; look the prefix up again")
 
     def _round(
         self, lease: LeaseSet, pending: list[tuple[int, int]], deadline: float, epoch: int, adopted: list[int]
     ) -> None:
         """Resolve every pending (group, block): adopt, wait for another recovery, or load in capped batches."""
-        m = self._m
+        c = self._c
         todo = deque(pending)
         waiting: list[tuple[int, int]] = []
         while todo:
             batch: list[PendingLoad] = []
-            with m._cond:
+            with c.cond:
                 self._require_current(lease, epoch)
-                while todo and m._table.n_recovering < m._cfg.max_recovering:
+                while todo and c.table.n_recovering < c.cfg.max_recovering:
                     g, b = todo.popleft()
                     claim = self._claim(lease, g, b, adopted)
                     if claim is Settled.WAIT:
@@ -123,27 +122,27 @@ class Recovery:
                             _fail(lease, g, b, Reason.ADMISSION)
                         todo.clear()
                     else:
-                        m._cond.wait(min(remaining, 0.05))
+                        c.cond.wait(min(remaining, 0.05))
                     continue
             if batch:
                 answers = self._load([load.request for load in batch])
-                with m._cond:
-                    if m._topology_epoch != epoch:
+                with c.cond:
+                    if c.topology_epoch != epoch:
                         raise StaleHandle("the pools were resized during recovery; look the prefix up again")
                     # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
                     for load, answer in zip(batch, answers):
                         self._finish(lease, load, answer)
-                    m._cond.notify_all()
+                    c.cond.notify_all()
         for g, b in waiting:
             self._await(lease, g, b, deadline, epoch)
 
     def _await(self, lease: LeaseSet, g: int, b: int, deadline: float, epoch: int) -> None:
         """Wait for another recovery's verdict on (g, b), then adopt or fail it."""
-        m = self._m
-        with m._cond:
+        c = self._c
+        with c.cond:
             while True:
                 self._require_current(lease, epoch)
-                verdict = m._table.e_verdict[g, lease.rows[b]]
+                verdict = c.table.e_verdict[g, lease.rows[b]]
                 if verdict != IN_FLIGHT:
                     if verdict == Reason.OK:
                         self._adopt(lease, g, b)
@@ -154,15 +153,15 @@ class Recovery:
                 if remaining <= 0:
                     _fail(lease, g, b, Reason.ADMISSION)
                     return
-                m._cond.wait(min(remaining, 0.05))
+                c.cond.wait(min(remaining, 0.05))
 
     def _claim(self, lease: LeaseSet, g: int, b: int, adopted: list[int]) -> Claim:
         """Decide one pending object: settled now, wait for another recovery, or a slot to load into."""
-        m = self._m
-        if lease.namespace != m._ns:  # the version moved since the lookup: never load stale objects
+        c = self._c
+        if lease.namespace != c.ns:  # the version moved since the lookup: never load stale objects
             _fail(lease, g, b, Reason.STALE_VERSION)
             return Settled.DONE
-        t = m._table
+        t = c.table
         row = int(lease.rows[b])
         if row == t.sentinel:
             try:
@@ -183,15 +182,21 @@ class Recovery:
             _fail(lease, g, b, Reason(verdict))
             return Settled.DONE
         try:
-            slot = m._space.allocate(g, m._ns_id)
+            slot = c.space.allocate(g, c.ns_id)
         except AdmissionRefused:
             _fail(lease, g, b, Reason.ADMISSION)
             return Settled.DONE
+        try:
+            local = c.space.local(g, slot)  # layer 4: never load into a slot that is not aligned and whole
+        except LayoutError:
+            log.exception("refusing to recover into a misaligned slot")
+            c.space.unallocate(g, slot)
+            _fail(lease, g, b, Reason.MISALIGNED)
+            return Settled.DONE
         t.move(slot, BlockState.RECOVERING)
-        t.bind(slot, row, IN_FLIGHT, m._ns_id)
-        local = m._space.local(g, slot)
-        key = ObjectKey(m._ns, t.r_hash[row], m._names[g], m._forms[g])
-        request = LoadRequest(key, m._pools[g].slot_view(local), m._digests[g])
+        t.bind(slot, row, IN_FLIGHT, c.ns_id)
+        key = ObjectKey(c.ns, t.r_hash[row], c.names[g], c.forms[g])
+        request = LoadRequest(key, c.pools[g].slot_view(local), c.digests[g])
         return PendingLoad(g, b, slot, request, time.monotonic())
 
     def _load(self, requests: list[LoadRequest]) -> list[Reason]:
@@ -209,76 +214,107 @@ class Recovery:
         """RECOVERING -> SEALED after a verified load (layer 1: the tier filled the whole slot from a
         complete record; layer 2: the record's layout digest is the live one; layer 4: checked at claim),
         else -> FREE and the object is recomputed."""
-        m = self._m
-        t = m._table
-        form = m._gform[load.group]
+        c = self._c
+        t = c.table
+        form = c.gform[load.group]
         if answer == Reason.OK:
-            t.seal(load.slot, m._ns_id, recoverable=True)
-            m._counters.event("recovers_ok", form)
-            m._counters.recovery_latency(form, time.monotonic() - load.started)
+            t.seal(load.slot, c.ns_id, recoverable=True)
+            c.counters.event("recovers_ok", form)
+            c.counters.recovery_latency(form, time.monotonic() - load.started)
             if lease.live:
                 self._adopt(lease, load.group, load.block)
         else:
             t.move(load.slot, BlockState.FREE)
-            m._space.free(load.slot, Reason.MISSING)
-            m._counters.event("recovers_failed", form)
+            c.space.free(load.slot, Reason.MISSING)
+            c.counters.event("recovers_failed", form)
             _fail(lease, load.group, load.block, answer)
 
     def _adopt(self, lease: LeaseSet, g: int, b: int) -> None:
-        lease.gens[g, b] = self._m._table.e_gen[g, lease.rows[b]]
+        lease.gens[g, b] = self._c.table.e_gen[g, lease.rows[b]]
         lease.routes[g, b] = Route.REUSE
         lease.reasons[g, b] = Reason.OK
 
     def _rebuild(self, result: PoolLookup) -> None:
         """Re-intersect after recovery; objects evicted since the lookup turn RECOMPUTE `evicted`."""
-        m = self._m
+        c = self._c
         lease = result.leases
         k = result.check_vector.hit_blocks
-        current = m._table.e_gen.take(lease.rows[:k], axis=1)
+        current = c.table.e_gen.take(lease.rows[:k], axis=1)
         moved = (lease.routes[:, :k] == Route.REUSE) & (current != lease.gens[:, :k])
         lease.routes[:, :k][moved] = Route.RECOMPUTE
         lease.reasons[:, :k][moved] = Reason.EVICTED
-        result.check_vector = CheckVector.build(m._geometry, lease.routes, lease.reasons)
+        result.check_vector = CheckVector.build(c.geometry, lease.routes, lease.reasons)
         # hold the new hit before letting go of the old one: a row kept indexed only by this lease
         # must not be unindexed (and its row reused by another hash) in between
         old_rows, old_slots = lease.held_rows, lease.held_slots
-        m._hold(lease, result.check_vector)
-        m._table.let_go(old_rows, old_slots)
+        c.hold(lease, result.check_vector)
+        c.table.let_go(old_rows, old_slots)
 
     # -- write-back ---------------------------------------------------------------------------------
 
-    def persist(self, limit: int | None) -> int:
-        """See `CacheManager.persist`."""
-        m = self._m
-        with m._lock:
-            t = m._table
-            epoch = m._topology_epoch
-            todo = np.flatnonzero((t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == m._ns_id))[:limit]
-            work = []
-            for slot in todo.tolist():
-                g = int(t.s_group[slot])
-                t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
-                key = ObjectKey(m._ns, t.r_hash[t.s_row[slot]], m._names[g], m._forms[g])
-                local = slot - int(t.base[g])
-                work.append((slot, int(t.s_gen[slot]), key, m._pools[g].slot_view(local), m._digests[g]))
-        ok = True
-        if work:
+    def backlog(self) -> np.ndarray:
+        """Sealed objects of the live namespace not yet in the lower tier, per group."""
+        c = self._c
+        t = c.table
+        todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+        return np.bincount(t.s_group[todo], minlength=t.n_groups)
+
+    def persist(self, limit: int | None, skip: frozenset[CacheForm]) -> PersistOutcome:
+        """See `CacheManager.persist`. Each form is stored in its own batch (up to `limit` objects), so a
+        form the tier refuses (its quota, say) does not hold back the others."""
+        c = self._c
+        with c.lock:
+            t = c.table
+            epoch = c.topology_epoch
+            todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+            batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
+            for form in dict.fromkeys(c.forms):
+                if form in skip:
+                    continue
+                groups = [g for g, f in enumerate(c.forms) if f is form]
+                mine = np.flatnonzero(todo & np.isin(t.s_group, groups))[:limit]
+                work = batches.setdefault(form, [])
+                for slot in mine.tolist():
+                    g = int(t.s_group[slot])
+                    t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
+                    key = ObjectKey(c.ns, t.r_hash[t.s_row[slot]], c.names[g], c.forms[g])
+                    local = slot - int(t.base[g])
+                    work.append((slot, int(t.s_gen[slot]), key, c.pools[g].slot_view(local), c.digests[g]))
+        outcome = PersistOutcome()
+        done: list[tuple[int, int, bool]] = []
+        for form, work in batches.items():
+            if not work:
+                continue
             try:
                 self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
-            except Exception:
-                log.exception("write-back of %d objects failed; they stay cache-only", len(work))
+                ok = True
+                outcome.stored += len(work)
+            except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
+                log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
                 ok = False
-        done = [(slot, gen, ok) for slot, gen, *_ in work]
-        with m._lock:
-            if m._topology_epoch != epoch:
-                return 0
-            t = m._table
+            except Exception as exc:
+                log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
+                outcome.failed[form] = f"{type(exc).__name__}: {exc}"
+                ok = False
+            done.extend((slot, gen, ok) for slot, gen, *_ in work)
+        with c.lock:
+            if c.topology_epoch != epoch:
+                return PersistOutcome()
+            t = c.table
             for slot, gen, ok in done:
                 if t.s_gen[slot] == gen:
                     t.unpin(slot)
                     if ok:
                         t.mark_recoverable(slot)
-        return sum(ok for *_, ok in done)
+        return outcome
+
+
+@dataclasses.dataclass(slots=True)
+class PersistOutcome:
+    """What one write-back batch did: objects stored, and per form the tier refused, why."""
+
+    stored: int = 0
+    failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
 
 
 def _fail(lease: LeaseSet, g: int, b: int, reason: Reason) -> None:

@@ -18,6 +18,7 @@ from kvtier.core.profile import ModelProfile
 from kvtier.gpu.admission import AdmissionConfig, FormQuotas
 from kvtier.gpu.counters import Counters
 from kvtier.gpu.errors import AdmissionRefused, BudgetError
+from kvtier.gpu.gentable import GenerationTable
 from kvtier.gpu.pools import Pool, allocate_pool
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import BlockTable
@@ -76,7 +77,8 @@ class SlotSpace:
         self._counters = counters
         self.gform = [counters.form_index(f) for f in self.forms]
         history = [g.kind is GroupKind.HISTORY for g in profile.groups]
-        self.table = t = BlockTable([p.n_slots for p in self.pools], history)
+        self.generations = GenerationTable(sum(p.n_slots for p in self.pools))
+        self.table = t = BlockTable([p.n_slots for p in self.pools], history, self.generations.gens)
         capacity = np.zeros(len(counters.forms), dtype=np.int64)
         for g, pool in enumerate(self.pools):
             capacity[self.gform[g]] += pool.n_slots
@@ -148,3 +150,4 @@ class SlotSpace:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
+        self.generations.close()

@@ -23,7 +23,8 @@ _CLASS_SHIFT = 1 << 48  # eviction order: stale namespace, then state forms, the
 class BlockTable:
     """All slot and index state; not thread-safe on its own (the manager holds the lock)."""
 
-    def __init__(self, slots_per_group: list[int], history: list[bool]) -> None:
+    def __init__(self, slots_per_group: list[int], history: list[bool], gens: np.ndarray | None = None) -> None:
+        """`gens`: where slot generations live (the shared `GenerationTable`), else private memory."""
         self.n_groups = len(slots_per_group)
         counts = np.array(slots_per_group, dtype=np.int64)
         self.base = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -32,7 +33,7 @@ class BlockTable:
         self.s_group = np.repeat(np.arange(self.n_groups), counts).astype(np.intp)
         self.s_history = np.array(history, dtype=bool)[self.s_group]
         self.s_state = np.zeros(s, dtype=np.int8)
-        self.s_gen = np.zeros(s, dtype=np.int64)
+        self.s_gen = np.zeros(s, dtype=np.int64) if gens is None else gens
         self.s_row = np.full(s, 2 * s + 16, dtype=np.intp)
         self.s_pins = np.zeros(s, dtype=np.int32)
         self.s_leases = np.zeros(s, dtype=np.int32)

@@ -245,6 +245,9 @@ def rebuild_index(root: str, *, dry_run: bool = False) -> RebuildReport:
         report.unreferenced_bytes = report.segment_bytes - report.referenced_bytes
         if not dry_run:
             report.namespaces_after = _write_index(root, found, sizes, old, versions)
+        else:  # what the real run would write: the old index's namespaces and every one a record names
+            known = set(old[1]) if old is not None else set()
+            report.namespaces_after = len(known | {r.header.namespace for r in found.values()})
         return report
     finally:
         if lock is not None:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from kvtier.verifier.verifier import Verifier
 log = logging.getLogger(__name__)
 VERIFIER_LOCK = "verifier.lock"
 _PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 1.0
 
 
 def store_exists(root: str | Path) -> bool:
@@ -66,6 +68,11 @@ def run(
                 waited += 0.5
             if stop.is_set():
                 return 0
+            if not store_exists(root):
+                raise StoreNotFound(
+                    f"no kvtier store at {root} after waiting {wait_for_store_s:g}s: start the daemon that creates it "
+                    "(kvtier serve, or systemctl start kvtier), or pass the --store it uses"
+                )
         if not _lock_instance(root, stop):
             return 0
         prio = lower_priority()
@@ -91,17 +98,29 @@ def run(
 
 
 def _die_with_parent() -> None:
-    """Supervised by a daemon (it sets KVTIER_PARENT_PID): get SIGTERM when it dies, so a kill -9 of the
-    daemon leaves no orphan verifier; exit at once if it is already gone."""
+    """Supervised by a daemon (it sets KVTIER_PARENT_PID): never outlive it, however it dies.
+
+    The kernel SIGKILLs us when the daemon dies (SIGKILL: a verifier stuck in a lock wait ignores nothing
+    else; the store is crash-safe). A daemon that died between our fork and the prctl is caught by the
+    getppid() check right after it; and a watcher thread re-checks getppid() every second in case the
+    prctl was refused."""
     parent = os.environ.get(PARENT_PID_ENV)
     if not parent:
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     if os.getppid() != int(parent):
         log.info("the supervising daemon (pid %s) is gone; exiting", parent)
         raise SystemExit(0)
+    threading.Thread(target=_watch_parent, args=(int(parent),), name="kvtier-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)  # a poll of the parent pid: nothing to wait on instead
+    log.error("the supervising daemon (pid %d) is gone; exiting", parent)
+    os._exit(1)  # at once, whatever the main thread is stuck in
 
 
 def _lock_instance(root: str | Path, stop: threading.Event) -> bool:

@@ -3,7 +3,7 @@
 `kvtier.daemon` serves it and `kvtier.client` speaks it; both build on this package, never on each other.
 """
 
-from kvtier.wire.connection import Connection, default_socket
+from kvtier.wire.connection import Connection, OperatorConnection, default_socket
 from kvtier.wire.errors import (
     BadRange,
     DaemonBusy,
@@ -61,6 +61,8 @@ from kvtier.wire.messages import (
     StatsOk,
     TierHas,
     TierItem,
+    TierKeyPage,
+    TierKeys,
     TierLoad,
     TierOpen,
     TierOpenOk,
@@ -100,6 +102,7 @@ __all__ = [
     "Msg",
     "Offload",
     "OffloadOk",
+    "OperatorConnection",
     "OutOfOrder",
     "PermissionDenied",
     "PoolInfo",
@@ -117,6 +120,8 @@ __all__ = [
     "StatsOk",
     "TierHas",
     "TierItem",
+    "TierKeyPage",
+    "TierKeys",
     "TierLoad",
     "TierOpen",
     "TierOpenOk",

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, NotDurable, StaleHandle
 from kvtier.wire import errors as E
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P
@@ -32,6 +32,8 @@ _ERRORS: dict[str, type[KvtierError]] = {
         E.DaemonBusy,
         E.DaemonTimeout,
         E.BadRange,
+        StaleHandle,
+        NotDurable,
     )
 }
 
@@ -74,6 +76,7 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
+        self._closed = False  # close() was called: no reconnecting after that
         self._open()
 
     def _open(self, timeout_s: float | None = None) -> None:
@@ -124,6 +127,8 @@ class Connection:
         connection, never on one reopened since (DaemonUnavailable instead).
         """
         with self._lock:
+            if self._closed:
+                raise E.OutOfOrder(f"this connection to {self.socket_path} is closed; open a new one")
             if epoch is not None and epoch != self.epoch:
                 raise E.DaemonUnavailable(
                     f"the connection to {self.socket_path} this request belongs to was closed after a failed call;"
@@ -180,9 +185,14 @@ class Connection:
         reply: P.StatsOk = self._call(P.Stats())
         return reply.stats
 
+    def namespaces(self, req: P.Namespaces | P.NamespaceRetire | P.NamespacePromote | None = None) -> P.NamespacesOk:
+        """The store's namespaces with their state and bytes, after retiring one or promoting a canary (`req`)."""
+        return self._call(req if req is not None else P.Namespaces())
+
     def close(self) -> None:
-        """Disconnect; the daemon releases everything this connection held."""
+        """Disconnect for good (a later call is OutOfOrder); the daemon releases everything this connection held."""
         with self._lock:
+            self._closed = True
             self._drop()
 
     def __enter__(self) -> Connection:
@@ -190,3 +200,23 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OperatorConnection(Connection):
+    """What operator tools (`kvtier prewarm`, `kvtier explain`) speak: attach without mapping the pools, then send
+    block hashes. It needs no torch, so these commands start in a fraction of a second."""
+
+    def attach_unmapped(self, profile: str) -> P.AttachOk:
+        """Attach this connection to `profile`; the pool descriptors that come with the reply are closed at once."""
+        fds: list[int] = []
+        try:
+            return self._call(P.Attach(profile), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def prewarm_hashes(self, hashes: bytes, ttl_s: float) -> P.PrewarmOk:
+        return self._call(P.Prewarm(hashes, ttl_s))
+
+    def explain_hashes(self, hashes: bytes) -> P.ExplainOk:
+        return self._call(P.Explain(hashes))

@@ -1,8 +1,8 @@
 """The wire protocol's messages: one tagged msgpack struct per request and reply (frames: `kvtier.wire.framing`).
 
 Requests and replies are tagged unions keyed by `op`. Per connection the order is: optional `hello`
-(first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
-never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
+(first only), `attach` (once), then any of the rest; `stats`, `flush` and the namespace ops need no attach.
+Payload bytes never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
 with the attach reply on cpu; CUDA IPC handles on cuda), and requests only name slots.
 
 The raw tier ops serve the daemon's store to a client that brings its own keys and namespace (an
@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import NamespaceStats, StatsDoc
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -62,10 +62,21 @@ class Offload(Msg, tag="offload"):
 
 
 class Seal(Msg, tag="seal"):
-    """The client wrote the reserved slots: seal them (and persist; `durable` waits for the store commit)."""
+    """The client wrote the reserved objects: seal them (and persist; `durable` waits for the store commit).
+
+    `written[i]` is how many bytes the client wrote of the i-th reserved object (slots >= 0 of the offload
+    reply, in order). On cpu the bytes ride along in a staging memfd (SCM_RIGHTS, objects back to back)
+    that the client has unmapped: the daemon seals it against writes and copies each whole object into
+    its slot; an object short in `written` or in the staging region is dropped (partial_block).
+    """
 
     offload_id: int
     durable: bool = False
+    written: list[int] = []
+
+
+class Renew(Msg, tag="renew"):
+    """Heartbeat: push back the expiry of every lease and reserved write of this connection."""
 
 
 class Flush(Msg, tag="flush"):
@@ -79,6 +90,28 @@ class Prewarm(Msg, tag="prewarm"):
 
 class Stats(Msg, tag="stats"):
     pass
+
+
+class Namespaces(Msg, tag="namespaces"):
+    """List every namespace of the store with its state (live / canary / retired / store) and bytes."""
+
+
+class NamespaceRetire(Msg, tag="namespace_retire"):
+    """Retire a namespace (hex, or a unique prefix of it): a profile's canary, or one no profile serves."""
+
+    namespace: str
+
+
+class NamespacePromote(Msg, tag="namespace_promote"):
+    """Make a profile's canary its live version; the live one is retired."""
+
+    profile: str
+
+
+class Explain(Msg, tag="explain"):
+    """What each group of the attached profile has of these blocks, and why the hit stops (no leases taken)."""
+
+    hashes: bytes
 
 
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -103,6 +136,13 @@ class TierHas(Msg, tag="tier_has"):
     items: list[TierItem]
 
 
+class TierKeys(Msg, tag="tier_keys"):
+    """A page of the namespace's live keys after `after` (a cursor from the previous page; b"": from the first)."""
+
+    after: bytes = b""
+    limit: int = 4096
+
+
 class TierStore(Msg, tag="tier_store"):
     """Persist the staged bytes of each item; answered after the store commit (fdatasync + index commit)."""
 
@@ -123,11 +163,17 @@ Request = (
     | Load
     | Offload
     | Seal
+    | Renew
     | Flush
     | Prewarm
     | Stats
+    | Namespaces
+    | NamespaceRetire
+    | NamespacePromote
+    | Explain
     | TierOpen
     | TierHas
+    | TierKeys
     | TierStore
     | TierLoad
 )
@@ -163,6 +209,9 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
     pool_bytes: int = 0
     offset: int = 0  # byte offset of slot 0 in the shared memory / IPC allocation
     ipc: bytes = b""
+    gen_fd_index: int = -1  # the slot generation table (int64 per slot, host shared memory, read-only)
+    gen_offset: int = 0  # index of this pool's slot 0 in that table
+    gen_bytes: int = 0
 
 
 class HelloOk(Msg, tag="hello_ok"):
@@ -207,13 +256,26 @@ class OffloadOk(Msg, tag="offload_ok"):
 
 
 class SealOk(Msg, tag="seal_ok"):
+    """`durable` / `not_durable` (with `durable=True` only): objects the offload named (written, skipped as
+    reserved or cached elsewhere, or refused) that are / are not committed in the store, and why not."""
+
     sealed: int
     persisted: bool
+    durable: int = 0
+    not_durable: int = 0
+    reasons: list[str] = []
+
+
+class Renewed(Msg, tag="renewed"):
+    held: int
 
 
 class FlushOk(Msg, tag="flush_ok"):
+    """`pending`: sealed objects still not in the store when the flush ended; `reasons` why (blocked forms)."""
+
     persisted: int
     pending: int
+    reasons: list[str] = []
 
 
 class PrewarmOk(Msg, tag="prewarm_ok"):
@@ -224,12 +286,28 @@ class PrewarmOk(Msg, tag="prewarm_ok"):
     seconds: float
 
 
+class ExplainOk(Msg, tag="explain_ok"):
+    """`raw`: every object routed on its own; `final`: the intersection (what a lookup reports); `windows`: per
+    group 0 for history, else the trailing blocks a state group needs at a boundary."""
+
+    raw: CheckVectorWire
+    final: CheckVectorWire
+    windows: list[int]
+
+
 class Released(Msg, tag="released"):
     released: int
 
 
 class StatsOk(Msg, tag="stats_ok"):
     stats: StatsDoc
+
+
+class NamespacesOk(Msg, tag="namespaces_ok"):
+    """The namespaces after the request; `done` says what a retire / promote changed ("" for a list)."""
+
+    namespaces: list[NamespaceStats]
+    done: str = ""
 
 
 class TierOpenOk(Msg, tag="tier_open_ok"):
@@ -242,6 +320,16 @@ class TierReasons(Msg, tag="tier_reasons"):
     """One `kvtier.core.forms.Reason` code per item, in order (OK = 0)."""
 
     reasons: bytes
+
+
+class TierKeyPage(Msg, tag="tier_key_page"):
+    """Live keys: 16-byte block hashes concatenated, one group index byte each; `cursor` b"" when done; `txn` the
+    index snapshot read (the same again: nothing changed)."""
+
+    hashes: bytes
+    groups: bytes
+    cursor: bytes
+    txn: int
 
 
 class TierStored(Msg, tag="tier_stored"):
@@ -264,12 +352,16 @@ Reply = (
     | LoadOk
     | OffloadOk
     | SealOk
+    | Renewed
     | FlushOk
     | PrewarmOk
+    | ExplainOk
     | Released
     | StatsOk
+    | NamespacesOk
     | TierOpenOk
     | TierReasons
+    | TierKeyPage
     | TierStored
     | Error
 )

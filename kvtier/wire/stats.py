@@ -71,6 +71,19 @@ class ProfileStats(msgspec.Struct):
     leases_expired: int
 
 
+class NamespaceStats(msgspec.Struct):
+    """One namespace the store knows: `state` live (a profile's live version), canary (served beside it as
+    `<profile>@canary`), retired (its records read stale_version; the verifier reclaims them), or store (live
+    in the store but no profile's pools: raw tier clients such as vLLM's, or a profile no longer served)."""
+
+    namespace: str  # hex
+    state: str
+    profile: str  # the profile serving it, "" for store / retired
+    model: str  # the version key's model id
+    records: int
+    bytes: int
+
+
 class DaemonInfo(msgspec.Struct):
     version: str
     pid: int
@@ -108,6 +121,14 @@ class Reloadable(msgspec.Struct):
     verifier_sweep_interval_s: float
 
 
+class PinStats(msgspec.Struct):
+    """One prewarm's pins: its objects stay in the pool (and on disk) until they expire."""
+
+    profile: str
+    objects: int
+    expires_in_s: float
+
+
 class StatsDoc(msgspec.Struct):
     profiles: list[ProfileStats]
     forms: dict[str, FormStats]
@@ -116,4 +137,6 @@ class StatsDoc(msgspec.Struct):
     verifier: VerifierReport
     daemon: DaemonInfo | None = None  # filled by the service around the backend's part
     reloadable: Reloadable | None = None
+    pins: list[PinStats] = []  # the live prewarm pins, soonest expiry first
     cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node
+    namespaces: list[NamespaceStats] = []  # every namespace of the store, with its state and bytes

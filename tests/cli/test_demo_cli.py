@@ -58,13 +58,29 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
     # B shares 11468 tokens: 358 whole blocks, but state exists only at checkpoints (every 16 blocks): hit at 352 blocks
     assert (doc["shared_tokens"], doc["hash_hit_tokens"], doc["hit_tokens"]) == (11468, 358 * H, 352 * H)
     assert doc["compared_tokens"] == 16384 - 352 * H + 4
-    routes = doc["request"]["routes_at_lookup"]
-    assert "RECOVER" not in routes["compressed"] and routes["compressed"]["REUSE"] == 2 * 352  # prewarmed: resident
-    assert (
-        routes["swa"]["RECOVER"] == 2 and routes["tail"]["RECOVER"] == 2
-    )  # B's checkpoint is not A's end: from disk now
+    # the headline is the cold restore: after the SIGKILL nothing is resident, every object comes from disk
+    cold = doc["request"]["routes_at_lookup"]
+    assert "REUSE" not in cold["compressed"] and cold["compressed"]["RECOVER"] == 2 * 352
+    assert doc["request"]["loaded_objects"] > 0 and doc["request"]["load_s"] > 0
+    assert doc["restore_s"] == doc["request"]["restore_s"] < doc["recompute_s"]
+    # after a restart and a prewarm of A's prompt, B's history is resident
+    warm = doc["prewarmed_request"]["routes_at_lookup"]
+    assert "RECOVER" not in warm["compressed"] and warm["compressed"]["REUSE"] == 2 * 352
+    assert warm["swa"]["RECOVER"] == 2 and warm["tail"]["RECOVER"] == 2  # B's checkpoint is not A's end: from disk
     assert doc["prewarm"]["hit_tokens"] == 16384 and doc["prewarm"]["bytes_loaded"] > 0
-    assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["request"]["bytes_from_disk"]
+    assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["prewarmed_request"]["bytes_from_disk"]
+    assert doc["prewarmed_restore_s"] < doc["restore_s"]  # the load moved off the request's path
+    # each stage was announced on stderr as it started, in order
+    stages = [line.split("] ", 1)[1] for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert [s.split()[0] for s in stages] == [
+        "starting",
+        "engine",
+        "killing",
+        "engine",
+        "recomputing",
+        "restarting",
+        "kvtier",
+    ]
     audit = doc["audit"]
     assert audit["records"] == offloaded and audit["forms"]["compressed"]["records"] == 2 * 512
     assert (
@@ -80,8 +96,8 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
     real = demo_mod.run_demo  # the command imports it when it runs
     reports = []
 
-    def spy(params: DemoParams):
-        reports.append(real(params))
+    def spy(params: DemoParams, progress):
+        reports.append(real(params, progress))
         return reports[-1]
 
     monkeypatch.setattr(demo_mod, "run_demo", spy)
@@ -91,14 +107,17 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
     assert (
         "bitwise    yes" in out and "usable hit" in out and "killed (SIGKILL) and restarted" in out and "audit" in out
     )
+    # the headline is the cold restore with its load from disk; the prewarmed one is its own line
+    assert "restore    cold " in out and "load from disk" in out and "restore after prewarm " in out
+    assert "engine B: cold restore" in result.stderr
     for form in ("compressed", "indexer", "swa", "tail"):
         assert f"             {form:<11} " in out
 
-    monkeypatch.setattr(demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], bitwise_match=False))
+    monkeypatch.setattr(demo_mod, "run_demo", lambda p, progress: dataclasses.replace(reports[0], bitwise_match=False))
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
     monkeypatch.setattr(
-        demo_mod, "run_demo", lambda p: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2)
+        demo_mod, "run_demo", lambda p, progress: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2)
     )
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
     assert result.exit_code == demo_cmd.FAILED_EXIT and "SLOWER" in result.stdout

@@ -1,4 +1,4 @@
-"""Engines as real processes against a real daemon: offload, lookup, load, read through mapped pools; crashes release leases."""
+"""Engines as real processes against a real daemon: offload, lookup, load, read through mapped pools, crashes."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_leased_objects_are_never_evicted(small_daemon: DaemonProc) -> None:
 
 def test_bad_offload_and_reads_are_typed_errors(daemon: DaemonProc) -> None:
     from kvtier.client import OutOfOrder
-    from kvtier.wire.errors import WrongType
+    from kvtier.wire.errors import BadRange, WrongType
 
     with Client(daemon.socket) as c:
         c.attach("ref-tiny")
@@ -151,7 +151,7 @@ def test_bad_offload_and_reads_are_typed_errors(daemon: DaemonProc) -> None:
             c.offload(tokens_for(9, 2, H), {"c4": {0: torch.zeros(3)}})  # wrong size
         with pytest.raises(WrongType):
             c.offload(tokens_for(9, 2, H), {"nope": {0: torch.zeros(3)}})
-        with pytest.raises(WrongType):
+        with pytest.raises(BadRange):  # block 5 of a 2-block prompt
             c.offload(tokens_for(9, 2, H), {"c4": {5: torch.zeros(PROFILE.layout(PROFILE.group("c4")).shape)}})
         r = c.lookup(tokens_for(9, 2, H))
         with pytest.raises(OutOfOrder):

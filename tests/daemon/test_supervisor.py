@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.daemon.supervisor import Supervisor
 
 
@@ -69,3 +71,24 @@ def test_missing_command_backs_off_instead_of_crashing() -> None:
     st = sup.state()
     assert st.state == "backoff" and st.pid is None and st.next_start_in_s is not None and st.next_start_in_s > 5
     sup.stop()
+
+
+def test_a_child_whose_heartbeat_stops_is_killed_and_restarted(tmp_path: Path) -> None:
+    """A hung child (alive, no progress: e.g. deadlocked in a lock wait) is detected by its heartbeat."""
+    beats: dict[int, float] = {}
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)\n"
+    sup = Supervisor("t", [sys.executable, "-c", code], backoff_s=0.05, heartbeat_age=beats.get, hung_after_s=0.5)
+    sup.start()
+    started = time.monotonic()
+    first = sup.state().pid
+    assert first is not None
+    beats[first] = 0.1  # fresh: left alone
+    _until(lambda: time.monotonic() - started >= 0.6)  # past hung_after_s: only the heartbeat's age decides
+    sup.poll()
+    assert sup.state().pid == first and sup.hung_kills == 0
+    beats[first] = 5.0  # stale: it ignores SIGTERM, so it is killed
+    _until(lambda: (sup.poll(), sup.state().pid not in (None, first))[1])
+    assert sup.hung_kills == 1 and sup.state().last_exit == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)
+    sup.stop(1.0)

@@ -1,4 +1,5 @@
-"""The unit files: `systemd-analyze verify` prints nothing at all (it exits 0 on misspelt keys), and the hardening we promise."""
+"""The unit files: `systemd-analyze verify` prints nothing at all (it exits 0 on misspelt keys), and the hardening
+we promise."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+CONFIG = "/etc/kvtier/kvtier.toml"
 UNITS = sorted((Path(__file__).resolve().parents[2] / "systemd").glob("kvtier*"))
-INSTALLED = "/usr/local/bin/kvtier"
+INSTALLED = "/opt/kvtier/bin/kvtier"  # the venv of docs/systemd.md
 
 pytestmark = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None,
@@ -78,8 +80,25 @@ def test_daemon_unit_shape() -> None:
         "PrivateUsers",
     ):
         assert hiding not in k, hiding
-    assert _keys("kvtier-verifier.service")["ExecStart"].endswith("verifier run --store /var/lib/kvtier/store")
-    assert "audit --store /var/lib/kvtier/store --json" in _keys("kvtier-audit.service")["ExecStart"]
+    # the socket's directory is searchable by all: the daemon admits each peer itself (SO_PEERCRED, allowed_*)
+    assert k["RuntimeDirectoryMode"] == "0755"
+    assert k["ExecStart"] == f"{INSTALLED} serve --config {CONFIG}"
+
+
+def test_verifier_reads_the_daemons_config_and_follows_it() -> None:
+    k = _keys("kvtier-verifier.service")
+    assert k["ExecStart"] == f"{INSTALLED} verifier run --store /var/lib/kvtier/store --config {CONFIG}"
+    assert "kvtier.service" in k["After"].split()  # the store exists once the daemon is READY
+    assert k["PartOf"] == "kvtier.service" and k["ReloadPropagatedFrom"] == "kvtier.service"
+    assert "kvtier-verifier.service" in _keys("kvtier.service")["Wants"].split()
+
+
+def test_audit_is_deep_and_fails_its_unit_on_problems() -> None:
+    k = _keys("kvtier-audit.service")
+    assert k["ExecStart"] == f"{INSTALLED} audit --store /var/lib/kvtier/store --deep --json"
+    assert "SuccessExitStatus" not in k  # exit 1 (corruption found) must fail the unit
+    timer = _keys("kvtier-audit.timer")
+    assert timer["OnCalendar"] and timer["Persistent"] == "true"
 
 
 def test_security_score_is_ok(staged: Path) -> None:

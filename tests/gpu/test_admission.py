@@ -86,7 +86,7 @@ class GatedTier:
 def test_recovering_cap_turns_a_burst_into_a_queue() -> None:
     m, tier, hs = _on_lower_only(max_recovering=2)
     gated = GatedTier(tier)
-    m._lower = gated  # same manager, loads now pass through the gate
+    m._c.lower = gated  # same manager, loads now pass through the gate
     results = [m.lookup(hs, owner=i) for i in range(2)]
     done = []
     threads = [threading.Thread(target=lambda r=r: done.append(m.recover(r, timeout_s=30))) for r in results]

@@ -37,15 +37,32 @@ def test_missing_or_tiny_budget_is_a_typed_error() -> None:
 
 
 CHILD = """
-import sys, torch
+import mmap, os, sys
 fd, size, offset, nbytes = map(int, sys.argv[1:5])
-pool = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
-sys.stdout.write(bytes(pool[offset:offset + nbytes].tolist()).hex())
-pool[offset] = 0xAB  # a write from the client side, visible to the manager
+ro = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+sys.stdout.write(ro[offset:offset + nbytes].hex())
+# every way to a writable mapping is closed: the descriptor is read-only, and reopening the memfd
+# read-write (through /proc) is refused by its F_SEAL_FUTURE_WRITE seal
+for attempt in (lambda: mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR)):
+    try:
+        rw = attempt()
+    except PermissionError:
+        continue
+    if isinstance(rw, int):  # reopened: the seal must still refuse a writable mapping and write(2)
+        for bad in (lambda: mmap.mmap(rw, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                    lambda: os.pwrite(rw, b"x", offset)):
+            try:
+                bad()
+            except PermissionError:
+                continue
+            sys.exit("wrote the pool")
+    else:
+        sys.exit("mapped the pool writable")
 """
 
 
-def test_another_process_maps_a_slot_in_place() -> None:
+def test_another_process_maps_a_slot_read_only() -> None:
     m, _, _ = make()
     hs = hashes_of(m, prompt(3, 4))
     write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 4))
@@ -58,19 +75,19 @@ def test_another_process_maps_a_slot_in_place() -> None:
             sys.executable,
             "-c",
             CHILD,
-            str(pool.fd),
+            str(pool.reader_fd),
             str(size),
             str(pool.base_offset + handle.offset),
             str(handle.nbytes),
         ],
-        pass_fds=[pool.fd],
+        pass_fds=[pool.reader_fd],
         capture_output=True,
-        check=True,
         text=True,
-    ).stdout
+    )
+    assert out.returncode == 0, out.stderr
     expected = payload(PROFILE, "c4", hs[2], m.namespace)
-    assert bytes.fromhex(out) == bytes(expected.tolist())
-    assert int(m.read(handle)[0]) == 0xAB
+    assert bytes.fromhex(out.stdout) == bytes(expected.tolist())
+    assert torch.equal(m.read(handle, copy=True), expected)
 
 
 def test_resize_only_inside_a_recompile_window() -> None:

@@ -240,7 +240,7 @@ def test_newer_index_format_is_refused(tmp_path) -> None:
     with env.begin(write=True) as txn:
         txn.put(b"format_version", index_mod.seal((99).to_bytes(8, "big")), db=meta)
     env.close()
-    with pytest.raises(FormatVersionError, match="v99.*upgrade kvtier"):
+    with pytest.raises(FormatVersionError, match=r"v99.*upgrade kvtier"):
         DiskStore(str(tmp_path))
 
 
@@ -301,6 +301,7 @@ def test_store_stats_cli_reports_records_and_remembered_evictions(tmp_path) -> N
     from click.testing import CliRunner
 
     from kvtier.cli.main import cli
+    from kvtier.core.units import format_bytes
 
     with DiskStore(str(tmp_path), writer=True) as s:
         ns = s.register_namespace(VK)
@@ -309,6 +310,9 @@ def test_store_stats_cli_reports_records_and_remembered_evictions(tmp_path) -> N
         s.evict(keys[:2])
     human = CliRunner().invoke(cli, ["store", "stats", "--store", str(tmp_path)])
     assert human.exit_code == 0, human.output
-    assert f"records    1  ({record_length(9000)} bytes, budget None); 2 evicted keys remembered" in human.output
+    # one size format (binary units), no Python reprs (None, dicts) in the text
+    size = format_bytes(record_length(9000))
+    assert f"records     1, {size} on disk (payload 8.8 KiB), budget none" in human.output
+    assert "evicted keys remembered 2" in human.output and "None" not in human.output and "{" not in human.output
     as_json = CliRunner().invoke(cli, ["store", "stats", "--store", str(tmp_path), "--json"])
     assert json.loads(as_json.output)["evicted_tombstones"] == 2

@@ -44,7 +44,7 @@ def _all_load(root: str, rows) -> list[Reason]:
     with DiskStore(root) as s:
         outs = [torch.empty(n, dtype=torch.uint8) for _, _, n in rows]
         reasons = s.load_into([LoadRequest(k, o, DIGEST) for (k, _, _), o in zip(rows, outs)])
-        for (k, tag, n), r, o in zip(rows, reasons, outs):
+        for (_k, tag, n), r, o in zip(rows, reasons, outs):
             if r is Reason.OK:
                 assert torch.equal(o, make_payload(tag, n))
         return reasons
@@ -85,7 +85,7 @@ def test_rebuild_with_a_readable_index_keeps_retirement_and_pins(tmp_path) -> No
     with DiskStore(root) as s:
         s.retire_namespace(VK2.namespace)
         assert s.pin([rows[1][0]], ttl_s=3600) == 1
-        pin = [r.entry.pin_until for r in s.iter_records() if r.key == rows[1][0]][0]
+        pin = next(r.entry.pin_until for r in s.iter_records() if r.key == rows[1][0])
     report = rebuild_index(root)
     assert report.index_present and report.missing_records == 0
     reasons = _all_load(root, rows)
@@ -99,8 +99,9 @@ def test_dry_run_reports_orphans_and_corruption_without_changing_anything(tmp_pa
     rows = _populate(root)
     clean = rebuild_index(root, dry_run=True)
     assert (clean.orphan_bytes, clean.orphan_records, clean.corrupt_extents, clean.missing_records) == (0, 0, 0, 0)
+    assert clean.namespaces_after >= 1  # what a real run would write, not 0
     with DiskStore(root) as s:
-        victim = [r.entry for r in s.iter_records() if r.key == rows[5][0]][0]
+        victim = next(r.entry for r in s.iter_records() if r.key == rows[5][0])
         s.remove([rows[6][0]])
     flip_payload_bit(root, victim, 1, 0)
     index_mtime = os.path.getmtime(os.path.join(root, "index.lmdb", "data.mdb"))
@@ -110,6 +111,7 @@ def test_dry_run_reports_orphans_and_corruption_without_changing_anything(tmp_pa
     assert report["corrupt_extents"] == 1 and report["missing_records"] == 1 and report["orphan_records"] == 1
     assert report["orphan_bytes"] == record_length(rows[6][2]) and report["records_after"] == 23
     assert os.path.getmtime(os.path.join(root, "index.lmdb", "data.mdb")) == index_mtime
+    assert report["namespaces_after"] == rebuild_index(root).namespaces_after  # the dry run's figure is the real one
 
 
 def test_newer_record_format_is_refused_not_guessed(tmp_path) -> None:

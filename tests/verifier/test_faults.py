@@ -136,6 +136,11 @@ def test_audit_counts_before_and_after_fix(faulty: Faulty, capsys) -> None:
     rc, deep = audit_json(capsys, f.root, "--deep")
     assert rc == 1 and deep["corrupt"] == len(f.corrupt_index) + 2
     assert totals(deep, "verified") == len(f.good) and totals(deep, "unverified") == 0
+    # a deep audit names every corrupt record and why (a plain one only the index's)
+    named = {(r["block_hash"], r["reason"]) for r in deep["corrupt_records"]}
+    assert deep["deep"] and not doc["deep"] and len(deep["corrupt_records"]) == deep["corrupt"]
+    assert (f.corrupt_deep[0].key.block_hash.hex(), "payload") in named
+    assert (f.corrupt_deep[1].key.block_hash.hex(), "header") in named
     with DiskStore(f.root) as s:  # audit without --fix changed nothing
         assert not any(e.state is RecordState.QUARANTINED for e in entries(s).values())
 
@@ -184,3 +189,8 @@ def test_deep_audit_shows_a_progress_bar_on_stderr_only(faulty: Faulty, capsys) 
     code, out, err = main_inprocess(capsys, "audit", "--store", faulty.root, "--deep")
     assert code == 1 and "rec" in err and "100%" in err
     assert "100%" not in out and "namespace" in out and "retired" in out and "live" in out
+    # the text says it was deep and names the corrupt records, unlike a plain audit's
+    bad = faulty.corrupt_deep[0].key
+    assert "checked      deep" in out and f"block {bad.block_hash.hex()}" in out and ": payload" in out
+    code, plain, _ = main_inprocess(capsys, "audit", "--store", faulty.root)
+    assert code == 1 and "index only" in plain and bad.block_hash.hex() not in plain

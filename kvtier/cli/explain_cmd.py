@@ -1,0 +1,79 @@
+"""`kvtier explain`: for one prompt, per cache group what the pool and the disk hold, the usable hit, why it stops."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import msgspec
+
+from kvtier.cli.daemon_cmds import config_option, socket_option, socket_path_of
+from kvtier.cli.explain import explain as analyse
+from kvtier.cli.explain import render
+from kvtier.cli.manifest import read_manifest, read_token_file
+from kvtier.core.checkvector import CheckVector
+from kvtier.core.errors import ConfigError, KvtierError
+from kvtier.core.hashing import block_hashes
+from kvtier.wire import OperatorConnection
+from kvtier.wire.errors import DaemonBusy, DaemonUnavailable, PermissionDenied
+
+
+@click.command()
+@click.option(
+    "--tokens", "token_file", type=click.Path(dir_okay=False, path_type=Path), help="The prompt: .npy or integers."
+)
+@click.option(
+    "--manifest-line",
+    nargs=2,
+    type=(click.IntRange(min=1), click.Path(dir_okay=False, path_type=Path)),
+    metavar="N MANIFEST",
+    help="The prompt on line N of a prewarm manifest (its profile too).",
+)
+@click.option("--profile", help="Profile of --tokens (default: the one profile the daemon serves).")
+@config_option
+@socket_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def explain(
+    token_file: Path | None,
+    manifest_line: tuple[int, Path] | None,
+    profile: str | None,
+    config_path: str | None,
+    socket_path: str | None,
+    as_json: bool,
+) -> None:
+    """Why did this miss? Per cache group: blocks in the pool, on disk, and the usable hit; the block that stops
+    it, the reason (missing, evicted, corrupt, stale_version, ...) and what would fix it. Takes no leases.
+
+    Exit 2 for a bad prompt file or profile, 3 with no daemon.
+    """
+    if (token_file is None) == (manifest_line is None):
+        raise click.UsageError("give the prompt as --tokens FILE or as --manifest-line N MANIFEST (one of them)")
+    if manifest_line is not None:
+        prompt = read_manifest(manifest_line[1], only_line=manifest_line[0])[0]
+        tokens, profile, where = prompt.tokens, profile or prompt.profile, prompt.where
+    else:
+        assert token_file is not None
+        tokens, where = read_token_file(token_file), str(token_file)
+    with OperatorConnection(socket_path_of(config_path, socket_path), name="kvtier explain") as conn:
+        if profile is None:
+            served = [p.name for p in conn.stats().profiles]
+            if len(served) != 1:
+                raise click.UsageError(f"the daemon serves {', '.join(served)}: say which with --profile")
+            profile = served[0]
+        try:
+            att = conn.attach_unmapped(profile)
+        except (DaemonUnavailable, DaemonBusy, PermissionDenied):
+            raise
+        except KvtierError as exc:
+            raise ConfigError(str(exc), key="profile", source=where) from None
+        rep = conn.explain_hashes(b"".join(block_hashes(att.namespace, tokens, att.hash_block_tokens)))
+    raw = CheckVector.from_wire(msgspec.structs.asdict(rep.raw))
+    final = CheckVector.from_wire(msgspec.structs.asdict(rep.final))
+    report = analyse(int(tokens.size), raw, final, rep.windows)
+    if as_json:
+        click.echo(json.dumps({"profile": att.profile, **report.to_json()}, indent=2))
+        return
+    click.echo(f"profile     {att.profile}")
+    for line in render(report):
+        click.echo(line)

@@ -1,0 +1,78 @@
+"""Truthful `durable=True`: an offload is acknowledged durable only for objects the store has committed.
+
+The objects an offload names include those it did not write itself: ones another connection had reserved
+(and may never seal: killed mid-copy), ones already cached, ones refused a slot. Each is checked in the
+store's index after a write-back pass; objects still being written elsewhere are waited for, up to a bound;
+whatever is not committed at the end is counted `not_durable`, with the reason, never acknowledged.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+
+from kvtier.core.forms import Reason
+from kvtier.core.tier import ObjectKey
+from kvtier.daemon.persister import Persister
+from kvtier.daemon.runtime import Runtime
+from kvtier.gpu import BlockState
+from kvtier.store import DiskStore
+
+POLL_S = 0.05  # how often a durable offload re-checks objects another connection is still writing
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Durability:
+    durable: int
+    not_durable: int
+    reasons: list[str]
+
+
+def make_durable(
+    store: DiskStore,
+    persister: Persister,
+    rt: Runtime,
+    keys: Sequence[ObjectKey],
+    refused: frozenset[int],
+    wait_s: float,
+) -> Durability:
+    """Write back and check every named object (indices in `refused` got no slot); waits up to `wait_s`
+    for objects other connections are still writing or that wait for a write-back pass."""
+    manager = rt.manager
+    digests = [manager.layout_digest(k.group) for k in keys]
+    deadline = time.monotonic() + wait_s
+    pause = threading.Event()
+    while True:
+        done, _ = persister.wait_pass(max(0.0, deadline - time.monotonic()))
+        answers = store.has(keys, digests)
+        missing = [i for i, a in enumerate(answers) if a != Reason.OK]
+        states = manager.residence([keys[i] for i in missing])
+        why: collections.Counter[str] = collections.Counter()
+        waiting = False
+        for i, state in zip(missing, states):
+            reason, final = _why(i, state, keys[i], refused, persister, rt.name)
+            why[reason] += 1
+            waiting = waiting or not final
+        if not missing or not waiting or not done or time.monotonic() >= deadline:
+            reasons = [f"{n} objects: {reason}" for reason, n in sorted(why.items())]
+            return Durability(len(keys) - len(missing), len(missing), reasons)
+        pause.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _why(
+    i: int, state: BlockState | None, key: ObjectKey, refused: frozenset[int], persister: Persister, profile: str
+) -> tuple[str, bool]:
+    """Why object i is not in the store, and whether that is final for this request."""
+    if state is BlockState.WRITING:
+        return "reserved by another connection and not sealed in time", False
+    if state in (BlockState.SEALED, BlockState.RECOVERING):
+        blocked = persister.blocked.get((profile, key.form.value)) or persister.blocked.get((profile, "*"))
+        if blocked is not None:
+            return f"the store refuses {key.form.value} objects ({blocked})", True
+        return "waiting for write-back at the deadline", False
+    if i in refused:
+        return "refused a pool slot (admission) and not in the store", True
+    return "not cached: another connection's reservation was abandoned, or it was evicted before the store commit", True
