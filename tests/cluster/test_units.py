@@ -89,3 +89,22 @@ def test_config_validation_and_policy() -> None:
     assert ClusterConfig(etcd="127.0.0.1:2379").master_address == "etcd://127.0.0.1:2379"
     assert WriteThrough.HISTORY.covers(CacheForm.INDEXER) and not WriteThrough.HISTORY.covers(CacheForm.SWA)
     assert not WriteThrough.OFF.covers(CacheForm.COMPRESSED) and WriteThrough.ALL.covers(CacheForm.TAIL)
+
+
+def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:
+    """The audit's check: an object is judged by its own header (layout and size unknown to the auditor)."""
+    obj = _object()
+    assert H.verify_stored(memoryview(obj), KEY) is H.Verdict.OK
+    other = ObjectKey(b"n" * 16, b"H" * 16, "c4/x é", CacheForm.INDEXER)
+    flipped = bytearray(obj)
+    flipped[-1] ^= 1
+    cases = {
+        H.Verdict.FOREIGN: (obj, other),
+        H.Verdict.TRUNCATED: (obj[: len(obj) - 1], KEY),
+        H.Verdict.OVERSIZED: (obj + b"\0", KEY),
+        H.Verdict.CHECKSUM: (flipped, KEY),
+        H.Verdict.GARBAGE: (bytearray(len(obj)), KEY),
+    }
+    for verdict, (data, key) in cases.items():
+        assert H.verify_stored(memoryview(bytes(data)), key) is verdict, verdict
+    assert H.verify_stored(memoryview(b"short"), KEY) is H.Verdict.TRUNCATED
