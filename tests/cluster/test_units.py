@@ -73,7 +73,20 @@ def test_lane_answers_within_the_deadline_and_stays_busy_until_the_call_returns(
     time.sleep(0.35)
     with lane.hold(time.monotonic() + 1.0) as run:
         assert run(lambda: 7) == 7
-    lane.close()
+    assert lane.close(time.monotonic() + 1.0)
+
+
+def test_a_lane_closed_under_a_running_call_says_so_and_takes_no_more() -> None:
+    """MooncakeClient.close tears the client down only when its lanes are idle (else the call would crash)."""
+    lane = Lane("t", Breaker(retry_s=0.0))
+    release = threading.Event()
+    with pytest.raises(ClusterUnavailable), lane.hold(time.monotonic() + 0.05) as run:
+        run(release.wait)
+    assert not lane.close(time.monotonic() + 0.1)  # the stuck call still runs
+    release.set()
+    assert lane.close(time.monotonic() + 2.0)  # it returned: idle
+    with pytest.raises(ClusterUnavailable, match="closed"), lane.hold(time.monotonic() + 1.0) as run:
+        run(lambda: 7)
 
 
 def test_chunks_fit_the_staging_buffer() -> None:
