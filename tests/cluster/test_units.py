@@ -121,3 +121,18 @@ def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:
     for verdict, (data, key) in cases.items():
         assert H.verify_stored(memoryview(bytes(data)), key) is verdict, verdict
     assert H.verify_stored(memoryview(b"short"), KEY) is H.Verdict.TRUNCATED
+
+
+def test_cluster_audit_report_renders_and_flags_corruption() -> None:
+    from kvtier.cli.cluster_audit import render_cluster
+    from kvtier.cluster.audit import ClusterAuditReport, FormTally
+
+    counts = {b"n" * 16: {CacheForm.COMPRESSED: FormTally(objects=5), CacheForm.TAIL: FormTally(objects=1, absent=2)}}
+    clean = ClusterAuditReport("local index", counts, other_keys=3, sampled=4, verdicts={"ok": 3, "missing": 1})
+    assert not clean.problems
+    text = render_cluster(clean)
+    assert "keys from local index; 3 other keys" in text and "verified: missing 1, ok 3" in text
+    assert [line.split()[1:] for line in text.splitlines()[2:4]] == [["compressed", "5", "0"], ["tail", "1", "2"]]
+    doc = clean.to_json()
+    assert doc["namespaces"][(b"n" * 16).hex()]["tail"] == {"objects": 1, "absent": 2}
+    assert ClusterAuditReport("x", {}, 0, 1, {"checksum": 1}).problems
