@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvtier.client.pools import MappedPool, map_generations, map_pool
+from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.core.forms import CacheForm, Route
@@ -38,7 +39,6 @@ from kvtier.wire import errors as E
 from kvtier.wire import messages as P
 
 log = logging.getLogger(__name__)
-ABANDONED = "reservation was abandoned"  # in a not-durable reason: nobody will write it unless we do
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +104,12 @@ class OffloadReport:
     persisted: bool  # durable=True: every object the call named is committed in the store
     durable: int = 0  # durable=True: named objects committed in the store (written here or by others)
     not_durable: int = 0  # durable=True: named objects not in the store, never acknowledged
-    reasons: tuple[str, ...] = ()  # why they are not
+    why: tuple[NotDurableCount, ...] = ()  # how many for each typed cause
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Why objects are not durable, for humans (act on `why`'s causes)."""
+        return tuple(map(str, self.why))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -380,7 +385,7 @@ class Client(Connection):
         abandoned (it died mid-copy) are offloaded once more from `caches`.
         """
         report = self._offload_once(tokens, caches, durable)
-        if durable and any(ABANDONED in r for r in report.reasons):
+        if durable and any(w.cause is NotDurableCause.ABANDONED for w in report.why):
             again = self._offload_once(tokens, caches, durable)
             report = dataclasses.replace(again, written=report.written + again.written, skipped=report.skipped)
         return report
@@ -458,7 +463,7 @@ class Client(Connection):
             sealed.persisted,
             sealed.durable,
             sealed.not_durable,
-            tuple(sealed.reasons),
+            tuple(sealed.why),
         )
 
     def prewarm(
@@ -480,11 +485,10 @@ class Client(Connection):
         """Wait until every sealed object is committed to the store; returns how many were persisted meanwhile."""
         reply: P.FlushOk = self._call(P.Flush(timeout_s))
         if reply.pending:
-            why = "; ".join(reply.reasons) or f"still waiting after {timeout_s}s"
             raise NotDurable(
-                f"{reply.pending} sealed objects are not in the store: {why}",
+                f"{reply.pending} sealed objects are not in the store: {'; '.join(map(str, reply.why))}",
                 pending=reply.pending,
-                reasons=tuple(reply.reasons),
+                why=tuple(reply.why),
             )
         return reply.persisted
 

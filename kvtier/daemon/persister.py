@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.forms import CacheForm
 from kvtier.daemon.runtime import Runtime
 
@@ -57,6 +58,20 @@ class Persister:
     def reasons(self) -> list[str]:
         """Why objects wait: one line per blocked (profile, form)."""
         return [f"{profile}/{form}: {why}" for (profile, form), why in sorted(self.blocked.items())]
+
+    def why_waiting(self) -> list[NotDurableCount]:
+        """The write-back queue by typed cause: each blocked (profile, form) with its backlog, then whatever
+        waits only for the next pass."""
+        backlog = self.backlog()
+        out: list[NotDurableCount] = []
+        for (profile, form), why in sorted(self.blocked.items()):
+            per_form = backlog.get(profile, {})
+            n = sum(per_form.values()) if form == "*" else per_form.get(form, 0)
+            out.append(NotDurableCount(NotDurableCause.STORE_REFUSED, n, f"{profile}/{form}: {why}"))
+        rest = sum(n for per_form in backlog.values() for n in per_form.values()) - sum(c.objects for c in out)
+        if rest > 0:
+            out.append(NotDurableCount(NotDurableCause.WRITE_BACK_PENDING, rest, "sealed after the last pass began"))
+        return out
 
     def sealed(self, n: int, timeout_s: float) -> None:
         """Note n newly sealed objects; wait (up to timeout_s) while the queue is over its depth."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvtier.client import Client, NotDurable, StaleHandle
+from kvtier.core.acks import NotDurableCause
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
 from kvtier.wire import messages as P
@@ -186,7 +187,7 @@ def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_st
         assert rep.durable + rep.not_durable == named
         if a_state == "stopped":  # A's 8 reservations never sealed: reported, not acknowledged
             assert rep.not_durable == 8 and not rep.persisted
-            assert any("reserved by another connection" in r for r in rep.reasons), rep.reasons
+            assert any(w.cause is NotDurableCause.RESERVED_ELSEWHERE for w in rep.why), rep.reasons
         else:  # A's reservations went with its connection: B wrote them itself
             assert rep.not_durable == 0 and rep.persisted, rep.reasons
     finally:
@@ -227,12 +228,14 @@ def test_write_back_blocked_for_one_form_is_reported_and_fails_the_drain(tmp_pat
             with pytest.raises(NotDurable, match="swa") as err:
                 c.flush(timeout_s=20)
             assert err.value.pending > 0
+            assert {w.cause for w in err.value.why} == {NotDurableCause.STORE_REFUSED}, err.value.reasons
             doc = c.stats()
             assert doc.store["persist_queue"] == err.value.pending
             assert doc.store["forms"]["compressed"]["records"] > 0  # the other forms kept persisting
             assert doc.daemon is not None and doc.daemon.health.startswith("degraded: write-back blocked")
             rep = _offload(c, 50, 2, durable=True)
             assert not rep.persisted and rep.not_durable == len(caches_for(PROFILE, 50, 2)["swa"])
+            assert [w.cause for w in rep.why] == [NotDurableCause.STORE_REFUSED], rep.reasons
             assert rep.durable == sum(len(v) for v in caches_for(PROFILE, 50, 2).values()) - rep.not_durable
         assert d.terminate() != 0
         assert "acknowledged objects could not be persisted" in (tmp_path / "daemon.log").read_text()
