@@ -20,6 +20,7 @@ from kvtier.core.acks import NotDurableCause
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
 from kvtier.wire import messages as P
+from support.boundary import fill_until_stale, start_reserver, write_into_sealed_slot
 from support.daemon import DaemonProc, child_env
 from support.workload import caches_for, tokens_for
 
@@ -50,12 +51,7 @@ def test_an_expired_lease_reads_stale_never_another_prefix(tmp_path: Path) -> No
             assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
             view = a.read(result, GROUP, 0)
             # A stops renewing; B fills the pool with other prefixes until A's slot is reused
-            deadline = time.monotonic() + 30
-            seed = 100
-            while a.valid(result, GROUP, 0):
-                assert time.monotonic() < deadline, "A's expired lease kept its slot while B filled the pool"
-                _offload(b, seed, 4)
-                seed += 1
+            fill_until_stale(lambda seed: _offload(b, seed, 4), a, result, GROUP, 0)
             with pytest.raises(StaleHandle):
                 a.read_into(result, GROUP, 0, out)
             with pytest.raises(StaleHandle):
@@ -88,37 +84,13 @@ def test_a_renewing_client_keeps_its_slots_however_long(tmp_path: Path) -> None:
         d.terminate()
 
 
-WRITER = """
-import sys
-from kvtier.client import Client
-from support.workload import tokens_for
-from kvtier.core.profile import load_profile
-H = load_profile("ref-tiny").hash_block_tokens
-with Client(sys.argv[1]) as c:
-    c.attach("ref-tiny")
-    r = c.lookup(tokens_for(1, 2, H))
-    view = c.read(r, "c4", 0)
-    print("mapped", flush=True)
-    view.view(-1)[:8].fill_(0)  # a buggy engine writes into a sealed slot through its mapping
-    print("wrote", flush=True)
-"""
-
-
 def test_no_client_can_write_a_sealed_slot(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path, pools=SMALL_POOLS)
     try:
         with Client(d.socket) as a:
             a.attach("ref-tiny")
             _offload(a, 1, 2)
-            proc = subprocess.run(
-                [sys.executable, "-c", WRITER, str(d.socket)],
-                env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert "mapped" in proc.stdout and "wrote" not in proc.stdout, proc.stderr
-            assert proc.returncode == -signal.SIGSEGV
+            write_into_sealed_slot(d.socket, tokens_for(1, 2, H), GROUP, 0, tmp_path)
             result = a.lookup(tokens_for(1, 2, H))
             out = torch.empty_like(_want(1, 2, 0))
             assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
@@ -149,34 +121,13 @@ def test_seal_checks_the_bytes_that_really_arrived(tmp_path: Path) -> None:
         d.terminate()
 
 
-RESERVER = """
-import sys
-from kvtier.client import Client
-from kvtier.wire import messages as P
-from support.workload import tokens_for
-from kvtier.core.profile import load_profile
-H = load_profile("ref-tiny").hash_block_tokens
-c = Client(sys.argv[1])
-c.attach("ref-tiny")
-reply = c._call(P.Offload(c.hashes(tokens_for(7, 4, H)), ["c4", "c16"], [[0, 1, 2, 3], [0, 1, 2, 3]]))
-print(sum(s >= 0 for row in reply.slots for s in row), flush=True)
-sys.stdin.read()  # "mid-copy" until stopped or killed
-"""
-
-
 @pytest.mark.parametrize("a_state", ["stopped", "killed"])
 def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_state: str) -> None:
     store = tmp_path / "store"
     d = DaemonProc(tmp_path, top_toml="durable_wait_s = 8\n", pools=SMALL_POOLS, store_root=store)
-    a = subprocess.Popen(
-        [sys.executable, "-c", RESERVER, str(d.socket)],
-        env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    a, reserved = start_reserver(d.socket, tokens_for(7, 4, H), ["c4", "c16"], tmp_path)
     try:
-        assert a.stdout is not None and int(a.stdout.readline()) == 8
+        assert reserved == 8
         a.send_signal(signal.SIGSTOP if a_state == "stopped" else signal.SIGKILL)
         if a_state == "killed":
             a.wait()
