@@ -361,14 +361,19 @@ class Client(Connection):
         return pool.generation(slot) == gen
 
     def release(self, result: LookupResult) -> int:
-        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released."""
+        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released
+        (here, with its connection, or by the daemon when the lease expired)."""
         result = _lookup_result(result, "release")
         if result.released:
             return 0
         if result.epoch != self.epoch:  # its connection is gone, and the daemon released everything it held
             result.released = True
             return 0
-        reply: P.Released = self._call(P.Release(result.lookup_id), epoch=result.epoch)
+        try:
+            reply: P.Released = self._call(P.Release(result.lookup_id), epoch=result.epoch)
+        except E.OutOfOrder:  # the daemon holds no such lookup any more: its lease expired (renewals stopped)
+            result.released = True
+            return 0
         result.released = True
         return reply.released
 
