@@ -5,7 +5,11 @@
 - load: recovering objects from the disk store into the pool through the daemon (`Client.load`),
   next to `DiskStore.load_into` of exactly the same objects into tensors in this process (ratio =
   daemon / direct). Two prefixes larger than half the pool alternate, so every daemon load is a
-  real disk read; the store reads with O_DIRECT where the filesystem allows (cold either way).
+  real disk read; the store reads with O_DIRECT where the filesystem allows (cold either way). Direct
+  loads go into page-aligned tensors, as the daemon's pool slots are.
+- dsv4_restore: a `--restore-tokens` prefix (65,536 by default) offloaded durably, the daemon restarted
+  with empty pools, then restored into the pool (lookup + load, timed at the client), next to
+  `dd iflag=direct bs=4M` reading as many bytes of the same segment files (ratio = restore / dd MB/s).
 
 Usage: python bench/daemon.py [--profile deepseek-v4-flash] [--lookup-tokens 16384] [--load-tokens 12288] [--rounds 3]
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +33,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from pagecache import drop_cache_tree  # noqa: E402
 
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
@@ -178,7 +186,7 @@ def bench_load(profile: ModelProfile, sock: Path, tokens: int, rounds: int) -> t
 def bench_direct(profile: ModelProfile, root: Path, loaded: list[tuple[ObjectKey, int]], rounds: int) -> dict:
     store = DiskStore(str(root), readonly=True)
     digests = {g.name: profile.layout(g).digest for g in profile.groups}
-    outs = [torch.empty(n, dtype=torch.uint8) for _, n in loaded]
+    outs = [_slot_like(n) for _, n in loaded]  # page-aligned, as the daemon's pool slots (a memfd mapping) are
     reqs = [LoadRequest(k, o, digests[k.group]) for (k, _), o in zip(loaded, outs)]
     store.load_into(reqs)  # warm-up, like the daemon's first rounds
     nbytes = sum(n for _, n in loaded)
@@ -192,6 +200,82 @@ def bench_direct(profile: ModelProfile, root: Path, loaded: list[tuple[ObjectKey
     return {"direct_MBps": round(nbytes * rounds / dt / 1e6, 1), "io_backend": backend}
 
 
+def _slot_like(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    return raw[start : start + nbytes]
+
+
+def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
+    """A `tokens` prefix offloaded durably, the daemon restarted (empty pools), then restored into the pool
+    (lookup + load, cold: O_DIRECT, or the page cache dropped), against `dd iflag=direct` of as many bytes of the
+    same segment files in one run. Each side's best of `rounds` is reported."""
+    h = profile.hash_block_tokens
+    blocks = tokens // h
+    per_block = profile.bytes_per_hash_block()
+    pools = {
+        f: str(per_block[f] * (blocks + 8) if f in ("compressed", "indexer") else per_block[f] * 3) for f in per_block
+    }
+    toks = _tokens(20, blocks * h)
+    best_s, best_dd, loaded_bytes = float("inf"), float("inf"), 0
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")) as d:
+        tmp = Path(d)
+        proc, sock, notify = _start(tmp, profile.name, pools)
+        try:
+            with Client(sock) as c:
+                c.attach(profile.name)
+                _check(c.offload(toks, _caches(profile, blocks, 20), durable=True))
+        finally:
+            _stop(proc, notify)
+        segments = tmp / "store" / "segments"
+        for _ in range(rounds):
+            drop_cache_tree(tmp / "store")
+            proc, sock, notify = _start(tmp, profile.name, pools)
+            try:
+                with Client(sock) as c:
+                    c.attach(profile.name)
+                    t0 = time.perf_counter()
+                    r = c.lookup(toks)
+                    rep = c.load(r)
+                    dt = time.perf_counter() - t0
+                    c.release(r)
+            finally:
+                _stop(proc, notify)
+            if r.hit_tokens != blocks * h:
+                raise SystemExit(f"dsv4_restore: hit {r.hit_tokens} of {blocks * h} tokens")
+            best_s, loaded_bytes = min(best_s, dt), rep.loaded_bytes
+            best_dd = min(best_dd, _dd_direct(sorted(segments.iterdir()), loaded_bytes))
+    mbps, dd_mbps = loaded_bytes / best_s / 1e6, loaded_bytes / best_dd / 1e6
+    return {
+        "tokens": blocks * h,
+        "bytes": loaded_bytes,
+        "MBps": round(mbps, 1),
+        "dd_MBps": round(dd_mbps, 1),
+        "ratio": round(mbps / dd_mbps, 2),
+    }
+
+
+def _dd_direct(files: list[Path], nbytes: int) -> float:
+    """Seconds for `dd iflag=direct bs=4M` to read `nbytes` from the start of `files`, in order."""
+    total = 0.0
+    for f in files:
+        if nbytes <= 0:
+            break
+        count = min(-(-nbytes // (4 << 20)), -(-f.stat().st_size // (4 << 20)))
+        res = subprocess.run(
+            ["dd", f"if={f}", "of=/dev/null", "bs=4M", f"count={count}", "iflag=direct"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        m = re.search(r"copied, ([0-9.]+) s", res.stderr)
+        if not m:
+            raise RuntimeError(f"cannot parse dd output: {res.stderr!r}")
+        total += float(m.group(1))
+        nbytes -= min(nbytes, f.stat().st_size)
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default="deepseek-v4-flash")
@@ -199,6 +283,7 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=12288)
     ap.add_argument("--lookups", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--restore-tokens", type=int, default=65536, help="dsv4_restore's prefix (0: skip it).")
     args = ap.parse_args()
     profile = load_profile(args.profile)
     h = profile.hash_block_tokens
@@ -222,6 +307,7 @@ def main() -> None:
         finally:
             _stop(proc, notify)
         direct = bench_direct(profile, tmp / "store", loaded, args.rounds)
+    restore = bench_dsv4_restore(profile, args.restore_tokens, args.rounds) if args.restore_tokens else None
     ratio = round(load["daemon_MBps"] / direct["direct_MBps"], 2) if load["daemon_MBps"] else None
     print(
         json.dumps(
@@ -229,6 +315,7 @@ def main() -> None:
                 "profile": args.profile,
                 "lookup": lookup,
                 "load": {**load, **direct, "ratio": ratio, "tokens": load_blocks * h},
+                "dsv4_restore": restore,
             }
         )
     )

@@ -15,7 +15,8 @@ For each prompt length (4K-64K tokens by default, one independent random prompt 
 Steps 2-4 run `--repeat` times; each time's best is reported.
 
 `ratio` = recompute_s / restore_s at the same boundary (> 1: restoring is faster); `request_ratio` is the
-whole request (prefix + continuation + decode) without a cache over the same with it. One lookup hands
+whole request (prefix + continuation + decode) without a cache over the same with it; `us_per_object` is the
+cold load through the daemon (`load_s`, lookup excluded) over the objects it loaded. One lookup hands
 out at most the daemon's recover queue (`AdmissionConfig.max_recover_queue` objects) for loading; past
 that the hit is shorter (`hit_tokens` < `tokens`, and `note` says so) and the continuation prefills the
 rest, on both sides alike.
@@ -153,14 +154,21 @@ def main() -> None:
     for n, r in sorted(results.items()):
         r = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
         request = (r["recompute_s"] + r["recompute_continue_s"]) / (r["restore_s"] + r["continue_s"])
+        per_object = r["load_s"] / r["loaded_objects"] * 1e6 if r["loaded_objects"] else None
         cases.append(
-            {"tokens": n, **r, "ratio": round(r["recompute_s"] / r["restore_s"], 2), "request_ratio": round(request, 2)}
+            {
+                "tokens": n,
+                **r,
+                "ratio": round(r["recompute_s"] / r["restore_s"], 2),
+                "request_ratio": round(request, 2),
+                "us_per_object": round(per_object, 1) if per_object is not None else None,
+            }
         )
     short = [c["tokens"] for c in cases if c["hit_tokens"] < c["tokens"]]
     note = (
         f"hit shorter than the prefix at {short} tokens: one lookup hands out at most the daemon's recover queue "
-        f"({AdmissionConfig().max_recover_queue:,} objects) for loading, and the engine looks up again only after a failed load; "
-        "the rest is prefilled"
+        f"({AdmissionConfig().max_recover_queue:,} objects) for loading, and the engine looks up again only after "
+        "a failed load; the rest is prefilled"
         if short
         else None
     )

@@ -192,7 +192,7 @@ class Compaction:
                 data = torch.frombuffer(bytearray(buf.mv[at : at + job.entry.stored_len]), dtype=torch.uint8)
                 copies.append(_Copy(encode_key(job.key), job.entry, _as_v2(header, job.entry), data))
 
-            for job, exc in self._reader.read(jobs, keep):
+            for job, exc in self._reader.read(jobs, keep, headers=True):
                 if exc is not None:
                     failures.append((job.key, exc.reason))
         copies.sort(key=lambda c: (c.entry.segment, c.entry.offset))  # keep neighbours neighbours

@@ -104,7 +104,7 @@ def flat_uint8(t: torch.Tensor) -> torch.Tensor:
         raise StoreRequestError(
             "payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)"
         )
-    return t.view(-1)
+    return t if t.dim() == 1 else t.view(-1)
 
 
 def entry_or_none(raw: bytes | memoryview) -> IndexEntry | None:

@@ -144,6 +144,52 @@ def plan_runs(items: Sequence[tuple[int, int, int, J]]) -> list[Run[J]]:
     return runs
 
 
+@dataclasses.dataclass(slots=True)
+class Scatter:
+    """Where one run's bytes go: chosen payloads straight into their targets (moved once, no bounce copy), and
+    everything else (headers, small records, padding, unaligned tails) packed in file order into one bounce
+    buffer. Built by `scatter`; a run with no direct payload is one piece, the whole run into the bounce buffer."""
+
+    bounce_bytes: int
+    pieces: list[tuple[int, int]]  # in file order: (length, job number), or (length, -1): the bounce buffer's next
+    where: list[int]  # per job: where its record's first byte is in the bounce buffer
+    direct: list[int]  # per job: how many leading payload bytes went straight into its target (0: none)
+
+
+def scatter(run: Run[J], wants: Sequence[tuple[int, int]]) -> Scatter:
+    """Plan a run's read given, per job, (payload offset, bytes it could take straight into its target; 0: none).
+
+    A payload goes direct only where no other job of the run shares its bytes (the same record asked twice
+    reads through the bounce buffer). The bytes after a direct part (a tail shorter than the alignment) follow
+    the header in the bounce buffer: at `where + header length`."""
+    jobs = run.jobs
+    if not any(take for _, take in wants):  # the common case of small records: the whole run into the buffer
+        return Scatter(
+            run.end - run.start, [(run.end - run.start, -1)], [j[0] - run.start for j in jobs], [0] * len(jobs)
+        )
+    pieces: list[tuple[int, int]] = []
+    where: list[int] = []
+    direct: list[int] = []
+    cursor, moved, prev_end = run.start, 0, -1
+    for k, ((offset, length, _), (payload_at, take)) in enumerate(zip(jobs, wants)):
+        where.append(offset - run.start - moved)
+        end = offset + length
+        alone = offset >= prev_end and (k + 1 == len(jobs) or jobs[k + 1][0] >= end)
+        prev_end = max(prev_end, end)
+        if take <= 0 or not alone:
+            direct.append(0)
+            continue
+        if payload_at > cursor:
+            pieces.append((payload_at - cursor, -1))
+        pieces.append((take, k))
+        direct.append(take)
+        cursor = payload_at + take
+        moved += take
+    if run.end > cursor:
+        pieces.append((run.end - cursor, -1))
+    return Scatter(run.end - run.start - moved, pieces, where, direct)
+
+
 def copy_out(out: torch.Tensor, buf: AlignedBuffer, at: int, n: int) -> None:
     """buf[at : at + n] into `out` (contiguous uint8): one memmove on cpu, a staged copy to a device."""
     if out.device.type == "cpu":

@@ -43,7 +43,7 @@ def seal(body: bytes) -> bytes:
 
 def unseal(value: bytes | memoryview) -> bytes:
     body = bytes(value[:-8])
-    if len(value) < 8 or _SUM.unpack(bytes(value[-8:]))[0] != xxhash.xxh3_64_intdigest(body):
+    if len(value) < 8 or _SUM.unpack_from(value, len(value) - 8)[0] != xxhash.xxh3_64_intdigest(body):
         raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
     return body
 
@@ -81,9 +81,14 @@ class RecordState(enum.IntEnum):
     QUARANTINED = 1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+_STATES = tuple(RecordState)  # by value (0, 1, ...)
+_CODECS = tuple(Codec)
+
+
+@dataclasses.dataclass(slots=True)
 class IndexEntry:
-    """Where a record lives and what the index knows about it (one LMDB value in `obj`)."""
+    """Where a record lives and what the index knows about it (one LMDB value in `obj`). Not frozen: one is built
+    per object of every load, and a frozen dataclass's __init__ costs twice as much; treat it as read-only."""
 
     state: RecordState
     form: CacheForm
@@ -153,10 +158,11 @@ class IndexEntry:
                 (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
                 if version != 2:
                     raise ValueError(f"entry version {version}")
+            # Table lookups, not enum calls: this runs once per object of every load.
             return cls(
-                RecordState(state),
+                _STATES[state],
                 FORMS_BY_CODE[form],
-                Codec(codec),
+                _CODECS[codec],
                 seg,
                 off,
                 rlen,
@@ -174,7 +180,7 @@ class IndexEntry:
                 flags,
                 dsum,
             )
-        except (struct.error, KeyError, ValueError) as exc:
+        except (struct.error, KeyError, IndexError, ValueError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
 
     @property

@@ -20,6 +20,8 @@ from kvtier.store.errors import StoreError
 log = logging.getLogger(__name__)
 
 _MIN_BUFFER = 64 * 1024
+_SMALL_ALIGN = 512  # the smallest logical block size
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 class AlignedBuffer:
@@ -80,12 +82,27 @@ class SegmentFile:
 
     def pread_into(self, buf: memoryview, offset: int) -> int:
         """Fill buf from offset; returns bytes read (less than len(buf) only at end of file)."""
+        return self.preadv_into([buf], offset)
+
+    def preadv_into(self, views: list[memoryview], offset: int) -> int:
+        """Fill the views in order from offset, one scattered read per IOV_MAX of them; returns bytes read (fewer
+        than they hold only at end of file)."""
+        views = list(views)
         done = 0
-        while done < len(buf):
-            n = os.preadv(self.fd, [buf[done:]], offset + done)
+        i = 0
+        while i < len(views):
+            n = os.preadv(self.fd, views[i : i + _IOV_MAX], offset + done)
             if n == 0:
                 break
             done += n
+            while n and i < len(views):  # skip what is full, resume inside a view filled in part
+                size = len(views[i])
+                if n >= size:
+                    n -= size
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
         return done
 
     def sync(self) -> None:
@@ -121,9 +138,12 @@ class PosixBackend:
 
     gpu_direct = False  # reads into and writes from device memory (GDS)
 
-    def __init__(self, direct: bool) -> None:
+    def __init__(self, direct: bool, align: int = DISK_ALIGNMENT) -> None:
         self.direct = direct
         self.name = "odirect" if direct else "buffered"
+        # What a read straight into caller memory needs: address and length multiples of this (O_DIRECT: what
+        # the probe found the device takes, 512 or 4096; buffered: anything).
+        self.direct_align = align if direct else 1
 
     def open(self, path: str, *, create: bool = False, write: bool = False) -> SegmentFile:
         flags = os.O_CLOEXEC | (os.O_RDWR if write or create else os.O_RDONLY)
@@ -183,36 +203,52 @@ def cuda_driver_present() -> bool:
         return False
 
 
-def _odirect_works(directory: str, readonly: bool) -> bool:
-    """Probe O_DIRECT with a real aligned write+read in `directory` (tmpfs on old kernels, ramfs: EINVAL)."""
+def _odirect_align(directory: str, readonly: bool) -> int:
+    """Probe O_DIRECT in `directory` with a real aligned read (and write, unless read-only): 0 where it is refused
+    (tmpfs on old kernels, ramfs: EINVAL), else the alignment reads into caller memory need: 512 where a 512-byte
+    read into a 512-aligned address works, else 4096."""
+    buf = AlignedBuffer(2 * DISK_ALIGNMENT)
     if readonly:
         for name in sorted(os.listdir(directory)):
             try:
-                os.close(os.open(os.path.join(directory, name), os.O_RDONLY | os.O_DIRECT))
-                return True
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno == errno.EINVAL:
-                    return False
-        return True
+                    return 0
+                continue
+            try:
+                return _small_read_align(fd, buf) if os.fstat(fd).st_size >= DISK_ALIGNMENT else DISK_ALIGNMENT
+            finally:
+                os.close(fd)
+        return DISK_ALIGNMENT
     path = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
-    buf = AlignedBuffer(DISK_ALIGNMENT)
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            return False
+            return 0
         raise
     try:
-        os.pwritev(fd, [buf.mv], 0)
-        os.preadv(fd, [buf.mv], 0)
-        return True
+        os.pwritev(fd, [buf.mv[:DISK_ALIGNMENT]], 0)
+        os.preadv(fd, [buf.mv[:DISK_ALIGNMENT]], 0)
+        return _small_read_align(fd, buf)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            return False
+            return 0
         raise
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def _small_read_align(fd: int, buf: AlignedBuffer) -> int:
+    try:
+        os.preadv(fd, [buf.mv[_SMALL_ALIGN : 2 * _SMALL_ALIGN]], 0)
+        return _SMALL_ALIGN
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return DISK_ALIGNMENT
+        raise
 
 
 def select_backend(directory: str, choice: str = "auto", *, readonly: bool = False) -> PosixBackend:
@@ -226,8 +262,9 @@ def select_backend(directory: str, choice: str = "auto", *, readonly: bool = Fal
             return GdsBackend()
         if choice == "gds":
             raise StoreError("io backend 'gds' needs libcuda.so.1 and kvikio (pip install 'kvtier[gpu]'); use auto")
-    if _odirect_works(directory, readonly):
-        return PosixBackend(direct=True)
+    align = _odirect_align(directory, readonly)
+    if align:
+        return PosixBackend(direct=True, align=align)
     if choice == "odirect":
         raise StoreError(f"{directory} refuses O_DIRECT: use io backend 'auto' or 'buffered'")
     log.warning("%s refuses O_DIRECT; store segments use buffered I/O", directory)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import lmdb
 import torch
@@ -18,10 +20,21 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.extent import Run, copy_out, plan_runs
+from kvtier.store.extent import Run, copy_out, plan_runs, scatter
 from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, encode_key, pack_time
 from kvtier.store.io import AlignedBuffer, SegmentFile
-from kvtier.store.record import FORMAT_VERSION, Codec, Flags, RecordHeader, payload_checksum, zstd_decompress_into
+from kvtier.store.record import (
+    FORM_CODES,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    LARGE_PAYLOAD,
+    Codec,
+    Flags,
+    RecordHeader,
+    header_is,
+    payload_checksum,
+    zstd_decompress_into,
+)
 from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 from kvtier.store.segments import segment_name
 
@@ -54,7 +67,7 @@ class Reader:
         with self._ctx.index.read() as txn:
             ns_cache: dict[bytes, NamespaceEntry | None] = {}
             for key, digest in zip(keys, layout_digests):
-                reason, _ = self.lookup(txn, key, digest, ns_cache, corrupt)
+                reason, _ = self.lookup(txn, key, encode_key(key), digest, ns_cache, corrupt)
                 out.append(reason)
         return out, corrupt
 
@@ -62,6 +75,7 @@ class Reader:
         self,
         txn: lmdb.Transaction,
         key: ObjectKey,
+        raw_key: bytes,
         digest: bytes,
         ns_cache: dict[bytes, NamespaceEntry | None],
         corrupt: list[ObjectKey],
@@ -81,7 +95,6 @@ class Reader:
             return Reason.MISSING, None
         if not ns.live:
             return Reason.STALE_VERSION, None
-        raw_key = encode_key(key)
         raw = txn.get(raw_key, db=index.obj)
         if raw is None:
             gone = index.gone
@@ -109,32 +122,42 @@ class Reader:
         """
         outcome = LoadOutcome([Reason.MISSING] * len(requests), [], [])
         corrupt_values: list[ObjectKey] = []
+        raw_keys = [encode_key(req.key) for req in requests]
         with self._ctx.index.read() as txn:
             ns_cache: dict[bytes, NamespaceEntry | None] = {}
             jobs: list[ReadJob] = []
-            for i, req in enumerate(requests):
+            for i, (req, raw_key) in enumerate(zip(requests, raw_keys)):
                 out = flat_uint8(req.out)
-                reason, entry = self.lookup(txn, req.key, req.layout_digest, ns_cache, corrupt_values)
-                if entry is not None and entry.payload_len != out.numel():
-                    reason = Reason.ABI_MISMATCH
-                if reason is Reason.OK and entry is not None:
-                    jobs.append(ReadJob(i, req.key, entry, out))
+                reason, entry = self.lookup(txn, req.key, raw_key, req.layout_digest, ns_cache, corrupt_values)
+                if entry is not None:
+                    if entry.payload_len != out.numel():
+                        reason = Reason.ABI_MISMATCH
+                    else:
+                        jobs.append(ReadJob(i, req.key, entry, out))
                 outcome.reasons[i] = reason
             for job, exc in self.read(jobs, _fill_out):
                 if exc is None:
-                    outcome.hits.append(encode_key(job.key))
+                    outcome.hits.append(raw_keys[job.index])
                 else:
                     outcome.faults.append((job.key, exc.reason))
                     outcome.reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
         return outcome
 
-    def read(self, jobs: Sequence[ReadJob], visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
+    def read(
+        self, jobs: Sequence[ReadJob], visit: Visit, *, headers: bool = False
+    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         """Read and check every job's record; `visit(job, header, buf, payload_at)` gets each good one while its
-        bytes are in `buf` (None for a GDS read: the payload is already in `job.out`). Runs of nearby records
-        are one aligned read each; runs and GDS reads are spread over the read pool."""
+        bytes are in `buf`; buf is None where the payload went straight into `job.out` (a large record read
+        into its target, or a GDS read). `header` is the parsed header with `headers=True`, else None where the
+        record's header bytes matched its index entry exactly (the fast check). Runs of nearby records are one
+        scattered read each; runs and GDS reads are spread over the read pool."""
         backend = self._ctx.backend
-        device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+        device = (
+            [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+            if backend.gpu_direct
+            else []
+        )
         chosen = {id(j) for j in device}
         runs = plan_runs(
             [(j.entry.segment, j.entry.offset, j.entry.record_len, j) for j in jobs if id(j) not in chosen]
@@ -142,12 +165,16 @@ class Reader:
         units: list[Run[ReadJob] | ReadJob] = [*runs, *device]
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
-            return [r for u in units for r in self._read_unit(u, visit)]
+            return [r for u in units for r in self._read_unit(u, visit, headers)]
         chunks = [units[k::lanes] for k in range(lanes)]
-        done = self._ctx.executor("read").map(lambda c: [r for u in c for r in self._read_unit(u, visit)], chunks)
+        done = self._ctx.executor("read").map(
+            lambda c: [r for u in c for r in self._read_unit(u, visit, headers)], chunks
+        )
         return [r for chunk in done for r in chunk]
 
-    def _read_unit(self, unit: Run[ReadJob] | ReadJob, visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
+    def _read_unit(
+        self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
+    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         if isinstance(unit, ReadJob):
             try:
                 self._read_device(unit)
@@ -155,37 +182,95 @@ class Reader:
                 return [(unit, None)]
             except CorruptRecord as exc:
                 return [(unit, exc)]
-        return self._read_run(unit, visit)
+        return self._read_run(unit, visit, headers)
 
-    def _read_run(self, run: Run[ReadJob], visit: Visit) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """One aligned read of the run, then each record checked on its own (one bad record fails alone)."""
+    def _read_run(self, run: Run[ReadJob], visit: Visit, headers: bool) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        """One scattered read of the run (large payloads straight into their targets, the rest into a bounce
+        buffer), then each record checked on its own (one bad record fails alone)."""
         try:
             seg = self.segment(run.seg_id)
         except CorruptRecord as exc:
             return [(job, exc) for _, _, job in run.jobs]
+        plan = scatter(run, [self._direct_want(job) for _, _, job in run.jobs])
         buffers = self._ctx.buffers
-        buf = buffers.acquire(run.end - run.start)
+        buf = buffers.acquire(plan.bounce_bytes)
         try:
-            got = seg.pread_into(buf.mv[: run.end - run.start], run.start)
+            views: list[memoryview] = []
+            b = 0
+            for n, k in plan.pieces:
+                if k < 0:
+                    views.append(buf.mv[b : b + n])
+                    b += n
+                else:
+                    views.append(_host_view(run.jobs[k][2].out, n))
+            got = run.start + seg.preadv_into(views, run.start)
             results: list[tuple[ReadJob, CorruptRecord | None]] = []
-            for offset, length, job in run.jobs:
-                at = offset - run.start
+            for (offset, length, job), at, took in zip(run.jobs, plan.where, plan.direct):
                 try:
-                    if got < at + length:
+                    if got < offset + length:
                         raise CorruptRecord(
                             QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
                         )
-                    header = _parse_header(job.entry, buf.mv, at)
-                    check_header(header, job.key, job.entry)
-                    payload_at = at + header.header_bytes
-                    check_payload(job.entry, buf, payload_at)
-                    visit(job, header, buf, payload_at)
+                    header = self._check_header(job, buf.mv, at, headers)
+                    payload_at = at + (HEADER_BYTES if job.entry.record_version == FORMAT_VERSION else V1_HEADER_BYTES)
+                    if took:
+                        _finish_direct(job, buf, payload_at, took)
+                        visit(job, header, None, 0)
+                    else:
+                        check_payload(job.entry, buf, payload_at)
+                        visit(job, header, buf, payload_at)
                     results.append((job, None))
                 except CorruptRecord as exc:
                     results.append((job, exc))
             return results
         finally:
             buffers.release(buf)
+
+    def _direct_want(self, job: ReadJob) -> tuple[int, int]:
+        """(payload offset, bytes to read straight into `job.out`): the aligned bulk of a large, uncompressed
+        v2 payload whose target is host memory at an address O_DIRECT takes; (0, 0) for the rest."""
+        e, out = job.entry, job.out
+        if e.payload_len < LARGE_PAYLOAD or out is None or e.codec is not Codec.NONE:
+            return _NO_DIRECT
+        payload_at = e.payload_offset
+        align = self._ctx.backend.direct_align
+        if (
+            e.record_version != FORMAT_VERSION
+            or not out.is_cpu
+            or payload_at % DISK_ALIGNMENT
+            or out.data_ptr() % align
+        ):
+            return _NO_DIRECT
+        return payload_at, e.payload_len - e.payload_len % align
+
+    @staticmethod
+    def _check_header(job: ReadJob, mv: memoryview, at: int, parse: bool) -> AnyHeader | None:
+        """The record's header checked against its key and index entry; parsed only when asked or when the fast
+        byte-level check fails (then the parse says what is wrong and raises)."""
+        e, key = job.entry, job.key
+        if (
+            not parse
+            and e.record_version == FORMAT_VERSION
+            and header_is(
+                mv,
+                at,
+                key.namespace,
+                key.block_hash,
+                key.group,
+                FORM_CODES[key.form],
+                e.layout_digest,
+                e.codec,
+                e.flags,
+                e.payload_len,
+                e.stored_len,
+                e.payload_checksum,
+                e.device_checksum,
+            )
+        ):
+            return None
+        header = _parse_header(e, mv, at)
+        check_header(header, key, e)
+        return header
 
     def _read_device(self, job: ReadJob) -> None:
         """GDS: the header through a small host read, the payload straight into the device slot, checked there
@@ -299,9 +384,9 @@ class AccessTimes:
         self.flush()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadJob:
-    """One record to read: the request's index, its key and entry, and where its payload goes (None: nowhere)."""
+class ReadJob(NamedTuple):
+    """One record to read: the request's index, its key and entry, and where its payload goes (None: nowhere).
+    A tuple: one is made per object of every load."""
 
     index: int
     key: ObjectKey
@@ -310,6 +395,8 @@ class ReadJob:
 
 
 AnyHeader = RecordHeader | RecordHeaderV1
+_XXH3 = int(Flags.XXH3)
+_NO_DIRECT = (0, 0)
 Visit = Callable[[ReadJob, "AnyHeader | None", "AlignedBuffer | None", int], None]
 
 
@@ -326,11 +413,34 @@ def _parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:
 
 def check_payload(entry: IndexEntry, buf: AlignedBuffer, at: int) -> None:
     """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu."""
-    if entry.flags & Flags.XXH3:
-        if payload_checksum(buf.mv[at : at + entry.stored_len]) != entry.payload_checksum:
+    _check_sums(entry, buf.mv[at : at + entry.stored_len], buf.tensor, at)
+
+
+def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
+    """`data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
+    if entry.flags & _XXH3:
+        if payload_checksum(data) != entry.payload_checksum:
             raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-    elif device_checksum(buf.tensor[at : at + entry.stored_len]) != entry.device_checksum:
+    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
         raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
+
+
+def _host_view(out: torch.Tensor | None, n: int) -> memoryview:
+    """The first n bytes of a cpu target as a writable memoryview (a scattered read's destination)."""
+    assert out is not None
+    return memoryview(out.numpy())[:n]
+
+
+def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) -> None:
+    """A payload read straight into `job.out`: its unaligned tail (if any) from the bounce buffer, then its
+    checksum over the target. On a mismatch the target holds the bad bytes (as after a GDS read): the load
+    reports the record corrupt and the caller must not use the slot."""
+    out, e = job.out, job.entry
+    assert out is not None
+    tail = e.payload_len - took
+    if tail:
+        ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
+    _check_sums(e, memoryview(out.numpy()), out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
@@ -339,7 +449,7 @@ def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None,
         return
     entry = job.entry
     if entry.codec is Codec.ZSTD:
-        if job.out.device.type == "cpu":
+        if job.out.is_cpu:
             zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(job.out.numpy()))
         else:
             plain = torch.empty(entry.payload_len, dtype=torch.uint8)

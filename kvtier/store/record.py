@@ -167,6 +167,57 @@ class RecordHeader:
         return header
 
 
+_GROUP_FIELDS: dict[str, tuple[int, bytes]] = {}  # group name -> (length, the padded header field), few names
+
+
+def header_is(
+    buf: memoryview,
+    at: int,
+    namespace: bytes,
+    block_hash: bytes,
+    group: str,
+    form_code: int,
+    layout_digest: bytes,
+    codec: int,
+    flags: int,
+    payload_len: int,
+    stored_len: int,
+    payload_checksum: bytes,
+    device_checksum: int,
+) -> bool:
+    """Whether buf[at:] holds an intact v2 header with exactly these fields (any creation time): one unpack, one
+    tuple compare and one hash, the load path's check. False says nothing about why: `RecordHeader.unpack` then
+    tells a damaged header from one that belongs to another record."""
+    g = _GROUP_FIELDS.get(group)
+    if g is None:
+        raw = group.encode()
+        g = _GROUP_FIELDS[group] = (len(raw), raw.ljust(MAX_GROUP_BYTES, b"\0"))
+    f = _FIXED.unpack_from(buf, at)
+    end = at + _FIXED.size
+    return (
+        f
+        == (
+            MAGIC,
+            FORMAT_VERSION,
+            form_code,
+            codec,
+            g[0],
+            flags,
+            HEADER_BYTES,
+            namespace,
+            block_hash,
+            layout_digest,
+            g[1],
+            payload_len,
+            stored_len,
+            f[13],
+            payload_checksum,
+            device_checksum,
+        )
+        and xxhash.xxh3_64_intdigest(buf[at:end]) == _CHECKSUM.unpack_from(buf, end)[0]
+    )
+
+
 def namespace_record(version_key: VersionKey, created: float) -> tuple[RecordHeader, bytes]:
     """The record that makes an extent self-describing: its namespace's canonical VersionKey JSON."""
     body = version_key.canonical()

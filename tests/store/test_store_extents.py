@@ -62,13 +62,13 @@ def test_a_run_of_adjacent_records_is_one_read(tmp_path, monkeypatch) -> None:
     root = str(tmp_path)
     keys = _small_batch(root)
     reads: list[int] = []
-    real = SegmentFile.pread_into
+    real = SegmentFile.preadv_into
 
     def counting(self, buf, offset):
         reads.append(len(buf))
         return real(self, buf, offset)
 
-    monkeypatch.setattr(SegmentFile, "pread_into", counting)
+    monkeypatch.setattr(SegmentFile, "preadv_into", counting)
     with DiskStore(root) as s:
         reasons, _ = _load(s, keys[5:60])
     assert reasons == [Reason.OK] * 55 and len(reads) == 1
@@ -204,9 +204,9 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
     with DiskStore(root) as s:
         real = reader_mod.Reader.read
 
-        def grow_then_read(self, jobs, visit):  # the map grows while relocation has its records in hand
+        def grow_then_read(self, jobs, visit, **kw):  # the map grows while relocation has its records in hand
             subprocess.run([sys.executable, "-c", _GROW, root], env=subprocess_env(), check=True, timeout=120)
-            return real(self, jobs, visit)
+            return real(self, jobs, visit, **kw)
 
         monkeypatch.setattr(reader_mod.Reader, "read", grow_then_read)
         done: list[int] = []

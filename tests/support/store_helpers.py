@@ -32,3 +32,10 @@ def make_key(ns: bytes, tag: str, group: str = "c4", form: CacheForm = CacheForm
 def make_payload(tag: str, nbytes: int) -> torch.Tensor:
     seed = xxhash.xxh3_64_intdigest(tag.encode())
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8))
+
+
+def slot_like(nbytes: int, fill: int = 0xAA) -> torch.Tensor:
+    """A load target at a 4096-aligned address, as a pool slot is: large payloads are read straight into it."""
+    raw = torch.full((nbytes + 4096,), fill, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    return raw[start : start + nbytes]
