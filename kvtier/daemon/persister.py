@@ -59,16 +59,24 @@ class Persister:
         """Why objects wait: one line per blocked (profile, form)."""
         return [f"{profile}/{form}: {why}" for (profile, form), why in sorted(self.blocked.items())]
 
-    def why_waiting(self) -> list[NotDurableCount]:
-        """The write-back queue by typed cause: each blocked (profile, form) with its backlog, then whatever
-        waits only for the next pass."""
+    def stuck(self) -> dict[str, dict[str, int]]:
+        """Per profile and blocked form, the sealed objects the store refused last pass (they wait for room)."""
         backlog = self.backlog()
-        out: list[NotDurableCount] = []
-        for (profile, form), why in sorted(self.blocked.items()):
+        out: dict[str, dict[str, int]] = {}
+        for profile, form in sorted(self.blocked):
             per_form = backlog.get(profile, {})
-            n = sum(per_form.values()) if form == "*" else per_form.get(form, 0)
-            out.append(NotDurableCount(NotDurableCause.STORE_REFUSED, n, f"{profile}/{form}: {why}"))
-        rest = sum(n for per_form in backlog.values() for n in per_form.values()) - sum(c.objects for c in out)
+            out.setdefault(profile, {})[form] = sum(per_form.values()) if form == "*" else per_form.get(form, 0)
+        return out
+
+    def why_waiting(self) -> list[NotDurableCount]:
+        """The write-back queue by typed cause: each blocked (profile, form) with its stuck objects, then
+        whatever waits only for the next pass."""
+        out = [
+            NotDurableCount(NotDurableCause.STORE_REFUSED, n, f"{profile}/{form}: {self.blocked[(profile, form)]}")
+            for profile, per_form in self.stuck().items()
+            for form, n in per_form.items()
+        ]
+        rest = self.queued - sum(c.objects for c in out)
         if rest > 0:
             out.append(NotDurableCount(NotDurableCause.WRITE_BACK_PENDING, rest, "sealed after the last pass began"))
         return out

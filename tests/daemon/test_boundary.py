@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from kvtier.core.profile import load_profile
 from kvtier.wire import messages as P
 from support.boundary import fill_until_stale, start_reserver, write_into_sealed_slot
 from support.daemon import DaemonProc, child_env
+from support.promlint import problems
 from support.workload import caches_for, tokens_for
 
 PROFILE = load_profile("ref-tiny")
@@ -184,6 +186,7 @@ def test_write_back_blocked_for_one_form_is_reported_and_fails_the_drain(tmp_pat
             assert doc.store["persist_queue"] == err.value.pending
             assert doc.store["forms"]["compressed"]["records"] > 0  # the other forms kept persisting
             assert doc.daemon is not None and doc.daemon.health.startswith("degraded: write-back blocked")
+            _exported_blocked(d, doc.daemon.metrics, err.value.pending)
             rep = _offload(c, 50, 2, durable=True)
             assert not rep.persisted and rep.not_durable == len(caches_for(PROFILE, 50, 2)["swa"])
             assert [w.cause for w in rep.why] == [NotDurableCause.STORE_REFUSED], rep.reasons
@@ -192,6 +195,25 @@ def test_write_back_blocked_for_one_form_is_reported_and_fails_the_drain(tmp_pat
         assert "acknowledged objects could not be persisted" in (tmp_path / "daemon.log").read_text()
     finally:
         d.close()
+
+
+def _exported_blocked(d: DaemonProc, metrics_address: str, stuck: int) -> None:
+    """The blocked swa write-back in the Prometheus exposition (linted) and in `kvtier status` (exit 1)."""
+    body = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    assert problems(body) == [], problems(body)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line[:1] != "#"}
+    assert samples['kvtier_write_back_stuck_objects{form="swa",profile="ref-tiny"}'] == stuck
+    assert samples['kvtier_write_back_backlog_objects{form="swa",profile="ref-tiny"}'] >= stuck
+    assert samples.get('kvtier_write_back_stuck_objects{form="compressed",profile="ref-tiny"}', 0) == 0
+    assert samples["kvtier_write_back_failed_passes_total"] >= 1 and samples["kvtier_healthy"] == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "status", "--socket", str(d.socket)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"write-back blocked  ref-tiny/swa: {stuck} objects waiting" in out.stdout, out.stdout
 
 
 def test_config_show_lists_admission(tmp_path: Path) -> None:
