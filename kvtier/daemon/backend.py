@@ -34,6 +34,7 @@ from kvtier.daemon.durability import make_durable
 from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
 from kvtier.daemon.namespaces import apply_versions, stale_reply
 from kvtier.daemon.persister import Persister
+from kvtier.daemon.room import RoomRequests
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.staging import StagingError, copy_in, freeze
@@ -104,6 +105,7 @@ class DaemonBackend:
             raise
         apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
         self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
+        self.room = RoomRequests(self.store, list(self.runtimes.values()), self.persister)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -374,6 +376,7 @@ class DaemonBackend:
         for held in stale:
             self._release(held)
         self.store.reader_check()
+        self.room.tick()
 
     def health(self) -> tuple[bool, str]:
         if not self.persister.alive:

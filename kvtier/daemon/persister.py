@@ -97,6 +97,12 @@ class Persister:
                     return
                 self._cond.wait(remaining)
 
+    def request(self) -> None:
+        """Ask for a pass without waiting for it (a retry of blocked write-back)."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+
     def wait_pass(self, timeout_s: float) -> tuple[bool, int]:
         """Block until a pass begun after this call completes; (done, objects persisted meanwhile)."""
         deadline = time.monotonic() + timeout_s
@@ -129,11 +135,12 @@ class Persister:
                 try:
                     while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
                         out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
-                        with self._cond:
-                            self.persisted += out.stored
-                        for form, why in out.failed.items():
+                        self._count(out.stored)
+                        for form in out.failed:
                             skip.add(form)
-                            blocked[(rt.name, form.value)] = why
+                            refused = self._trickle(rt, form)
+                            if refused is not None:
+                                blocked[(rt.name, form.value)] = refused
                         if not out.stored:
                             break
                 except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
@@ -146,6 +153,27 @@ class Persister:
                 self.blocked = blocked
                 self._completed = covering
                 self._cond.notify_all()
+
+    def _count(self, stored: int) -> None:
+        with self._cond:
+            self.persisted += stored
+
+    def _trickle(self, rt: Runtime, form: CacheForm) -> str | None:
+        """A form's batch was refused (a batch is all or nothing): store it in ever smaller batches, so a form
+        with room for a few objects (the cleaner made some) still gets them in. Why it is refused even one
+        at a time, or None."""
+        others = set(CacheForm) - {form}
+        n = PERSIST_BATCH // 2
+        why: str | None = None
+        while n:
+            out = rt.manager.persist_batch(n, skip=others)
+            self._count(out.stored)
+            why = out.failed.get(form)
+            if why is None and not out.stored:
+                return None  # nothing of the form left
+            if why is not None:
+                n //= 2
+        return why
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the outstanding passes and end the thread; False if it did not end in time."""
