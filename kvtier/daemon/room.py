@@ -12,7 +12,6 @@ import time
 
 from kvtier.core.forms import CacheForm
 from kvtier.daemon.persister import Persister
-from kvtier.daemon.runtime import Runtime
 from kvtier.store import DiskStore
 
 log = logging.getLogger(__name__)
@@ -24,9 +23,8 @@ RETRY_S = 5.0  # how often a blocked write-back is tried again without a seal or
 class RoomRequests:
     """Publishes the blocked forms' needs (only when they change) and retries blocked write-back."""
 
-    def __init__(self, store: DiskStore, runtimes: list[Runtime], persister: Persister) -> None:
+    def __init__(self, store: DiskStore, persister: Persister) -> None:
         self._store = store
-        self._runtimes = runtimes
         self._persister = persister
         self._published: dict[str, int] | None = None
         self._retry_at = 0.0
@@ -47,7 +45,7 @@ class RoomRequests:
         """Per blocked form, the bytes its waiting objects take in the store (uncompressed: an upper bound)."""
         stuck = self._persister.stuck()
         need: dict[str, int] = {}
-        for rt in self._runtimes:
+        for rt in self._persister.runtimes:  # every profile's pools, a canary's too
             for form, n in stuck.get(rt.name, {}).items():
                 if form == "*" or not n:  # "*": the write-back itself failed (a bug), not a refusal
                     continue

@@ -67,7 +67,7 @@ class DaemonProc:
         env = child_env(NOTIFY_SOCKET=notify_addr)
         if watchdog_usec is not None:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
-        self.log = open(tmp / "daemon.log", "wb")
+        self.log = open(tmp / "daemon.log", "wb")  # noqa: SIM115  (the daemon writes it until close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
             env=env,
