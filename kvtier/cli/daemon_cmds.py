@@ -169,6 +169,18 @@ def _render_pins(doc: StatsDoc, shown: int = 5) -> None:
         click.echo(f"  ... and {len(doc.pins) - shown} more (--json lists them all)")
 
 
+def _render_write_back(store: dict) -> None:
+    """One line per form whose write-back the store refuses: how many objects wait, and why."""
+    stuck = store.get("write_back_stuck", {})
+    for line in store.get("write_back_blocked", []):
+        where, _, why = line.partition(": ")
+        profile, _, form = where.partition("/")
+        n = stuck.get(profile, {}).get(form, 0)
+        click.echo(
+            f"  write-back blocked  {where}: {n} objects waiting, {store.get('failed_passes', 0)} failed passes: {why}"
+        )
+
+
 def _render_status(doc: StatsDoc) -> None:
     d = doc.daemon
     assert d is not None  # the service fills it in before answering
@@ -186,6 +198,7 @@ def _render_status(doc: StatsDoc) -> None:
             f"store      {s.get('root')}  backend {s.get('io_backend')}  used {format_bytes(s.get('used_bytes', 0))}"
             f" of {format_bytes(s.get('budget_bytes'))}  persist queue {s.get('persist_queue', 0)}"
         )
+        _render_write_back(s)
     for prof in doc.profiles:
         click.echo(
             f"profile    {prof.name}  namespace {prof.namespace}  H={prof.hash_block_tokens}  device {prof.device}"

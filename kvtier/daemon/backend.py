@@ -20,6 +20,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from kvtier.core.acks import NotDurableCause as Cause
+from kvtier.core.acks import NotDurableCount
 from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import ProfileError
@@ -32,6 +34,7 @@ from kvtier.daemon.durability import make_durable
 from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
+from kvtier.daemon.room import RoomRequests
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.staging import StagingError, copy_in, freeze
@@ -94,6 +97,7 @@ class DaemonBackend:
             self.close()
             raise
         self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
+        self.room = RoomRequests(self.store, self.persister)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -264,9 +268,9 @@ class DaemonBackend:
                 "durable offload: %d of %d objects not in the store: %s",
                 d.not_durable,
                 len(held.named),
-                "; ".join(d.reasons),
+                "; ".join(map(str, d.why)),
             )
-        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.reasons)
+        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.why)
 
     def _fill(self, held: Held, written: list[int], fds: Sequence[int]) -> list[int]:
         """The bytes each reserved object really holds. On cpu the client cannot write the pools: its bytes
@@ -299,8 +303,12 @@ class DaemonBackend:
         """Write back everything sealed; what still waits at the end is reported with why (blocked forms)."""
         done, persisted = self.persister.wait_pass(req.timeout_s)
         pending = self.persister.queued
-        reasons = self.persister.reasons() if done else [f"the write-back pass did not finish in {req.timeout_s}s"]
-        return P.FlushOk(persisted, pending, reasons if pending else [])
+        if not pending:
+            return P.FlushOk(persisted, 0)
+        if not done:
+            late = NotDurableCount(Cause.TIMED_OUT, pending, f"the write-back pass did not finish in {req.timeout_s}s")
+            return P.FlushOk(persisted, pending, [late])
+        return P.FlushOk(persisted, pending, self.persister.why_waiting())
 
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk:
         """The longest usable hit, RECOVER objects loaded; every object of it pinned (pool and disk) for ttl_s."""
@@ -375,6 +383,7 @@ class DaemonBackend:
         for held in stale:
             self._release(held)
         self.store.reader_check()
+        self.room.tick()
 
     def health(self) -> tuple[bool, str]:
         if not self.persister.alive:

@@ -167,7 +167,7 @@ class RefEngine:
             raise NotDurable(
                 f"{rep.not_durable} objects of this prefix are not in the store: {'; '.join(rep.reasons)}",
                 pending=rep.not_durable,
-                reasons=rep.reasons,
+                why=rep.why,
             )
         log.info(
             "offloaded %d tokens: %d written, %d cached already, %d refused",

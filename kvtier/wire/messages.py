@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvtier.core.acks import NotDurableCount
 from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
 from kvtier.wire.stats import NamespaceStats, StatsDoc
 
@@ -257,13 +258,14 @@ class OffloadOk(Msg, tag="offload_ok"):
 
 class SealOk(Msg, tag="seal_ok"):
     """`durable` / `not_durable` (with `durable=True` only): objects the offload named (written, skipped as
-    reserved or cached elsewhere, or refused) that are / are not committed in the store, and why not."""
+    reserved or cached elsewhere, or refused) that are / are not committed in the store; `why`: how many for
+    each typed cause (a client acts on the cause, the detail is for humans)."""
 
     sealed: int
     persisted: bool
     durable: int = 0
     not_durable: int = 0
-    reasons: list[str] = []
+    why: list[NotDurableCount] = []
 
 
 class Renewed(Msg, tag="renewed"):
@@ -271,11 +273,12 @@ class Renewed(Msg, tag="renewed"):
 
 
 class FlushOk(Msg, tag="flush_ok"):
-    """`pending`: sealed objects still not in the store when the flush ended; `reasons` why (blocked forms)."""
+    """`pending`: sealed objects still not in the store when the flush ended; `why`: per typed cause (blocked
+    forms, a pass that did not finish)."""
 
     persisted: int
     pending: int
-    reasons: list[str] = []
+    why: list[NotDurableCount] = []
 
 
 class PrewarmOk(Msg, tag="prewarm_ok"):
