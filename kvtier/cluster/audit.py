@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import random
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +32,7 @@ from kvtier.store import DiskStore
 log = logging.getLogger(__name__)
 
 BATCH = 256  # names per existence call
+ATTEMPTS = 3  # gets per sampled object before its verdict is "error" / "unavailable"
 # Sampled verdicts that mean the bytes under a kvtier key are not what a kvtier writer put there.
 CORRUPT = frozenset(v.value for v in H.Verdict) - {H.Verdict.OK.value}
 
@@ -51,7 +52,7 @@ class ClusterAuditReport:
     other_keys: int  # keys not under this node's key_prefix (other users of a shared cluster, other prefixes)
     sampled: int
     verdicts: dict[str, int]  # per sampled object: a header verdict (ok, garbage, ...), missing (gone since
-    # listed), too_big (over staging_bytes), error (the cluster's error code)
+    # listed), too_big (over staging_bytes), error / unavailable (no object after ATTEMPTS gets)
 
     @property
     def problems(self) -> bool:
@@ -133,15 +134,29 @@ def _written_through(cfg: ClusterConfig, store: DiskStore) -> Iterator[list[Obje
 
 def _deep_check(client: MooncakeClient, cfg: ClusterConfig, keys: list[ObjectKey]) -> dict[str, int]:
     """Fetch each key's object (at most staging_bytes) and verify it; verdict counts."""
-    verdicts: collections.Counter[str] = collections.Counter()
+    return dict(collections.Counter(_verdict(client, cfg, key) for key in keys))
 
-    def sink(key: ObjectKey, _i: int, got: memoryview | int) -> None:
-        if isinstance(got, int):
-            bad = "missing" if got == NOT_FOUND else "too_big" if got in (BUFFER_TOO_SMALL, TOO_LARGE) else "error"
-            verdicts[bad] += 1
+
+def _verdict(client: MooncakeClient, cfg: ClusterConfig, key: ObjectKey) -> str:
+    """One object's verdict. A get that failed (an error code, no answer in time, or the breaker's wait after
+    another failure: a get outliving the master's kv lease fails) is tried again, ATTEMPTS times in all."""
+    got: list[str] = []
+
+    def sink(_i: int, data: memoryview | int) -> None:
+        if isinstance(data, int):
+            got.append(
+                "missing" if data == NOT_FOUND else "too_big" if data in (BUFFER_TOO_SMALL, TOO_LARGE) else "error"
+            )
         else:
-            verdicts[H.verify_stored(got, key).value] += 1
+            got.append(H.verify_stored(data, key).value)
 
-    for key in keys:  # one get each: an object of unknown size takes the whole staging buffer
-        client.get([H.object_name(cfg.key_prefix, key)], [cfg.staging_bytes], functools.partial(sink, key))
-    return dict(verdicts)
+    for _ in range(ATTEMPTS):
+        got.clear()
+        try:  # one get each: an object of unknown size takes the whole staging buffer
+            client.get([H.object_name(cfg.key_prefix, key)], [cfg.staging_bytes], sink)
+        except ClusterUnavailable:
+            got.append("unavailable")
+        if got[0] not in ("error", "unavailable"):
+            break
+        time.sleep(cfg.retry_s)  # the breaker lets a call through again after retry_s
+    return got[0]
