@@ -135,8 +135,9 @@ class Recovery:
                     if c.topology_epoch != epoch:
                         raise StaleHandle("the pools were resized during recovery; look the prefix up again")
                     # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
-                    for load, answer in zip(batch, answers):
-                        self._finish(lease, load, answer)
+                    ok = [load for load, answer in zip(batch, answers) if not self._finish(lease, load, answer)]
+                    now = time.monotonic()
+                    c.counters.recovered([c.gform[load.group] for load in ok], [now - load.started for load in ok])
                     c.cond.notify_all()
         for g, b in waiting:
             self._await(lease, g, b, deadline, epoch)
@@ -215,24 +216,22 @@ class Recovery:
             return [Reason.CORRUPT] * len(requests)
         return [Reason(a) for a in answers]
 
-    def _finish(self, lease: LeaseSet, load: PendingLoad, answer: Reason) -> None:
+    def _finish(self, lease: LeaseSet, load: PendingLoad, answer: Reason) -> bool:
         """RECOVERING -> SEALED after a verified load (layer 1: the tier filled the whole slot from a
         complete record; layer 2: the record's layout digest is the live one; layer 4: checked at claim),
-        else -> FREE and the object is recomputed."""
+        else -> FREE and the object is recomputed (True: it failed; the caller counts the good ones)."""
         c = self._c
         t = c.table
-        form = c.gform[load.group]
         if answer == _OK:
             t.seal(load.slot, c.ns_id, recoverable=True)
-            c.counters.event("recovers_ok", form)
-            c.counters.recovery_latency(form, time.monotonic() - load.started)
             if lease.live:
                 self._adopt(lease, load.group, load.block)
-        else:
-            t.move(load.slot, _FREE)
-            c.space.free(load.slot, Reason.MISSING)
-            c.counters.event("recovers_failed", form)
-            _fail(lease, load.group, load.block, answer)
+            return False
+        t.move(load.slot, _FREE)
+        c.space.free(load.slot, Reason.MISSING)
+        c.counters.event("recovers_failed", c.gform[load.group])
+        _fail(lease, load.group, load.block, answer)
+        return True
 
     def _adopt(self, lease: LeaseSet, g: int, b: int) -> None:
         lease.gens[g, b] = self._c.table.e_gen[g, lease.rows[b]]
