@@ -3,12 +3,13 @@
 Run in the vLLM venv (tests/vllm/run.sh --prepare builds it):
     bench/.venv-vllm/bin/python bench/vllm_dsv4.py [--tokens 131072] [--rows 64]
 Prints one JSON object. The groups are the five vLLM 0.32 forms for a DSV4 checkpoint (tests/support/vllm_dsv4.py);
-lookups follow the connector's scans on a fresh tier (nothing in memory): a prefix over the history group,
-then from the end a whole window over each state group; wall time (fastest and median of --repeats) and the
-scanning thread's CPU time, which a busy machine disturbs less. Throughput: one store job and one load job
-of --rows rows of vLLM's packed DSV4 block (1,002,240 B; 1,003,520 B aligned, as vLLM's CPU tier holds it)
-through kvtier (store opened in-process, fdatasync per job) and through vLLM's own `fs` tier (a file per
-chunk, O_DIRECT, no fsync) on the same rows, with the ratios.
+lookups follow the connector's scans on a fresh tier (its key set just read from the store, no answer cached
+for the request): a prefix over the history group, then from the end a whole window over each state group;
+wall time and the scanning thread's CPU time (fastest and median of --repeats; CPU time is what a busy machine
+disturbs less), and how long the tier took at start to read the namespace's keys into memory.
+Throughput: one store job and one load job of --rows rows of vLLM's packed DSV4 block (1,002,240 B; 1,003,520 B
+aligned, as vLLM's CPU tier holds it) through kvtier (store opened in-process, fdatasync per job) and through
+vLLM's own `fs` tier (a file per chunk, O_DIRECT, no fsync) on the same rows, with the ratios.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def fs_tier(config, primary: np.ndarray, root: Path):
 
 
 def lookups(small, work: Path, tokens: int, repeats: int) -> dict:
-    """The connector's scans of one request on fresh tiers (nothing in memory): fastest and median of `repeats`."""
+    """The connector's scans of one request on fresh tiers: fastest and median of `repeats`."""
     primary = np.random.default_rng(0).integers(0, 256, (1024, 4096), dtype=np.uint8)
     writer = tier(small, primary, work / "lookups")
     prompt = block_hashes(1, tokens // 4)
@@ -67,9 +68,10 @@ def lookups(small, work: Path, tokens: int, repeats: int) -> dict:
         batch = keys[i : i + 256]
         assert run_job(writer, batch, list(range(len(batch))), req.ctx, load=False).success
     writer.shutdown()
-    wall, cpu, asked = [], [], 0
+    wall, cpu, load, asked = [], [], [], 0
     for r in range(repeats):
         fresh = tier(small, primary, work / "lookups")
+        load.append(fresh._keys.load_s)
         again = ChunkKeys(small, prompt, f"repeat{r}")
         calls = 0
 
@@ -92,6 +94,9 @@ def lookups(small, work: Path, tokens: int, repeats: int) -> dict:
         "lookup_total_ms_min": round(min(wall) * 1e3, 3),
         "lookup_total_ms_median": round(statistics.median(wall) * 1e3, 3),
         "lookup_cpu_ms_min": round(min(cpu) * 1e3, 3),
+        "lookup_cpu_ms_median": round(statistics.median(cpu) * 1e3, 3),
+        "records_in_memory": len(fresh._keys),
+        "key_set_load_ms_median": round(statistics.median(load) * 1e3, 3),
         "lookups_per_s": round(asked / min(wall)),
     }
 

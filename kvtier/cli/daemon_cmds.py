@@ -16,6 +16,8 @@ import tomli_w
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
 from kvtier.cli.manifest import read_manifest
+from kvtier.cli.namespace_table import namespace_lines
+from kvtier.cli.reach import daemon_exits
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import DaemonConfig, load_config
 from kvtier.core.errors import ConfigError, KvtierError, ProfileError
@@ -23,7 +25,7 @@ from kvtier.core.hashing import block_hashes
 from kvtier.core.profile import load_profile
 from kvtier.core.units import format_bytes, size_setting
 from kvtier.wire import OperatorConnection
-from kvtier.wire.errors import DaemonBusy, DaemonTimeout, DaemonUnavailable, PermissionDenied
+from kvtier.wire.errors import DaemonBusy, DaemonUnavailable, PermissionDenied
 from kvtier.wire.messages import AttachOk
 from kvtier.wire.stats import StatsDoc
 
@@ -167,6 +169,18 @@ def _render_pins(doc: StatsDoc, shown: int = 5) -> None:
         click.echo(f"  ... and {len(doc.pins) - shown} more (--json lists them all)")
 
 
+def _render_write_back(store: dict) -> None:
+    """One line per form whose write-back the store refuses: how many objects wait, and why."""
+    stuck = store.get("write_back_stuck", {})
+    for line in store.get("write_back_blocked", []):
+        where, _, why = line.partition(": ")
+        profile, _, form = where.partition("/")
+        n = stuck.get(profile, {}).get(form, 0)
+        click.echo(
+            f"  write-back blocked  {where}: {n} objects waiting, {store.get('failed_passes', 0)} failed passes: {why}"
+        )
+
+
 def _render_status(doc: StatsDoc) -> None:
     d = doc.daemon
     assert d is not None  # the service fills it in before answering
@@ -184,6 +198,7 @@ def _render_status(doc: StatsDoc) -> None:
             f"store      {s.get('root')}  backend {s.get('io_backend')}  used {format_bytes(s.get('used_bytes', 0))}"
             f" of {format_bytes(s.get('budget_bytes'))}  persist queue {s.get('persist_queue', 0)}"
         )
+        _render_write_back(s)
     for prof in doc.profiles:
         click.echo(
             f"profile    {prof.name}  namespace {prof.namespace}  H={prof.hash_block_tokens}  device {prof.device}"
@@ -202,6 +217,10 @@ def _render_status(doc: StatsDoc) -> None:
             click.echo(f"{form:<11} {f.lookups:>9} {reuse:>7} {recover:>7} {recompute:>9}")
     for line in cluster_lines(doc.cluster):
         click.echo(line)
+    if doc.namespaces:
+        click.echo("")
+        for line in namespace_lines(doc.namespaces):
+            click.echo(line)
 
 
 @click.command()
@@ -217,15 +236,8 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
     path = socket_path_of(config_path, socket_path)
-    try:
-        with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
-            doc = conn.stats()
-    except (PermissionDenied, DaemonBusy, DaemonTimeout) as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(exits.NOT_ANSWERING)
-    except DaemonUnavailable as exc:
-        click.echo(f"kvtier: {exc}", err=True)
-        sys.exit(exits.NO_DAEMON)
+    with daemon_exits(), Connection(path, timeout_s=10.0, name="kvtier status") as conn:
+        doc = conn.stats()
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:

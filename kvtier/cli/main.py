@@ -21,6 +21,7 @@ from kvtier.cli.audit_cmd import audit
 from kvtier.cli.daemon_cmds import config, prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
 from kvtier.cli.explain_cmd import explain
+from kvtier.cli.namespace_cmd import namespace
 from kvtier.cli.profile_cmd import profile
 from kvtier.cli.store_cmd import store
 from kvtier.cli.verifier_cmd import verifier
@@ -45,6 +46,7 @@ cli.add_command(config)
 cli.add_command(prewarm)
 cli.add_command(verifier)
 cli.add_command(audit)
+cli.add_command(namespace)
 cli.add_command(explain)
 
 

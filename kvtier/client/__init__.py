@@ -12,6 +12,7 @@ from kvtier.client.client import (
 )
 from kvtier.client.errors import TierFull
 from kvtier.client.tier import TierClient
+from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.wire import (
     BadRange,
@@ -36,6 +37,8 @@ __all__ = [
     "LoadReport",
     "LookupResult",
     "NotDurable",
+    "NotDurableCause",
+    "NotDurableCount",
     "OffloadReport",
     "OutOfOrder",
     "PermissionDenied",

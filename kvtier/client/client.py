@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvtier.client.pools import MappedPool, map_generations, map_pool
+from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.core.forms import CacheForm, Route
@@ -38,7 +39,6 @@ from kvtier.wire import errors as E
 from kvtier.wire import messages as P
 
 log = logging.getLogger(__name__)
-ABANDONED = "reservation was abandoned"  # in a not-durable reason: nobody will write it unless we do
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +104,12 @@ class OffloadReport:
     persisted: bool  # durable=True: every object the call named is committed in the store
     durable: int = 0  # durable=True: named objects committed in the store (written here or by others)
     not_durable: int = 0  # durable=True: named objects not in the store, never acknowledged
-    reasons: tuple[str, ...] = ()  # why they are not
+    why: tuple[NotDurableCount, ...] = ()  # how many for each typed cause
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Why objects are not durable, for humans (act on `why`'s causes)."""
+        return tuple(map(str, self.why))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -356,14 +361,19 @@ class Client(Connection):
         return pool.generation(slot) == gen
 
     def release(self, result: LookupResult) -> int:
-        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released."""
+        """Give the lookup's leases back (idempotent); returns 1 if this call released them, 0 if already released
+        (here, with its connection, or by the daemon when the lease expired)."""
         result = _lookup_result(result, "release")
         if result.released:
             return 0
         if result.epoch != self.epoch:  # its connection is gone, and the daemon released everything it held
             result.released = True
             return 0
-        reply: P.Released = self._call(P.Release(result.lookup_id), epoch=result.epoch)
+        try:
+            reply: P.Released = self._call(P.Release(result.lookup_id), epoch=result.epoch)
+        except E.OutOfOrder:  # the daemon holds no such lookup any more: its lease expired (renewals stopped)
+            result.released = True
+            return 0
         result.released = True
         return reply.released
 
@@ -380,7 +390,7 @@ class Client(Connection):
         abandoned (it died mid-copy) are offloaded once more from `caches`.
         """
         report = self._offload_once(tokens, caches, durable)
-        if durable and any(ABANDONED in r for r in report.reasons):
+        if durable and any(w.cause is NotDurableCause.ABANDONED for w in report.why):
             again = self._offload_once(tokens, caches, durable)
             report = dataclasses.replace(again, written=report.written + again.written, skipped=report.skipped)
         return report
@@ -458,7 +468,7 @@ class Client(Connection):
             sealed.persisted,
             sealed.durable,
             sealed.not_durable,
-            tuple(sealed.reasons),
+            tuple(sealed.why),
         )
 
     def prewarm(
@@ -480,11 +490,10 @@ class Client(Connection):
         """Wait until every sealed object is committed to the store; returns how many were persisted meanwhile."""
         reply: P.FlushOk = self._call(P.Flush(timeout_s))
         if reply.pending:
-            why = "; ".join(reply.reasons) or f"still waiting after {timeout_s}s"
             raise NotDurable(
-                f"{reply.pending} sealed objects are not in the store: {why}",
+                f"{reply.pending} sealed objects are not in the store: {'; '.join(map(str, reply.why))}",
                 pending=reply.pending,
-                reasons=tuple(reply.reasons),
+                why=tuple(reply.why),
             )
         return reply.persisted
 

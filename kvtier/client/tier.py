@@ -21,7 +21,7 @@ import torch
 
 from kvtier.client.errors import TierFull
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.wire import Connection
 from kvtier.wire import errors as E
@@ -115,6 +115,14 @@ class TierClient(Connection):
             raise E.WrongType("has(): keys and layout_digests differ in length: pass one digest per key")
         reply: P.TierReasons = self._call(P.TierHas([self.item(k, d) for k, d in zip(keys, layout_digests)]))
         return [Reason(r) for r in reply.reasons]
+
+    def live_keys(self, after: bytes = b"", limit: int = 4096) -> KeyPage:
+        """A page of the namespace's live keys (as `DiskStore.live_keys` answers, in this connection's groups)."""
+        reply: P.TierKeyPage = self._call(P.TierKeys(after, limit))
+        names = list(self._groups)
+        hashes = reply.hashes
+        keys = [(hashes[16 * i : 16 * i + 16], names[g]) for i, g in enumerate(reply.groups)]
+        return KeyPage(keys, reply.cursor, reply.txn)
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
         """Fill each `out` with its verified payload; an `out` whose reason is not OK is left untouched."""

@@ -124,6 +124,8 @@ class DaemonConfig:
     durable_wait_s: float = 30.0  # how long a durable offload waits for objects other connections are writing
     # per profile, version-key fields laid over the profile's own (weights_digest, kernel_abi, ...): a rollout
     versions: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    # per profile, the version-key fields of a canary served beside the live version (`<profile>@canary`)
+    canary: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # off (single node) unless a `[cluster]` table enables it
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     source: str = "embedded default"
@@ -216,7 +218,7 @@ def load_config(
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """What SIGHUP changes at run time: the store's byte budget and per-form quotas, the verifier's rates, and
-    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired).
+    the profiles' version keys (`versions`: a new namespace goes live, the old one is retired; `canary`).
 
     Everything else (pools, device, profiles, socket, lease TTL, recovering cap) takes a restart.
     """
@@ -231,6 +233,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
         versions=new.versions,
+        canary=new.canary,
     )
 
 
@@ -374,7 +377,7 @@ VERSION_FIELDS = ("weights_digest", "kernel_abi", "compression_version", "indexe
 
 
 def _versions(reader: _Reader, profiles: tuple[str, ...]) -> dict[str, dict[str, str]]:
-    """`[versions.<profile>]`: version-key fields that override the profile's (a new namespace for it)."""
+    """`[versions.<profile>]` / `[canary.<profile>]`: version-key fields that override the profile's own."""
     out: dict[str, dict[str, str]] = {}
     for name in list(reader.table):
         if name not in profiles:
@@ -477,6 +480,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         shutdown_timeout_s=float(top.number("shutdown_timeout_s", base.shutdown_timeout_s)),
         durable_wait_s=float(top.number("durable_wait_s", base.durable_wait_s)),
         versions=_versions(top.sub("versions"), tuple(profiles)),
+        canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),
         source=source,
     )

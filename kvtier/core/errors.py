@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.core.acks import NotDurableCount
+
 
 class KvtierError(Exception):
     """Base of every error kvtier raises on purpose; the message says what to do."""
@@ -64,11 +69,12 @@ class StaleHandle(KvtierError):
 
 class NotDurable(KvtierError):
     """Objects an acknowledgement would cover are not committed to the store; `pending` counts them and
-    `reasons` says why (quota, budget, store error, timed out)."""
+    `why` says how many for each typed cause (quota, budget, store error, timed out); `reasons` is its text."""
 
     code = "not_durable"
 
-    def __init__(self, message: str, *, pending: int = 0, reasons: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, *, pending: int = 0, why: tuple[NotDurableCount, ...] = ()) -> None:
         self.pending = pending
-        self.reasons = reasons
+        self.why = why
+        self.reasons = tuple(map(str, why))
         super().__init__(message)

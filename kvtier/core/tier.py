@@ -45,6 +45,15 @@ class LoadRequest:
     layout_digest: bytes
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyPage:
+    """One page of the live records of a namespace, as an engine tier keeps them in memory to answer lookups."""
+
+    keys: list[tuple[bytes, str]]  # (block hash, group) of each live record, in index order
+    cursor: bytes  # `after` for the next page (opaque); b"" once the namespace's records are done
+    txn: int  # the index snapshot it was read from (LMDB's txn id): the same id again means nothing changed
+
+
 @runtime_checkable
 class LowerTier(Protocol):
     """has / load_into / store(_many) / pin / remove, answering with the check vector's reasons."""

@@ -20,18 +20,21 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from kvtier.core.acks import NotDurableCause as Cause
+from kvtier.core.acks import NotDurableCount
 from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
-from kvtier.core.profile import load_profile
+from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.durability import make_durable
 from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
-from kvtier.daemon.namespaces import apply_versions, stale_reply
+from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
+from kvtier.daemon.room import RoomRequests
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.staging import StagingError, copy_in, freeze
@@ -87,21 +90,14 @@ class DaemonBackend:
                     raise ProfileError(f"profile {profile.name!r} is listed twice", field="profiles")
                 codecs = {g.form: cfg.store.codec for g in profile.groups} if cfg.store.codec != "none" else None
                 self.store.register_namespace(profile.version, codecs=codecs)
-                manager = CacheManager(
-                    profile,
-                    budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
-                    device=self.device,
-                    lower=self.lower,
-                    admission=admission_config(cfg),
-                    lease_ttl_s=cfg.lease_ttl_s,
-                )
-                sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
-                self.runtimes[profile.name] = Runtime(profile.name, profile, manager, sizes)
+                self.runtimes[profile.name] = self._new_pools(profile)
+            self.rollout = Rollout(self.store, cfg.store.codec, self.runtimes, self._new_pools)
+            self.rollout.apply(cfg)
         except BaseException:
             self.close()
             raise
-        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
-        self.persister = Persister(list(self.runtimes.values()), cfg.persist_queue_depth)
+        self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
+        self.room = RoomRequests(self.store, self.persister)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -118,11 +114,25 @@ class DaemonBackend:
             io_threads=cfg.store.io_threads,
         )
 
+    def _new_pools(self, profile: ModelProfile) -> Runtime:
+        """A pool set for `profile` (its live version's at start; a canary's when the first one starts)."""
+        cfg = self.cfg
+        manager = CacheManager(
+            profile,
+            budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
+            device=self.device,
+            lower=self.lower,
+            admission=admission_config(cfg),
+            lease_ttl_s=cfg.lease_ttl_s,
+        )
+        sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
+        return Runtime(profile.name, profile, manager, sizes)
+
     # -- handles ------------------------------------------------------------------------------------
 
     def _runtime(self, session: Session) -> Runtime:
-        assert session.attached is not None
-        return self.runtimes[session.attached]
+        assert session.runtime is not None
+        return session.runtime
 
     def _add(self, held: Held) -> int:
         with self._lock:
@@ -147,11 +157,8 @@ class DaemonBackend:
     # -- ops ----------------------------------------------------------------------------------------
 
     def attach(self, session: Session, req: P.Attach) -> tuple[P.AttachOk, list[int]]:
-        rt = self.runtimes.get(req.profile)
-        if rt is None:
-            raise ProfileError(
-                f"this daemon serves {sorted(self.runtimes)}, not {req.profile!r}; add it to `profiles` in the config"
-            )
+        rt = self.rollout.runtime_for(req.profile)
+        session.runtime = rt
         infos, fds = rt.pool_infos()
         ok = P.AttachOk(
             rt.name, rt.manager.namespace, rt.profile.hash_block_tokens, self.device, self.cfg.lease_ttl_s, infos
@@ -261,9 +268,9 @@ class DaemonBackend:
                 "durable offload: %d of %d objects not in the store: %s",
                 d.not_durable,
                 len(held.named),
-                "; ".join(d.reasons),
+                "; ".join(map(str, d.why)),
             )
-        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.reasons)
+        return P.SealOk(sealed, d.not_durable == 0, d.durable, d.not_durable, d.why)
 
     def _fill(self, held: Held, written: list[int], fds: Sequence[int]) -> list[int]:
         """The bytes each reserved object really holds. On cpu the client cannot write the pools: its bytes
@@ -296,8 +303,12 @@ class DaemonBackend:
         """Write back everything sealed; what still waits at the end is reported with why (blocked forms)."""
         done, persisted = self.persister.wait_pass(req.timeout_s)
         pending = self.persister.queued
-        reasons = self.persister.reasons() if done else [f"the write-back pass did not finish in {req.timeout_s}s"]
-        return P.FlushOk(persisted, pending, reasons if pending else [])
+        if not pending:
+            return P.FlushOk(persisted, 0)
+        if not done:
+            late = NotDurableCount(Cause.TIMED_OUT, pending, f"the write-back pass did not finish in {req.timeout_s}s")
+            return P.FlushOk(persisted, pending, [late])
+        return P.FlushOk(persisted, pending, self.persister.why_waiting())
 
     def prewarm(self, session: Session, req: P.Prewarm) -> P.PrewarmOk:
         """The longest usable hit, RECOVER objects loaded; every object of it pinned (pool and disk) for ttl_s."""
@@ -337,7 +348,11 @@ class DaemonBackend:
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
         """The answer for a connection attached to a namespace retired since (None while it is live)."""
         rt = self._runtime(session)
-        return None if session.namespace == rt.manager.namespace else stale_reply(rt, req)
+        return None if self.rollout.serving(rt, session.namespace) else stale_reply(rt, req)
+
+    def namespaces(self, session: Session, req: P.Msg) -> P.NamespacesOk:
+        """List the namespaces, or retire one, or promote a profile's canary (`kvtier namespace`)."""
+        return self.rollout.request(req)
 
     def release_owner(self, owner: int) -> int:
         with self._lock:
@@ -345,7 +360,7 @@ class DaemonBackend:
             for i in mine:
                 del self._held[i]
         self.tier.release_owner(owner)
-        return sum(rt.manager.release_owner(owner) for rt in self.runtimes.values())
+        return sum(rt.manager.release_owner(owner) for rt in self.rollout.runtimes())
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -368,6 +383,7 @@ class DaemonBackend:
         for held in stale:
             self._release(held)
         self.store.reader_check()
+        self.room.tick()
 
     def health(self) -> tuple[bool, str]:
         if not self.persister.alive:
@@ -390,7 +406,7 @@ class DaemonBackend:
         """Apply a new store budget and per-form quotas."""
         new = self._store_config(cfg)
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
-        apply_versions(self.store, self.runtimes, cfg.versions, cfg.store.codec)
+        self.rollout.apply(cfg, before=self.cfg)
         self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
@@ -411,13 +427,14 @@ class DaemonBackend:
                 return False
 
     def close(self) -> None:
-        if self._closed:
+        if getattr(self, "_closed", False):  # also called by a constructor that failed half way
             return
         self._closed = True
         persister = getattr(self, "persister", None)
         if persister is not None:
             persister.stop(self.cfg.shutdown_timeout_s)
-        for rt in getattr(self, "runtimes", {}).values():
+        rollout = getattr(self, "rollout", None)  # absent when a profile failed to load
+        for rt in rollout.all if rollout is not None else getattr(self, "runtimes", {}).values():
             rt.manager.close()
         close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         self.store.close()
@@ -427,9 +444,10 @@ class DaemonBackend:
         with self._lock:
             now = time.monotonic()
             pins = [PinStats(rt.name, len(keys), max(0.0, exp - now)) for exp, _, rt, keys in sorted(self._pins)]
-        doc = backend_stats(self.runtimes.values(), self.store, self.persister, len(pins))
+        doc = backend_stats(self.rollout.runtimes(), self.store, self.persister, len(pins))
         doc.pins = pins
         doc.cluster = cluster_doc(self.lower)
+        doc.namespaces = self.rollout.namespace_stats()
         return doc
 
 

@@ -3,7 +3,7 @@
 The objects an offload names include those it did not write itself: ones another connection had reserved
 (and may never seal: killed mid-copy), ones already cached, ones refused a slot. Each is checked in the
 store's index after a write-back pass; objects still being written elsewhere are waited for, up to a bound;
-whatever is not committed at the end is counted `not_durable`, with the reason, never acknowledged.
+whatever is not committed at the end is counted `not_durable`, with its typed cause, never acknowledged.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtier.core.acks import NotDurableCause as Cause
+from kvtier.core.acks import NotDurableCount
 from kvtier.core.forms import Reason
 from kvtier.core.tier import ObjectKey
 from kvtier.daemon.persister import Persister
@@ -28,7 +30,7 @@ POLL_S = 0.05  # how often a durable offload re-checks objects another connectio
 class Durability:
     durable: int
     not_durable: int
-    reasons: list[str]
+    why: list[NotDurableCount]
 
 
 def make_durable(
@@ -50,29 +52,35 @@ def make_durable(
         answers = store.has(keys, digests)
         missing = [i for i, a in enumerate(answers) if a != Reason.OK]
         states = manager.residence([keys[i] for i in missing])
-        why: collections.Counter[str] = collections.Counter()
+        why: collections.Counter[tuple[Cause, str]] = collections.Counter()
         waiting = False
         for i, state in zip(missing, states):
-            reason, final = _why(i, state, keys[i], refused, persister, rt.name)
-            why[reason] += 1
-            waiting = waiting or not final
+            cause, detail = _why(i, state, keys[i], refused, persister, rt.name)
+            why[(cause, detail)] += 1
+            waiting = waiting or cause in _NOT_FINAL
         if not missing or not waiting or not done or time.monotonic() >= deadline:
-            reasons = [f"{n} objects: {reason}" for reason, n in sorted(why.items())]
-            return Durability(len(keys) - len(missing), len(missing), reasons)
+            counts = [NotDurableCount(cause, n, detail) for (cause, detail), n in sorted(why.items())]
+            return Durability(len(keys) - len(missing), len(missing), counts)
         pause.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+_NOT_FINAL = (Cause.RESERVED_ELSEWHERE, Cause.WRITE_BACK_PENDING)  # may still change before the deadline
 
 
 def _why(
     i: int, state: BlockState | None, key: ObjectKey, refused: frozenset[int], persister: Persister, profile: str
-) -> tuple[str, bool]:
-    """Why object i is not in the store, and whether that is final for this request."""
+) -> tuple[Cause, str]:
+    """Why object i is not in the store (typed cause, and the detail for humans)."""
     if state is BlockState.WRITING:
-        return "reserved by another connection and not sealed in time", False
+        return Cause.RESERVED_ELSEWHERE, "reserved by another connection and not sealed in time"
     if state in (BlockState.SEALED, BlockState.RECOVERING):
         blocked = persister.blocked.get((profile, key.form.value)) or persister.blocked.get((profile, "*"))
         if blocked is not None:
-            return f"the store refuses {key.form.value} objects ({blocked})", True
-        return "waiting for write-back at the deadline", False
+            return Cause.STORE_REFUSED, f"the store refuses {key.form.value} objects ({blocked})"
+        return Cause.WRITE_BACK_PENDING, "waiting for write-back at the deadline"
     if i in refused:
-        return "refused a pool slot (admission) and not in the store", True
-    return "not cached: another connection's reservation was abandoned, or it was evicted before the store commit", True
+        return Cause.ADMISSION, "refused a pool slot (admission) and not in the store"
+    return (
+        Cause.ABANDONED,
+        "not cached: another connection's reservation was abandoned, or it was evicted before the store commit",
+    )

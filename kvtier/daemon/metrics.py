@@ -39,6 +39,7 @@ class BackendCollector(Collector):
         yield from _form_families(doc)
         yield from _pool_families(doc)
         yield from _store_families(doc)
+        yield from _write_back_families(doc)
         yield from _daemon_families(doc)
         yield from cluster_families(doc.cluster)
 
@@ -105,6 +106,29 @@ def _store_families(doc: StatsDoc) -> Iterator[Metric]:
     restarts = CounterMetricFamily("kvtier_verifier_restarts", "Times the supervised verifier was restarted")
     restarts.add_metric([], doc.verifier.restarts)
     yield from (by_state, budget, queue, pins, actions, restarts)
+
+
+def _write_back_families(doc: StatsDoc) -> Iterator[Metric]:
+    """The write-back per form: what waits, what is stuck behind a refusal (quota, budget, disk error)."""
+    labels = ["profile", "form"]
+    backlog = GaugeMetricFamily(
+        "kvtier_write_back_backlog_objects", "Sealed objects not yet in the store, by form", labels=labels
+    )
+    stuck = GaugeMetricFamily(
+        "kvtier_write_back_stuck_objects", "Sealed objects of a form the store refused last pass", labels=labels
+    )
+    waiting: dict[str, dict[str, int]] = doc.store.get("write_back_backlog", {})
+    refused: dict[str, dict[str, int]] = doc.store.get("write_back_stuck", {})
+    for profile in sorted({*waiting, *refused}):
+        forms = {*waiting.get(profile, {}), *refused.get(profile, {})}
+        for form in sorted(forms):
+            backlog.add_metric([profile, form], waiting.get(profile, {}).get(form, 0))
+            stuck.add_metric([profile, form], refused.get(profile, {}).get(form, 0))
+    failed = CounterMetricFamily(
+        "kvtier_write_back_failed_passes", "Write-back passes in which the store refused a form"
+    )
+    failed.add_metric([], int(doc.store.get("failed_passes", 0)))
+    yield from (backlog, stuck, failed)
 
 
 def _daemon_families(doc: StatsDoc) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.forms import CacheForm
 from kvtier.daemon.runtime import Runtime
 
@@ -58,6 +59,28 @@ class Persister:
         """Why objects wait: one line per blocked (profile, form)."""
         return [f"{profile}/{form}: {why}" for (profile, form), why in sorted(self.blocked.items())]
 
+    def stuck(self) -> dict[str, dict[str, int]]:
+        """Per profile and blocked form, the sealed objects the store refused last pass (they wait for room)."""
+        backlog = self.backlog()
+        out: dict[str, dict[str, int]] = {}
+        for profile, form in sorted(self.blocked):
+            per_form = backlog.get(profile, {})
+            out.setdefault(profile, {})[form] = sum(per_form.values()) if form == "*" else per_form.get(form, 0)
+        return out
+
+    def why_waiting(self) -> list[NotDurableCount]:
+        """The write-back queue by typed cause: each blocked (profile, form) with its stuck objects, then
+        whatever waits only for the next pass."""
+        out = [
+            NotDurableCount(NotDurableCause.STORE_REFUSED, n, f"{profile}/{form}: {self.blocked[(profile, form)]}")
+            for profile, per_form in self.stuck().items()
+            for form, n in per_form.items()
+        ]
+        rest = self.queued - sum(c.objects for c in out)
+        if rest > 0:
+            out.append(NotDurableCount(NotDurableCause.WRITE_BACK_PENDING, rest, "sealed after the last pass began"))
+        return out
+
     def sealed(self, n: int, timeout_s: float) -> None:
         """Note n newly sealed objects; wait (up to timeout_s) while the queue is over its depth."""
         deadline = time.monotonic() + timeout_s
@@ -73,6 +96,12 @@ class Persister:
                     )
                     return
                 self._cond.wait(remaining)
+
+    def request(self) -> None:
+        """Ask for a pass without waiting for it (a retry of blocked write-back)."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
 
     def wait_pass(self, timeout_s: float) -> tuple[bool, int]:
         """Block until a pass begun after this call completes; (done, objects persisted meanwhile)."""
@@ -106,11 +135,12 @@ class Persister:
                 try:
                     while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
                         out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
-                        with self._cond:
-                            self.persisted += out.stored
-                        for form, why in out.failed.items():
+                        self._count(out.stored)
+                        for form in out.failed:
                             skip.add(form)
-                            blocked[(rt.name, form.value)] = why
+                            refused = self._trickle(rt, form)
+                            if refused is not None:
+                                blocked[(rt.name, form.value)] = refused
                         if not out.stored:
                             break
                 except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
@@ -123,6 +153,27 @@ class Persister:
                 self.blocked = blocked
                 self._completed = covering
                 self._cond.notify_all()
+
+    def _count(self, stored: int) -> None:
+        with self._cond:
+            self.persisted += stored
+
+    def _trickle(self, rt: Runtime, form: CacheForm) -> str | None:
+        """A form's batch was refused (a batch is all or nothing): store it in ever smaller batches, so a form
+        with room for a few objects (the cleaner made some) still gets them in. Why it is refused even one
+        at a time, or None."""
+        others = set(CacheForm) - {form}
+        n = PERSIST_BATCH // 2
+        why: str | None = None
+        while n:
+            out = rt.manager.persist_batch(n, skip=others)
+            self._count(out.stored)
+            why = out.failed.get(form)
+            if why is None and not out.stored:
+                return None  # nothing of the form left
+            if why is not None:
+                n //= 2
+        return why
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the outstanding passes and end the thread; False if it did not end in time."""

@@ -154,6 +154,7 @@ class SocketServer:
         }
         self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
             P.TierHas: backend.tier.has,
+            P.TierKeys: backend.tier.keys,
             P.TierStore: backend.tier.store_many,
             P.TierLoad: backend.tier.load,
         }
@@ -356,6 +357,8 @@ class SocketServer:
             return P.StatsOk(self.stats_doc()), []
         if isinstance(req, P.Flush):
             return self.backend.flush(session, req), []
+        if isinstance(req, (P.Namespaces, P.NamespaceRetire, P.NamespacePromote)):
+            return self.backend.namespaces(session, req), []
         if isinstance(req, P.TierOpen):
             if session.tier_open:
                 raise OutOfOrder(

@@ -49,6 +49,8 @@ def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Pers
     doc["persisted"] = persister.persisted
     doc["failed_passes"] = persister.failed_passes  # write-back passes in which the store refused a form
     doc["write_back_blocked"] = persister.reasons()  # "<profile>/<form>: why", one per blocked form
+    doc["write_back_backlog"] = persister.backlog()  # profile -> form -> sealed objects not yet in the store
+    doc["write_back_stuck"] = persister.stuck()  # profile -> blocked form -> objects the store refused
     published = VerifierReport(**verifier_status(store))  # what the verifier last published in the index
     return StatsDoc(profiles=profiles, forms=forms, store=doc, prewarm_pins=prewarm_pins, verifier=published)
 

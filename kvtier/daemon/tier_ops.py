@@ -21,11 +21,12 @@ from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.daemon.session import Session
-from kvtier.store import DiskStore, StoreFull
+from kvtier.store import DiskStore, StoreFull, StoreRequestError
 from kvtier.wire import messages as P
 from kvtier.wire.errors import BadRange, WrongType
 
 log = logging.getLogger(__name__)
+MAX_KEY_PAGE = 1 << 16  # keys per tier_keys reply (~1.1 MB)
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,6 +153,19 @@ class TierOps:
     def has(self, session: Session, req: P.TierHas) -> P.TierReasons:
         keys, digests = self._conn(session).keys(req.items)
         return P.TierReasons(bytes(self.lower.has(keys, digests)))
+
+    def keys(self, session: Session, req: P.TierKeys) -> P.TierKeyPage:
+        """A page of the namespace's live keys, for the client's in-memory key set (its groups only)."""
+        conn = self._conn(session)
+        if not 0 <= req.limit <= MAX_KEY_PAGE:
+            raise WrongType(f"tier_keys limit must be 0..{MAX_KEY_PAGE}, got {req.limit}")
+        try:
+            page = self.store.live_keys(conn.namespace, req.after, req.limit)
+        except StoreRequestError as exc:
+            raise WrongType(str(exc)) from None
+        index = {name: i for i, (name, _) in enumerate(conn.groups)}
+        live = [(h, index[g]) for h, g in page.keys if g in index]
+        return P.TierKeyPage(b"".join(h for h, _ in live), bytes(i for _, i in live), page.cursor, page.txn)
 
     def store_many(self, session: Session, req: P.TierStore) -> P.TierStored:
         """Persist the staged objects with one store_many (one fdatasync + one commit); answered after the commit."""

@@ -209,9 +209,10 @@ class CacheManager:
         lease, no recovery queued, nothing counted. `raw` routes every object on its own (REUSE resident, RECOVER
         loadable from the lower tier, RECOMPUTE with the reason); `final` is their intersection, as a lookup
         builds it (without the recovery queue's cap)."""
-        with self._lock:
-            t = self._table
-            self._expire(self._clock())
+        c = self._c
+        with c.lock:
+            t = c.table
+            c.expire(c.clock())
             rows = np.fromiter(
                 map(t.index.get, block_hashes, itertools.repeat(t.sentinel)), dtype=np.intp, count=len(block_hashes)
             )
@@ -221,14 +222,14 @@ class CacheManager:
         routes = np.where(reasons == Reason.OK, np.int8(Route.REUSE), np.int8(Route.RECOMPUTE)).astype(np.int8)
         routes[inflight] = Route.RECOVER
         gs, bs = np.nonzero(routes == Route.RECOMPUTE)
-        if self._lower is not None and gs.size:
+        if c.lower is not None and gs.size:
             answers = self._ask_lower(block_hashes, gs, bs)
             found = answers == Reason.OK
             routes[gs[found], bs[found]] = Route.RECOVER
             # the lower tier's reason says more (evicted, corrupt) than the pool's `missing`
             lower_says = answers != Reason.MISSING
             reasons[gs[lower_says], bs[lower_says]] = answers[lower_says]
-        final = CheckVector.build(self._geometry, routes, reasons)
+        final = CheckVector.build(c.geometry, routes, reasons)
         raw = CheckVector(
             final.hash_block_tokens, final.group_names, final.group_forms, routes, reasons, final.hit_blocks
         )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.errors import LayoutError
+from kvtier.core.errors import LayoutError, VersionError
 from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
@@ -293,6 +293,9 @@ class Recovery:
                 self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
                 ok = True
                 outcome.stored += len(work)
+            except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
+                log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
+                ok = False
             except Exception as exc:
                 log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
                 outcome.failed[form] = f"{type(exc).__name__}: {exc}"

@@ -16,7 +16,7 @@ import torch
 
 from kvtier.client import TierClient, TierFull
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store import StoreFull
 
@@ -55,6 +55,9 @@ class DaemonStore:
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
         return self._lookups.has(keys, layout_digests)
+
+    def live_keys(self, after: bytes = b"", limit: int = 4096) -> KeyPage:
+        return self._lookups.live_keys(after, limit)
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
         return self._loads.load_into(requests)

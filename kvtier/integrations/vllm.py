@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -47,6 +48,7 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
+from kvtier.integrations.key_set import KeySet, ReadPage
 from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, is_dsv4, layer_kind, text_config
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
@@ -62,7 +64,6 @@ LOAD_CHUNKS = "vllm:kvtier_load_chunks"
 STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
 _WARN_EVERY_S = 30.0
 _MAX_FAILED_KEYS = 1 << 16
-_FIRST_BATCH, _MAX_BATCH = 16, 1024  # keys of one group read per index batch, in the direction the connector scans
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,22 +79,12 @@ class _Done:
 
 
 @dataclasses.dataclass(slots=True)
-class _ReadAhead:
-    """Per request: the store's answers for its keys, read in batches around the key vLLM asks for.
+class _Order:
+    """Per request: vLLM's keys in the order it recorded their end tokens (per group, in runs by end token), and
+    where each group's chunk 0 was last found in it: a window's neighbours are then found by index, in O(1)."""
 
-    vLLM asks chunk by chunk (a 128K-token DSV4 request: hundreds of history chunks from the front, state
-    chunks from the back); one index read per ask costs ~40 us, one batched read ~5 us a key. Answers live
-    for `lookup_cache_s` and until this tier finishes a store: a record evicted or quarantined meanwhile
-    fails its load's verification and vLLM recomputes it (never wrong bytes); one another engine stored
-    meanwhile is a hit once the answers expire.
-    """
-
-    keys: list[OffloadKey]  # this request's keys in vLLM's order (per group, by end token)
-    at: dict[OffloadKey, int]  # index in `keys` of every key read so far
-    answers: dict[OffloadKey, Reason]
-    read_at: float
-    stores_done: int  # the tier's count of finished stores when these answers were read
-    batch: dict[int, int] = dataclasses.field(default_factory=dict)  # group id -> size of its last batch
+    keys: list[OffloadKey]
+    base: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
@@ -171,8 +162,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._store.register_namespace(self.identity.version_key)
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
-        self._lookup_cache_s = lookup_cache_s
-        self._stores_done = 0  # successful store jobs finished: read-ahead answers older than the last are dropped
+        self._keys = KeySet(
+            self._live_keys(), {p.name: g for g, p in self._plans.items()}, lookup_cache_s
+        )  # what lookups answer from
 
         # Scheduler-thread state: keys in flight, keys whose load failed, stats since the last get_stats().
         self._loading: collections.Counter[OffloadKey] = collections.Counter()
@@ -216,65 +208,22 @@ class KvtierSecondaryTier(SecondaryTierManager):
         size = self.block_size_bytes
         return self._primary[chunk_id * size : (chunk_id + 1) * size]
 
-    def _reason(self, key: OffloadKey, req_context: ReqContext) -> Reason:
-        """Why the store would (OK) or would not load this chunk, from this request's read-ahead."""
-        ahead = req_context.get_state(_ReadAhead)
-        now = time.monotonic()
-        if ahead is None or now - ahead.read_at > self._lookup_cache_s or ahead.stores_done != self._stores_done:
-            ahead = _ReadAhead([], {}, {}, now, self._stores_done)
-            req_context.set_state(ahead)
-        reason = ahead.answers.get(key)
-        if reason is None:
-            self._read_ahead(key, req_context, ahead)
-            reason = ahead.answers.get(key, Reason.MISSING)
-        return reason
+    def _live_keys(self) -> ReadPage:
+        """Pages of this namespace's live keys: the daemon's, or the store's opened here."""
+        store = self._store
+        return (
+            store.live_keys if isinstance(store, DaemonStore) else functools.partial(store.live_keys, self._namespace)
+        )
 
-    def _read_ahead(self, key: OffloadKey, req_context: ReqContext, ahead: _ReadAhead) -> None:
-        """One batched index read of this group's keys next in the connector's scan from `key`.
-
-        vLLM scans a history group from chunk 0 forward and a state group from the end backward (until a whole
-        window hits), so the batch runs that way: forward, or back plus the window's chunks forward (what
-        `_in_window` asks about). Every key in the span gets its place recorded, so the list
-        search runs once per group and request.
-        """
-        gid = get_offload_group_idx(key)
-        plan = self._plans[gid]
-        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-        if len(ahead.keys) != len(positions):  # vLLM's map only grows, in insertion order
-            ahead.keys = list(positions)
-        i = ahead.at.get(key)
-        if i is None:
-            try:
-                i = ahead.keys.index(key)
-            except ValueError:  # a key vLLM did not record a position for: read it alone
-                i = -1
-        # Batches double per group and request: a hit at the first window reads little, a long scan few batches.
-        size = ahead.batch[gid] = min(2 * ahead.batch.get(gid, _FIRST_BATCH // 2), _MAX_BATCH)
-        if i < 0:
-            span: range = range(0)
-        elif plan.window_chunks:
-            back = max(size, 2 * plan.window_chunks)
-            span = range(max(0, i - back), min(len(ahead.keys), i + plan.window_chunks))
-        else:
-            span = range(i, min(len(ahead.keys), i + size))
-        keys, batch = ahead.keys, [key]
-        for j in span:
-            k = keys[j]
-            if get_offload_group_idx(k) == gid:
-                ahead.at[k] = j
-                if k not in ahead.answers and k != key:
-                    batch.append(k)
-        try:
-            reasons = self._store.has([self._object_key(k, plan) for k in batch], [self._digests[gid]] * len(batch))
-        except KvtierError as exc:  # a store that cannot answer (daemon gone) is a miss, asked again next time
-            self._warn(f"kvtier tier: lookups miss while the store cannot answer: {exc}")
-            return
-        ahead.answers.update(zip(batch, reasons))
+    def _present(self, key: OffloadKey, gid: int) -> bool:
+        """In the store's live records (the tier's key set, in memory): a load would be attempted."""
+        return self._keys.has(gid, xxhash.xxh3_128_digest(get_offload_block_hash(key)))
 
     # ----------------------------------------------------------------- lookups (scheduler thread)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        plan = self._plans.get(get_offload_group_idx(key))
+        gid = get_offload_group_idx(key)
+        plan = self._plans.get(gid)
         if plan is None:
             return self._answer("unknown", "unknown_group", LookupResult.MISS)
         form = plan.form.value
@@ -282,9 +231,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             return self._answer(form, "retry", LookupResult.RETRY)
         if key in self._failed:
             return self._answer(form, "failed", LookupResult.MISS)
-        reason = self._reason(key, req_context)
-        if reason is not Reason.OK:
-            return self._answer(form, reason.label, LookupResult.MISS)
+        if not self._present(key, gid):
+            return self._answer(form, Reason.MISSING.label, LookupResult.MISS)
         if plan.window_chunks and not self._in_window(key, plan, req_context):
             return self._answer(form, Reason.OUTSIDE_WINDOW.label, LookupResult.MISS)
         return self._answer(form, "hit", LookupResult.HIT)
@@ -300,26 +248,48 @@ class KvtierSecondaryTier(SecondaryTierManager):
         key found elsewhere (out-of-order boundary keys) counts as not servable: a miss, never a wrong hit.
         """
         end = req_context.get_offload_key_position(key)
-        ahead = req_context.get_state(_ReadAhead)
-        if end is None or ahead is None or key not in ahead.at:
+        if end is None:
             return False
-        at, t = ahead.at[key], plan.tokens_per_chunk
-        seen: dict[int, bool] = {end: True}
+        gid, t = plan.group_id, plan.tokens_per_chunk
+        keys, at = self._place(key, gid, end // t - 1, req_context)
+        if at < 0:
+            return False
 
         def servable(e: int) -> bool:
-            if e not in seen:
-                j = at + (e - end) // t
-                k = ahead.keys[j] if 0 <= j < len(ahead.keys) else None
-                seen[e] = (
-                    k is not None
-                    and get_offload_group_idx(k) == plan.group_id
-                    and req_context.get_offload_key_position(k) == e
-                    and k not in self._failed
-                    and (k in self._storing or self._reason(k, req_context) is Reason.OK)
-                )
-            return seen[e]
+            j = at + (e - end) // t
+            k = keys[j] if 0 <= j < len(keys) else None
+            return (
+                k is not None
+                and get_offload_group_idx(k) == gid
+                and req_context.get_offload_key_position(k) == e
+                and k not in self._failed
+                and (k in self._storing or self._present(k, gid))
+            )
 
         return in_complete_window(end, plan, servable)
+
+    @staticmethod
+    def _place(key: OffloadKey, gid: int, chunk: int, req_context: ReqContext) -> tuple[list[OffloadKey], int]:
+        """This request's keys in vLLM's order and the index of `key` (chunk `chunk` of group `gid`), -1 if absent.
+
+        The list is copied when vLLM recorded more keys; a key is looked for where its group's run puts it,
+        and searched for (once per group and request, in C) only when not there.
+        """
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        order = req_context.get_state(_Order)
+        if order is None or len(order.keys) != len(positions):  # vLLM's map only grows, in insertion order
+            order = _Order(list(positions))
+            req_context.set_state(order)
+        keys = order.keys
+        base = order.base.get(gid)
+        if base is not None and 0 <= base + chunk < len(keys) and keys[base + chunk] == key:
+            return keys, base + chunk
+        try:
+            at = keys.index(key)
+        except ValueError:
+            return keys, -1
+        order.base[gid] = at - chunk
+        return keys, at
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -394,7 +364,6 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 self._storing.subtract(done.keys)
                 self._pending_store_chunks -= len(done.keys)
                 if done.result.success:
-                    self._stores_done += 1
                     for key in done.keys:
                         self._failed.pop(key, None)
             metric = LOAD_CHUNKS if done.is_load else STORE_CHUNKS
@@ -429,6 +398,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             q.put(None)
         for t in self._threads:
             t.join()
+        self._keys.close()
         log.info("kvtier tier: shut down; store %s", self._store.stats())
         self._store.close()
         # The view pins vLLM's shared mmap: the primary tier, shut down after its secondaries, closes it next.
@@ -463,6 +433,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
             reasons = [None] * len(keys)
         ok = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
+        for key in failed:  # gone, corrupt or replaced: a miss from now on, until stored again
+            self._keys.discard(get_offload_group_idx(key), xxhash.xxh3_128_digest(get_offload_block_hash(key)))
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
         if failed:
             self._warn(
@@ -493,6 +465,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             ]
             if items:
                 self._store.store_many(items)
+            self._keys.add((get_offload_group_idx(k), ok.block_hash) for k, ok in zip(keys, okeys))
         except StoreFull as exc:
             log.warning("kvtier tier: store job %d not stored: %s", job.job_id, exc)
             return _Done(

@@ -34,7 +34,8 @@ class SwaSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompressedSpec:
-    """A compressed layer: attention over compressed rows (top-k via an indexer when sparse) plus the current group's raw tokens."""
+    """A compressed layer: attention over compressed rows (top-k via an indexer when sparse) plus the current
+    group's raw tokens."""
 
     layer: int
     group: str
@@ -132,7 +133,8 @@ def _model_int(model: dict[str, Any], key: str, src: str, *, allow_zero: bool = 
 def _row(group: CacheGroup, shape: tuple[int, ...], src: str) -> None:
     if group.row.dtype != "float32" or group.row.shape != shape:
         raise ProfileError(
-            f"the reference model writes float32 rows of shape {list(shape)}, got {group.row.dtype} {list(group.row.shape)}",
+            f"the reference model writes float32 rows of shape {list(shape)}, "
+            f"got {group.row.dtype} {list(group.row.shape)}",
             field=f"groups.{group.name}.row",
             source=src,
         )

@@ -126,7 +126,8 @@ class RefEngine:
         if att.namespace != model.version.namespace or att.hash_block_tokens != model.hash_block_tokens:
             raise EngineVersionError(
                 f"the daemon serves {att.profile} as namespace {att.namespace.hex()}, this model is "
-                f"{model.version.namespace.hex()}: run the daemon with this model's profile (or this model with the daemon's)"
+                f"{model.version.namespace.hex()}: run the daemon with this model's profile "
+                "(or this model with the daemon's)"
             )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1 hash block, got {checkpoint_every}")
@@ -166,7 +167,7 @@ class RefEngine:
             raise NotDurable(
                 f"{rep.not_durable} objects of this prefix are not in the store: {'; '.join(rep.reasons)}",
                 pending=rep.not_durable,
-                reasons=rep.reasons,
+                why=rep.why,
             )
         log.info(
             "offloaded %d tokens: %d written, %d cached already, %d refused",
@@ -275,7 +276,8 @@ def _admission_cut(cv: CheckVector) -> bool:
 def recompute(
     model: RefModel, tokens: Tokens, boundary_tokens: int, *, checkpoint_every: int = 16, decode: int = 0
 ) -> RecomputeResult:
-    """The oracle without a daemon: a fresh state through [0, boundary) (the engine's checkpoint cuts), then the rest."""
+    """The oracle without a daemon: a fresh state through [0, boundary) (the engine's checkpoint cuts), then the
+    rest."""
     ids = _np(tokens)
     h = model.hash_block_tokens
     if boundary_tokens % h or not 0 <= boundary_tokens <= len(ids):

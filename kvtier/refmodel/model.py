@@ -84,7 +84,8 @@ class RefModel:
         return _rms_norm(x) @ self.weights.lm_head
 
     def prefill(self, state: RefState, tokens: Tokens, *, checkpoints: Iterable[int] = ()) -> PrefillResult:
-        """Prefill `tokens` after the state's position; export state objects at each checkpoint (absolute token index)."""
+        """Prefill `tokens` after the state's position; export state objects at each checkpoint (absolute token
+        index)."""
         ids = self._tokens(tokens)
         start, end, h = state.pos, state.pos + ids.shape[0], self.hash_block_tokens
         cps = set(checkpoints)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Union
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ from kvtier.refmodel.swa import SwaState
 
 log = logging.getLogger(__name__)
 
-Payload = Union[torch.Tensor, bytes, bytearray, memoryview]
+Payload = torch.Tensor | bytes | bytearray | memoryview
 
 
 def required_objects(profile: ModelProfile, boundary_blocks: int) -> list[ObjectId]:

@@ -1,4 +1,5 @@
-"""Seeded deterministic weights: the trunk from (seed, model, weights digest); compressors and indexers also from their versions."""
+"""Seeded deterministic weights: the trunk from (seed, model, weights digest); compressors and indexers also from
+their versions."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class SwaWeights:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompressorWeights:
-    """Overlapping gated pooling: each row pools 2 * ratio tokens, the earlier half with (kv_a, sc_a), the later with (kv_b, sc_b)."""
+    """Overlapping gated pooling: each row pools 2 * ratio tokens, the earlier half with (kv_a, sc_a), the later
+    with (kv_b, sc_b)."""
 
     proj: torch.Tensor  # (d_model, 4 * latent): columns [kv_a | sc_a | kv_b | sc_b]
     ape: torch.Tensor  # (2 * ratio, latent): per-position score bias

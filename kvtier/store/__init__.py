@@ -11,6 +11,7 @@ from kvtier.store.errors import (
     CorruptRecord,
     FormatVersionError,
     NamespaceError,
+    NamespaceRetired,
     QuarantineReason,
     StoreError,
     StoreForkError,
@@ -21,6 +22,7 @@ from kvtier.store.errors import (
 )
 from kvtier.store.index import INDEX_DIR, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, decode_key, encode_key
 from kvtier.store.maintenance import RecordInfo, VerifyResult
+from kvtier.store.ns_usage import NamespaceUsage, namespace_usage
 from kvtier.store.rebuild import RebuildReport, rebuild_index
 from kvtier.store.record import RECORD_FORMS
 from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name, segment_name
@@ -36,6 +38,8 @@ __all__ = [
     "IndexEntry",
     "NamespaceEntry",
     "NamespaceError",
+    "NamespaceRetired",
+    "NamespaceUsage",
     "QuarantineReason",
     "RebuildReport",
     "RecordInfo",
@@ -52,6 +56,7 @@ __all__ = [
     "VerifyResult",
     "decode_key",
     "encode_key",
+    "namespace_usage",
     "parse_segment_name",
     "rebuild_index",
     "segment_name",

@@ -17,7 +17,7 @@ from kvtier.store.errors import NamespaceError
 from kvtier.store.index import NamespaceEntry, seal, unseal
 from kvtier.store.record import MAX_VERSION_KEY_BYTES, Codec
 
-_META_DOCS = frozenset({"verifier"})  # JSON documents other processes may keep in `meta` (FORMAT.md)
+_META_DOCS = frozenset({"verifier", "rollout", "write_back"})  # JSON documents other processes may keep in `meta`
 
 
 class Catalog:

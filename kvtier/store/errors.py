@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, VersionError
 from kvtier.core.forms import Reason
 
 
@@ -46,6 +46,13 @@ class NamespaceError(StoreError):
     """A write named a namespace that is not registered, or is retired."""
 
     code = "store_namespace"
+
+
+class NamespaceRetired(NamespaceError, VersionError):
+    """A write named a retired namespace (a version rollout retired it, perhaps while the write was under way):
+    nothing of it was stored. A `VersionError`, so the pool's write-back knows it for a rollout, not a fault."""
+
+    code = "store_namespace_retired"
 
 
 class StoreRequestError(StoreError):

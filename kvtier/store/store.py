@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.catalog import Catalog
 from kvtier.store.compaction import Compaction
@@ -23,6 +23,7 @@ from kvtier.store.context import StoreConfig, StoreContext, StoreLimits, flat_ui
 from kvtier.store.errors import QuarantineReason, StoreReadOnly, StoreRequestError
 from kvtier.store.index import Index, NamespaceEntry, SegmentEntry
 from kvtier.store.io import PosixBackend, select_backend
+from kvtier.store.keyscan import live_keys
 from kvtier.store.maintenance import DropFilter, Maintenance, RecordInfo, VerifyResult
 from kvtier.store.reader import AccessTimes, Reader
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock
@@ -113,6 +114,11 @@ class DiskStore:
         reasons, corrupt = self._reader.has(keys, layout_digests)
         self._maintenance.quarantine_faults((key, QuarantineReason.INDEX_VALUE) for key in corrupt)
         return reasons
+
+    def live_keys(self, namespace: bytes, after: bytes = b"", limit: int = 4096) -> KeyPage:
+        """A page of the namespace's live keys from the index keys alone (see `kvtier.store.keyscan`)."""
+        self._check_pid()
+        return live_keys(self.index, namespace, after, limit)
 
     def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
         """Read, verify and copy each record into its `out`; a record that fails a check is quarantined."""

@@ -18,7 +18,7 @@ from kvtier.core.tier import ObjectKey
 from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, entry_or_none, flat_uint8
 from kvtier.store.devsum import device_checksum
-from kvtier.store.errors import NamespaceError, StoreFull
+from kvtier.store.errors import NamespaceError, NamespaceRetired, StoreFull
 from kvtier.store.extent import MAX_EXTENT_BYTES, ExtentPlan, write_extent
 from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, Usage, encode_key, pack_time, u64_key
 from kvtier.store.record import (
@@ -72,10 +72,13 @@ class Writer:
             for key, payload, digest in items:
                 if key.namespace not in namespaces:
                     ns = index.namespace(txn, key.namespace)
-                    if ns is None or not ns.live:
-                        state = "not registered" if ns is None else "retired"
+                    if ns is None:
                         raise NamespaceError(
-                            f"namespace {key.namespace.hex()} is {state}: register its version key first"
+                            f"namespace {key.namespace.hex()} is not registered: register its version key first"
+                        )
+                    if not ns.live:
+                        raise NamespaceRetired(
+                            f"namespace {key.namespace.hex()} is retired: register its version key (live) first"
                         )
                     namespaces[key.namespace] = ns
                 raw_key = encode_key(key)
@@ -196,7 +199,7 @@ class Writer:
             h, seg_id, offset = w.header, w.seg_id, w.offset
             ns = index.namespace(txn, h.namespace)
             if ns is None or not ns.live:
-                raise NamespaceError(f"namespace {h.namespace.hex()} was retired during the write: nothing stored")
+                raise NamespaceRetired(f"namespace {h.namespace.hex()} was retired during the write: nothing stored")
             entry = IndexEntry(
                 RecordState.LIVE,
                 h.form,

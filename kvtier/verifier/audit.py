@@ -7,6 +7,7 @@ import datetime
 from typing import Any
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.rollout_doc import namespace_roles
 from kvtier.core.tier import ObjectKey
 from kvtier.core.units import format_bytes
 from kvtier.store import RECORD_FORMS, DiskStore, QuarantineReason, StoreLimits
@@ -24,6 +25,7 @@ FAULTS_SHOWN = 20  # corrupt records named in the text report; --json names ever
 class NamespaceReport:
     namespace: bytes
     live: bool
+    state: str  # live / canary (as the daemon last published its roles) / retired
     version_key: dict[str, str] | None  # None: records name a namespace the index has no entry for
     forms: dict[CacheForm, FormCounts]
 
@@ -60,6 +62,7 @@ class AuditReport:
                 {
                     "namespace": n.namespace.hex(),
                     "live": n.live,
+                    "state": n.state,
                     "version_key": n.version_key,
                     "forms": {f.value: c.to_dict() for f, c in n.forms.items()},
                 }
@@ -110,12 +113,13 @@ def audit_store(
         progress=progress,
     )
     reports = []
+    roles = namespace_roles(store)
     for ns in sorted(set(namespaces.entries) | set(inv.counts)):
         entry = namespaces.entries.get(ns)
         forms = inv.counts.get(ns) or {f: FormCounts() for f in RECORD_FORMS}
-        reports.append(
-            NamespaceReport(ns, bool(entry and entry.live), entry.version_key.to_dict() if entry else None, forms)
-        )
+        live = bool(entry and entry.live)
+        state = "retired" if not live else "canary" if roles.get(ns.hex(), ("",))[0] == "canary" else "live"
+        reports.append(NamespaceReport(ns, live, state, entry.version_key.to_dict() if entry else None, forms))
     reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
     reclaimable += sum(s.size for s in survey.old_strays())
     limits = settings.limits or store.limits() or StoreLimits()
@@ -161,14 +165,14 @@ def render_table(report: AuditReport) -> str:
     if len(report.faults) > len(shown):
         lines.append(f"  ... and {len(report.faults) - len(shown)} more (--json lists them all)")
     lines.append("")
-    header = ("namespace", "live", "model", "form", *COUNT_FIELDS)
+    header = ("namespace", "state", "model", "form", *COUNT_FIELDS)
     rows = [header]
     for n in report.namespaces:
         model = (n.version_key or {}).get("model_id", "?")
         shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(RECORD_FORMS[0], n.forms[RECORD_FORMS[0]])]
         for form, c in shown:
             counts = [format_bytes(c.bytes) if k == "bytes" else str(getattr(c, k)) for k in COUNT_FIELDS]
-            rows.append((n.namespace.hex()[:16], "live" if n.live else "retired", model[:24], form.value, *counts))
+            rows.append((n.namespace.hex()[:16], n.state, model[:24], form.value, *counts))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append(

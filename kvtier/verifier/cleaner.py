@@ -86,8 +86,18 @@ class Cleaner:
         gone = {id(c) for c in expired}
         return [c for c in candidates if id(c) not in gone]
 
+    def usage(self) -> dict[CacheForm, int]:
+        """Record bytes per form, plus the room the daemon's blocked write-back asks for (the store's
+        `write_back` document): counted as used, so a form whose writes wait is evicted below the usual
+        watermark until they fit."""
+        used = {CacheForm(f): int(u["record_bytes"]) for f, u in self.store.stats()["forms"].items()}
+        asked = (self.store.meta_doc("write_back") or {}).get("room_bytes", {})
+        for form, n in asked.items():
+            used[CacheForm(form)] = used.get(CacheForm(form), 0) + int(n)
+        return used
+
     def evict(self, candidates: list[Candidate], now: float) -> None:
-        usage = {CacheForm(f): int(u["record_bytes"]) for f, u in self.store.stats()["forms"].items()}
+        usage = self.usage()
         victims = plan_eviction(
             candidates, usage, self.limits(), now, high=self.settings.evict_high, low=self.settings.evict_low
         )

@@ -203,18 +203,16 @@ class Verifier:
         self.actions["quarantined"] += serving - sum(f.verdict is Verdict.SERVING for f in findings)
 
     def _over_limits(self, now: float) -> bool:
-        """Checked at most every poll interval: usage over the high watermark brings maintenance forward."""
+        """Checked at most every poll interval: usage over the high watermark brings maintenance forward (usage
+        counts the room the daemon's blocked write-back asks for)."""
         if now < self._next_limit_check:
             return False
         self._next_limit_check = now + self.settings.poll_s
         limits = self.cleaner.limits()
-        stats = self.store.stats()
-        if limits.budget_bytes and stats["record_bytes"] >= self.settings.evict_high * limits.budget_bytes:
+        usage = self.cleaner.usage()  # with the room blocked write-back asks for
+        if limits.budget_bytes and sum(usage.values()) >= self.settings.evict_high * limits.budget_bytes:
             return True
-        return any(
-            q and stats["forms"].get(f.value, {}).get("record_bytes", 0) >= self.settings.evict_high * q
-            for f, q in limits.form_quotas
-        )
+        return any(q and usage.get(f, 0) >= self.settings.evict_high * q for f, q in limits.form_quotas)
 
     def _idle_timeout(self) -> float:
         """Until the next poll, maintenance or sweep; briefly short after a hint, because a segment write is seen

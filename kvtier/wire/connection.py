@@ -185,6 +185,10 @@ class Connection:
         reply: P.StatsOk = self._call(P.Stats())
         return reply.stats
 
+    def namespaces(self, req: P.Namespaces | P.NamespaceRetire | P.NamespacePromote | None = None) -> P.NamespacesOk:
+        """The store's namespaces with their state and bytes, after retiring one or promoting a canary (`req`)."""
+        return self._call(req if req is not None else P.Namespaces())
+
     def close(self) -> None:
         """Disconnect for good (a later call is OutOfOrder); the daemon releases everything this connection held."""
         with self._lock:

@@ -1,8 +1,8 @@
 """The wire protocol's messages: one tagged msgpack struct per request and reply (frames: `kvtier.wire.framing`).
 
 Requests and replies are tagged unions keyed by `op`. Per connection the order is: optional `hello`
-(first only), `attach` (once), then any of the rest; `stats` and `flush` need no attach. Payload bytes
-never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
+(first only), `attach` (once), then any of the rest; `stats`, `flush` and the namespace ops need no attach.
+Payload bytes never travel here: pools are mapped by the client at attach (file descriptors ride along as SCM_RIGHTS
 with the attach reply on cpu; CUDA IPC handles on cuda), and requests only name slots.
 
 The raw tier ops serve the daemon's store to a client that brings its own keys and namespace (an
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import msgspec
 
+from kvtier.core.acks import NotDurableCount
 from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
-from kvtier.wire.stats import StatsDoc
+from kvtier.wire.stats import NamespaceStats, StatsDoc
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -92,6 +93,22 @@ class Stats(Msg, tag="stats"):
     pass
 
 
+class Namespaces(Msg, tag="namespaces"):
+    """List every namespace of the store with its state (live / canary / retired / store) and bytes."""
+
+
+class NamespaceRetire(Msg, tag="namespace_retire"):
+    """Retire a namespace (hex, or a unique prefix of it): a profile's canary, or one no profile serves."""
+
+    namespace: str
+
+
+class NamespacePromote(Msg, tag="namespace_promote"):
+    """Make a profile's canary its live version; the live one is retired."""
+
+    profile: str
+
+
 class Explain(Msg, tag="explain"):
     """What each group of the attached profile has of these blocks, and why the hit stops (no leases taken)."""
 
@@ -120,6 +137,13 @@ class TierHas(Msg, tag="tier_has"):
     items: list[TierItem]
 
 
+class TierKeys(Msg, tag="tier_keys"):
+    """A page of the namespace's live keys after `after` (a cursor from the previous page; b"": from the first)."""
+
+    after: bytes = b""
+    limit: int = 4096
+
+
 class TierStore(Msg, tag="tier_store"):
     """Persist the staged bytes of each item; answered after the store commit (fdatasync + index commit)."""
 
@@ -144,9 +168,13 @@ Request = (
     | Flush
     | Prewarm
     | Stats
+    | Namespaces
+    | NamespaceRetire
+    | NamespacePromote
     | Explain
     | TierOpen
     | TierHas
+    | TierKeys
     | TierStore
     | TierLoad
 )
@@ -230,13 +258,14 @@ class OffloadOk(Msg, tag="offload_ok"):
 
 class SealOk(Msg, tag="seal_ok"):
     """`durable` / `not_durable` (with `durable=True` only): objects the offload named (written, skipped as
-    reserved or cached elsewhere, or refused) that are / are not committed in the store, and why not."""
+    reserved or cached elsewhere, or refused) that are / are not committed in the store; `why`: how many for
+    each typed cause (a client acts on the cause, the detail is for humans)."""
 
     sealed: int
     persisted: bool
     durable: int = 0
     not_durable: int = 0
-    reasons: list[str] = []
+    why: list[NotDurableCount] = []
 
 
 class Renewed(Msg, tag="renewed"):
@@ -244,11 +273,12 @@ class Renewed(Msg, tag="renewed"):
 
 
 class FlushOk(Msg, tag="flush_ok"):
-    """`pending`: sealed objects still not in the store when the flush ended; `reasons` why (blocked forms)."""
+    """`pending`: sealed objects still not in the store when the flush ended; `why`: per typed cause (blocked
+    forms, a pass that did not finish)."""
 
     persisted: int
     pending: int
-    reasons: list[str] = []
+    why: list[NotDurableCount] = []
 
 
 class PrewarmOk(Msg, tag="prewarm_ok"):
@@ -276,6 +306,13 @@ class StatsOk(Msg, tag="stats_ok"):
     stats: StatsDoc
 
 
+class NamespacesOk(Msg, tag="namespaces_ok"):
+    """The namespaces after the request; `done` says what a retire / promote changed ("" for a list)."""
+
+    namespaces: list[NamespaceStats]
+    done: str = ""
+
+
 class TierOpenOk(Msg, tag="tier_open_ok"):
     namespace: bytes
     store: str
@@ -286,6 +323,16 @@ class TierReasons(Msg, tag="tier_reasons"):
     """One `kvtier.core.forms.Reason` code per item, in order (OK = 0)."""
 
     reasons: bytes
+
+
+class TierKeyPage(Msg, tag="tier_key_page"):
+    """Live keys: 16-byte block hashes concatenated, one group index byte each; `cursor` b"" when done; `txn` the
+    index snapshot read (the same again: nothing changed)."""
+
+    hashes: bytes
+    groups: bytes
+    cursor: bytes
+    txn: int
 
 
 class TierStored(Msg, tag="tier_stored"):
@@ -314,8 +361,10 @@ Reply = (
     | ExplainOk
     | Released
     | StatsOk
+    | NamespacesOk
     | TierOpenOk
     | TierReasons
+    | TierKeyPage
     | TierStored
     | Error
 )

@@ -71,6 +71,19 @@ class ProfileStats(msgspec.Struct):
     leases_expired: int
 
 
+class NamespaceStats(msgspec.Struct):
+    """One namespace the store knows: `state` live (a profile's live version), canary (served beside it as
+    `<profile>@canary`), retired (its records read stale_version; the verifier reclaims them), or store (live
+    in the store but no profile's pools: raw tier clients such as vLLM's, or a profile no longer served)."""
+
+    namespace: str  # hex
+    state: str
+    profile: str  # the profile serving it, "" for store / retired
+    model: str  # the version key's model id
+    records: int
+    bytes: int
+
+
 class DaemonInfo(msgspec.Struct):
     version: str
     pid: int
@@ -126,3 +139,4 @@ class StatsDoc(msgspec.Struct):
     reloadable: Reloadable | None = None
     pins: list[PinStats] = []  # the live prewarm pins, soonest expiry first
     cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node
+    namespaces: list[NamespaceStats] = []  # every namespace of the store, with its state and bytes

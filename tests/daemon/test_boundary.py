@@ -10,16 +10,20 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.client import Client, NotDurable, StaleHandle
+from kvtier.core.acks import NotDurableCause
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
 from kvtier.wire import messages as P
+from support.boundary import fill_until_stale, start_reserver, write_into_sealed_slot
 from support.daemon import DaemonProc, child_env
+from support.promlint import problems
 from support.workload import caches_for, tokens_for
 
 PROFILE = load_profile("ref-tiny")
@@ -49,12 +53,7 @@ def test_an_expired_lease_reads_stale_never_another_prefix(tmp_path: Path) -> No
             assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
             view = a.read(result, GROUP, 0)
             # A stops renewing; B fills the pool with other prefixes until A's slot is reused
-            deadline = time.monotonic() + 30
-            seed = 100
-            while a.valid(result, GROUP, 0):
-                assert time.monotonic() < deadline, "A's expired lease kept its slot while B filled the pool"
-                _offload(b, seed, 4)
-                seed += 1
+            fill_until_stale(lambda seed: _offload(b, seed, 4), a, result, GROUP, 0)
             with pytest.raises(StaleHandle):
                 a.read_into(result, GROUP, 0, out)
             with pytest.raises(StaleHandle):
@@ -87,37 +86,13 @@ def test_a_renewing_client_keeps_its_slots_however_long(tmp_path: Path) -> None:
         d.terminate()
 
 
-WRITER = """
-import sys
-from kvtier.client import Client
-from support.workload import tokens_for
-from kvtier.core.profile import load_profile
-H = load_profile("ref-tiny").hash_block_tokens
-with Client(sys.argv[1]) as c:
-    c.attach("ref-tiny")
-    r = c.lookup(tokens_for(1, 2, H))
-    view = c.read(r, "c4", 0)
-    print("mapped", flush=True)
-    view.view(-1)[:8].fill_(0)  # a buggy engine writes into a sealed slot through its mapping
-    print("wrote", flush=True)
-"""
-
-
 def test_no_client_can_write_a_sealed_slot(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path, pools=SMALL_POOLS)
     try:
         with Client(d.socket) as a:
             a.attach("ref-tiny")
             _offload(a, 1, 2)
-            proc = subprocess.run(
-                [sys.executable, "-c", WRITER, str(d.socket)],
-                env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert "mapped" in proc.stdout and "wrote" not in proc.stdout, proc.stderr
-            assert proc.returncode == -signal.SIGSEGV
+            write_into_sealed_slot(d.socket, tokens_for(1, 2, H), GROUP, 0, tmp_path)
             result = a.lookup(tokens_for(1, 2, H))
             out = torch.empty_like(_want(1, 2, 0))
             assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
@@ -148,34 +123,13 @@ def test_seal_checks_the_bytes_that_really_arrived(tmp_path: Path) -> None:
         d.terminate()
 
 
-RESERVER = """
-import sys
-from kvtier.client import Client
-from kvtier.wire import messages as P
-from support.workload import tokens_for
-from kvtier.core.profile import load_profile
-H = load_profile("ref-tiny").hash_block_tokens
-c = Client(sys.argv[1])
-c.attach("ref-tiny")
-reply = c._call(P.Offload(c.hashes(tokens_for(7, 4, H)), ["c4", "c16"], [[0, 1, 2, 3], [0, 1, 2, 3]]))
-print(sum(s >= 0 for row in reply.slots for s in row), flush=True)
-sys.stdin.read()  # "mid-copy" until stopped or killed
-"""
-
-
 @pytest.mark.parametrize("a_state", ["stopped", "killed"])
 def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_state: str) -> None:
     store = tmp_path / "store"
     d = DaemonProc(tmp_path, top_toml="durable_wait_s = 8\n", pools=SMALL_POOLS, store_root=store)
-    a = subprocess.Popen(
-        [sys.executable, "-c", RESERVER, str(d.socket)],
-        env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    a, reserved = start_reserver(d.socket, tokens_for(7, 4, H), ["c4", "c16"], tmp_path)
     try:
-        assert a.stdout is not None and int(a.stdout.readline()) == 8
+        assert reserved == 8
         a.send_signal(signal.SIGSTOP if a_state == "stopped" else signal.SIGKILL)
         if a_state == "killed":
             a.wait()
@@ -186,7 +140,7 @@ def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_st
         assert rep.durable + rep.not_durable == named
         if a_state == "stopped":  # A's 8 reservations never sealed: reported, not acknowledged
             assert rep.not_durable == 8 and not rep.persisted
-            assert any("reserved by another connection" in r for r in rep.reasons), rep.reasons
+            assert any(w.cause is NotDurableCause.RESERVED_ELSEWHERE for w in rep.why), rep.reasons
         else:  # A's reservations went with its connection: B wrote them itself
             assert rep.not_durable == 0 and rep.persisted, rep.reasons
     finally:
@@ -227,17 +181,39 @@ def test_write_back_blocked_for_one_form_is_reported_and_fails_the_drain(tmp_pat
             with pytest.raises(NotDurable, match="swa") as err:
                 c.flush(timeout_s=20)
             assert err.value.pending > 0
+            assert {w.cause for w in err.value.why} == {NotDurableCause.STORE_REFUSED}, err.value.reasons
             doc = c.stats()
             assert doc.store["persist_queue"] == err.value.pending
             assert doc.store["forms"]["compressed"]["records"] > 0  # the other forms kept persisting
             assert doc.daemon is not None and doc.daemon.health.startswith("degraded: write-back blocked")
+            _exported_blocked(d, doc.daemon.metrics, err.value.pending)
             rep = _offload(c, 50, 2, durable=True)
             assert not rep.persisted and rep.not_durable == len(caches_for(PROFILE, 50, 2)["swa"])
+            assert [w.cause for w in rep.why] == [NotDurableCause.STORE_REFUSED], rep.reasons
             assert rep.durable == sum(len(v) for v in caches_for(PROFILE, 50, 2).values()) - rep.not_durable
         assert d.terminate() != 0
         assert "acknowledged objects could not be persisted" in (tmp_path / "daemon.log").read_text()
     finally:
         d.close()
+
+
+def _exported_blocked(d: DaemonProc, metrics_address: str, stuck: int) -> None:
+    """The blocked swa write-back in the Prometheus exposition (linted) and in `kvtier status` (exit 1)."""
+    body = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    assert problems(body) == [], problems(body)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line[:1] != "#"}
+    assert samples['kvtier_write_back_stuck_objects{form="swa",profile="ref-tiny"}'] == stuck
+    assert samples['kvtier_write_back_backlog_objects{form="swa",profile="ref-tiny"}'] >= stuck
+    assert samples.get('kvtier_write_back_stuck_objects{form="compressed",profile="ref-tiny"}', 0) == 0
+    assert samples["kvtier_write_back_failed_passes_total"] >= 1 and samples["kvtier_healthy"] == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "status", "--socket", str(d.socket)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"write-back blocked  ref-tiny/swa: {stuck} objects waiting" in out.stdout, out.stdout
 
 
 def test_config_show_lists_admission(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The daemon's life under a service manager: READY, periodic WATCHDOG, SIGHUP reload, SIGTERM -> STOPPING and exit 0."""
+"""The daemon's life under a service manager: READY, periodic WATCHDOG, SIGHUP reload, SIGTERM -> STOPPING and
+exit 0."""
 
 from __future__ import annotations
 

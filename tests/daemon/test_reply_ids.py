@@ -7,12 +7,7 @@ a lookup or a `TierClient.load_into` of record B came back OK with record A's by
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +17,7 @@ from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
+from support.boundary import frozen
 from support.daemon import DaemonProc
 from support.workload import caches_for, compare, tokens_for
 
@@ -37,24 +33,6 @@ def _key(i: int) -> ObjectKey:
 
 def _payload(i: int) -> torch.Tensor:
     return torch.randint(0, 256, (OBJ,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-@contextmanager
-def frozen(d: DaemonProc) -> Iterator[None]:
-    """The daemon stopped (SIGSTOP is delivered asynchronously: wait until the kernel says it is stopped)."""
-    os.kill(d.proc.pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while _state(d.proc.pid) != "T":
-        assert time.monotonic() < deadline, "the daemon did not stop"
-        time.sleep(0.005)  # polling a condition with a deadline
-    try:
-        yield
-    finally:
-        os.kill(d.proc.pid, signal.SIGCONT)
 
 
 def test_client_after_a_frozen_daemon(daemon: DaemonProc) -> None:

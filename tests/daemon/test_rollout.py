@@ -8,6 +8,7 @@ while lookups keep being served (p99 reported before and during the reclaim).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -23,9 +24,11 @@ from kvtier.core.forms import Reason, Route
 from kvtier.core.profile import load_profile
 from kvtier.store import DiskStore, StoreConfig
 from support.daemon import DaemonProc, child_env
+from support.e2e_harness import Oracle, branch, engine_reports, prompt, run_engine, save_prompts, start_engine
 from support.workload import caches_for, compare, tokens_for
 
 BLOCKS = 4
+NEW = "xxh3_128:rollout-2"
 VERIFIER = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--poll", "0.1"]
 
 
@@ -88,6 +91,13 @@ def test_rollout_by_reload(daemon: DaemonProc) -> None:
     h = profile.hash_block_tokens
     old_ns = profile.version.namespace
     store_root = daemon.tmp / "store"
+    work = daemon.tmp / "work"
+    work.mkdir()
+    a0 = prompt(500, 12 * h)  # seeds apart from the synthetic writers' (same seed, same tokens)
+    save_prompts(work, {"a0": a0, "b0": branch(a0, 8 * h, 3, 50)})
+    assert run_engine(daemon, work, "offload", "a0")["a0"]["persisted"]  # the reference model at the old version
+    waiting = start_engine(daemon, work, "wait", "b0")  # an engine attached before the rollout, continuing after
+    assert waiting.stdout is not None and old_ns.hex() in waiting.stdout.readline()
     with Client(daemon.socket) as writer:
         writer.attach("ref-tiny")
         assert writer.attachment.namespace == old_ns
@@ -112,13 +122,11 @@ def test_rollout_by_reload(daemon: DaemonProc) -> None:
             assert time.monotonic() - started < 60
             time.sleep(0.01)  # polling the load's progress
         t_switch = time.monotonic()
-        daemon.config.write_text(
-            daemon.config.read_text() + '[versions.ref-tiny]\nweights_digest = "xxh3_128:rollout-2"\n'
-        )
+        daemon.config.write_text(daemon.config.read_text() + f'[versions.ref-tiny]\nweights_digest = "{NEW}"\n')
         daemon.proc.send_signal(signal.SIGHUP)
         daemon.wait_for("RELOADING=1")
         assert "reloaded" in daemon.wait_for("READY=1")
-        new_ns = profile.version.bumped(weights_digest="xxh3_128:rollout-2").namespace
+        new_ns = profile.version.bumped(weights_digest=NEW).namespace
         load.reattach.set()
 
         # the engine attached before: its leases stand and read its exact bytes; new lookups are stale_version
@@ -130,6 +138,21 @@ def test_rollout_by_reload(daemon: DaemonProc) -> None:
         refused = old.offload(tokens_for(50, BLOCKS, h), caches_for(profile, 50, BLOCKS))
         assert refused.written == 0 and refused.refused > 0
         old.release(held)
+
+        # the reference-model engine attached before: its lookups are RECOMPUTE stale_version, its output bitwise
+        stale = engine_reports(daemon, waiting, "wait", stdin="go\n")["b0"]
+        assert stale["hit_tokens"] == 0 and all(
+            k.startswith("RECOMPUTE") for c in stale["routes_at_lookup"].values() for k in c
+        )
+        assert {r for row in stale["reasons"] for r in row} == {int(Reason.STALE_VERSION)}
+        Oracle(profile).check_file(work, "b0", np.load(work / "b0.npy"), 0)
+        # engines of the new version: nothing of the old one, then their own records, bitwise with the new model
+        new_profile = dataclasses.replace(profile, version=profile.version.bumped(weights_digest=NEW))
+        assert run_engine(daemon, work, "continue", "b0", weights=NEW)["b0"]["hit_tokens"] == 0
+        assert run_engine(daemon, work, "offload", "a0", weights=NEW)["a0"]["persisted"]
+        resumed = run_engine(daemon, work, "continue", "b0", weights=NEW)["b0"]
+        assert resumed["hit_tokens"] == 8 * h
+        Oracle(new_profile).check_file(work, "b0", np.load(work / "b0.npy"), resumed["hit_tokens"])
 
         # an engine attached after sees only the new namespace: the old prefixes are not there for it
         with Client(daemon.socket) as fresh:
@@ -159,8 +182,14 @@ def test_rollout_by_reload(daemon: DaemonProc) -> None:
             assert verifier.poll() is None
             time.sleep(0.2)  # polling the store's index
         t_done = time.monotonic()
+        with Client(daemon.socket) as c:  # the daemon's own view: the old namespace retired, its bytes gone
+            shown = {n.namespace: n for n in c.stats().namespaces}
+        assert shown[new_ns.hex()].state == "live"
+        assert old_ns.hex() not in shown or (shown[old_ns.hex()].state, shown[old_ns.hex()].bytes) == ("retired", 0)
         time.sleep(0.3)  # let the lookup loop cover the end of the reclaim window
     finally:
+        if waiting.poll() is None:
+            waiting.kill()
         load.stop.set()
         load.thread.join(30)
         old.close()

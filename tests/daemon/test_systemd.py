@@ -1,4 +1,5 @@
-"""The unit files: `systemd-analyze verify` prints nothing at all (it exits 0 on misspelt keys), and the hardening we promise."""
+"""The unit files: `systemd-analyze verify` prints nothing at all (it exits 0 on misspelt keys), and the hardening
+we promise."""
 
 from __future__ import annotations
 

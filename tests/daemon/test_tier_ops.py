@@ -59,7 +59,9 @@ vkey = VersionKey.from_dict(json.loads(sys.argv[2]))
 groups = [(g, CacheForm(f)) for g, f in json.loads(sys.argv[3])]
 obj, n, digest = int(sys.argv[4]), int(sys.argv[5]), bytes(range(16))
 keys = [ObjectKey(vkey.namespace, i.to_bytes(16, "little"), *groups[0]) for i in range(n)]
-payloads = [torch.randint(0, 256, (obj,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+payloads = [
+        torch.randint(0, 256, (obj,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(n)
+    ]
 with TierClient(sys.argv[1], vkey, groups, 2 * obj) as c:
     c.store_many(list(zip(keys, payloads, [digest] * n)))
     print(sum(r.value == 0 for r in c.has(keys, [digest] * n)))
@@ -109,6 +111,14 @@ def test_store_in_one_process_load_in_another(stored: DaemonProc) -> None:
         keys = [_key(i) for i in range(N)] + [_key(99), _key(0, group=1)]
         assert c.has(keys, [DIGEST] * len(keys)) == [Reason.OK] * N + [Reason.MISSING] * 2
         assert c.has([_key(0)], [bytes(16)]) == [Reason.ABI_MISMATCH]
+        live, after = [], b""  # the namespace's live keys, in pages of 4 (what an engine tier keeps in memory)
+        while True:
+            page = c.live_keys(after, limit=4)
+            live += page.keys
+            if not (after := page.cursor):
+                break
+        assert sorted(live) == sorted((_key(i).block_hash, GROUPS[0][0]) for i in range(N))
+        assert c.live_keys(limit=0).txn == page.txn  # nothing committed since: the same index snapshot
         outs = [torch.zeros(OBJ, dtype=torch.uint8) for _ in keys]
         reasons = c.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])  # 3 staging batches
         assert reasons == [Reason.OK] * N + [Reason.MISSING] * 2
@@ -151,6 +161,10 @@ def test_bad_ranges_and_out_of_order_get_typed_errors(tier_daemon: DaemonProc) -
             c._call(P.TierHas([P.TierItem(b"short", 0, DIGEST)]))
         with pytest.raises(OutOfOrder):
             c._call(P.TierOpen(VKEY.to_dict(), [("x", "swa")]))  # one namespace per connection
+        with pytest.raises(WrongType, match="limit"):
+            c.live_keys(limit=1 << 20)
+        with pytest.raises(WrongType, match="cursor of this namespace"):
+            c.live_keys(b"\xff" * 40)
         with pytest.raises(WrongType):  # a key of another namespace never reaches the daemon under this one
             c.has([ObjectKey(bytes(16), bytes(16), GROUPS[0][0], GROUPS[0][1])], [DIGEST])
         # the connection still serves, and nothing was stored by the refused requests
@@ -220,7 +234,7 @@ def test_descriptors_sent_with_other_ops_are_not_kept(tier_daemon: DaemonProc) -
 
 def test_an_engine_tier_store_through_the_daemon_and_the_daemon_going_away(tmp_path: Path) -> None:
     """`DaemonStore` (what the vLLM tier uses with daemon_socket): stores, lookups and loads on their own connections;
-    once the daemon is gone every call is a typed DaemonUnavailable (the tier answers MISS / fails the job)."""
+    once the daemon is gone every call is a typed DaemonUnavailable (the tier fails the job: vLLM recomputes)."""
     d = DaemonProc(tmp_path)
     try:
         ds = DaemonStore(d.socket, VKEY, GROUPS, 2 * OBJ)

@@ -25,20 +25,16 @@ from kvtier.core.hashing import block_hashes
 from kvtier.core.profile import ModelProfile, profile_from_dict
 from kvtier.core.tier import ObjectKey
 from kvtier.refmodel import RefModel
-from kvtier.refmodel.engine import EngineVersionError, RefEngine, RestoreResult
+from kvtier.refmodel.engine import EngineVersionError, RefEngine
 from kvtier.store import DiskStore, StoreLimits
 from kvtier.store.index import IndexEntry, encode_key
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 from support.corrupt import flip_payload_bit
 from support.daemon import DaemonProc, wait_leases_released
-from support.e2e_harness import PROFILE, H, Oracle, prompt, save_prompts, start_engine
-from support.engine_proc import CHECKPOINT_EVERY
+from support.e2e_harness import PROFILE, H, Oracle, save_prompts, start_engine
+from support.fault_cases import BLOCKS, CP, a_prompt, b_prompt, bitwise, file_row, offload, serve
 from support.fault_table import FaultRows
 from support.mounts import mounted
-
-BLOCKS = 12  # A's prompts: 384 tokens, checkpoints after blocks 4, 8 and 12
-EXTRA = 40  # B asks for A's prompt and 40 tokens more
-CP = CHECKPOINT_EVERY
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,43 +46,6 @@ class Fault:
     block: int
     reason: Reason
     hit_blocks: int
-
-
-def _a(seed: int) -> np.ndarray:
-    return prompt(seed, BLOCKS * H)
-
-
-def _b(seed: int) -> np.ndarray:
-    return np.concatenate((_a(seed), prompt(seed + 1000, EXTRA)))
-
-
-def _serve(d: DaemonProc, tokens: np.ndarray, profile: ModelProfile = PROFILE) -> RestoreResult:
-    with Client(d.socket, name="engine B") as client:
-        client.attach(profile.name)
-        return RefEngine(client, RefModel(profile), checkpoint_every=CP).restore_and_continue(tokens)
-
-
-def _offload(d: DaemonProc, *seeds: int) -> None:
-    with Client(d.socket, name="engine A") as client:
-        client.attach(PROFILE.name)
-        engine = RefEngine(client, RefModel(PROFILE), checkpoint_every=CP)
-        for seed in seeds:
-            assert engine.prefill_and_offload(_a(seed), durable=True).persisted
-
-
-def _outcome(res: RestoreResult, tokens: np.ndarray, oracle: Oracle) -> str:
-    assert oracle.matches(res.logits, tokens, res.hit_tokens), (
-        "the continuation differs from recomputing: a wrong logit"
-    )
-    again = " (found by a 2nd lookup)" if res.lookups > 1 else ""
-    if res.hit_tokens:
-        return f"bitwise reuse of {res.hit_tokens} tokens{again}"
-    return "full recompute, bitwise"
-
-
-def _row(table: FaultRows, case: str, res: RestoreResult, group: str, block: int, outcome: str) -> None:
-    cv = res.final_cv
-    table.append((case, cv.route(group, block).name, cv.reason(group, block).label, outcome))
 
 
 def _keys(tokens: np.ndarray, group: str, block: int) -> ObjectKey:
@@ -148,27 +107,29 @@ def disk_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiskWorld]:
     root = tmp / "store"
     d = DaemonProc(tmp)
     try:
-        _offload(d, DELETED.seed)  # alone in the first segment
+        offload(d, DELETED.seed)  # alone in the first segment
     finally:
         d.proc.send_signal(signal.SIGKILL)
         d.close()
     d = DaemonProc(tmp)  # a new writer: a new segment
     try:
         seeds = [f.seed for f in (*RECORD_FLIPS.values(), *EVICTIONS.values(), LMDB_FLIP)]
-        _offload(d, *seeds)
-        _offload(d, TRUNCATED.seed)  # last: its records are at the tail of the segment
+        offload(d, *seeds)
+        offload(d, TRUNCATED.seed)  # last: its records are at the tail of the segment
         assert d.terminate() == 0
     finally:
         d.close()
     store = DiskStore(str(root))  # a maintenance process, like the cleaner: the daemon is down
     try:
         for f in RECORD_FLIPS.values():
-            _flip_segment_bit(root, store, _keys(_a(f.seed), f.group, f.block))
+            _flip_segment_bit(root, store, _keys(a_prompt(f.seed), f.group, f.block))
         for f in EVICTIONS.values():
-            assert store.evict([_keys(_a(f.seed), f.group, f.block)]) == 1  # what the cleaner does: a tombstone stays
-        _flip_lmdb_value(root, store, _keys(_a(LMDB_FLIP.seed), LMDB_FLIP.group, LMDB_FLIP.block))
-        cut = _entry(store, _keys(_a(TRUNCATED.seed), TRUNCATED.group, TRUNCATED.block))
-        deleted = _entry(store, _keys(_a(DELETED.seed), DELETED.group, DELETED.block)).segment
+            assert (
+                store.evict([_keys(a_prompt(f.seed), f.group, f.block)]) == 1
+            )  # what the cleaner does: a tombstone stays
+        _flip_lmdb_value(root, store, _keys(a_prompt(LMDB_FLIP.seed), LMDB_FLIP.group, LMDB_FLIP.block))
+        cut = _entry(store, _keys(a_prompt(TRUNCATED.seed), TRUNCATED.group, TRUNCATED.block))
+        deleted = _entry(store, _keys(a_prompt(DELETED.seed), DELETED.group, DELETED.block)).segment
         assert deleted != cut.segment
     finally:
         store.close()
@@ -195,8 +156,8 @@ DISK_CASES = {
 @pytest.mark.parametrize("case", list(DISK_CASES))
 def test_disk_fault(case: str, disk_world: DiskWorld, oracle: Oracle, fault_table: FaultRows) -> None:
     f = DISK_CASES[case]
-    tokens = _b(f.seed)
-    res = _serve(disk_world.daemon, tokens)
+    tokens = b_prompt(f.seed)
+    res = serve(disk_world.daemon, tokens)
     cv = res.final_cv
     assert (cv.route(f.group, f.block), cv.reason(f.group, f.block)) == (Route.RECOMPUTE, f.reason), cv.counts()
     if f is TRUNCATED:
@@ -211,7 +172,7 @@ def test_disk_fault(case: str, disk_world: DiskWorld, oracle: Oracle, fault_tabl
         assert res.lookup_cv.hit_tokens == BLOCKS * H and res.lookups == 2
     else:  # caught at lookup: the record is gone, or its index value fails its seal
         assert res.lookup_cv.hit_tokens == f.hit_blocks * H
-    _row(fault_table, case, res, f.group, f.block, _outcome(res, tokens, oracle))
+    file_row(fault_table, case, res, f.group, f.block, bitwise(res, tokens, oracle))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,7 +204,7 @@ def version_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Da
         paths.append(str(path))
     d = DaemonProc(tmp, profiles=("ref-tiny", *paths))
     try:
-        _offload(d, 21)
+        offload(d, 21)
         yield d, profiles
     finally:
         d.close()
@@ -254,21 +215,21 @@ def test_version_bump_is_a_new_namespace(case: str, version_world, fault_table: 
     d, profiles = version_world
     profile = profiles[case]
     assert profile.namespace != PROFILE.namespace and profile.version.model_id == PROFILE.version.model_id
-    tokens = _b(21)
+    tokens = b_prompt(21)
     with Client(d.socket) as client:  # an engine of the new version on the old namespace is refused outright
         with pytest.raises(OutOfOrder):
             RefEngine(client, RefModel(profile))  # not attached yet
         client.attach(PROFILE.name)
         with pytest.raises(EngineVersionError):
             RefEngine(client, RefModel(profile))
-    res = _serve(d, tokens, profile)
+    res = serve(d, tokens, profile)
     cv = res.final_cv
     assert res.hit_tokens == 0 and res.loaded_objects == 0
     assert (cv.routes == Route.RECOMPUTE).all() and (cv.reasons[:, :BLOCKS] == Reason.MISSING).all()
-    outcome = _outcome(res, tokens, Oracle(profile))
-    old = _serve(d, tokens)  # the old namespace is untouched and still served
+    outcome = bitwise(res, tokens, Oracle(profile))
+    old = serve(d, tokens)  # the old namespace is untouched and still served
     assert old.hit_tokens == BLOCKS * H
-    _row(fault_table, case, res, "c4", 0, outcome + "; old namespace still hits")
+    file_row(fault_table, case, res, "c4", 0, outcome + "; old namespace still hits")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,7 +240,7 @@ def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: 
     work = tmp_path / "work"
     work.mkdir()
     seeds = list(range(31, 37))
-    save_prompts(work, {f"p{s}": _a(s) for s in seeds})
+    save_prompts(work, {f"p{s}": a_prompt(s) for s in seeds})
     d = DaemonProc(tmp_path)
     try:
         engine = start_engine(d, work, "offload", *(f"p{s}" for s in seeds))
@@ -294,22 +255,22 @@ def test_daemon_killed_during_an_offload_then_restarted(tmp_path: Path, oracle: 
     try:
         hits = {}
         for s in seeds:
-            tokens = _b(s)
-            res = _serve(d, tokens)
+            tokens = b_prompt(s)
+            res = serve(d, tokens)
             hits[s] = res.hit_tokens
-            outcome = _outcome(res, tokens, oracle)
+            outcome = bitwise(res, tokens, oracle)
             if f"p{s}" == acked["name"]:
                 assert res.hit_tokens == BLOCKS * H  # acknowledged: nothing lost
-                _row(fault_table, "daemon kill -9 during an offload: acknowledged prompt", res, "c4", 0, outcome)
+                file_row(fault_table, "daemon kill -9 during an offload: acknowledged prompt", res, "c4", 0, outcome)
         unacked = [s for s in seeds if f"p{s}" != acked["name"]]
-        in_flight = _serve(d, _b(unacked[0]))
-        _row(
+        in_flight = serve(d, b_prompt(unacked[0]))
+        file_row(
             fault_table,
             "daemon kill -9 during an offload: the prompt in flight",
             in_flight,
             "c4",
             BLOCKS - 1,
-            _outcome(in_flight, _b(unacked[0]), oracle),
+            bitwise(in_flight, b_prompt(unacked[0]), oracle),
         )
         assert all(hits[s] == 0 for s in unacked[1:])  # never offloaded: misses, not garbage
     finally:
@@ -326,7 +287,7 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
                 engine = RefEngine(client, RefModel(PROFILE), checkpoint_every=CP)
                 for s in range(41, 80):
                     try:
-                        engine.prefill_and_offload(_a(s), durable=True)
+                        engine.prefill_and_offload(a_prompt(s), durable=True)
                     except NotDurable as exc:
                         assert "not in the store" in str(exc) and "StoreFull" in str(exc)
                         refused = s
@@ -342,10 +303,10 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
         d = DaemonProc(tmp_path, store_root=Path(mnt) / "store")
         try:
             for s in acked:
-                res = _serve(d, _b(s))
+                res = serve(d, b_prompt(s))
                 assert res.hit_tokens == BLOCKS * H
-                _outcome(res, _b(s), oracle)
-            res = _serve(d, _b(refused))
+                bitwise(res, b_prompt(s), oracle)
+            res = serve(d, b_prompt(refused))
             assert res.hit_tokens < BLOCKS * H or res.loaded_objects > 0
             group, block = next(
                 (
@@ -355,13 +316,13 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
                 ),
                 ("c4", 0),
             )
-            _row(
+            file_row(
                 fault_table,
                 f"disk full during an offload ({len(acked)} prompts acknowledged first)",
                 res,
                 group,
                 block,
-                _outcome(res, _b(refused), oracle) + f"; {len(acked)} acknowledged prompts hit in full",
+                bitwise(res, b_prompt(refused), oracle) + f"; {len(acked)} acknowledged prompts hit in full",
             )
         finally:
             d.close()
@@ -370,27 +331,27 @@ def test_disk_full_during_an_offload(tmp_path: Path, oracle: Oracle, fault_table
 def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, fault_table: FaultRows) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    save_prompts(work, {"held": _b(51)})
+    save_prompts(work, {"held": b_prompt(51)})
     d = DaemonProc(tmp_path, pools='compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n')
     try:
-        _offload(d, 51)
+        offload(d, 51)
         holder = start_engine(d, work, "hold", "held")
         held = json.loads(holder.stdout.readline())
         assert held["hit_tokens"] == BLOCKS * H and held["held"] > 0
         holder.send_signal(signal.SIGKILL)
         holder.wait(30)
         wait_leases_released(d.socket)
-        _offload(d, *range(52, 58))  # pool pressure: the formerly leased slots may go (to disk: they were persisted)
-        tokens = _b(51)
-        res = _serve(d, tokens)
+        offload(d, *range(52, 58))  # pool pressure: the formerly leased slots may go (to disk: they were persisted)
+        tokens = b_prompt(51)
+        res = serve(d, tokens)
         assert res.hit_tokens == BLOCKS * H
-        _row(
+        file_row(
             fault_table,
             "client killed -9 while holding leases",
             res,
             "c4",
             0,
-            _outcome(res, tokens, oracle) + "; leases released",
+            bitwise(res, tokens, oracle) + "; leases released",
         )
     finally:
         assert d.terminate() == 0
@@ -414,7 +375,7 @@ def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fa
     seed = 61
     d = DaemonProc(tmp_path)
     try:
-        _offload(d, seed)
+        offload(d, seed)
         d.proc.send_signal(signal.SIGKILL)  # a cold pool: the restore must load from disk
         d.proc.wait()
     finally:
@@ -434,20 +395,20 @@ def test_verifier_evicts_while_engine_b_loads(tmp_path: Path, oracle: Oracle, fa
 
             with _SlowLoader(d.socket, name="engine B", between=evict_all) as client:
                 client.attach(PROFILE.name)
-                tokens = _b(seed)
+                tokens = b_prompt(seed)
                 res = RefEngine(client, RefModel(PROFILE), checkpoint_every=CP).restore_and_continue(tokens)
             assert store.stats()["records"] == 0 < before
         assert actions.get("evicted", 0) == before, actions
         assert res.lookup_cv.hit_tokens == BLOCKS * H and res.loaded_objects == 0
         cv = res.final_cv
         assert res.hit_tokens == 0 and (cv.route("c4", 0), cv.reason("c4", 0)) == (Route.RECOMPUTE, Reason.EVICTED)
-        _row(
+        file_row(
             fault_table,
             "verifier evicts between B's lookup and load (TOCTOU)",
             res,
             "c4",
             0,
-            _outcome(res, tokens, oracle) + f"; {before} records evicted under B",
+            bitwise(res, tokens, oracle) + f"; {before} records evicted under B",
         )
     finally:
         d.close()

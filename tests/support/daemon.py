@@ -43,6 +43,7 @@ class DaemonProc:
         profiles: tuple[str, ...] = ("ref-tiny",),
         store_root: Path | None = None,
         top_toml: str = "",
+        verifier: str = 'mode = "off"\n',
     ) -> None:
         self.tmp = tmp
         self.socket = socket_path or tmp / "kvtier.sock"
@@ -52,7 +53,7 @@ class DaemonProc:
             f'[server]\nsocket = "{self.socket}"\nframe_timeout_s = 1.0\n{server_toml}'
             f'[store]\nroot = "{store_root or tmp / "store"}"\nbudget_bytes = "256MiB"\n'
             f"[pool.budget_bytes]\n{pools}"
-            f'[verifier]\nmode = "off"\n[metrics]\naddress = "127.0.0.1:0"\n' + extra_toml
+            f'[verifier]\n{verifier}[metrics]\naddress = "127.0.0.1:0"\n' + extra_toml
         )
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if abstract_notify:
@@ -66,7 +67,7 @@ class DaemonProc:
         env = child_env(NOTIFY_SOCKET=notify_addr)
         if watchdog_usec is not None:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
-        self.log = open(tmp / "daemon.log", "wb")
+        self.log = open(tmp / "daemon.log", "wb")  # noqa: SIM115  (the daemon writes it until close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
             env=env,

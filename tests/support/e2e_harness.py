@@ -36,10 +36,13 @@ def save_prompts(work: Path, prompts: dict[str, np.ndarray]) -> None:
         np.save(work / f"{name}.npy", tokens)
 
 
-def start_engine(d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny") -> subprocess.Popen[str]:
+def start_engine(
+    d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny", weights: str = ""
+) -> subprocess.Popen[str]:
+    """An engine process; `weights` (a weights digest) runs the model at that version of the profile."""
     return subprocess.Popen(
         [sys.executable, ENGINE, str(d.socket), profile, str(work), role, *names],
-        env=child_env(),
+        env=child_env(ENGINE_WEIGHTS_DIGEST=weights) if weights else child_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -47,13 +50,19 @@ def start_engine(d: DaemonProc, work: Path, role: str, *names: str, profile: str
     )
 
 
-def run_engine(d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny") -> dict[str, dict]:
+def run_engine(
+    d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny", weights: str = ""
+) -> dict[str, dict]:
     """Run one engine process to completion; its JSON report per prompt name."""
-    proc = start_engine(d, work, role, *names, profile=profile)
-    out, err = proc.communicate(timeout=120)
+    return engine_reports(d, start_engine(d, work, role, *names, profile=profile, weights=weights), role)
+
+
+def engine_reports(d: DaemonProc, proc: subprocess.Popen[str], role: str, stdin: str | None = None) -> dict[str, dict]:
+    """Wait for an engine process to finish (after writing `stdin` to it); its JSON report per prompt name."""
+    out, err = proc.communicate(stdin, timeout=120)
     assert proc.returncode == 0, f"engine {role} failed:\n{err}\ndaemon log:\n{d.read_log()[-3000:]}"
     docs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {doc["name"]: doc for doc in docs}
+    return {doc["name"]: doc for doc in docs if "name" in doc}
 
 
 class Oracle:

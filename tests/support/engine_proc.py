@@ -1,15 +1,20 @@
 """One engine process: the reference model through `kvtier.client` (a `RefEngine`), driven by the e2e tests.
 
-    engine_proc.py SOCKET PROFILE WORKDIR offload NAME...   prefill WORKDIR/NAME.npy and offload (durable), one JSON line each
-    engine_proc.py SOCKET PROFILE WORKDIR continue NAME...  restore + continue; logits to WORKDIR/NAME.logits.pt, one JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR offload NAME...   prefill WORKDIR/NAME.npy, offload durably; a JSON line each
+    engine_proc.py SOCKET PROFILE WORKDIR continue NAME...  restore + continue, logits to WORKDIR/NAME.logits.pt; same
     engine_proc.py SOCKET PROFILE WORKDIR hold NAME          look up, print the leases held, wait until killed
+    engine_proc.py SOCKET PROFILE WORKDIR wait NAME...      attach, print the namespace, wait for a line on stdin,
+                                                            then as `continue` (an engine attached before a rollout)
 
-PROFILE is a bundled name or a TOML path; the client attaches to that profile's name.
+PROFILE is a bundled name or a TOML path; the client attaches to that profile's name, or to its canary with
+PROFILE@canary. With ENGINE_WEIGHTS_DIGEST set the model is that version of the profile (a rollout's new weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,11 +22,17 @@ import numpy as np
 import torch
 
 from kvtier.client import Client
-from kvtier.core.profile import load_profile
+from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import RefEngine
 
 CHECKPOINT_EVERY = 4  # hash blocks between state checkpoints (128 tokens on ref-tiny)
+
+
+def engine_profile(profile: ModelProfile) -> ModelProfile:
+    """The profile at the version this engine runs: ENGINE_WEIGHTS_DIGEST, when set, is its weights digest."""
+    digest = os.environ.get("ENGINE_WEIGHTS_DIGEST")
+    return dataclasses.replace(profile, version=profile.version.bumped(weights_digest=digest)) if digest else profile
 
 
 def emit(doc: dict) -> None:
@@ -31,11 +42,16 @@ def emit(doc: dict) -> None:
 def main(argv: list[str]) -> None:
     socket_path, profile_arg, workdir, role, *names = argv
     torch.set_num_threads(1)
-    profile = load_profile(profile_arg)
+    profile_arg, _, version = profile_arg.partition("@")
+    profile = engine_profile(load_profile(profile_arg))
     work = Path(workdir)
     with Client(socket_path, name=f"engine {role}") as client:
-        client.attach(profile.name)
+        att = client.attach(f"{profile.name}@{version}" if version else profile.name)
         engine = RefEngine(client, RefModel(profile), checkpoint_every=CHECKPOINT_EVERY)
+        if role == "wait":
+            emit({"attached": att.namespace.hex()})
+            sys.stdin.readline()
+            role = "continue"
         for name in names:
             tokens = np.load(work / f"{name}.npy")
             if role == "offload":

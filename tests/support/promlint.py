@@ -18,7 +18,7 @@ NON_BASE_UNITS = ("milliseconds", "microseconds", "nanoseconds", "minutes", "hou
 # what a name may end in: a base unit, a ratio, or the thing it counts
 UNIT = re.compile(
     r"_(seconds|bytes|ratio|info|objects|slots|records|keys|pins|requests|connections|lookups|recoveries|"
-    r"recomputes|rejections|evictions|misses|actions|restarts|up|healthy)$"
+    r"recomputes|rejections|evictions|misses|actions|restarts|passes|up|healthy)$"
 )
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
 

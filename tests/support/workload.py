@@ -1,4 +1,5 @@
-"""An engine stand-in for the daemon tests: deterministic prefixes and cache objects, written and checked through a Client.
+"""An engine stand-in for the daemon tests: deterministic prefixes and cache objects, written and checked through a
+Client.
 
 Run as a script it is one engine process: `workload.py SOCKET write SEED BLOCKS` offloads a prefix,
 looks it up, loads and compares every object it reads; `read SEED BLOCKS [SEED BLOCKS ...]` checks
@@ -24,7 +25,8 @@ def tokens_for(seed: int, n_blocks: int, hash_block_tokens: int) -> np.ndarray:
 
 
 def caches_for(profile: ModelProfile, seed: int, n_blocks: int) -> dict[str, dict[int, torch.Tensor]]:
-    """Every history object of every block; state objects for the trailing window of the last boundary (a checkpoint)."""
+    """Every history object of every block; state objects for the trailing window of the last boundary (a
+    checkpoint)."""
     h = profile.hash_block_tokens
     out: dict[str, dict[int, torch.Tensor]] = {}
     for gi, g in enumerate(profile.groups):

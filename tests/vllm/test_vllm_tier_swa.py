@@ -1,4 +1,5 @@
-"""A hybrid model (tiny Gemma2: layer 0 sliding window 64, layer 1 full) on kvtier: SWA chunks hit only inside their window.
+"""A hybrid model (tiny Gemma2: layer 0 sliding window 64, layer 1 full) on kvtier: SWA chunks hit only inside
+their window.
 
 vLLM keeps two KV groups; kvtier files the full group as a history form (every chunk from 0) and the
 sliding group as the `swa` state form (only the chunks of a whole window before the continuation point).

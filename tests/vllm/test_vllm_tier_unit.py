@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from support.vllm_harness import require_vllm
 
@@ -30,15 +32,20 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
+from kvtier.core.forms import Reason  # noqa: E402
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
 from kvtier.integrations.vllm import log as tier_log  # noqa: E402
+from kvtier.store import QuarantineReason  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
 
 ROW = 8192
 CHUNKS = 16
 T = 32  # tokens per chunk
 FULL, SWA = 1, 0  # vLLM group ids, as in a Gemma2: layer 0 sliding (window 64), layer 1 full
-HOLD_WRITER = "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); print('holding', flush=True); sys.stdin.read(); s.close()"
+HOLD_WRITER = (
+    "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); "
+    "print('holding', flush=True); sys.stdin.read(); s.close()"
+)
 
 
 def write_model(path: Path, weights: bytes) -> Path:
@@ -229,6 +236,51 @@ def test_new_weights_under_the_same_path_miss(env) -> None:
     reweighted = env.tier(model_bytes=b"other weights" * 1000)
     assert reweighted.lookup(key(0), ReqContext("r")) is LookupResult.MISS
     assert counters(reweighted)[("vllm:kvtier_lookups", ("compressed", "missing"))] == 1
+
+
+def _behind_the_tiers_back(tier: KvtierSecondaryTier, i: int):
+    """Chunk i's store key, and the store the tier uses (changed directly: as the cleaner or another engine would)."""
+    return tier._object_key(key(i), tier._plans[FULL]), tier._store
+
+
+def test_a_stale_key_set_costs_a_recompute_or_a_miss_never_wrong_bytes(env) -> None:
+    """Lookups answer from the tier's key set in memory; when the store changes behind it, a record it still
+    holds fails its load (the slot is never written: vLLM recomputes) and one it lacks is a miss; the set
+    converges by itself."""
+    tier = env.tier(lookup_cache_s=3600.0)  # no refresh: the set stays stale for the first part
+    ctx = ReqContext("r")
+    tier.submit_store(job([key(i) for i in range(4)], [0, 1, 2, 3]))
+    finish(tier)
+    (k0, store), (k1, _) = _behind_the_tiers_back(tier, 0), _behind_the_tiers_back(tier, 1)
+    assert store.evict([k0]) == 1
+    assert store.quarantine(k1, QuarantineReason.EXTERNAL)
+    k5, _ = _behind_the_tiers_back(tier, 5)
+    store.store(k5, torch.from_numpy(env.primary[5]), tier._digests[FULL])  # another writer's record
+    assert store.has([k5], [tier._digests[FULL]]) == [Reason.OK]
+
+    assert [tier.lookup(key(i), ctx) for i in (0, 1, 2, 5)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+    env.primary[10:13] = 0xAB
+    load = job([key(0), key(1), key(2)], [10, 11, 12], promotion=True)
+    tier.submit_load(load)
+    result = finish(tier)[load.job_id]
+    assert not result.success and result.successful_keys == (key(2),)
+    assert (env.primary[10:12] == 0xAB).all()  # the stale hits' slots were never written
+    assert np.array_equal(env.primary[12], env.primary[2])
+    assert [tier.lookup(key(i), ctx) for i in (0, 1)] == [LookupResult.MISS] * 2  # vLLM asks again: now misses
+    tier.shutdown()
+
+    fresh = env.tier(lookup_cache_s=0.05)  # refreshes: removals and others' records reach the set unasked
+    assert [fresh.lookup(key(i), ctx) for i in (0, 1, 2, 3, 5)] == [LookupResult.MISS] * 2 + [LookupResult.HIT] * 3
+    (k3, store), (k6, _) = _behind_the_tiers_back(fresh, 3), _behind_the_tiers_back(fresh, 6)
+    assert store.evict([k3]) == 1
+    store.store(k6, torch.from_numpy(env.primary[6]), fresh._digests[FULL])
+    deadline = time.monotonic() + 30
+    while [fresh.lookup(key(i), ReqContext("again")) for i in (3, 6)] != [LookupResult.MISS, LookupResult.HIT]:
+        assert time.monotonic() < deadline, "the key set never caught up with the store"
+        time.sleep(0.01)
+    load = job([key(6)], [13], promotion=True)
+    fresh.submit_load(load)
+    assert finish(fresh)[load.job_id].success and np.array_equal(env.primary[13], env.primary[6])
 
 
 def test_a_failing_store_logs_one_warning_not_a_traceback_per_job(env, caplog) -> None:
