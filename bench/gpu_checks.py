@@ -134,7 +134,8 @@ def main() -> int:
         print(
             json.dumps(
                 {
-                    "skipped": "CUDA is not available on this machine; run on a GPU host (or --device cpu for the scenario alone)"
+                    "skipped": "CUDA is not available on this machine; run on a GPU host "
+                    "(or --device cpu for the scenario alone)"
                 }
             )
         )

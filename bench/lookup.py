@@ -94,7 +94,7 @@ def run(token_counts: list[int], repeat: int) -> dict:
     for tokens in token_counts:
         rng = np.random.default_rng(tokens)
         prompt = rng.integers(0, 129_280, tokens, dtype=np.int64)
-        hash_ms = _median_ms(lambda: block_hashes(profile.namespace, prompt, h), max(5, repeat // 10))
+        hash_ms = _median_ms(lambda p=prompt: block_hashes(profile.namespace, p, h), max(5, repeat // 10))
         hashes = block_hashes(profile.namespace, prompt, h)
         bare = {x: i for i, x in enumerate(hashes)}
         for mix in ("reuse", "mixed"):
@@ -113,7 +113,7 @@ def run(token_counts: list[int], repeat: int) -> dict:
                 lookup_times.append(time.perf_counter() - t0)
                 m.release(result)
             lookup_ms = statistics.median(lookup_times) * 1e3
-            bare_ms = _median_ms(lambda: list(map(bare.get, hashes)), repeat)
+            bare_ms = _median_ms(lambda b=bare, hs=hashes: list(map(b.get, hs)), repeat)
             cases.append(
                 {
                     "tokens": tokens,

@@ -217,9 +217,13 @@ class KvtierStore:
         return [o if r is Reason.OK else None for r, o in zip(reasons, outs)]
 
     def _out(self, slot: int, n: int) -> torch.Tensor:
+        """A page-aligned target, as the daemon's pool slots are (large payloads then land without a bounce copy;
+        LMCache reads into its own allocator's pages alike)."""
         t = self.outs.get(slot)
         if t is None or t.numel() < n:
-            t = self.outs[slot] = torch.empty(n, dtype=torch.uint8)
+            raw = torch.empty(n + 4096, dtype=torch.uint8)
+            start = -raw.data_ptr() % 4096
+            t = self.outs[slot] = raw[start : start + n]
         return t[:n]
 
     def _entry(self, i: int):
@@ -327,7 +331,9 @@ class LmcacheStore:
             "durable_on_ack": False,
             "checksums": None,
             "use_odirect": self.disk.use_odirect,
-            "odirect_objects": f"{direct} of {len(self.w.payloads)} (O_DIRECT only for sizes that are multiples of {bs} B)",
+            "odirect_objects": (
+                f"{direct} of {len(self.w.payloads)} (O_DIRECT only for sizes that are multiples of {bs} B)"
+            ),
         }
 
     def write(self, idx: list[int]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -16,7 +17,7 @@ import matplotlib.pyplot as plt
 
 def main() -> None:
     report_path, out = sys.argv[1], sys.argv[2]
-    report = json.loads(open(report_path).read())
+    report = json.loads(Path(report_path).read_text())
     restore = report["sections"]["restore"]
     cases = restore["cases"]
     tokens = [c["tokens"] for c in cases]

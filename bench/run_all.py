@@ -149,7 +149,8 @@ def run_section(name: str, cmd: list[str], timeout: float, env: dict[str, str]) 
 
 
 def machine(dir_: str) -> dict:
-    mem = next((int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:")), 0)
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    mem = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:")), 0)
     fs = subprocess.run(["df", "--output=fstype,source", dir_], capture_output=True, text=True).stdout.split()
     return {
         "cpus": os.cpu_count(),
@@ -172,7 +173,7 @@ def git_commit() -> str:
 
 def _fmt(v: float | None, unit: str = "") -> str:
     if v is None:
-        return "–"
+        return "-"
     if unit == "s":
         return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
     if unit == "ms":
@@ -276,36 +277,21 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((f"vs {peer}", "", peer, "error", ps["error"][:80]))
             continue
         ratio = p["kvtier_over_peer"][peer]
-        out.append(
-            (
-                "same objects: write, acknowledged, MB/s",
-                _fmt(ks["write_ack_MBps"]),
-                peer,
-                _fmt(ps["write_ack_MBps"]),
-                _speed(ratio["write_ack_MBps"]),
-            )
-        )
-        out.append(
-            (
-                "same objects: write + fsync of its files, MB/s",
-                _fmt(ks["write_durable_MBps"]),
-                peer,
-                _fmt(ps["write_durable_MBps"]),
-                _speed(ratio["write_durable_MBps"]),
-            )
-        )
-        out.append(
-            (
-                "same objects: cold read, MB/s",
-                _fmt(ks["cold_read_MBps"]),
-                peer,
-                _fmt(ps["cold_read_MBps"]),
-                _speed(ratio["cold_read_MBps"]),
-            )
-        )
+        for label, key in (
+            ("same objects: write, acknowledged, MB/s", "write_ack_MBps"),
+            ("same objects: write + fsync of its files, MB/s", "write_durable_MBps"),
+            ("same objects: cold read, MB/s", "cold_read_MBps"),
+        ):
+            out.append((label, _fmt(ks[key]), peer, _fmt(ps[key]), _speed(ratio[key])))
         out.append(("one byte of an object flipped", ks["flipped_byte"], peer, ps["flipped_byte"], ""))
         out.append(("object's file truncated", ks["truncated_file"], peer, ps["truncated_file"], ""))
-        restart = lambda x: f"{x['correct']}/{x['untouched']} back" if "error" not in x else x["error"]  # noqa: E731
+        restart = (  # noqa: E731
+            lambda x: (
+                f"{x['correct']}/{x['untouched']} back, {x['found'] - x['correct']} wrong"
+                if "error" not in x
+                else x["error"]
+            )
+        )
         out.append(("new process on the same directory", restart(ks["restart"]), peer, restart(ps["restart"]), ""))
     for name, sec in sections.items():
         if "error" in sec:
@@ -317,12 +303,14 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     head = (
         f"kvtier benchmarks, {report['date']}, commit {report['commit']}: {m['cpus']}-core {m['arch']} VM, "
-        f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}{' (--quick)' if report['quick'] else ''}\n\n"
+        f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}"
+        f"{' (--quick)' if report['quick'] else ''}\n\n"
     )
     workload = report["sections"].get("peers", {}).get("workload")
     if workload:
         head += (
-            f"Peers hold the same objects: {workload['profile']} history of a {workload['tokens'] // 1024}K-token prefix plus "
+            f"Peers hold the same objects: {workload['profile']} history of a "
+            f"{workload['tokens'] // 1024}K-token prefix plus "
             f"state checkpoints, {workload['objects']} objects, {workload['bytes'] / 1e6:.0f} MB.\n\n"
         )
     lines = ["| benchmark | kvtier | compared with | its value | kvtier vs it |", "| --- | --- | --- | --- | --- |"]

@@ -121,7 +121,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _worked(actions: dict[str, int], records: int) -> bool:
-    """The verifier did every kind of work the windows are meant to overlap: swept half, evicted, compacted, unlinked."""
+    """The verifier did every kind of work the windows are meant to overlap: swept half, evicted, compacted,
+    unlinked."""
     return (
         actions.get("verified", 0) >= records // 2
         and actions.get("evicted", 0) > 0
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         readers.label = None
         os.kill(proc.pid, signal.SIGCONT)
         readers.stop()
-        w, wo = (sum(readers.samples[k], []) for k in ("with", "without"))
+        w, wo = ([x for window in readers.samples[k] for x in window] for k in ("with", "without"))
         wp99, wop99 = (float(np.median([_pct(x, 99) for x in readers.samples[k] if x])) for k in ("with", "without"))
         out = {
             "records": args.records,

@@ -117,7 +117,7 @@ class DaemonConfig:
     metrics: MetricsConfig
     admission: AdmissionSection = AdmissionSection()
     lease_ttl_s: float = 30.0
-    recovering_cap: int = 64
+    recovering_cap: int = 4096  # slots RECOVERING at once; one lookup's queue loads as one batch
     recover_queue: int = 4096  # objects one lookup may queue for recovery; the rest RECOMPUTE `admission`
     persist_queue_depth: int = 1024
     shutdown_timeout_s: float = 20.0

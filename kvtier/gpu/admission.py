@@ -15,7 +15,9 @@ class AdmissionConfig:
     into reservations, starting in proportion to capacity and rebalanced toward demand every
     `rebalance_every` allocations, never below `min_form_share`: when the cap is reached, the victim
     comes from a form above its reservation (state forms first, LRU), so no form starves another.
-    `max_recovering`: slots RECOVERING at once (a recovery beyond it waits, up to `recover_wait_s`).
+    `max_recovering`: slots RECOVERING at once (a recovery beyond it waits, up to `recover_wait_s`);
+    one recovery loads what the cap lets it claim as one batch, so the default takes a whole
+    lookup's queue (`max_recover_queue`): the store then reads it in as few large runs as it lies in.
     `max_recover_queue`: RECOVER objects a lookup may hand out while others are pending; the excess
     is routed RECOMPUTE `admission`.
     `state_probe_boundaries`: boundaries below the history hit at which the lower tier is asked
@@ -25,7 +27,7 @@ class AdmissionConfig:
     max_entries: int | None = None
     min_form_share: float = 0.05
     rebalance_every: int = 1024
-    max_recovering: int = 64
+    max_recovering: int = 4096
     max_recover_queue: int = 4096
     recover_wait_s: float = 30.0
     state_probe_boundaries: int = 16

@@ -87,9 +87,13 @@ class Counters:
     def event(self, name: str, form_index: int, n: int = 1) -> None:
         self._events[name][form_index] += n
 
-    def recovery_latency(self, form_index: int, seconds: float) -> None:
-        self._lat_counts[form_index, np.searchsorted(LATENCY_BUCKETS_S, seconds)] += 1
-        self._lat_sum[form_index] += seconds
+    def recovered(self, form_indexes: list[int], seconds: list[float]) -> None:
+        """A batch of verified recoveries: `recovers_ok` and the latency histogram, in a few array ops."""
+        forms = np.asarray(form_indexes, dtype=np.intp)
+        secs = np.asarray(seconds, dtype=np.float64)
+        np.add.at(self._events["recovers_ok"], forms, 1)
+        np.add.at(self._lat_counts, (forms, np.searchsorted(LATENCY_BUCKETS_S, secs)), 1)
+        np.add.at(self._lat_sum, forms, secs)
 
     def snapshot(self) -> CounterSnapshot:
         per_form = np.zeros((len(self.forms), N_CODES), dtype=np.int64)

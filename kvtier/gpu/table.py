@@ -17,6 +17,10 @@ from kvtier.gpu.states import BlockState, check_move
 
 IN_FLIGHT = 100  # verdict of an object being recovered right now; mapped to RECOVER before any vector is built
 
+# enum members as plain values for the per-slot paths (an enum attribute lookup costs ~1.5 us on 3.11)
+_RECOVERING, _SEALED = BlockState.RECOVERING, BlockState.SEALED
+_OK, _STALE = int(Reason.OK), int(Reason.STALE_VERSION)
+
 _CLASS_SHIFT = 1 << 48  # eviction order: stale namespace, then state forms, then history; LRU within
 
 
@@ -88,10 +92,11 @@ class BlockTable:
     # -- slots --------------------------------------------------------------------------------
 
     def move(self, slot: int, to: BlockState) -> None:
-        check_move(int(self.s_state[slot]), to, slot)
-        if self.s_state[slot] == BlockState.RECOVERING:
+        current = int(self.s_state[slot])
+        check_move(current, to, slot)
+        if current == _RECOVERING:
             self.n_recovering -= 1
-        if to == BlockState.RECOVERING:
+        if to == _RECOVERING:
             self.n_recovering += 1
         self.s_state[slot] = to
 
@@ -132,8 +137,8 @@ class BlockTable:
 
     def seal(self, slot: int, live_ns: int, *, recoverable: bool = False) -> None:
         """WRITING / RECOVERING -> SEALED: the object reads OK if it is of the live namespace."""
-        self.move(slot, BlockState.SEALED)
-        self.set_verdict(slot, Reason.OK if self.s_ns[slot] == live_ns else Reason.STALE_VERSION)
+        self.move(slot, _SEALED)
+        self.set_verdict(slot, _OK if self.s_ns[slot] == live_ns else _STALE)
         if recoverable:
             self.mark_recoverable(slot)
         self.touch_slot(slot)
@@ -192,7 +197,7 @@ class BlockTable:
             if self.s_gen[slot] == gen:
                 self.s_leases[slot] -= 1
         dead = rows[(self.r_live[rows] == 0) & (self.r_leases[rows] == 0)]
-        for row in np.unique(dead).tolist():
+        for row in sorted(set(dead.tolist())):  # not np.unique: its first call imports numpy.ma (~10-30 ms)
             self.drop_row_if_dead(row)
 
     def pin(self, slot: int) -> bool:

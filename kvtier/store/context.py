@@ -83,6 +83,7 @@ class StoreContext:
         if pool is None:
             threads = self.config.read_threads if role == "read" else self.config.io_threads
             pool = self._pools[role] = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-store-{role}")
+            _start_workers(pool, max(1, threads))
         return pool
 
     def close_pools(self) -> None:
@@ -97,6 +98,15 @@ class StoreContext:
     def check_pid(self) -> None:
         if self.forked:
             raise StoreForkError("this DiskStore was opened before fork(): open the store again in the child process")
+
+
+def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start all `n` workers now: the executor starts one per submit that finds none idle, and a thread start
+    (several ms on a busy host) would otherwise land inside the first large load. The barrier keeps each
+    task on its own thread until all are up."""
+    barrier = threading.Barrier(n)
+    for _ in range(n):
+        pool.submit(barrier.wait, 10.0)
 
 
 def flat_uint8(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 INDEX_DIR = "index.lmdb"
 DB_NAMES = ("meta", "ns", "obj", "seg", "dirty", "atime", "gone")
+PREFETCH_INDEX_BYTES = 256 << 20  # larger indexes are left to fault in as they are used
 INITIAL_MAP_BYTES = 64 << 20
 KEY_PREFIX_BYTES = 33  # namespace(16) + block hash(16) + form code(1), then the group name
 
@@ -315,6 +316,22 @@ class _Gate:
                 self._cond.notify_all()
 
 
+def _prefetch(data_file: str) -> None:
+    """Start reading an index of up to PREFETCH_INDEX_BYTES into the page cache in the background: the map is
+    opened with readahead off (random lookups of a large index should not drag in neighbours), so a cold
+    restore's lookups would otherwise fault its pages in one synchronous read at a time."""
+    try:
+        fd = os.open(data_file, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if 0 < size <= PREFETCH_INDEX_BYTES:
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
 class Index:
     """One LMDB environment per process, opened after any fork; short transactions only."""
 
@@ -346,6 +363,7 @@ class Index:
                     f"{path} is already open in this process: share that DiskStore, or close it first"
                 ) from None
             raise
+        _prefetch(os.path.join(path, "data.mdb"))
         if readonly:  # handles opened inside a read txn die with it: open them without one
             dbs = {n: self._open_existing(n) for n in DB_NAMES}
         else:

@@ -64,6 +64,7 @@ class DiskStore:
             self._writer = Writer(self._ctx)
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
+            self._ctx.executor("read")  # the daemon's read threads start now, not inside its first restore
 
     # ----------------------------------------------------------------- properties
 

@@ -17,14 +17,9 @@ STAMP="$VENV/.kvtier-sglang-ready"
 PY="$VENV/bin/python"
 WANT="$SGLANG_SPEC $TORCH_SPEC ${SGLANG_IMPORTS[*]}"
 
-quiet() { # run a command, showing its output only when it fails
-    local log rc=0
-    log=$(mktemp)
-    "$@" >"$log" 2>&1 || rc=$?
-    ((rc == 0)) || { cat "$log"; echo "tests/sglang: failed ($rc): $*"; }
-    rm -f "$log"
-    return $rc
-}
+QUIET_LABEL=tests/sglang
+# shellcheck source=tests/support/quiet.sh
+. tests/support/quiet.sh
 
 probe() {
     "$PY" -c "import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory"

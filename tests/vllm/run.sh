@@ -13,14 +13,9 @@ VENV=${KVTIER_VLLM_VENV:-$ROOT/bench/.venv-vllm}
 STAMP="$VENV/.kvtier-vllm-ready"
 PY="$VENV/bin/python"
 
-quiet() { # run a command, showing its output only when it fails
-    local log rc=0
-    log=$(mktemp)
-    "$@" >"$log" 2>&1 || rc=$?
-    ((rc == 0)) || { cat "$log"; echo "tests/vllm: failed ($rc): $*"; }
-    rm -f "$log"
-    return $rc
-}
+QUIET_LABEL=tests/vllm
+# shellcheck source=tests/support/quiet.sh
+. tests/support/quiet.sh
 
 venv_complete() {
     [[ -x $PY && -f $STAMP && $(cat "$STAMP") == "$VLLM_SPEC" ]] \
