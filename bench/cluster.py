@@ -1,13 +1,20 @@
-"""Cross-node restore through the cluster tier vs a local-disk restore of the same objects; prints one JSON object.
+"""Cross-node restore through the cluster vs a local-disk restore of the same prefix; prints one JSON object.
 
-Tier level (phase 1 of issue 16; the daemon-level comparison comes with the daemon integration):
+Daemon level (`daemon`), the reference model through two real `kvtier serve` daemons on one loopback Mooncake
+cluster (a master, two holders):
 
-1. a loopback Mooncake cluster starts (a master, two holders);
-2. node 1 stores `--objects` objects of `--object-bytes` into its ClusterTier (and the same into a DiskStore);
-3. node 2 (a second Mooncake client, i.e. another node's view) loads them all through its ClusterTier, verified
-   (header + xxh3 checksum) into a pool-like buffer: `cluster_gbps`;
-4. the DiskStore, its files evicted from the page cache before each round, loads the same objects:
-   `disk_gbps`. `ratio` = cluster_gbps / disk_gbps.
+1. engine A on node 1 prefills `--tokens` tokens and offloads them (durable on node 1's disk, written through
+   to the cluster);
+2. engine B on node 2 (empty pool and store, `promote` off) restores the prefix from the cluster through its
+   daemon: lookup (local index, then one batched existence call), load (gets, header + xxh3 verified);
+3. node 1 is restarted (pools empty) and its store's page cache dropped; engine B' on node 1 restores the
+   same prefix from local disk. Steps 2-3 run `--repeat` times (node 2 restarted too); each time's best counts.
+
+`gbps` = bytes loaded / load seconds; `ratio` = cluster gbps / disk gbps; `restore_ratio` = disk restore_s /
+cluster restore_s (lookup + load + read + rebuild). Both restores must continue bitwise alike.
+
+Tier level (`tier`): a ClusterTier of a second client loads `--objects` x `--object-bytes` verified, vs a
+DiskStore with its page cache dropped (no daemon, no model).
 
 On one machine the "network" is loopback TCP: `loopback_gbps` (one TCP stream, measured in the same run) is
 the ceiling a cluster restore can reach here; real nodes are bound by their NIC (or RDMA) instead.
@@ -24,20 +31,28 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # support.mooncake
 
 from bench.pagecache import drop_cache_tree
+from kvtier.client import Client
 from kvtier.cluster import ClusterConfig, ClusterTier
 from kvtier.core import CacheForm, VersionKey
+from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.refmodel import RefModel
+from kvtier.refmodel.demo import DemoDaemon, pool_budgets
+from kvtier.refmodel.engine import RefEngine, RestoreResult
 from kvtier.store import DiskStore
+from support.cluster_nodes import cluster_stats, cluster_toml, wait_written_through
 from support.mooncake_loopback import mooncake_cluster, unavailable
 
 DIGEST = b"L" * 16
 VK = VersionKey("bench-cluster", "w0", "abi-1", "comp-1", "idx-1", "fp8")
+CHECKPOINT_EVERY = 16  # hash blocks between state checkpoints (the engine's default, as in bench/restore.py)
 
 
 def loopback_gbps(nbytes: int = 512 << 20) -> float:
@@ -76,16 +91,8 @@ def _load(tier, keys: list[ObjectKey], outs: list[torch.Tensor]) -> float:
     return elapsed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objects", type=int, default=128)
-    ap.add_argument("--object-bytes", type=int, default=1 << 20)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    why = unavailable()
-    if why:
-        print(json.dumps({"skipped": why}))
-        return
+def tier_level(args: argparse.Namespace, tmp: pathlib.Path) -> dict:
+    """ClusterTier (another client) vs DiskStore load_into of the same objects, verified."""
     total = args.objects * args.object_bytes
     g = torch.Generator().manual_seed(7)
     payloads = [
@@ -93,10 +100,7 @@ def main() -> None:
     ]
     keys = [ObjectKey(VK.namespace, i.to_bytes(16, "big"), "c4", CacheForm.COMPRESSED) for i in range(args.objects)]
     outs = [torch.empty_like(p) for p in payloads]
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        mooncake_cluster(pathlib.Path(tmp) / "mc", segment_bytes=total + (64 << 20), lease_ms=5000) as mc,
-    ):
+    with mooncake_cluster(tmp / "mc", segment_bytes=total + (64 << 20), lease_ms=5000) as mc:
         cfg = ClusterConfig(
             enabled=True, master=mc.master, metadata=mc.metadata, staging_bytes=64 << 20, load_timeout_s=60
         )
@@ -108,29 +112,126 @@ def main() -> None:
         assert all(torch.equal(o, p) for o, p in zip(outs, payloads))
         node1.close()
         node2.close()
-        disk = DiskStore(str(pathlib.Path(tmp) / "disk"), writer=True)
-        disk.register_namespace(VK)
-        disk.store_many(list(zip(keys, payloads, [DIGEST] * len(keys))))
-        disk_s = []
-        for _ in range(args.repeat):
-            drop_cache_tree(disk.root)
-            disk_s.append(_load(disk, keys, outs))
-        disk.close()
-    link = loopback_gbps()
+    disk = DiskStore(str(tmp / "disk"), writer=True)
+    disk.register_namespace(VK)
+    disk.store_many(list(zip(keys, payloads, [DIGEST] * len(keys))))
+    disk_s = []
+    for _ in range(args.repeat):
+        drop_cache_tree(disk.root)
+        disk_s.append(_load(disk, keys, outs))
+    disk.close()
     cluster_gbps, disk_gbps = total / cluster_s / 1e9, total / min(disk_s) / 1e9
+    return {
+        "objects": args.objects,
+        "object_bytes": args.object_bytes,
+        "cluster_put_gbps": round(total / put_s / 1e9, 3),
+        "cluster_restore_gbps": round(cluster_gbps, 3),
+        "disk_restore_gbps": round(disk_gbps, 3),
+        "ratio": round(cluster_gbps / disk_gbps, 3),
+    }
+
+
+def _node(root: pathlib.Path, profile, pools: dict[str, int], mc, **cluster: object) -> DemoDaemon:
+    """A `kvtier serve` on `root` whose chain ends in the loopback cluster `mc`."""
+    root.mkdir(parents=True)
+    node = DemoDaemon(root, profile, pools)
+    big = dict(staging_bytes="64MiB", transfer_buffer_bytes="64MiB", lookup_timeout_s=5.0, load_timeout_s=60.0)
+    node.config.write_text(node.config.read_text() + cluster_toml(mc, **big, put_timeout_s=60.0, **cluster))
+    return node
+
+
+def _restore(node: DemoDaemon, model: RefModel, tokens) -> tuple[RestoreResult, dict]:
+    """Start `node` (empty pools), restore `tokens` through it, stop it; the result and its cluster stats."""
+    node.start()
+    try:
+        with Client(node.socket) as c:
+            c.attach(model.profile.name)
+            got = RefEngine(c, model, checkpoint_every=CHECKPOINT_EVERY).restore_and_continue(tokens)
+        return got, cluster_stats(node)
+    finally:
+        node.stop(90.0)
+
+
+def _side(best: RestoreResult) -> dict:
+    return {
+        "hit_tokens": best.hit_tokens,
+        "loaded_objects": best.loaded_objects,
+        "bytes": best.bytes_from_disk,
+        "lookup_s": round(best.lookup_s, 4),
+        "load_s": round(best.load_s, 4),
+        "restore_s": round(best.restore_s, 4),
+        "gbps": round(best.bytes_from_disk / best.load_s / 1e9, 3),
+    }
+
+
+def daemon_level(args: argparse.Namespace, tmp: pathlib.Path) -> dict:
+    """Engine B on node 2 restoring node 1's prefix from the cluster, vs node 1 restoring it from its disk."""
+    torch.set_num_threads(1)
+    profile = load_profile(args.profile)
+    model = RefModel(profile)
+    tokens = np.random.default_rng(args.tokens).integers(0, model.config.vocab_size, args.tokens + 16, dtype=np.int64)
+    pools = pool_budgets(profile, args.tokens, CHECKPOINT_EVERY)
+    with mooncake_cluster(tmp / "mc", segment_bytes=args.segment_bytes, lease_ms=5000) as mc:
+        node1 = _node(tmp / "node1", profile, pools, mc)
+        node2 = _node(tmp / "node2", profile, pools, mc, promote=False)
+        node1.start()
+        try:
+            with Client(node1.socket) as c:
+                c.attach(profile.name)
+                off = RefEngine(c, model, checkpoint_every=CHECKPOINT_EVERY).prefill_and_offload(
+                    tokens[: args.tokens], durable=True
+                )
+            if off.refused or not off.persisted:
+                raise SystemExit(f"bench/cluster: offload incomplete (refused {off.refused})")
+            wrote = wait_written_through(node1, off.written, timeout=600)
+            if wrote["dropped"] or wrote["background_failed"]:
+                raise SystemExit(f"bench/cluster: write-through incomplete: {wrote}")
+        finally:
+            node1.stop(90.0)
+        cluster, disk = [], []
+        for _ in range(args.repeat):
+            got, stats = _restore(node2, model, tokens)
+            if stats["local_hits"] or not stats["cluster_hits"]:
+                raise SystemExit(f"bench/cluster: node 2 did not restore from the cluster: {stats}")
+            cluster.append(got)
+            drop_cache_tree(node1.root / "store")
+            disk.append(_restore(node1, model, tokens)[0])
+    c, d = min(cluster, key=lambda r: r.load_s), min(disk, key=lambda r: r.load_s)
+    if c.hit_tokens != d.hit_tokens or not torch.equal(c.logits, d.logits):
+        raise SystemExit("bench/cluster: the cluster and disk restores continue differently")
+    out = {"profile": profile.name, "tokens": args.tokens, "cluster": _side(c), "disk": _side(d)}
+    out["ratio"] = round(out["cluster"]["gbps"] / out["disk"]["gbps"], 3)
+    out["restore_ratio"] = round(d.restore_s / c.restore_s, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="ref-tiny")
+    ap.add_argument("--tokens", type=int, default=8192, help="Prompt tokens node 1 offloads and node 2 restores.")
+    ap.add_argument("--segment-bytes", type=int, default=512 << 20, help="Each holder's share of the cluster.")
+    ap.add_argument("--objects", type=int, default=128, help="Tier level: objects.")
+    ap.add_argument("--object-bytes", type=int, default=1 << 20, help="Tier level: bytes per object.")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--skip-tier", action="store_true", help="Only the daemon-level comparison.")
+    args = ap.parse_args()
+    why = unavailable()
+    if why:
+        print(json.dumps({"skipped": why}))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-", dir="/var/tmp") as tmp:
+        daemon = daemon_level(args, pathlib.Path(tmp))
+        tier = None if args.skip_tier else tier_level(args, pathlib.Path(tmp))
+    link = loopback_gbps()
+    daemon["cluster_vs_link"] = round(daemon["cluster"]["gbps"] / link, 3)
     print(
         json.dumps(
             {
-                "objects": args.objects,
-                "object_bytes": args.object_bytes,
-                "total_bytes": total,
-                "cluster_put_gbps": round(total / put_s / 1e9, 3),
-                "cluster_restore_gbps": round(cluster_gbps, 3),
-                "disk_restore_gbps": round(disk_gbps, 3),
-                "ratio": round(cluster_gbps / disk_gbps, 3),
+                "daemon": daemon,
+                "tier": tier,
                 "loopback_gbps": round(link, 3),
-                "cluster_vs_link": round(cluster_gbps / link, 3),
-                "note": "tier level: ClusterTier vs DiskStore load_into, verified; the link is loopback TCP",
+                "note": "one machine: the cluster's link is loopback TCP (loopback_gbps is its ceiling here), and "
+                "the master, holders, both daemons and the engines share its cores",
             }
         )
     )

@@ -14,12 +14,17 @@ from tqdm import tqdm
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.option("--deep", is_flag=True, help="Re-read and checksum every record (progress bar on stderr).")
 @click.option("--fix", is_flag=True, help="Apply the verifier's actions once, then report the store as it is after.")
-def audit(root: str, as_json: bool, deep: bool, fix: bool) -> None:
+@click.option("--cluster", is_flag=True, help="Also audit the cluster tier named by the config's [cluster] table.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Daemon config file (for --cluster).")
+@click.option("--sample", default=32, show_default=True, type=click.IntRange(0), help="Cluster objects to verify.")
+def audit(root: str, as_json: bool, deep: bool, fix: bool, cluster: bool, config_path: str | None, sample: int) -> None:
     """Per namespace and form counts, orphaned / reclaimable bytes, budget use.
 
     Exit 0 when clean; 1 when corruption or orphaned bytes were found (with --fix: found before or left after);
-    2 for usage errors (a missing store included).
+    2 for usage errors (a missing store included). With --cluster, a sampled cluster object that fails its
+    checks is corruption too; a cluster that cannot be reached is exit 2.
     """
+    from kvtier.cli.cluster_audit import render_cluster, run_cluster_audit
     from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
 
     settings = VerifierSettings()
@@ -38,12 +43,15 @@ def audit(root: str, as_json: bool, deep: bool, fix: bool) -> None:
         if fix:
             actions = Verifier(store, settings).run_once()
             report = audit_store(store, settings)
+        remote = run_cluster_audit(config_path, store, sample) if cluster else None
     if as_json:
-        click.echo(json.dumps(report.to_json()))
+        click.echo(json.dumps({**report.to_json(), **({"cluster": remote.to_json()} if remote else {})}))
     else:
         click.echo(render_table(report))
         if fix:
             done = ", ".join(f"{k} {v}" for k, v in sorted(actions.items())) or "nothing to do"
             click.echo(f"\nfixed: {done}")
-    found = before.problems or report.problems or actions.get("quarantined", 0) > 0
+        if remote:
+            click.echo("\n" + render_cluster(remote))
+    found = before.problems or report.problems or actions.get("quarantined", 0) > 0 or (remote and remote.problems)
     sys.exit(1 if found else 0)

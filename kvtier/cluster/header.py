@@ -88,6 +88,14 @@ class ObjectHeader:
         _SEAL.pack_into(buf, _SEAL_AT, xxhash.xxh3_64_intdigest(buf[:_SEAL_AT]))
 
 
+def verify_stored(obj: memoryview, key: ObjectKey) -> Verdict:
+    """Check an object as stored, without a reader's layout (audits): its header against `key`, length, checksum."""
+    if len(obj) >= HEADER_BYTES and bytes(obj[:8]) == MAGIC:
+        fields = _FIXED.unpack_from(obj[:HEADER_BYTES])
+        return verify(obj, key, fields[8], fields[10])
+    return verify(obj, key, b"", 0)  # shorter than a header, or not a kvtier object: verify says which
+
+
 def verify(obj: memoryview, key: ObjectKey, layout_digest: bytes, payload_len: int) -> Verdict:
     """Check an object read back for `key`: OK only if its payload, obj[HEADER_BYTES:], is exactly what was written."""
     if len(obj) < HEADER_BYTES:

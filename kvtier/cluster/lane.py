@@ -70,7 +70,10 @@ class Lane:
         pending: list[Future] = []
 
         def run(fn: Callable[[], T]) -> T:
-            fut = self._pool.submit(fn)
+            try:
+                fut = self._pool.submit(fn)
+            except RuntimeError:  # closed: the client is going away
+                raise ClusterUnavailable(f"cluster {self.name}: closed") from None
             try:
                 result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -87,5 +90,10 @@ class Lane:
             else:
                 self._lock.release()
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> bool:
+        """Take no more calls; wait until `deadline` (monotonic) for one still running. True when none runs."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self._lock.release()
+        return True

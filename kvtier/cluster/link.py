@@ -49,7 +49,7 @@ class ClientLink:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                _probe(self.cfg)
+                probe(self.cfg)
                 client = self._connect(self.cfg)
             except ClusterSetupError as exc:
                 self.last_error = str(exc)
@@ -89,10 +89,10 @@ class ClientLink:
 
 
 def _endpoints(cfg: ClusterConfig) -> tuple[list[str], str]:
-    """host:port of the masters (or their etcd endpoints), and of the metadata server ("" when it is not HTTP)."""
+    """host:port of the masters (or their etcd endpoints), and of the metadata server (HTTP or etcd; "" for others)."""
     masters = cfg.etcd.split(";") if cfg.etcd else [cfg.master]
     url = urllib.parse.urlsplit(cfg.metadata)
-    return [m.strip() for m in masters if m.strip()], (url.netloc if url.scheme == "http" else "")
+    return [m.strip() for m in masters if m.strip()], (url.netloc if url.scheme in ("http", "etcd") else "")
 
 
 def _accepts(endpoint: str, timeout_s: float) -> bool:
@@ -104,7 +104,7 @@ def _accepts(endpoint: str, timeout_s: float) -> bool:
         return False
 
 
-def _probe(cfg: ClusterConfig) -> None:
+def probe(cfg: ClusterConfig) -> None:
     """ClusterSetupError unless a master (or etcd) endpoint and the metadata server accept a TCP connection."""
     masters, metadata = _endpoints(cfg)
     timeout = min(1.0, cfg.load_timeout_s)

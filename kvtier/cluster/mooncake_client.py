@@ -26,6 +26,9 @@ NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
 TOO_LARGE = -(1 << 30)  # ours: the object cannot fit the staging buffer at all
 
+# Clients closed while a call of theirs still ran: never torn down (nor collected) in this process.
+_LEFT_OPEN: list[object] = []
+
 
 def require_mooncake() -> None:
     """Raise ClusterSetupError, saying how to install it, where Mooncake cannot be imported."""
@@ -169,10 +172,16 @@ class MooncakeClient:
         else:
             self.breaker.succeeded()
 
-    def close(self) -> None:
-        for lane in (self._lookup, self._get, self._put):
-            lane.close()
-        # Mooncake's close holds the GIL and, where the master went away or failed over, can take tens of seconds.
+    def close(self, wait_s: float = 5.0) -> None:
+        """Close once no call runs. A call still running after `wait_s` (a master that stopped answering) keeps the
+        client open for good: tearing it down under that call crashes the process."""
+        deadline = time.monotonic() + wait_s
+        busy = [lane.name for lane in (self._lookup, self._get, self._put) if not lane.close(deadline)]
+        if busy:
+            log.warning("mooncake client left open: %s still running after %gs", ", ".join(busy), wait_s)
+            _LEFT_OPEN.append(self._client)
+            return
+        # Mooncake's close holds the GIL and, with HA masters, waits out its leader watch (up to 30 s).
         try:
             self._client.close()
         except RuntimeError as exc:

@@ -33,6 +33,9 @@ class ClusterConfig:
     master: str = "127.0.0.1:50051"  # host:port of the master; ignored when `etcd` is set
     etcd: str = ""  # etcd endpoints of HA masters ("host:port;host:port"); the client follows the leader
     metadata: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server
+    # the masters' HTTP admin servers (Mooncake's --metrics_port), "http://host:port;...": `kvtier audit --cluster`
+    # lists the cluster's keys there (the client API cannot list); "" audits what this node's store wrote through
+    admin: str = ""
     local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's transfer engine at
     protocol: str = "tcp"
     device: str = ""  # RDMA devices for protocol "rdma"

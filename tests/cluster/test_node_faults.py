@@ -17,7 +17,7 @@ from kvtier.cluster.header import HEADER_BYTES
 from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
-from support.cluster_nodes import cluster_config, cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import audit_cli, cluster_config, cluster_stats, start_node, wait_for, wait_written_through
 from support.e2e_harness import PROFILE, H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster, mooncake_cluster
 
@@ -146,8 +146,8 @@ def _replace_object(tier: ClusterTier, name: str, fault: str) -> None:
 def test_garbage_and_truncated_objects_recompute_corrupt(
     own_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle
 ) -> None:
-    """Block 5's history object of one prompt is garbage, of another truncated: node 2's hit stops at the
-    checkpoint before it (block 4), the rest is recomputed, bitwise."""
+    """Block 5's history object of one prompt is garbage, of another truncated: `kvtier audit --cluster` finds
+    both; node 2's hit stops at the checkpoint before them (block 4), the rest is recomputed, bitwise."""
     work, tokens = _prompts(tmp_path, 51, 52)
     node1, node2 = _two_nodes(tmp_path, own_cluster, work, "p51", "p52")
     tier = ClusterTier(cluster_config(own_cluster))
@@ -156,6 +156,8 @@ def test_garbage_and_truncated_objects_recompute_corrupt(
         for name, fault in (("p51", "garbage"), ("p52", "truncated")):
             block = block_hashes(PROFILE.namespace, tokens[name], H)[5]
             _replace_object(tier, tier.name(ObjectKey(PROFILE.namespace, block, group.name, group.form)), fault)
+        rc, audit = audit_cli(node1, node1.config, "--sample", "1000")  # every object checked: both found
+        assert rc == 1 and audit["verdicts"].get("garbage") == 1 and audit["verdicts"].get("truncated") == 1, audit
         for name in ("p51", "p52"):
             got = run_engine(node2, work, "continue", name)[name]
             assert got["hit_tokens"] == CP_BLOCKS * H, got

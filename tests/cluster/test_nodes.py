@@ -4,6 +4,7 @@ equal to an uninterrupted run; holder, master and object faults turn into misses
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection
-from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import audit_cli, cluster_stats, kvtier_cli, start_node, wait_for, wait_written_through
 from support.daemon import child_env
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
@@ -101,3 +102,48 @@ def test_node2_restores_from_the_cluster_bitwise_and_survives_a_holder_kill(
         node1.close()
         node2.close()
     assert s1["cluster"]["stored"] >= s1["written_through"] > 0 and s1["dropped"] == 0
+
+
+def test_prewarm_restores_from_the_cluster_and_audit_counts_and_checks_it(
+    own_cluster: MooncakeCluster, tmp_path: Path, oracle: Oracle
+) -> None:
+    """`kvtier prewarm` through node 2 loads node 1's prefix from the cluster; `kvtier audit --cluster` counts
+    the cluster's objects per namespace and form (the master's listing, and node 2's own index) and verifies
+    a sample."""
+    tokens = {"p0": prompt(23, BLOCKS * H + 5)}
+    work = _work(tmp_path, **tokens)
+    node1, s1 = _offload_on_node1(tmp_path, own_cluster, work, "p0")
+    node2 = start_node(tmp_path, "node2", own_cluster)
+    try:
+        manifest = tmp_path / "prewarm.jsonl"
+        manifest.write_text(json.dumps({"name": "p0", "profile": "ref-tiny", "tokens": tokens["p0"].tolist()}) + "\n")
+        run = kvtier_cli("prewarm", str(manifest), "--socket", str(node2.socket), "--json")
+        assert run.returncode == 0, run.stderr
+        pre = json.loads(run.stdout)["prefixes"][0]
+        assert pre["hit_tokens"] == BLOCKS * H and pre["loaded_objects"] > 0 and pre["pinned"] > 0, pre
+        s2 = cluster_stats(node2)
+        assert s2["cluster_hits"] == pre["loaded_objects"] and s2["local_hits"] == 0, s2
+        got = run_engine(node2, work, "continue", "p0")["p0"]  # served from node 2's pool and disk now
+        assert got["hit_tokens"] == BLOCKS * H, got
+        oracle.check_file(work, "p0", tokens["p0"], got["hit_tokens"])
+        assert cluster_stats(node2)["cluster_hits"] == s2["cluster_hits"]
+
+        # the master's listing: every object node 1 wrote through, one namespace, each sampled object sound
+        rc, audit = audit_cli(node1, node1.config, "--sample", "1000")
+        assert rc == 0 and audit["source"] == own_cluster.admin.split(";")[0], audit
+        (forms,) = audit["namespaces"].values()
+        assert sum(t["objects"] for t in forms.values()) == s1["written_through"], audit
+        assert audit["sampled"] == s1["written_through"] and audit["verdicts"] == {"ok": audit["sampled"]}, audit
+        # no admin server: what node 2's store holds (the promoted copies), each found in the cluster
+        wait_for("promotions to node 2's disk", lambda: cluster_stats(node2)["promoted"] >= pre["loaded_objects"], 20)
+        local_only = tmp_path / "no-admin.toml"
+        local_only.write_text(node2.config.read_text().replace(f'admin = "{own_cluster.admin}"', 'admin = ""'))
+        rc, audit = audit_cli(node2, local_only, "--sample", "4")
+        assert rc == 0 and audit["source"] == "local index", audit
+        (forms,) = audit["namespaces"].values()
+        assert sum(t["objects"] for t in forms.values()) >= pre["loaded_objects"], audit
+        assert all(t["absent"] == 0 for t in forms.values()) and audit["verdicts"] == {"ok": 4}, audit
+        assert node2.terminate() == 0 and node1.terminate() == 0
+    finally:
+        node1.close()
+        node2.close()

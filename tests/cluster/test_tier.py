@@ -86,7 +86,7 @@ def test_bad_object_under_a_kvtier_key_is_corrupt_then_replaced(shared_cluster, 
         "oversized": bytes(good) + b"\0" * 64,
     }[fault]
     _put_raw(tier, key, raw)
-    assert tier.has([key], [DIGEST]) == [Reason.OK]  # present: only a load can tell
+    assert tier.has([key], [DIGEST]) == [Reason.OK], tier.stats().misses  # present: only a load can tell
     reasons, out = _load(tier, [(key, payload, DIGEST)])
     assert reasons == [Reason.CORRUPT]
     assert tier.stats().misses[fault] == 1

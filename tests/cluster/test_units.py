@@ -73,7 +73,20 @@ def test_lane_answers_within_the_deadline_and_stays_busy_until_the_call_returns(
     time.sleep(0.35)
     with lane.hold(time.monotonic() + 1.0) as run:
         assert run(lambda: 7) == 7
-    lane.close()
+    assert lane.close(time.monotonic() + 1.0)
+
+
+def test_a_lane_closed_under_a_running_call_says_so_and_takes_no_more() -> None:
+    """MooncakeClient.close tears the client down only when its lanes are idle (else the call would crash)."""
+    lane = Lane("t", Breaker(retry_s=0.0))
+    release = threading.Event()
+    with pytest.raises(ClusterUnavailable), lane.hold(time.monotonic() + 0.05) as run:
+        run(release.wait)
+    assert not lane.close(time.monotonic() + 0.1)  # the stuck call still runs
+    release.set()
+    assert lane.close(time.monotonic() + 2.0)  # it returned: idle
+    with pytest.raises(ClusterUnavailable, match="closed"), lane.hold(time.monotonic() + 1.0) as run:
+        run(lambda: 7)
 
 
 def test_chunks_fit_the_staging_buffer() -> None:
@@ -89,3 +102,37 @@ def test_config_validation_and_policy() -> None:
     assert ClusterConfig(etcd="127.0.0.1:2379").master_address == "etcd://127.0.0.1:2379"
     assert WriteThrough.HISTORY.covers(CacheForm.INDEXER) and not WriteThrough.HISTORY.covers(CacheForm.SWA)
     assert not WriteThrough.OFF.covers(CacheForm.COMPRESSED) and WriteThrough.ALL.covers(CacheForm.TAIL)
+
+
+def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:
+    """The audit's check: an object is judged by its own header (layout and size unknown to the auditor)."""
+    obj = _object()
+    assert H.verify_stored(memoryview(obj), KEY) is H.Verdict.OK
+    other = ObjectKey(b"n" * 16, b"H" * 16, "c4/x é", CacheForm.INDEXER)
+    flipped = bytearray(obj)
+    flipped[-1] ^= 1
+    cases = {
+        H.Verdict.FOREIGN: (obj, other),
+        H.Verdict.TRUNCATED: (obj[: len(obj) - 1], KEY),
+        H.Verdict.OVERSIZED: (obj + b"\0", KEY),
+        H.Verdict.CHECKSUM: (flipped, KEY),
+        H.Verdict.GARBAGE: (bytearray(len(obj)), KEY),
+    }
+    for verdict, (data, key) in cases.items():
+        assert H.verify_stored(memoryview(bytes(data)), key) is verdict, verdict
+    assert H.verify_stored(memoryview(b"short"), KEY) is H.Verdict.TRUNCATED
+
+
+def test_cluster_audit_report_renders_and_flags_corruption() -> None:
+    from kvtier.cli.cluster_audit import render_cluster
+    from kvtier.cluster.audit import ClusterAuditReport, FormTally
+
+    counts = {b"n" * 16: {CacheForm.COMPRESSED: FormTally(objects=5), CacheForm.TAIL: FormTally(objects=1, absent=2)}}
+    clean = ClusterAuditReport("local index", counts, other_keys=3, sampled=4, verdicts={"ok": 3, "missing": 1})
+    assert not clean.problems
+    text = render_cluster(clean)
+    assert "keys from local index; 3 other keys" in text and "verified: missing 1, ok 3" in text
+    assert [line.split()[1:] for line in text.splitlines()[2:4]] == [["compressed", "5", "0"], ["tail", "1", "2"]]
+    doc = clean.to_json()
+    assert doc["namespaces"][(b"n" * 16).hex()]["tail"] == {"objects": 1, "absent": 2}
+    assert ClusterAuditReport("x", {}, 0, 1, {"checksum": 1}).problems

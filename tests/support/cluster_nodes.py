@@ -3,6 +3,9 @@ daemons as cluster nodes, each a real `kvtier serve` with its own store and sock
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +13,7 @@ from typing import Any
 
 from kvtier.cluster import ClusterConfig
 from kvtier.wire import Connection
-from support.daemon import DaemonProc
+from support.daemon import DaemonProc, child_env
 from support.mooncake_loopback import MooncakeCluster
 
 
@@ -22,7 +25,7 @@ def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
         metadata=cluster.metadata,
         staging_bytes=4 << 20,
         transfer_buffer_bytes=4 << 20,
-        lookup_timeout_s=0.5,
+        lookup_timeout_s=2.0,  # a presence check the tests rely on must not miss on a loaded 2-core machine
         load_timeout_s=2.0,
         put_timeout_s=5.0,
         retry_s=0.5,
@@ -45,6 +48,7 @@ def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:
         put_timeout_s=5.0,
         retry_s=0.5,
         write_through="all",
+        admin=cluster.admin,
     )
     if cluster.etcd_endpoint:
         values["etcd"] = cluster.etcd_endpoint
@@ -86,3 +90,18 @@ def wait_written_through(node: DaemonProc, at_least: int, timeout: float = 30.0)
 
     wait_for(f"{at_least} objects written through (last: {box.get('written_through')})", done, timeout)
     return box
+
+
+def kvtier_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, env=child_env(), timeout=120
+    )
+
+
+def audit_cli(node: DaemonProc, config: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    """`kvtier audit --cluster --json` of the node's store and the cluster `config` names: exit code, cluster part."""
+    run = kvtier_cli(
+        "audit", "--store", str(node.tmp / "store"), "--cluster", "--config", str(config), "--json", *extra
+    )
+    assert run.stdout, run.stderr
+    return run.returncode, json.loads(run.stdout)["cluster"]

@@ -86,11 +86,17 @@ class MooncakeCluster:
         self.holders: list[Proc] = []
         self.etcd: Proc | None = None
         self.etcd_endpoint = ""
+        self.admin_ports: list[int] = []  # each master's HTTP admin server (/get_all_keys for `kvtier audit`)
         self._n = 0
 
     @property
     def master(self) -> str:
         return f"127.0.0.1:{self.master_port}"
+
+    @property
+    def admin(self) -> str:
+        """The masters' admin servers as `[cluster] admin` takes them."""
+        return ";".join(f"http://127.0.0.1:{p}" for p in self.admin_ports)
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:
         self._n += 1
@@ -105,8 +111,9 @@ class MooncakeCluster:
         rpc_port = free_port() if ha else self.master_port
         argv = [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}"]
         argv += [f"--client_ttl={self.client_ttl_s}", f"--default_kv_lease_ttl={self.lease_ms}"]
-        argv += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]  # its admin server, else 0.0.0.0:9003
-        if not ha or not self.masters:  # the first master also serves the transfer engine's metadata
+        self.admin_ports.append(free_port())
+        argv += ["--metrics_host=127.0.0.1", f"--metrics_port={self.admin_ports[-1]}"]  # its admin server, else :9003
+        if not ha:  # the master also serves the transfer engine's metadata (HA masters keep it in etcd)
             argv += ["--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1"]
             argv += [f"--http_metadata_server_port={self.metadata_port}"]
         if ha:
@@ -139,6 +146,9 @@ class MooncakeCluster:
         argv += ["--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"]
         self.etcd = self._spawn("etcd", argv)
         _started(self.etcd, lambda: _port_open(client), 20)
+        # The transfer engine's metadata in etcd too: served by a master, it would die with the leader, and a node
+        # that had not yet looked up a holder's segment could never transfer from it again.
+        self.metadata = f"etcd://{self.etcd_endpoint}"
         return self.etcd
 
     def start_holder(self, segment_bytes: int = 64 << 20, *, master: str | None = None) -> Proc:
