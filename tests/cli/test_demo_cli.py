@@ -69,7 +69,9 @@ def test_demo_json_story_on_a_real_daemon(tmp_path: Path) -> None:
     assert warm["swa"]["RECOVER"] == 2 and warm["tail"]["RECOVER"] == 2  # B's checkpoint is not A's end: from disk
     assert doc["prewarm"]["hit_tokens"] == 16384 and doc["prewarm"]["bytes_loaded"] > 0
     assert doc["bytes_from_disk"] == doc["prewarm"]["bytes_loaded"] + doc["prewarmed_request"]["bytes_from_disk"]
-    assert doc["prewarmed_restore_s"] < doc["restore_s"]  # the load moved off the request's path
+    # the load moved off the request's path: the prewarmed request reads only B's own checkpoint state from disk
+    # (bytes, not times: two sub-100 ms timings on a shared machine order either way)
+    assert 0 < doc["prewarmed_request"]["bytes_from_disk"] < doc["request"]["bytes_from_disk"] / 10
     # each stage was announced on stderr as it started, in order
     stages = [line.split("] ", 1)[1] for line in proc.stderr.splitlines() if line.startswith("[")]
     assert [s.split()[0] for s in stages] == [
