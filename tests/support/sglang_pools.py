@@ -44,6 +44,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+# re-exported for the tests: it imports SGLang, so it comes after the skip above
+from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402, F401
+
 PAGE = 256
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 
