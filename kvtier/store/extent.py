@@ -192,7 +192,7 @@ def scatter(run: Run[J], wants: Sequence[tuple[int, int]]) -> Scatter:
 
 def copy_out(out: torch.Tensor, buf: AlignedBuffer, at: int, n: int) -> None:
     """buf[at : at + n] into `out` (contiguous uint8): one memmove on cpu, a staged copy to a device."""
-    if out.device.type == "cpu":
+    if out.is_cpu:  # not `out.device.type`: that builds a device object, per object of every load
         ctypes.memmove(out.data_ptr(), buf.addr + at, n)
     else:
         out.copy_(buf.tensor[at : at + n], non_blocking=False)
@@ -201,7 +201,7 @@ def copy_out(out: torch.Tensor, buf: AlignedBuffer, at: int, n: int) -> None:
 def copy_in(buf: AlignedBuffer, at: int, src: torch.Tensor) -> None:
     """A contiguous uint8 tensor into buf[at:]: one memmove from cpu memory, a device-to-host copy otherwise."""
     n = src.numel()
-    if src.device.type == "cpu":
+    if src.is_cpu:
         ctypes.memmove(buf.addr + at, src.data_ptr(), n)
     else:
         buf.tensor[at : at + n].copy_(src)

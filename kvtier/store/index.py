@@ -84,6 +84,7 @@ class RecordState(enum.IntEnum):
 
 _STATES = tuple(RecordState)  # by value (0, 1, ...)
 _CODECS = tuple(Codec)
+_V2_SEALED = struct.Struct("<BBBBBBxxQQQQQ16s16sQddddQQ")  # IndexEntry._V2 and its seal: one value, one unpack
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,19 +148,24 @@ class IndexEntry:
 
     @classmethod
     def unpack(cls, value: bytes | memoryview) -> IndexEntry:
-        body = unseal(value)
+        """Parse a sealed value; CorruptRecord if its seal or any field is wrong. Runs once per object of every
+        load: a v2 value is one unpack of body and seal together, the seal checked over the body in place."""
         try:
-            if body[:1] == b"\x01":
-                (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
-                    cls._V1.unpack(body)
-                )
-                flags, dsum = int(Flags.XXH3), 0
-            else:
-                (version, state, form, codec, qr, flags, *rest) = cls._V2.unpack(body)
-                (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
+            if len(value) == _V2_SEALED.size:
+                (version, state, form, codec, qr, flags, *rest, seal_sum) = _V2_SEALED.unpack(value)
+                if seal_sum != xxhash.xxh3_64_intdigest(value[:-8]):
+                    raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
                 if version != 2:
                     raise ValueError(f"entry version {version}")
-            # Table lookups, not enum calls: this runs once per object of every load.
+                (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
+            else:
+                (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
+                    cls._V1.unpack(unseal(value))
+                )
+                if version != 1:
+                    raise ValueError(f"entry version {version}")
+                flags, dsum = int(Flags.XXH3), 0
+            # Table lookups, not enum calls.
             return cls(
                 _STATES[state],
                 FORMS_BY_CODE[form],

@@ -21,7 +21,7 @@ from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import Run, copy_out, plan_runs, scatter
-from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, encode_key, pack_time
+from kvtier.store.index import IndexEntry, RecordState, encode_key, pack_time
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORM_CODES,
@@ -31,7 +31,7 @@ from kvtier.store.record import (
     Codec,
     Flags,
     RecordHeader,
-    header_is,
+    header_bytes,
     payload_checksum,
     zstd_decompress_into,
 )
@@ -65,9 +65,9 @@ class Reader:
         out: list[Reason] = []
         corrupt: list[ObjectKey] = []
         with self._ctx.index.read() as txn:
-            ns_cache: dict[bytes, NamespaceEntry | None] = {}
+            ns_reasons: dict[bytes, Reason] = {}
             for key, digest in zip(keys, layout_digests):
-                reason, _ = self.lookup(txn, key, encode_key(key), digest, ns_cache, corrupt)
+                reason, _ = self.lookup(txn, key, encode_key(key), digest, ns_reasons, corrupt)
                 out.append(reason)
         return out, corrupt
 
@@ -77,24 +77,17 @@ class Reader:
         key: ObjectKey,
         raw_key: bytes,
         digest: bytes,
-        ns_cache: dict[bytes, NamespaceEntry | None],
+        ns_reasons: dict[bytes, Reason],
         corrupt: list[ObjectKey],
     ) -> tuple[Reason, IndexEntry | None]:
+        """The key's index entry if a load should read its record, else why not. `ns_reasons` caches each
+        namespace's verdict for the batch (one namespace lookup per batch, not per object)."""
+        ns_reason = ns_reasons.get(key.namespace)
+        if ns_reason is None:
+            ns_reason = ns_reasons[key.namespace] = self._namespace_reason(txn, key.namespace)
+        if ns_reason is not _OK:
+            return ns_reason, None
         index = self._ctx.index
-        if key.namespace not in ns_cache:
-            try:
-                ns_cache[key.namespace] = index.namespace(txn, key.namespace)
-            except CorruptRecord:
-                log.error(
-                    "namespace entry %s is corrupt: its records are misses until it is re-registered",
-                    key.namespace.hex(),
-                )
-                ns_cache[key.namespace] = None
-        ns = ns_cache[key.namespace]
-        if ns is None:
-            return Reason.MISSING, None
-        if not ns.live:
-            return Reason.STALE_VERSION, None
         raw = txn.get(raw_key, db=index.obj)
         if raw is None:
             gone = index.gone
@@ -106,11 +99,24 @@ class Reader:
         except CorruptRecord:
             corrupt.append(key)
             return Reason.CORRUPT, None
-        if entry.state is RecordState.QUARANTINED:
+        if entry.state is _QUARANTINED:
             return QuarantineReason(entry.quarantine_reason).miss_reason, None
         if entry.layout_digest != digest:
             return Reason.ABI_MISMATCH, None
-        return Reason.OK, entry
+        return _OK, entry
+
+    def _namespace_reason(self, txn: lmdb.Transaction, namespace: bytes) -> Reason:
+        """OK while the namespace is registered and live, else the miss every key of it gets."""
+        try:
+            ns = self._ctx.index.namespace(txn, namespace)
+        except CorruptRecord:
+            log.error(
+                "namespace entry %s is corrupt: its records are misses until it is re-registered", namespace.hex()
+            )
+            return Reason.MISSING
+        if ns is None:
+            return Reason.MISSING
+        return _OK if ns.live else Reason.STALE_VERSION
 
     # ----------------------------------------------------------------- loads
 
@@ -121,26 +127,29 @@ class Reader:
         that keeps the cleaner from unlinking a segment this batch could still read (FORMAT.md).
         """
         outcome = LoadOutcome([Reason.MISSING] * len(requests), [], [])
+        reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         raw_keys = [encode_key(req.key) for req in requests]
         with self._ctx.index.read() as txn:
-            ns_cache: dict[bytes, NamespaceEntry | None] = {}
+            ns_reasons: dict[bytes, Reason] = {}
             jobs: list[ReadJob] = []
+            lookup = self.lookup
             for i, (req, raw_key) in enumerate(zip(requests, raw_keys)):
                 out = flat_uint8(req.out)
-                reason, entry = self.lookup(txn, req.key, raw_key, req.layout_digest, ns_cache, corrupt_values)
+                reason, entry = lookup(txn, req.key, raw_key, req.layout_digest, ns_reasons, corrupt_values)
                 if entry is not None:
                     if entry.payload_len != out.numel():
                         reason = Reason.ABI_MISMATCH
                     else:
                         jobs.append(ReadJob(i, req.key, entry, out))
-                outcome.reasons[i] = reason
+                reasons[i] = reason
+            hits = outcome.hits
             for job, exc in self.read(jobs, _fill_out):
                 if exc is None:
-                    outcome.hits.append(raw_keys[job.index])
+                    hits.append(raw_keys[job.index])
                 else:
                     outcome.faults.append((job.key, exc.reason))
-                    outcome.reasons[job.index] = exc.reason.miss_reason
+                    reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
         return outcome
 
@@ -153,15 +162,13 @@ class Reader:
         record's header bytes matched its index entry exactly (the fast check). Runs of nearby records are one
         scattered read each; runs and GDS reads are spread over the read pool."""
         backend = self._ctx.backend
-        device = (
-            [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
-            if backend.gpu_direct
-            else []
-        )
-        chosen = {id(j) for j in device}
-        runs = plan_runs(
-            [(j.entry.segment, j.entry.offset, j.entry.record_len, j) for j in jobs if id(j) not in chosen]
-        )
+        device: list[ReadJob] = []
+        if backend.gpu_direct:
+            device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
+        if device:
+            chosen = {id(j) for j in device}
+            jobs = [j for j in jobs if id(j) not in chosen]
+        runs = plan_runs([(e.segment, e.offset, e.record_len, j) for j in jobs for e in (j.entry,)])
         units: list[Run[ReadJob] | ReadJob] = [*runs, *device]
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
@@ -195,29 +202,40 @@ class Reader:
         buffers = self._ctx.buffers
         buf = buffers.acquire(plan.bounce_bytes)
         try:
+            mv = buf.mv
             views: list[memoryview] = []
             b = 0
             for n, k in plan.pieces:
                 if k < 0:
-                    views.append(buf.mv[b : b + n])
+                    views.append(mv[b : b + n])
                     b += n
                 else:
                     views.append(_host_view(run.jobs[k][2].out, n))
             got = run.start + seg.preadv_into(views, run.start)
             results: list[tuple[ReadJob, CorruptRecord | None]] = []
             for (offset, length, job), at, took in zip(run.jobs, plan.where, plan.direct):
+                e = job.entry
                 try:
                     if got < offset + length:
                         raise CorruptRecord(
                             QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
                         )
-                    header = self._check_header(job, buf.mv, at, headers)
-                    payload_at = at + (HEADER_BYTES if job.entry.record_version == FORMAT_VERSION else V1_HEADER_BYTES)
+                    if e.record_version == FORMAT_VERSION:
+                        payload_at = at + HEADER_BYTES
+                        # The fast check: the header's bytes are exactly those its key and index entry imply.
+                        header = (
+                            None
+                            if not headers and mv[at:payload_at].tobytes() == _expected_header(job.key, e)
+                            else _checked_header(job, mv, at)
+                        )
+                    else:
+                        payload_at = at + V1_HEADER_BYTES
+                        header = _checked_header(job, mv, at)
                     if took:
                         _finish_direct(job, buf, payload_at, took)
                         visit(job, header, None, 0)
                     else:
-                        check_payload(job.entry, buf, payload_at)
+                        check_payload(e, buf, payload_at)
                         visit(job, header, buf, payload_at)
                     results.append((job, None))
                 except CorruptRecord as exc:
@@ -230,7 +248,7 @@ class Reader:
         """(payload offset, bytes to read straight into `job.out`): the aligned bulk of a large, uncompressed
         v2 payload whose target is host memory at an address O_DIRECT takes; (0, 0) for the rest."""
         e, out = job.entry, job.out
-        if e.payload_len < LARGE_PAYLOAD or out is None or e.codec is not Codec.NONE:
+        if e.payload_len < LARGE_PAYLOAD or out is None or e.codec is not _NONE:
             return _NO_DIRECT
         payload_at = e.payload_offset
         align = self._ctx.backend.direct_align
@@ -242,35 +260,6 @@ class Reader:
         ):
             return _NO_DIRECT
         return payload_at, e.payload_len - e.payload_len % align
-
-    @staticmethod
-    def _check_header(job: ReadJob, mv: memoryview, at: int, parse: bool) -> AnyHeader | None:
-        """The record's header checked against its key and index entry; parsed only when asked or when the fast
-        byte-level check fails (then the parse says what is wrong and raises)."""
-        e, key = job.entry, job.key
-        if (
-            not parse
-            and e.record_version == FORMAT_VERSION
-            and header_is(
-                mv,
-                at,
-                key.namespace,
-                key.block_hash,
-                key.group,
-                FORM_CODES[key.form],
-                e.layout_digest,
-                e.codec,
-                e.flags,
-                e.payload_len,
-                e.stored_len,
-                e.payload_checksum,
-                e.device_checksum,
-            )
-        ):
-            return None
-        header = _parse_header(e, mv, at)
-        check_header(header, key, e)
-        return header
 
     def _read_device(self, job: ReadJob) -> None:
         """GDS: the header through a small host read, the payload straight into the device slot, checked there
@@ -397,6 +386,10 @@ class ReadJob(NamedTuple):
 AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
 _NO_DIRECT = (0, 0)
+_OK = Reason.OK
+_QUARANTINED = RecordState.QUARANTINED
+_NONE = Codec.NONE
+_ZSTD = Codec.ZSTD
 Visit = Callable[[ReadJob, "AnyHeader | None", "AlignedBuffer | None", int], None]
 
 
@@ -409,6 +402,33 @@ def _parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:
     if entry.record_version == 1:
         return RecordHeaderV1.unpack(mv[at : at + V1_HEADER_BYTES])
     return RecordHeader.unpack(mv, at)
+
+
+def _expected_header(key: ObjectKey, e: IndexEntry) -> bytes:
+    """The v2 header bytes the record of this key and index entry must begin with (the entry keeps its header's
+    creation time), checksum included."""
+    return header_bytes(
+        key.namespace,
+        key.block_hash,
+        key.group,
+        FORM_CODES[key.form],
+        e.layout_digest,
+        e.codec,
+        e.flags,
+        e.payload_len,
+        e.stored_len,
+        e.created,
+        e.payload_checksum,
+        e.device_checksum,
+    )
+
+
+def _checked_header(job: ReadJob, mv: memoryview, at: int) -> AnyHeader:
+    """The record's header parsed and checked against its key and index entry: the parse says what is wrong
+    (a damaged header, or one of another record) and raises."""
+    header = _parse_header(job.entry, mv, at)
+    check_header(header, job.key, job.entry)
+    return header
 
 
 def check_payload(entry: IndexEntry, buf: AlignedBuffer, at: int) -> None:
@@ -445,18 +465,19 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
     """A checked record's payload into the job's `out` (decoded first if it is stored compressed)."""
-    if job.out is None or buf is None:
+    out = job.out
+    if out is None or buf is None:
         return
     entry = job.entry
-    if entry.codec is Codec.ZSTD:
-        if job.out.is_cpu:
-            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(job.out.numpy()))
+    if entry.codec is _ZSTD:
+        if out.is_cpu:
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(out.numpy()))
         else:
             plain = torch.empty(entry.payload_len, dtype=torch.uint8)
             zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(plain.numpy()))
-            job.out.copy_(plain)
+            out.copy_(plain)
     else:
-        copy_out(job.out, buf, at, entry.payload_len)
+        copy_out(out, buf, at, entry.payload_len)
 
 
 def check_header(h: AnyHeader, key: ObjectKey, e: IndexEntry) -> None:

@@ -104,29 +104,20 @@ class RecordHeader:
 
     def pack_into(self, buf: memoryview, at: int) -> None:
         """Write the header (checksummed) into buf[at : at + HEADER_BYTES]."""
-        group = self.group.encode()
-        _FIXED.pack_into(
-            buf,
-            at,
-            MAGIC,
-            FORMAT_VERSION,
-            NAMESPACE_RECORD if self.form is None else FORM_CODES[self.form],
-            int(self.codec),
-            len(group),
-            int(self.flags),
-            HEADER_BYTES,
+        buf[at : at + HEADER_BYTES] = header_bytes(
             self.namespace,
             self.block_hash,
+            self.group,
+            NAMESPACE_RECORD if self.form is None else FORM_CODES[self.form],
             self.layout_digest,
-            group,
+            self.codec,
+            self.flags,
             self.payload_len,
             self.stored_len,
             self.created,
             self.payload_checksum,
             self.device_checksum,
         )
-        end = at + _FIXED.size
-        _CHECKSUM.pack_into(buf, end, xxhash.xxh3_64_intdigest(buf[at:end]))
 
     @classmethod
     def unpack(cls, buf: memoryview | bytes, at: int = 0) -> RecordHeader:
@@ -167,12 +158,10 @@ class RecordHeader:
         return header
 
 
-_GROUP_FIELDS: dict[str, tuple[int, bytes]] = {}  # group name -> (length, the padded header field), few names
+_GROUP_FIELDS: dict[str, tuple[int, bytes]] = {}  # group name -> (its utf-8 length, its bytes), few names
 
 
-def header_is(
-    buf: memoryview,
-    at: int,
+def header_bytes(
     namespace: bytes,
     block_hash: bytes,
     group: str,
@@ -182,40 +171,38 @@ def header_is(
     flags: int,
     payload_len: int,
     stored_len: int,
+    created: float,
     payload_checksum: bytes,
     device_checksum: int,
-) -> bool:
-    """Whether buf[at:] holds an intact v2 header with exactly these fields (any creation time): one unpack, one
-    tuple compare and one hash, the load path's check. False says nothing about why: `RecordHeader.unpack` then
-    tells a damaged header from one that belongs to another record."""
+) -> bytes:
+    """The exact HEADER_BYTES of a v2 record with these fields, its checksum included. What the writer writes,
+    and what the load path compares a record's header bytes with (built from its key and index entry, which
+    holds the same creation time): one pack, one hash and one bytes comparison check every field."""
     g = _GROUP_FIELDS.get(group)
     if g is None:
         raw = group.encode()
-        g = _GROUP_FIELDS[group] = (len(raw), raw.ljust(MAX_GROUP_BYTES, b"\0"))
-    f = _FIXED.unpack_from(buf, at)
-    end = at + _FIXED.size
-    return (
-        f
-        == (
-            MAGIC,
-            FORMAT_VERSION,
-            form_code,
-            codec,
-            g[0],
-            flags,
-            HEADER_BYTES,
-            namespace,
-            block_hash,
-            layout_digest,
-            g[1],
-            payload_len,
-            stored_len,
-            f[13],
-            payload_checksum,
-            device_checksum,
-        )
-        and xxhash.xxh3_64_intdigest(buf[at:end]) == _CHECKSUM.unpack_from(buf, end)[0]
+        g = (len(raw), raw)
+        if len(_GROUP_FIELDS) < 1024:  # bounded: group names come from requests
+            _GROUP_FIELDS[group] = g
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        form_code,
+        codec,
+        g[0],
+        flags,
+        HEADER_BYTES,
+        namespace,
+        block_hash,
+        layout_digest,
+        g[1],
+        payload_len,
+        stored_len,
+        created,
+        payload_checksum,
+        device_checksum,
     )
+    return fixed + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fixed))
 
 
 def namespace_record(version_key: VersionKey, created: float) -> tuple[RecordHeader, bytes]:
