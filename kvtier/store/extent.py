@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -127,8 +128,9 @@ def plan_runs(items: Sequence[tuple[int, int, int, J]]) -> list[Run[J]]:
     runs: list[Run[J]] = []
     cur: Run[J] | None = None
     last_end = 0
-    for seg_id, offset, length, job in sorted(items, key=lambda t: (t[0], t[1])):
-        end = align_up(offset + length, DISK_ALIGNMENT)
+    for seg_id, offset, length, job in sorted(items, key=_SEG_OFFSET):
+        last = offset + length
+        end = last + (-last) % DISK_ALIGNMENT  # align_up, inline: this runs per object of every load
         if (
             cur is not None
             and seg_id == cur.seg_id
@@ -140,8 +142,11 @@ def plan_runs(items: Sequence[tuple[int, int, int, J]]) -> list[Run[J]]:
             cur = Run(seg_id, offset - offset % DISK_ALIGNMENT, end, [])
             runs.append(cur)
         cur.jobs.append((offset, length, job))
-        last_end = offset + length
+        last_end = last
     return runs
+
+
+_SEG_OFFSET = operator.itemgetter(0, 1)
 
 
 @dataclasses.dataclass(slots=True)

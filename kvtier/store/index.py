@@ -152,20 +152,18 @@ class IndexEntry:
         load: a v2 value is one unpack of body and seal together, the seal checked over the body in place."""
         try:
             if len(value) == _V2_SEALED.size:
-                (version, state, form, codec, qr, flags, *rest, seal_sum) = _V2_SEALED.unpack(value)
-                if seal_sum != xxhash.xxh3_64_intdigest(value[:-8]):
+                f = _V2_SEALED.unpack(value)
+                if f[19] != xxhash.xxh3_64_intdigest(value[:-8]):
                     raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
-                if version != 2:
-                    raise ValueError(f"entry version {version}")
-                (seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat, dsum) = rest
-            else:
-                (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
-                    cls._V1.unpack(unseal(value))
-                )
-                if version != 1:
-                    raise ValueError(f"entry version {version}")
-                flags, dsum = int(Flags.XXH3), 0
-            # Table lookups, not enum calls.
+                if f[0] != 2:
+                    raise ValueError(f"entry version {f[0]}")
+                # Fields by position (see _V2): table lookups for the enums, not enum calls.
+                return cls(_STATES[f[1]], FORMS_BY_CODE[f[2]], _CODECS[f[3]], *f[6:17], f[4], f[17], 2, f[5], f[18])
+            (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
+                cls._V1.unpack(unseal(value))
+            )
+            if version != 1:
+                raise ValueError(f"entry version {version}")
             return cls(
                 _STATES[state],
                 FORMS_BY_CODE[form],
@@ -183,9 +181,8 @@ class IndexEntry:
                 pin,
                 qr,
                 qat,
-                version,
-                flags,
-                dsum,
+                1,
+                int(Flags.XXH3),
             )
         except (struct.error, KeyError, IndexError, ValueError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable index value: {exc}") from None
