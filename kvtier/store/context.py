@@ -109,8 +109,11 @@ def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:
         pool.submit(barrier.wait, 10.0)
 
 
+_UINT8 = torch.uint8  # dtypes are singletons: `is`, and no module attribute lookup per object
+
+
 def flat_uint8(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() == 0:
+    if not isinstance(t, torch.Tensor) or t.dtype is not _UINT8 or not t.is_contiguous() or t.numel() == 0:
         raise StoreRequestError(
             "payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)"
         )

@@ -126,23 +126,21 @@ class Run(Generic[J]):
 def plan_runs(items: Sequence[tuple[int, int, int, J]]) -> list[Run[J]]:
     """Group (segment, offset, record length, job) into runs of nearby records, each one aligned read."""
     runs: list[Run[J]] = []
-    cur: Run[J] | None = None
-    last_end = 0
-    for seg_id, offset, length, job in sorted(items, key=_SEG_OFFSET):
+    jobs: list[tuple[int, int, J]] = []
+    cur_seg = start = run_end = last_end = -1
+    for seg_id, offset, length, job in sorted(items, key=_SEG_OFFSET):  # locals, not Run fields: per object
         last = offset + length
-        end = last + (-last) % DISK_ALIGNMENT  # align_up, inline: this runs per object of every load
-        if (
-            cur is not None
-            and seg_id == cur.seg_id
-            and offset - last_end <= MAX_RUN_GAP
-            and max(end, cur.end) - cur.start <= MAX_RUN_BYTES
-        ):
-            cur.end = max(cur.end, end)
-        else:
-            cur = Run(seg_id, offset - offset % DISK_ALIGNMENT, end, [])
-            runs.append(cur)
-        cur.jobs.append((offset, length, job))
+        end = last + (-last) % DISK_ALIGNMENT  # align_up, inline
+        if seg_id != cur_seg or offset - last_end > MAX_RUN_GAP or max(end, run_end) - start > MAX_RUN_BYTES:
+            if jobs:
+                runs.append(Run(cur_seg, start, run_end, jobs))
+            cur_seg, start, run_end, jobs = seg_id, offset - offset % DISK_ALIGNMENT, end, []
+        elif end > run_end:
+            run_end = end
+        jobs.append((offset, length, job))
         last_end = last
+    if jobs:
+        runs.append(Run(cur_seg, start, run_end, jobs))
     return runs
 
 

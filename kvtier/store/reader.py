@@ -57,6 +57,9 @@ class Reader:
         self._ctx = ctx
         self._files: dict[int, SegmentFile] = {}
         self._files_lock = threading.Lock()
+        # The read threads start with the store, not inside its first load: on a busy host eight thread starts
+        # cost milliseconds, as much as a thousand small records take to read.
+        ctx.executor("read")
 
     # ----------------------------------------------------------------- lookups
 
@@ -173,11 +176,13 @@ class Reader:
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
             return [r for u in units for r in self._read_unit(u, visit, headers)]
-        chunks = [units[k::lanes] for k in range(lanes)]
+        # Each lane takes the next unit as it finishes one (a list iterator's next is atomic under the GIL), so a
+        # slow read holds up only its own lane, and the reads reach the disk in file order.
+        pending = iter(units)
         done = self._ctx.executor("read").map(
-            lambda c: [r for u in c for r in self._read_unit(u, visit, headers)], chunks
+            lambda _: [r for u in pending for r in self._read_unit(u, visit, headers)], range(lanes)
         )
-        return [r for chunk in done for r in chunk]
+        return [r for lane in done for r in lane]
 
     def _read_unit(
         self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
