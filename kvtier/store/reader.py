@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import lmdb
@@ -65,48 +65,51 @@ class Reader:
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> tuple[list[Reason], list[ObjectKey]]:
         """Index-only check per key, and the keys whose index value is corrupt."""
-        out: list[Reason] = []
         corrupt: list[ObjectKey] = []
         with self._ctx.index.read() as txn:
-            ns_reasons: dict[bytes, Reason] = {}
-            for key, digest in zip(keys, layout_digests):
-                reason, _ = self.lookup(txn, key, encode_key(key), digest, ns_reasons, corrupt)
-                out.append(reason)
+            out = [r for r, _ in self.lookups(txn, keys, [encode_key(k) for k in keys], layout_digests, corrupt)]
         return out, corrupt
 
-    def lookup(
+    def lookups(
         self,
         txn: lmdb.Transaction,
-        key: ObjectKey,
-        raw_key: bytes,
-        digest: bytes,
-        ns_reasons: dict[bytes, Reason],
+        keys: Sequence[ObjectKey],
+        raw_keys: Sequence[bytes],
+        digests: Sequence[bytes],
         corrupt: list[ObjectKey],
-    ) -> tuple[Reason, IndexEntry | None]:
-        """The key's index entry if a load should read its record, else why not. `ns_reasons` caches each
-        namespace's verdict for the batch (one namespace lookup per batch, not per object)."""
-        ns_reason = ns_reasons.get(key.namespace)
-        if ns_reason is None:
-            ns_reason = ns_reasons[key.namespace] = self._namespace_reason(txn, key.namespace)
-        if ns_reason is not _OK:
-            return ns_reason, None
+    ) -> Iterator[tuple[Reason, IndexEntry | None]]:
+        """Per key, its index entry if a load should read its record, else why not (keys whose index value is
+        corrupt are added to `corrupt`). A generator: one frame for the batch, not a call per object; each
+        namespace is looked up once per batch."""
         index = self._ctx.index
-        raw = txn.get(raw_key, db=index.obj)
-        if raw is None:
-            gone = index.gone
-            return (
-                Reason.EVICTED if gone is not None and txn.get(raw_key, db=gone) is not None else Reason.MISSING
-            ), None
-        try:
-            entry = IndexEntry.unpack(raw)
-        except CorruptRecord:
-            corrupt.append(key)
-            return Reason.CORRUPT, None
-        if entry.state is _QUARANTINED:
-            return QuarantineReason(entry.quarantine_reason).miss_reason, None
-        if entry.layout_digest != digest:
-            return Reason.ABI_MISMATCH, None
-        return _OK, entry
+        get, obj, gone, unpack = txn.get, index.obj, index.gone, IndexEntry.unpack
+        ns_reasons: dict[bytes, Reason] = {}
+        for key, raw_key, digest in zip(keys, raw_keys, digests):
+            ns_reason = ns_reasons.get(key.namespace)
+            if ns_reason is None:
+                ns_reason = ns_reasons[key.namespace] = self._namespace_reason(txn, key.namespace)
+            if ns_reason is not _OK:
+                yield ns_reason, None
+                continue
+            raw = get(raw_key, db=obj)
+            if raw is None:
+                yield (
+                    (Reason.EVICTED if gone is not None and get(raw_key, db=gone) is not None else Reason.MISSING),
+                    None,
+                )
+                continue
+            try:
+                entry = unpack(raw)
+            except CorruptRecord:
+                corrupt.append(key)
+                yield Reason.CORRUPT, None
+                continue
+            if entry.state is _QUARANTINED:
+                yield QuarantineReason(entry.quarantine_reason).miss_reason, None
+            elif entry.layout_digest != digest:
+                yield Reason.ABI_MISMATCH, None
+            else:
+                yield _OK, entry
 
     def _namespace_reason(self, txn: lmdb.Transaction, namespace: bytes) -> Reason:
         """OK while the namespace is registered and live, else the miss every key of it gets."""
@@ -132,19 +135,18 @@ class Reader:
         outcome = LoadOutcome([Reason.MISSING] * len(requests), [], [])
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
-        raw_keys = [encode_key(req.key) for req in requests]
+        keys = [req.key for req in requests]
+        raw_keys = [encode_key(key) for key in keys]
+        outs = [flat_uint8(req.out) for req in requests]
         with self._ctx.index.read() as txn:
-            ns_reasons: dict[bytes, Reason] = {}
             jobs: list[ReadJob] = []
-            lookup = self.lookup
-            for i, (req, raw_key) in enumerate(zip(requests, raw_keys)):
-                out = flat_uint8(req.out)
-                reason, entry = lookup(txn, req.key, raw_key, req.layout_digest, ns_reasons, corrupt_values)
+            found = self.lookups(txn, keys, raw_keys, [req.layout_digest for req in requests], corrupt_values)
+            for i, ((reason, entry), out) in enumerate(zip(found, outs)):
                 if entry is not None:
                     if entry.payload_len != out.numel():
                         reason = Reason.ABI_MISMATCH
                     else:
-                        jobs.append(ReadJob(i, req.key, entry, out))
+                        jobs.append(ReadJob(i, keys[i], entry, out))
                 reasons[i] = reason
             hits = outcome.hits
             for job, exc in self.read(jobs, _fill_out):
@@ -203,7 +205,9 @@ class Reader:
             seg = self.segment(run.seg_id)
         except CorruptRecord as exc:
             return [(job, exc) for _, _, job in run.jobs]
-        plan = scatter(run, [self._direct_want(job) for _, _, job in run.jobs])
+        plan = scatter(
+            run, [_NO_DIRECT if length < _LARGE_RECORD else self._direct_want(job) for _, length, job in run.jobs]
+        )
         buffers = self._ctx.buffers
         buf = buffers.acquire(plan.bounce_bytes)
         try:
@@ -391,6 +395,7 @@ class ReadJob(NamedTuple):
 AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
 _NO_DIRECT = (0, 0)
+_LARGE_RECORD = LARGE_PAYLOAD + HEADER_BYTES  # no shorter record has a payload `_direct_want` takes
 _OK = Reason.OK
 _QUARANTINED = RecordState.QUARANTINED
 _NONE = Codec.NONE
