@@ -22,7 +22,10 @@ from kvtier.store.segments import Appender
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
 MAX_RUN_BYTES = 16 << 20  # one read covers at most this much (a larger record is a run of its own)
-MAX_RUN_GAP = 32 << 10  # reading this many unwanted bytes costs less than another I/O
+# Reading this many unwanted bytes costs less than another I/O: on the 2-core VM an O_DIRECT read costs 30-45 us
+# of CPU (syscall, interrupt, wakeup) whatever its size up to 256 KiB, and 64 KiB more takes ~40 us of the disk.
+# 1,024 random 1 KB records of 20,000: 32 KiB made ~240 reads (12 MB), 64 KiB 50-65 (19 MB), ~25% faster.
+MAX_RUN_GAP = 64 << 10
 
 
 @dataclasses.dataclass(slots=True)
