@@ -18,7 +18,6 @@ from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineRea
 
 FORMAT_VERSION = 2
 MAGIC = b"KVTEXT\x00\x02"
-MAX_GROUP_BYTES = 32
 
 # Form codes are part of the format (FORMAT.md), independent of enum order.
 FORM_CODES: dict[CacheForm, int] = {
