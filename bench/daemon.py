@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from pagecache import drop_cache_tree  # noqa: E402
+from pagecache import dd_direct_s, drop_cache_tree  # noqa: E402
 
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
@@ -287,29 +286,8 @@ def _restore(c: Client, store: Path, toks: np.ndarray, want: int) -> float:
 def _dd_direct(store: Path, span: list[tuple[Path, int, int]]) -> float:
     """MB/s of `dd iflag=direct bs=4M` reading each (file, offset, bytes) of `span`, page cache dropped first."""
     drop_cache_tree(store)
-    total = 0.0
-    for f, offset, n in span:
-        if n <= 0:
-            continue
-        res = subprocess.run(
-            [
-                "dd",
-                f"if={f}",
-                "of=/dev/null",
-                "bs=4M",
-                f"skip={offset}",
-                f"count={n}",
-                "iflag=direct,skip_bytes,count_bytes",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        m = re.search(r"copied, ([0-9.]+) s", res.stderr)
-        if not m:
-            raise RuntimeError(f"cannot parse dd output: {res.stderr!r}")
-        total += float(m.group(1))
-    return sum(n for _, _, n in span) / total / 1e6
+    seconds = sum(dd_direct_s(f, offset, n) for f, offset, n in span if n > 0)
+    return sum(n for _, _, n in span) / seconds / 1e6
 
 
 def main() -> None:
