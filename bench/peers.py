@@ -153,12 +153,7 @@ def flip_byte(path: str, offset: int) -> None:
 
 def truncate(path: str, length: int) -> None:
     os.truncate(path, length)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache_file(path)
 
 
 def verdict(store: KvtierStore | DiskcacheStore | LmcacheStore, i: int) -> str:
