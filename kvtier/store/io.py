@@ -184,17 +184,26 @@ def _split(views: list[memoryview], offset: int) -> list[tuple[list[memoryview],
     return pieces
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def _split_pool() -> ThreadPoolExecutor:
-    """The process's threads for split reads (made again in a forked child, which inherits no threads)."""
+    """The process's threads for split reads."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(SPLIT_THREADS, thread_name_prefix="kvtier-split-read"))
-        return _pool[1]
+        if _pool is None:
+            _pool = ThreadPoolExecutor(SPLIT_THREADS, thread_name_prefix="kvtier-split-read")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child inherits no threads (and maybe a lock some thread held): it makes its own pool."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 class PosixBackend:

@@ -4,6 +4,8 @@ O_DIRECT read stays aligned in every piece."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
@@ -98,3 +100,26 @@ def test_split_pieces_cover_the_views_in_order() -> None:
     assert sum(n for _, _, n in pieces) == sum(map(len, views))
     assert all(sum(map(len, v)) == n for v, _, n in pieces)
     assert all(n <= 2 * io.SPLIT_BYTES for _, _, n in pieces)
+
+
+def test_a_forked_child_splits_reads_with_its_own_threads(data_file) -> None:
+    path, data = data_file
+    backend = io.PosixBackend(direct=False)
+    seg = backend.open(path)
+    buf = io.AlignedBuffer(16 * MIB)
+    assert seg.preadv_into([buf.mv[: 12 * MIB]], 0) == 12 * MIB  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # the child: a split read must finish (the parent's pool threads are not here)
+        ok = (
+            seg.preadv_into([buf.mv[: 12 * MIB]], MIB) == 12 * MIB and bytes(buf.mv[: 12 * MIB]) == data[MIB : 13 * MIB]
+        )
+        os._exit(0 if ok else 1)
+    seg.close()
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the child's exit (a child stuck on the parent's threads never exits)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child's split read did not finish in 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
