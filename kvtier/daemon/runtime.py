@@ -67,13 +67,7 @@ class Runtime:
         return infos, fds
 
     def grids(self, result: PoolLookup) -> tuple[bytes, bytes]:
-        """Slot and generation per (group, block), -1 where the object is not REUSE."""
-        shape = result.check_vector.routes.shape
-        slots = np.full(shape, -1, dtype="<i8")
-        gens = np.full(shape, -1, dtype="<i8")
-        groups = {g.name: i for i, g in enumerate(self.profile.groups)}
-        for h in self.manager.handles(result):
-            g = groups[h.group]
-            slots[g, h.block] = h.slot
-            gens[g, h.block] = h.generation
-        return slots.tobytes(), gens.tobytes()
+        """Slot and generation per (group, block), -1 where the object is not REUSE (groups in profile order,
+        as the manager keeps them)."""
+        slots, gens = self.manager.grid(result)
+        return slots.astype("<i8").tobytes(), gens.astype("<i8").tobytes()

@@ -65,6 +65,15 @@ class FormQuotas:
         """Count one allocation request; every `rebalance_every` of them, move quota toward demand."""
         self._demand[form] += 1
         self._since += 1
+        self._rebalance_if_due()
+
+    def demand_counts(self, per_form: np.ndarray) -> None:
+        """`demand` for a batch: `per_form[f]` allocation requests of form f."""
+        self._demand += per_form
+        self._since += int(per_form.sum())
+        self._rebalance_if_due()
+
+    def _rebalance_if_due(self) -> None:
         if self._since >= self._cfg.rebalance_every and self.max_entries < int(self.capacity.sum()):
             observed = self._demand / self._demand.sum()
             share = np.maximum(0.5 * self.share + 0.5 * observed, self._cfg.min_form_share)

@@ -57,7 +57,7 @@ def audit(space: SlotSpace, leases: Iterable[LeaseSet], live_ns: int, queued: in
     row_leases = np.zeros_like(t.r_leases)
     slot_leases = np.zeros_like(t.s_leases)
     for lease in leases:
-        np.add.at(row_leases, lease.held_rows, 1)
+        row_leases[lease.held_rows] += 1  # a lease holds a row once however often its lookup named it, as hold_rows
         for slot, gen in lease.held_slots:
             if t.s_gen[slot] == gen:
                 slot_leases[slot] += 1

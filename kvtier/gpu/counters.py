@@ -87,7 +87,7 @@ class Counters:
     def event(self, name: str, form_index: int, n: int = 1) -> None:
         self._events[name][form_index] += n
 
-    def recovered(self, form_indexes: list[int], seconds: list[float]) -> None:
+    def recovered(self, form_indexes: np.ndarray, seconds: np.ndarray) -> None:
         """A batch of verified recoveries: `recovers_ok` and the latency histogram, in a few array ops."""
         forms = np.asarray(form_indexes, dtype=np.intp)
         secs = np.asarray(seconds, dtype=np.float64)

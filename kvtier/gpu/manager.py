@@ -306,10 +306,54 @@ class CacheManager:
 
     def handles(self, result: PoolLookup) -> list[Handle]:
         """Handles of every REUSE object of a lookup, block-major."""
-        return [
-            self.handle(result, self._c.names[g], int(b))
-            for b, g in np.argwhere(result.check_vector.routes.T == Route.REUSE)
-        ]
+        slots, gens = self.grid(result)
+        lease = result.leases
+        out = []
+        for b, g in np.argwhere(slots.T >= 0).tolist():
+            pool = self._c.pools[g]
+            local = int(slots[g, b])
+            out.append(
+                Handle(
+                    lease.lease_id,
+                    self._c.names[g],
+                    b,
+                    local,
+                    int(gens[g, b]),
+                    self._c.forms[g],
+                    lease.namespace,
+                    local * pool.slot_stride,
+                    pool.slot_nbytes,
+                )
+            )
+        return out
+
+    def grid(self, result: PoolLookup) -> tuple[np.ndarray, np.ndarray]:
+        """Pool-local slot and generation of every REUSE object of a lookup, as (groups, blocks) int64 arrays,
+        -1 elsewhere; what `handles` holds, in a few array operations (a restore's reply carries thousands).
+        Raises StaleHandle if any of them was evicted since the lookup."""
+        lease = result.leases
+        k = result.check_vector.hit_blocks
+        gs, bs = np.nonzero(result.check_vector.routes[:, :k] == Route.REUSE)
+        c = self._c
+        with c.lock:
+            c.expire(c.clock())
+            c.require_live(lease)
+            slots = c.table.e_slot[gs, lease.rows[bs]]
+            gens = lease.gens[gs, bs]
+            stale = slots < 0
+            stale[~stale] = c.table.s_gen[slots[~stale]] != gens[~stale]
+            if stale.any():
+                i = int(np.argmax(stale))
+                raise StaleHandle(
+                    f"{c.names[gs[i]]} block {bs[i]} was evicted after the lookup; look the prefix up again"
+                )
+            local = slots - c.table.base[gs]
+        shape = result.check_vector.routes.shape
+        out_slots = np.full(shape, -1, dtype=np.int64)
+        out_gens = np.full(shape, -1, dtype=np.int64)
+        out_slots[gs, bs] = local
+        out_gens[gs, bs] = gens
+        return out_slots, out_gens
 
     def read(self, handle: Handle, *, copy: bool = False) -> torch.Tensor:
         """The object's bytes (uint8): a view of the slot, or with copy=True a copy taken while it is known good."""

@@ -8,16 +8,14 @@ has not moved since (a resize drops every slot, so their results would land nowh
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
-from collections import deque
 
 import numpy as np
 import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.errors import LayoutError, VersionError
+from kvtier.core.errors import VersionError
 from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
@@ -31,28 +29,19 @@ log = logging.getLogger(__name__)
 # enum members as plain ints for the per-object paths (an enum attribute lookup costs ~1.5 us on 3.11)
 _OK, _MISSING, _EVICTED = int(Reason.OK), int(Reason.MISSING), int(Reason.EVICTED)
 _REUSE = int(Route.REUSE)
-_RECOVERING, _FREE = BlockState.RECOVERING, BlockState.FREE
+_FREE = BlockState.FREE
 
 
-class Settled(enum.Enum):
-    """A claim that loads nothing now."""
+@dataclasses.dataclass(slots=True)
+class Claimed:
+    """Slots claimed (RECOVERING, verdict IN_FLIGHT) for objects of a lease, and the requests that fill them;
+    one entry per object, in the same order."""
 
-    DONE = enum.auto()  # adopted (already resident) or failed on the spot
-    WAIT = enum.auto()  # another recovery is loading the object: wait for its verdict
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PendingLoad:
-    """A slot claimed (RECOVERING) for one object of a lease, and the request that fills it."""
-
-    group: int
-    block: int
-    slot: int
-    request: LoadRequest
+    groups: np.ndarray
+    blocks: np.ndarray
+    slots: np.ndarray
+    requests: list[LoadRequest]
     started: float
-
-
-Claim = PendingLoad | Settled
 
 
 class Recovery:
@@ -84,8 +73,8 @@ class Recovery:
                 with c.lock:
                     self._require_current(lease, epoch)
                     self._rebuild(result)  # objects evicted since the lookup turn RECOMPUTE first
-                    pending = [(int(g), int(b)) for b, g in np.argwhere(result.check_vector.routes.T == Route.RECOVER)]
-                if not pending:
+                    pending = np.argwhere(result.check_vector.routes.T == Route.RECOVER)[:, ::-1]  # (g, b), block-major
+                if not len(pending):
                     return result
                 self._round(lease, pending, deadline, epoch, adopted)
         finally:
@@ -102,43 +91,35 @@ class Recovery:
         if self._c.topology_epoch != epoch:
             raise StaleHandle("the pools were resized during recovery; look the prefix up again")
 
-    def _round(
-        self, lease: LeaseSet, pending: list[tuple[int, int]], deadline: float, epoch: int, adopted: list[int]
-    ) -> None:
+    def _round(self, lease: LeaseSet, pending: np.ndarray, deadline: float, epoch: int, adopted: list[int]) -> None:
         """Resolve every pending (group, block): adopt, wait for another recovery, or load in capped batches."""
         c = self._c
-        todo = deque(pending)
         waiting: list[tuple[int, int]] = []
-        while todo:
-            batch: list[PendingLoad] = []
+        at = 0
+        while at < len(pending):
             with c.cond:
                 self._require_current(lease, epoch)
-                while todo and c.table.n_recovering < c.cfg.max_recovering:
-                    g, b = todo.popleft()
-                    claim = self._claim(lease, g, b, adopted)
-                    if claim is Settled.WAIT:
-                        waiting.append((g, b))
-                    elif isinstance(claim, PendingLoad):
-                        batch.append(claim)
-                if not batch and todo:
+                room = c.cfg.max_recovering - c.table.n_recovering
+                if room <= 0:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        for g, b in todo:
+                        for g, b in pending[at:].tolist():
                             _fail(lease, g, b, Reason.ADMISSION)
-                        todo.clear()
-                    else:
-                        c.cond.wait(min(remaining, 0.05))
+                        return
+                    c.cond.wait(min(remaining, 0.05))
                     continue
-            if batch:
-                answers = self._load([load.request for load in batch])
-                with c.cond:
-                    if c.topology_epoch != epoch:
-                        raise StaleHandle("the pools were resized during recovery; look the prefix up again")
-                    # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
-                    ok = [load for load, answer in zip(batch, answers) if not self._finish(lease, load, answer)]
-                    now = time.monotonic()
-                    c.counters.recovered([c.gform[load.group] for load in ok], [now - load.started for load in ok])
-                    c.cond.notify_all()
+                chunk = pending[at : at + room]
+                at += len(chunk)
+                claimed = self._claim(lease, chunk[:, 0], chunk[:, 1], adopted, waiting)
+            if claimed is None:
+                continue
+            answers = self._load(claimed.requests)
+            with c.cond:
+                if c.topology_epoch != epoch:
+                    raise StaleHandle("the pools were resized during recovery; look the prefix up again")
+                # the slots are settled even if the lease died meanwhile: nothing stays RECOVERING
+                self._finish(lease, claimed, answers)
+                c.cond.notify_all()
         for g, b in waiting:
             self._await(lease, g, b, deadline, epoch)
 
@@ -151,7 +132,7 @@ class Recovery:
                 verdict = c.table.e_verdict[g, lease.rows[b]]
                 if verdict != IN_FLIGHT:
                     if verdict == Reason.OK:
-                        self._adopt(lease, g, b)
+                        self._adopt(lease, np.array([g]), np.array([b]))
                     else:
                         _fail(lease, g, b, Reason(int(verdict)))
                     return
@@ -161,82 +142,106 @@ class Recovery:
                     return
                 c.cond.wait(min(remaining, 0.05))
 
-    def _claim(self, lease: LeaseSet, g: int, b: int, adopted: list[int]) -> Claim:
-        """Decide one pending object: settled now, wait for another recovery, or a slot to load into."""
+    def _claim(
+        self,
+        lease: LeaseSet,
+        gs: np.ndarray,
+        bs: np.ndarray,
+        adopted: list[int],
+        waiting: list[tuple[int, int]],
+    ) -> Claimed | None:
+        """Decide a batch of pending objects: adopt those resident now, fail those that cannot load, queue those
+        another recovery is loading on `waiting`, and claim a slot for each of the rest (None if none)."""
         c = self._c
         if lease.namespace != c.ns:  # the version moved since the lookup: never load stale objects
-            _fail(lease, g, b, Reason.STALE_VERSION)
-            return Settled.DONE
+            _fail_all(lease, gs, bs, Reason.STALE_VERSION)
+            return None
         t = c.table
-        row = int(lease.rows[b])
-        if row == t.sentinel:
+        for b in sorted(set(bs[lease.rows[bs] == t.sentinel].tolist())):
             try:
                 row = t.row(lease.block_hashes[b])
             except AdmissionRefused:
-                _fail(lease, g, b, Reason.ADMISSION)
-                return Settled.DONE
+                continue  # its objects stay on the sentinel row and fail below
             lease.rows[b] = row
             t.hold_row(row)  # keeps the new row indexed until the lease holds it
             adopted.append(row)
-        verdict = int(t.e_verdict[g, row])
-        if verdict == _OK:
-            self._adopt(lease, g, b)
-            return Settled.DONE
-        if verdict == IN_FLIGHT:
-            return Settled.WAIT
-        if verdict != _MISSING and verdict != _EVICTED:
-            _fail(lease, g, b, Reason(verdict))
-            return Settled.DONE
-        try:
-            slot = c.space.allocate(g, c.ns_id)
-        except AdmissionRefused:
-            _fail(lease, g, b, Reason.ADMISSION)
-            return Settled.DONE
-        try:
-            local = c.space.local(g, slot)  # layer 4: never load into a slot that is not aligned and whole
-        except LayoutError:
-            log.exception("refusing to recover into a misaligned slot")
-            c.space.unallocate(g, slot)
-            _fail(lease, g, b, Reason.MISALIGNED)
-            return Settled.DONE
-        t.move(slot, _RECOVERING)
-        t.bind(slot, row, IN_FLIGHT, c.ns_id)
-        key = ObjectKey(c.ns, t.r_hash[row], c.names[g], c.forms[g])
-        request = LoadRequest(key, c.pools[g].slot_view(local), c.digests[g])
-        return PendingLoad(g, b, slot, request, time.monotonic())
+        rows = lease.rows[bs]
+        verdict = t.e_verdict[gs, rows].astype(np.int64)
+        verdict[rows == t.sentinel] = -1
+        ok = verdict == _OK
+        self._adopt(lease, gs[ok], bs[ok])
+        flight = verdict == IN_FLIGHT
+        waiting += zip(gs[flight].tolist(), bs[flight].tolist())
+        load = (verdict == _MISSING) | (verdict == _EVICTED)
+        _fail_all(lease, gs[verdict == -1], bs[verdict == -1], Reason.ADMISSION)
+        other = ~(ok | flight | load | (verdict == -1))
+        for g, b, v in zip(gs[other].tolist(), bs[other].tolist(), verdict[other].tolist()):
+            _fail(lease, g, b, Reason(v))
+        gs, bs, rows = gs[load], bs[load], rows[load]
+        if not len(gs):
+            return None
+        again = _repeats(gs * (t.sentinel + 1) + rows)  # a hash the lookup named twice loads once; the rest wait
+        if again.any():
+            waiting += zip(gs[again].tolist(), bs[again].tolist())
+            gs, bs, rows = gs[~again], bs[~again], rows[~again]
+        slots = c.space.allocate_many(gs, c.ns_id)
+        refused = slots < 0
+        _fail_all(lease, gs[refused], bs[refused], Reason.ADMISSION)
+        gs, bs, rows, slots = gs[~refused], bs[~refused], rows[~refused], slots[~refused]
+        local, aligned = c.space.locals(gs, slots)  # layer 4: never load into a slot that is not aligned and whole
+        if not aligned.all():
+            log.error("refusing to recover into %d misaligned slots", int((~aligned).sum()))
+            for g, slot in zip(gs[~aligned].tolist(), slots[~aligned].tolist()):
+                c.space.unallocate(g, slot)
+            _fail_all(lease, gs[~aligned], bs[~aligned], Reason.MISALIGNED)
+            gs, bs, rows, slots, local = gs[aligned], bs[aligned], rows[aligned], slots[aligned], local[aligned]
+        if not len(gs):
+            return None
+        t.bind_recovering(slots, rows, c.ns_id)
+        ns, names, forms, pools, digests, r_hash = c.ns, c.names, c.forms, c.pools, c.digests, t.r_hash
+        requests = [
+            LoadRequest(ObjectKey(ns, r_hash[row], names[g], forms[g]), pools[g].slot_view(slot), digests[g])
+            for g, row, slot in zip(gs.tolist(), rows.tolist(), local.tolist())
+        ]
+        return Claimed(gs, bs, slots, requests, time.monotonic())
 
-    def _load(self, requests: list[LoadRequest]) -> list[Reason]:
+    def _load(self, requests: list[LoadRequest]) -> np.ndarray:
         try:
             answers = list(self._lower.load_into(requests))
         except Exception:
             log.exception("lower tier failed to load %d objects; they will be recomputed", len(requests))
-            return [Reason.CORRUPT] * len(requests)
+            return np.full(len(requests), int(Reason.CORRUPT))
         if len(answers) != len(requests):
             log.error("lower tier answered %d of %d loads; treating them as failed", len(answers), len(requests))
-            return [Reason.CORRUPT] * len(requests)
-        return [Reason(a) for a in answers]
+            return np.full(len(requests), int(Reason.CORRUPT))
+        return np.array([int(a) for a in answers], dtype=np.int64)
 
-    def _finish(self, lease: LeaseSet, load: PendingLoad, answer: Reason) -> bool:
+    def _finish(self, lease: LeaseSet, claimed: Claimed, answers: np.ndarray) -> None:
         """RECOVERING -> SEALED after a verified load (layer 1: the tier filled the whole slot from a
         complete record; layer 2: the record's layout digest is the live one; layer 4: checked at claim),
-        else -> FREE and the object is recomputed (True: it failed; the caller counts the good ones)."""
+        else -> FREE and the object is recomputed."""
         c = self._c
         t = c.table
-        if answer == _OK:
-            t.seal(load.slot, c.ns_id, recoverable=True)
-            if lease.live:
-                self._adopt(lease, load.group, load.block)
-            return False
-        t.move(load.slot, _FREE)
-        c.space.free(load.slot, Reason.MISSING)
-        c.counters.event("recovers_failed", c.gform[load.group])
-        _fail(lease, load.group, load.block, answer)
-        return True
+        ok = answers == _OK
+        good = claimed.slots[ok]
+        t.seal_recovered(good, c.ns_id)
+        if lease.live:
+            self._adopt(lease, claimed.groups[ok], claimed.blocks[ok])
+        gform = np.asarray(c.gform)[claimed.groups[ok]]
+        c.counters.recovered(gform, np.full(len(good), time.monotonic() - claimed.started))
+        for g, b, slot, answer in zip(
+            claimed.groups[~ok].tolist(), claimed.blocks[~ok].tolist(), claimed.slots[~ok].tolist(), answers[~ok]
+        ):
+            t.move(slot, _FREE)
+            c.space.free(slot, Reason.MISSING)
+            c.counters.event("recovers_failed", c.gform[g])
+            _fail(lease, g, b, Reason(int(answer)))
 
-    def _adopt(self, lease: LeaseSet, g: int, b: int) -> None:
-        lease.gens[g, b] = self._c.table.e_gen[g, lease.rows[b]]
-        lease.routes[g, b] = _REUSE
-        lease.reasons[g, b] = _OK
+    def _adopt(self, lease: LeaseSet, gs: np.ndarray, bs: np.ndarray) -> None:
+        """Route resident objects REUSE at the generation they have now."""
+        lease.gens[gs, bs] = self._c.table.e_gen[gs, lease.rows[bs]]
+        lease.routes[gs, bs] = _REUSE
+        lease.reasons[gs, bs] = _OK
 
     def _rebuild(self, result: PoolLookup) -> None:
         """Re-intersect after recovery; objects evicted since the lookup turn RECOMPUTE `evicted`."""
@@ -324,3 +329,17 @@ class PersistOutcome:
 def _fail(lease: LeaseSet, g: int, b: int, reason: Reason) -> None:
     lease.routes[g, b] = Route.RECOMPUTE
     lease.reasons[g, b] = reason if reason != Reason.OK else Reason.MISSING
+
+
+def _repeats(keys: np.ndarray) -> np.ndarray:
+    """True at every entry whose key occurred earlier in `keys`."""
+    order = np.argsort(keys, kind="stable")
+    out = np.zeros(len(keys), dtype=bool)
+    out[order[1:]] = keys[order[1:]] == keys[order[:-1]]
+    return out
+
+
+def _fail_all(lease: LeaseSet, gs: np.ndarray, bs: np.ndarray, reason: Reason) -> None:
+    """`_fail` for a batch of objects, all for the same reason."""
+    lease.routes[gs, bs] = Route.RECOMPUTE
+    lease.reasons[gs, bs] = reason if reason != Reason.OK else Reason.MISSING

@@ -43,6 +43,14 @@ def check_move(current: int, to: BlockState, slot: int) -> None:
         )
 
 
+def check_moves(current: np.ndarray, to: BlockState, slots: np.ndarray) -> None:
+    """`check_move` for a batch of slots (their states `current`), raising for the first illegal one."""
+    bad = ~LEGAL[current, to]
+    if bad.any():
+        i = int(np.argmax(bad))
+        check_move(int(current[i]), to, int(slots[i]))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CacheBlockState:
     """A read-only snapshot of one pool slot, assembled from the slot table's arrays."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.core.forms import Reason
-from kvtier.gpu.errors import AdmissionRefused
-from kvtier.gpu.states import BlockState, check_move
+from kvtier.gpu.errors import AdmissionRefused, IllegalTransition
+from kvtier.gpu.states import BlockState, check_move, check_moves
 
 IN_FLIGHT = 100  # verdict of an object being recovered right now; mapped to RECOVER before any vector is built
 
@@ -116,6 +116,48 @@ class BlockTable:
         self.e_verdict[g, row] = verdict
         self.r_live[row] += 1
         return gen
+
+    def bind_recovering(self, slots: np.ndarray, rows: np.ndarray, ns_id: int) -> None:
+        """`move(FREE -> RECOVERING)` and `bind(..., IN_FLIGHT, ...)` for a batch of freshly allocated slots;
+        each (group, row) at most once (a row recurs once per group)."""
+        check_moves(self.s_state[slots], _RECOVERING, slots)
+        n = len(slots)
+        self.s_state[slots] = _RECOVERING
+        self.n_recovering += n
+        g = self.s_group[slots]
+        gens = np.arange(self.next_gen, self.next_gen + n, dtype=np.int64)
+        self.next_gen += n
+        self.s_gen[slots] = gens
+        self.s_row[slots] = rows
+        self.s_ns[slots] = ns_id
+        self.s_recoverable[slots] = False
+        self.s_pins[slots] = 0
+        self.s_leases[slots] = 0
+        self.e_slot[g, rows] = slots
+        self.e_gen[g, rows] = gens
+        self.e_verdict[g, rows] = IN_FLIGHT
+        np.add.at(self.r_live, rows, 1)
+
+    def seal_recovered(self, slots: np.ndarray, live_ns: int) -> None:
+        """`seal(slot, live_ns, recoverable=True)` for a batch of RECOVERING slots, touched in order."""
+        not_recovering = self.s_state[slots] != _RECOVERING
+        if not_recovering.any():
+            i = int(np.argmax(not_recovering))
+            raise IllegalTransition(
+                f"slot {int(slots[i])}: {BlockState(int(self.s_state[slots[i]])).name} is not RECOVERING; "
+                "this is a kvtier bug, please report it"
+            )
+        n = len(slots)
+        self.s_state[slots] = _SEALED
+        self.n_recovering -= n
+        rows = self.s_row[slots]
+        self.e_verdict[self.s_group[slots], rows] = np.where(self.s_ns[slots] == live_ns, _OK, _STALE)
+        self.s_recoverable[slots] = True
+        ticks = np.arange(self.tick + 1, self.tick + 1 + n, dtype=np.int64)
+        self.tick += n
+        self.s_touch[slots] = ticks
+        hist = self.s_history[slots]
+        self.r_touch[rows[hist]] = ticks[hist]
 
     def unbind(self, slot: int, marker: Reason) -> int:
         """Detach a slot from its row (generation moves, column gets `marker`); returns the row."""
