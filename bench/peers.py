@@ -16,9 +16,13 @@ with its own id. Per store, in a fresh process, on the same filesystem:
   or "error";
 * restart: a new process opens the same directory and reads the untouched objects back.
 
+The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes
+back to back, written once, page cache dropped first (`raw_device.dd_MBps`; each store's
+`cold_read_of_dd` is its cold read over that: what the disk leaves to gain).
+
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
-`--repeat` times; each store's best pass is reported, and kvtier's throughput over each peer's
-(ratio > 1: kvtier faster).
+`--repeat` times, in reverse order every other round (the dd pass always between them); each
+store's best pass is reported, and kvtier's throughput over each peer's (ratio > 1: kvtier faster).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagecache import drop_cache_tree  # noqa: E402
+from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
 
 from kvtier.core.forms import GroupKind, Reason  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
@@ -149,12 +153,7 @@ def flip_byte(path: str, offset: int) -> None:
 
 def truncate(path: str, length: int) -> None:
     os.truncate(path, length)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache_file(path)
 
 
 def verdict(store: KvtierStore | DiskcacheStore | LmcacheStore, i: int) -> str:
@@ -183,7 +182,10 @@ class KvtierStore:
         self.store = DiskStore(str(root), StoreConfig(io_threads=IO_THREADS), writer=writer)
         if writer:
             self.store.register_namespace(w.profile.version)
-        self.outs: dict[int, torch.Tensor] = {}
+        # one page-aligned target per batch slot, as large as the largest object and faulted in now (not timed), as
+        # the daemon's pool slots are once it has served and as LMCache's allocator buffer is (zeroed at start)
+        biggest = max(map(len, w.payloads))
+        self.outs = [_aligned_zeroed(biggest) for _ in range(BATCH)]
 
     @property
     def details(self) -> dict:
@@ -217,14 +219,7 @@ class KvtierStore:
         return [o if r is Reason.OK else None for r, o in zip(reasons, outs)]
 
     def _out(self, slot: int, n: int) -> torch.Tensor:
-        """A page-aligned target, as the daemon's pool slots are (large payloads then land without a bounce copy;
-        LMCache reads into its own allocator's pages alike)."""
-        t = self.outs.get(slot)
-        if t is None or t.numel() < n:
-            raw = torch.empty(n + 4096, dtype=torch.uint8)
-            start = -raw.data_ptr() % 4096
-            t = self.outs[slot] = raw[start : start + n]
-        return t[:n]
+        return self.outs[slot][:n]
 
     def _entry(self, i: int):
         key = self.w.keys[i]
@@ -385,6 +380,13 @@ class LmcacheStore:
         self.thread.join(10)
 
 
+def _aligned_zeroed(n: int) -> torch.Tensor:
+    """n zeroed bytes at a page-aligned address (large payloads then land without a bounce copy)."""
+    raw = torch.zeros(n + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    return raw[start : start + n]
+
+
 def _chunk_hash(key: ObjectKey) -> int:
     """LMCache keys a chunk by an int: the block hash and the group, folded to 64 bits."""
     return int.from_bytes(hashlib.blake2b(key.block_hash + key.group.encode(), digest_size=8).digest(), "little")
@@ -498,7 +500,23 @@ def run_child(store: str, phase: str, root: Path, args: argparse.Namespace) -> d
     return json.loads(out.read_text())
 
 
-def summarize(store: str, passes: list[dict], restart: dict, total: int) -> dict:
+def raw_file(path: Path, w: Workload) -> Path:
+    """Every object's bytes back to back in one file, durable (the dd baseline reads it)."""
+    with open(path, "wb") as f:
+        for p in w.payloads:
+            f.write(p)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def dd_pass(raw: Path) -> float:
+    """Seconds for dd O_DIRECT to read the raw file cold."""
+    drop_cache_file(raw)
+    return dd_direct_s(raw)
+
+
+def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps: float) -> dict:
     good = [p for p in passes if "error" not in p]
     if not good:
         return {"error": passes[-1]["error"]}
@@ -516,6 +534,7 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int) -> dict
         "write_ack_MBps": round(total / best("ack_s") / MB, 1),
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
         "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
+        "cold_read_of_dd": round(total / best("cold_read_s") / MB / dd_mbps, 2),
         "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
         "flipped_byte": last["flipped_byte"],
         "truncated_file": last["truncated_file"],
@@ -557,10 +576,15 @@ def main() -> None:
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
     passes: dict[str, list[dict]] = {s: [] for s in args.stores}
     restarts: dict[str, dict] = {}
+    dd_s: list[float] = []
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     try:
+        raw = raw_file(work / "raw.bin", w)
         for r in range(args.repeat):
-            for store in args.stores:
+            order = args.stores if r % 2 == 0 else args.stores[::-1]
+            for k, store in enumerate(order):
+                if k == len(order) // 2:
+                    dd_s.append(dd_pass(raw))
                 root = work / f"{store}-{r}"
                 passes[store].append(run_child(store, "main", root, args))
                 if r == args.repeat - 1:
@@ -572,11 +596,16 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes) for s in args.stores}
+    dd_mbps = w.total_bytes / min(dd_s) / MB
+    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps) for s in args.stores}
     print(
         json.dumps(
             {
                 "workload": w.describe(),
+                "raw_device": {
+                    "dd_MBps": round(dd_mbps, 1),
+                    "what": "dd iflag=direct bs=4M, every object's bytes in one file, cold, best of the rounds",
+                },
                 "batch": BATCH,
                 "io_threads": IO_THREADS,
                 "repeat": args.repeat,

@@ -119,7 +119,7 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
             "--repeat",
             "50" if quick else "200",
         ],
-        "daemon": [py, "bench/daemon.py"],
+        "daemon": [py, "bench/daemon.py", *(["--rounds", "2"] if quick else [])],
         "verifier": [py, "bench/verifier.py", *(["--quick"] if quick else [])],
         "peers": [
             peers_python,
@@ -252,6 +252,18 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
                 _speed(ld["ratio"]),
             )
         )
+    rs = dm.get("dsv4_restore")
+    if rs:
+        out.append(
+            (
+                f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool via the daemon, MB/s "
+                f"(a daemon just started: {_fmt(rs['fresh_daemon_MBps'])})",
+                _fmt(rs["MBps"]),
+                "dd iflag=direct, same bytes",
+                _fmt(rs["dd_MBps"]),
+                f"{rs['ratio']:.2f} of raw",
+            )
+        )
     v = sections.get("verifier", {})
     if "pending" in v:
         out.append(("verifier interference", "pending", "", "", v["pending"]))
@@ -283,6 +295,16 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
             ("same objects: cold read, MB/s", "cold_read_MBps"),
         ):
             out.append((label, _fmt(ks[key]), peer, _fmt(ps[key]), _speed(ratio[key])))
+        if "raw_device" in p:
+            out.append(
+                (
+                    f"same objects: cold read over dd iflag=direct ({_fmt(p['raw_device']['dd_MBps'])} MB/s)",
+                    f"{ks['cold_read_of_dd']:.2f}",
+                    peer,
+                    f"{ps['cold_read_of_dd']:.2f}",
+                    "",
+                )
+            )
         out.append(("one byte of an object flipped", ks["flipped_byte"], peer, ps["flipped_byte"], ""))
         out.append(("object's file truncated", ks["truncated_file"], peer, ps["truncated_file"], ""))
         restart = (  # noqa: E731

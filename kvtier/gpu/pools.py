@@ -17,6 +17,7 @@ import torch
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
 
 
@@ -69,6 +70,16 @@ def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Ten
         fd = os.memfd_create(f"kvtier-pool-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
+            try:
+                # take the pages now: a restore into a fresh pool otherwise pays every page's allocation and
+                # zeroing inside its reads (measured: half the disk's speed), and a shared-memory limit
+                # would surface as SIGBUS on first touch instead of this error
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise BudgetError(
+                    f"cannot take {nbytes:,} bytes of shared memory for the {name} pool ({exc.strerror}); "
+                    "lower its budget or free memory"
+                ) from exc
             raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
             seal_for_readers(fd)
             return raw, fd, reader_fd(fd)
