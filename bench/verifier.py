@@ -1,18 +1,25 @@
 """Interference: reader threads load records continuously while the verifier sweeps, evicts and compacts.
 
-Windows alternate (ABBA) between the verifier running and the verifier frozen (SIGSTOP), so whatever else
-the machine does lands on both sides; per side it reports load p50/p99 and the ratios, plus the ratio of the
-medians of per-window p99s (robust to a burst of outside load landing in a few windows). Readers load only
-pinned records (never evicted, but relocated by compaction) and check every byte: a wrong byte, an error,
-or a miss for such a record is counted. Prints one JSON object.
+Windows alternate (ABBA) between the verifier running and the verifier frozen (SIGSTOP; a frozen window starts
+once every verifier thread has stopped, so none of its I/O is still in flight), so whatever else the machine does
+lands on both sides. Per side it reports load p50/p99 and their ratios (`p99_ratio`: the p99 of every 'with'
+load over the p99 of every 'without' load), the ratio of the medians of per-window p99s, and `paired_p99_ratio`
+(the geometric mean over ABBA groups of each group's own p99 ratio: outside load that covers a group weighs on
+both its sides). `breakdown` says what the verifier did in the 'with' windows (CPU seconds, bytes it read and
+wrote, its read rate against --rate) and the median window p99 of the windows in which it wrote against those
+in which it only read. `--control` keeps the verifier frozen on both sides: its ratios are the noise floor of the
+machine at the time, to quote beside a real run's. Readers load only pinned records (never evicted, but relocated
+by compaction) and check every byte: a wrong byte, an error, or a miss for such a record is counted. Prints one
+JSON object.
 
     python bench/verifier.py [--quick] [--records N] [--size BYTES] [--readers R] [--windows W] [--until-worked]
-                             [--window-s S] [--rate B/s]
+                             [--window-s S] [--rate B/s] [--control]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -36,6 +43,30 @@ from kvtier.verifier import verifier_status
 DIGEST = b"B" * 16
 VK = VersionKey("bench-verifier", "w0", "abi", "comp", "idx", "fp8")
 SETTLE_S = 0.02
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Activity:
+    """What the verifier process did in one window: CPU seconds, and bytes it read from / wrote to the disk
+    (/proc/<pid>/io: O_DIRECT reads count, page-cache hits do not)."""
+
+    cpu_s: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    @classmethod
+    def of(cls, pid: int) -> Activity:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/io") as f:
+            io = {k: int(v) for k, v in (line.split(":") for line in f)}
+        return cls((int(fields[11]) + int(fields[12])) / CLOCK_TICK, io["read_bytes"], io["write_bytes"])
+
+    def __sub__(self, other: Activity) -> Activity:
+        return Activity(
+            self.cpu_s - other.cpu_s, self.read_bytes - other.read_bytes, self.write_bytes - other.write_bytes
+        )
 
 
 def _payload(i: int, size: int) -> torch.Tensor:
@@ -70,7 +101,7 @@ class Readers:
     def __init__(
         self, root: str, keys: list[ObjectKey], payloads: list[torch.Tensor], threads: int, batch: int
     ) -> None:
-        self.store = DiskStore(root, StoreConfig(io_backend="odirect", atime_flush_s=1e12, io_threads=4))
+        self.store = DiskStore(root, StoreConfig(io_backend="odirect", atime_flush_s=3600.0, io_threads=4))
         self.keys, self.payloads, self.batch = keys, payloads, batch
         self.label: str | None = None
         self.window = 0
@@ -116,6 +147,39 @@ class Readers:
         self.store.close()
 
 
+def _paired_ratio(with_: list[list[float]], without: list[list[float]]) -> float:
+    """The geometric mean over ABBA groups of p99(the group's two 'with' windows) / p99(its two 'without'
+    windows): each group is compared with its own neighbours in time, so a burst of outside load that covers a
+    group weighs on both sides of it, and every group counts (a verifier that stalls readers now and then moves it;
+    a median would not)."""
+    ratios = [
+        _pct(with_[g] + with_[g + 1], 99) / _pct(without[g] + without[g + 1], 99)
+        for g in range(0, min(len(with_), len(without)) - 1, 2)
+        if with_[g] and with_[g + 1] and without[g] and without[g + 1]
+    ]
+    return float(np.exp(np.mean(np.log(ratios)))) if ratios else float("nan")
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of `pid` has stopped. A thread in a disk read or an fsync stops only once that I/O is
+    done, so a frozen window starts with none of the verifier's I/O still in flight (it would otherwise count
+    against the frozen side)."""
+    deadline = time.monotonic() + timeout_s
+    task_dir = f"/proc/{pid}/task"
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited meanwhile
+                continue
+        if all(s in "tT" for s in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"verifier pid {pid} did not stop within {timeout_s}s")
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) * 1e6 if xs else float("nan")
 
@@ -129,6 +193,24 @@ def _worked(actions: dict[str, int], records: int) -> bool:
         and actions.get("relocated", 0) > 0
         and actions.get("segments_unlinked", 0) > 0
     )
+
+
+def breakdown(windows: list[list[float]], activity: list[Activity], without_p99_us: float, window_s: float) -> dict:
+    """Where the verifier's cost lands: its CPU and disk I/O over the 'with' windows, and the median per-window
+    p99 (over the frozen windows' median) of the windows in which it wrote (index commits, compaction copies,
+    each with an fsync) against those in which it only read."""
+    total = Activity(*(sum(getattr(a, f) for a in activity) for f in ("cpu_s", "read_bytes", "write_bytes")))
+    out: dict[str, object] = {
+        "verifier_cpu_s": round(total.cpu_s, 2),
+        "verifier_read_MB": round(total.read_bytes / 1e6, 1),
+        "verifier_read_MBps": round(total.read_bytes / 1e6 / (len(activity) * window_s), 1) if activity else 0.0,
+        "verifier_write_MB": round(total.write_bytes / 1e6, 1),
+    }
+    for name, keep in (("writing", lambda a: a.write_bytes > 0), ("reading_only", lambda a: a.write_bytes == 0)):
+        p99s = [_pct(x, 99) for x, a in zip(windows, activity) if x and keep(a)]
+        out[f"windows_{name}"] = len(p99s)
+        out[f"window_p99_ratio_{name}"] = round(float(np.median(p99s)) / without_p99_us, 3) if p99s else None
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -166,22 +248,29 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(0.02)
         readers.start()
         windows = 0
+        activity: dict[str, list[Activity]] = {"with": [], "without": []}  # per window, beside readers.samples
         while True:
             for label in ("without", "with", "with", "without"):  # ABBA: drift in outside load lands on both sides
-                os.kill(proc.pid, signal.SIGCONT if label == "with" else signal.SIGSTOP)
                 readers.label = None
+                if label == "with" and not args.control:
+                    os.kill(proc.pid, signal.SIGCONT)
+                else:
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    _wait_stopped(proc.pid)
                 time.sleep(SETTLE_S)
                 readers.samples[label].append([])
                 readers.window += 1
+                before = Activity.of(proc.pid)
                 readers.label = label
                 time.sleep(args.window_s)
+                readers.label = None
+                activity[label].append(Activity.of(proc.pid) - before)
                 windows += 1
             actions = verifier_status(readers.store)["actions"]
             if windows >= args.windows and (
                 not args.until_worked or _worked(actions, args.records) or windows >= 4 * args.windows
             ):
                 break
-        readers.label = None
         os.kill(proc.pid, signal.SIGCONT)
         readers.stop()
         w, wo = ([x for window in readers.samples[k] for x in window] for k in ("with", "without"))
@@ -199,11 +288,13 @@ def run(args: argparse.Namespace) -> dict:
             "p50_ratio": round(_pct(w, 50) / _pct(wo, 50), 3),
             "p99_ratio": round(_pct(w, 99) / _pct(wo, 99), 3),
             "window_p99_median_ratio": round(wp99 / wop99, 3),
+            "paired_p99_ratio": round(_paired_ratio(readers.samples["with"], readers.samples["without"]), 3),
             "loads": readers.loads,
             "wrong_bytes": readers.wrong,
             "pinned_misses": readers.misses,
             "errors": readers.errors,
             "verifier_actions": actions,
+            "breakdown": breakdown(readers.samples["with"], activity["with"], wop99, args.window_s),
         }
         return out
     finally:
@@ -223,22 +314,28 @@ def main() -> None:
     p.add_argument("--segment-bytes", type=int, default=4 << 20)
     p.add_argument("--readers", type=int, default=4)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--windows", type=int, default=40, help="at least this many windows, in ABBA groups of 4")
+    p.add_argument("--windows", type=int, default=200, help="at least this many windows, in ABBA groups of 4")
     p.add_argument(
         "--until-worked",
         action="store_true",
         help="add ABBA groups (up to 4x --windows) until the verifier has swept half, evicted, compacted and unlinked: "
         "a verifier at nice 19 on a busy machine may need longer than the windows give it",
     )
-    p.add_argument("--window-s", type=float, default=0.5)
+    p.add_argument("--window-s", type=float, default=0.2)
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="keep the verifier frozen in the 'with' windows too: the ratios then show the statistic's noise floor",
+    )
     p.add_argument("--rate", type=int, default=32 << 20)
     p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
     p.add_argument(
         "--verifier-arg", action="append", default=[], help="extra argument for `kvtier verifier run` (repeat)"
     )
+    if "--quick" in sys.argv[1:]:  # its sizes are defaults: options given beside it still win
+        p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
     args = p.parse_args()
-    if args.quick:
-        args.records, args.windows, args.window_s, args.segment_bytes, args.until_worked = 240, 24, 0.25, 2 << 20, True
+    args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
     print(json.dumps(run(args)))
 
 

@@ -109,7 +109,7 @@ def audit_store(
         files,
         LayoutOracle.load(settings.profiles),
         deep=deep,
-        batch_bytes=settings.batch_bytes,
+        read_bytes=settings.read_bytes,
         progress=progress,
     )
     reports = []

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import ObjectKey
@@ -13,6 +14,8 @@ from kvtier.verifier.checks import Finding, NamespaceView, SegmentFiles, Verdict
 from kvtier.verifier.layouts import LayoutOracle
 from kvtier.verifier.policy import Candidate
 from kvtier.verifier.throttle import RateLimiter
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,7 +65,7 @@ def take_inventory(
     *,
     deep: bool = False,
     batch: int = 256,
-    batch_bytes: int = 8 << 20,
+    read_bytes: int = 1 << 20,
     limiter: RateLimiter | None = None,
     progress: Progress | None = None,
 ) -> Inventory:
@@ -77,7 +80,7 @@ def take_inventory(
             return inv
         after = rows[-1].key
         findings = [classify(r, seen_at, namespaces, files, oracle) for r in rows]
-        passed = deep_check(store, rows, findings, batch_bytes, limiter) if deep else set()
+        passed = deep_check(store, rows, findings, limiter, read_bytes=read_bytes) if deep else set()
         for i, (info, finding) in enumerate(zip(rows, findings)):
             _count(inv, info, finding, i in passed)
         if progress is not None:
@@ -88,29 +91,59 @@ def deep_check(
     store: DiskStore,
     rows: list[RecordInfo],
     findings: list[Finding],
-    batch_bytes: int,
     limiter: RateLimiter | None,
     *,
+    read_bytes: int,
+    stamp_bytes: int = 0,
     apply: bool = False,
 ) -> set[int]:
-    """Re-read and checksum the serving rows in byte-bounded batches; failures become CORRUPT findings in place
-    (quarantined by the store when `apply`). Returns the indices that passed."""
+    """Re-read and checksum the serving rows; failures become CORRUPT findings in place. Returns the indices that
+    passed.
+
+    With `apply` failures are quarantined, and rows never verified are stamped verified (clearing their dirty
+    rows) by the store, one synced index commit per `stamp_bytes` of records. Rows already verified are read in
+    chunks of `read_bytes` and nothing is written for them: a re-stamp would cost a synced commit per chunk
+    for nothing (only whether a record was ever verified is read back), and small chunks keep each of the
+    verifier's reads short, so a reader's request queued behind one at the disk waits little."""
     passed: set[int] = set()
-    todo = [i for i, f in enumerate(findings) if f.verdict is Verdict.SERVING]
-    while todo:
-        chunk, size = [], 0
-        while todo and (not chunk or size + rows[todo[0]].entry.record_len <= batch_bytes):  # type: ignore[union-attr]
-            i = todo.pop(0)
-            chunk.append(i)
-            size += rows[i].entry.record_len  # type: ignore[union-attr]
-        if limiter is not None and not limiter.take(size):
-            break
-        for i, res in zip(chunk, store.verify_many([rows[i].key for i in chunk], apply=apply)):
-            if res.failure is not None:
-                findings[i] = Finding(Verdict.CORRUPT, res.failure)
-            elif res.reason is Reason.OK:
-                passed.add(i)
+    serving = [i for i, f in enumerate(findings) if f.verdict is Verdict.SERVING]
+    fresh = [i for i in serving if apply and rows[i].entry.verified_at == 0]  # type: ignore[union-attr]
+    known = [i for i in serving if not (apply and rows[i].entry.verified_at == 0)]  # type: ignore[union-attr]
+    for todo, limit, stamp in ((fresh, stamp_bytes, True), (known, read_bytes, False)):
+        for chunk, size in _chunks(rows, todo, limit):
+            if limiter is not None and not limiter.take(size):
+                return passed
+            for i, res in zip(chunk, store.verify_many([rows[i].key for i in chunk], apply=stamp)):
+                if res.failure is not None:
+                    findings[i] = Finding(Verdict.CORRUPT, res.failure)
+                    if apply and not stamp:
+                        key = rows[i].key
+                        log.warning(
+                            "quarantining %s/%s/%s: %s",
+                            key.namespace.hex(),
+                            key.block_hash.hex(),
+                            key.group,
+                            res.failure.label,
+                        )
+                        store.quarantine(key, res.failure)
+                elif res.reason is Reason.OK:
+                    passed.add(i)
     return passed
+
+
+def _chunks(rows: list[RecordInfo], todo: list[int], limit: int) -> Iterator[tuple[list[int], int]]:
+    """Consecutive runs of `todo` of at most `limit` record bytes (at least one row each), with their size."""
+    chunk: list[int] = []
+    size = 0
+    for i in todo:
+        n = rows[i].entry.record_len  # type: ignore[union-attr]
+        if chunk and size + n > limit:
+            yield chunk, size
+            chunk, size = [], 0
+        chunk.append(i)
+        size += n
+    if chunk:
+        yield chunk, size
 
 
 def _count(inv: Inventory, info: RecordInfo, finding: Finding, verified_now: bool) -> None:

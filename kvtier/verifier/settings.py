@@ -19,7 +19,8 @@ class VerifierSettings:
     maintenance_interval_s: float = 30.0  # index scan + cleaner actions (sooner when the store is over its limits)
     poll_s: float = 1.0  # idle wake-up when no watchdog hint arrives (hints are never relied on)
     batch_records: int = 64  # records per read transaction / per write transaction
-    batch_bytes: int = 8 << 20  # payload bytes read under one read transaction
+    batch_bytes: int = 8 << 20  # record bytes per compaction batch, and per commit stamping new records verified
+    read_bytes: int = 1 << 20  # record bytes per re-read of records already verified (one short read each)
     compact_below: float = 0.5  # compact a sealed segment whose live fraction is below this
     quarantine_retention_s: float = 3600.0  # quarantined records stay visible to audits this long, then are dropped
     tombstone_retention_s: float = 3600.0  # an evicted key reads as `evicted` (not `missing`) this long

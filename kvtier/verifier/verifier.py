@@ -198,7 +198,15 @@ class Verifier:
         findings = [classify(r, seen_at, self.namespaces, self.files, self.oracle) for r in rows]
         self.cleaner.quarantine([(r.key, f.fault) for r, f in zip(rows, findings) if f.verdict is Verdict.CORRUPT])
         serving = sum(f.verdict is Verdict.SERVING for f in findings)
-        passed = deep_check(self.store, rows, findings, self.settings.batch_bytes, self.limiter, apply=True)
+        passed = deep_check(
+            self.store,
+            rows,
+            findings,
+            self.limiter,
+            read_bytes=self.settings.read_bytes,
+            stamp_bytes=self.settings.batch_bytes,
+            apply=True,
+        )
         self.actions["verified"] += len(passed)
         self.actions["quarantined"] += serving - sum(f.verdict is Verdict.SERVING for f in findings)
 

@@ -1,0 +1,99 @@
+"""What the verifier costs the store's readers: its scheduling and I/O class, a sweep that writes nothing for
+records already verified, and a rate limit whose burst stays short after an idle spell."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+
+from kvtier.core import CacheForm
+from kvtier.store import DiskStore, QuarantineReason, RecordState
+from kvtier.verifier import Verifier, VerifierSettings, throttle, verifier_status
+from kvtier.verifier.throttle import RateLimiter
+from support.corrupt import flip_payload_bit
+from support.verifier_helpers import VK, entries, populate, start_verifier, stop, wait_for
+
+
+def test_the_verifier_process_runs_every_thread_at_idle_cpu_and_io_priority(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    populate(root, [(VK, "a", CacheForm.COMPRESSED, 5000)])
+    proc = start_verifier(root)
+    try:
+
+        def working() -> bool:
+            with DiskStore(root, readonly=True) as s:
+                return verifier_status(s)["phase"] not in ("never ran", "starting")
+
+        wait_for(working, 30.0, proc, "verifier started")
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(tids) > 1  # its read pool and watchdog threads, started after the priority was lowered
+        for tid in tids:
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE, tid
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 19, tid
+        if shutil.which("ionice"):
+            shown = subprocess.run(["ionice", "-p", str(proc.pid)], capture_output=True, text=True).stdout
+            assert shown.strip() == "idle", shown
+    finally:
+        err = stop(proc)
+    assert proc.returncode == 0, err
+
+
+def test_a_sweep_reads_verified_records_without_rewriting_them_and_quarantines_what_fails(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    recs = populate(root, [(VK, f"r{i}", CacheForm.COMPRESSED, 20_000) for i in range(12)])
+    with DiskStore(root) as s:
+        v = Verifier(s, VerifierSettings(rate_bytes_per_s=0, read_bytes=50_000))
+        while v.verify_dirty():
+            pass
+        stamped = entries(s)
+        assert all(e.verified_at > 0 for e in stamped.values()) and not s.iter_dirty()
+        bad = recs[5].key
+        flip_payload_bit(root, stamped[bad], 100, 3)
+        before = v.actions["verified"]
+        v.sweep_step()
+        while v.sweep.in_progress:
+            v.sweep_step()
+        after = entries(s)
+    assert v.actions["verified"] - before == len(recs) - 1
+    assert after[bad].state is RecordState.QUARANTINED and after[bad].quarantine is QuarantineReason.PAYLOAD
+    assert v.actions["quarantined"] == 1
+    # the good records' entries are byte for byte what the first verification stamped: no write per sweep batch
+    assert {k: e for k, e in after.items() if k != bad} == {k: e for k, e in stamped.items() if k != bad}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Stop(threading.Event):
+    """Records how long the limiter asked to wait, and lets that time pass on the fake clock."""
+
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.waited: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None
+        self.waited.append(timeout)
+        self.clock.now += timeout
+        return False
+
+
+def test_after_an_idle_spell_the_limiter_lets_through_a_tenth_of_a_second_not_a_second(monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(throttle, "time", clock)
+    stop_event = _Stop(clock)
+    rate = 10_000_000
+    lim = RateLimiter(rate, stop_event)
+    clock.now += 60.0  # idle (or paused) for a minute: the bucket is full, and holds 0.1 s of the rate
+    assert lim.take(rate // 10) and stop_event.waited == []
+    assert lim.take(rate // 2) and abs(stop_event.waited[-1] - 0.5) < 1e-9  # no saved-up second to spend at once
+    clock.now += 60.0
+    assert lim.take(rate) and abs(stop_event.waited[-1] - 0.9) < 1e-9
