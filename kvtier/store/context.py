@@ -32,6 +32,12 @@ class StoreConfig:
     atime_flush_s: float = 5.0
     buffer_retain_bytes: int = 256 << 20
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.atime_flush_s <= 86400:  # a background thread waits this long between writes
+            raise ValueError(f"atime_flush_s must be between 0 and 86400 seconds, got {self.atime_flush_s}")
+        if self.io_threads < 1 or self.read_threads < 1:
+            raise ValueError("io_threads and read_threads must be >= 1")
+
     @staticmethod
     def quotas(mapping: Mapping[CacheForm, int]) -> tuple[tuple[CacheForm, int], ...]:
         return tuple(sorted(mapping.items(), key=lambda kv: kv[0].value))

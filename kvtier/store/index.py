@@ -355,6 +355,9 @@ class Index:
                 readonly=readonly,
                 writemap=False,
                 readahead=False,
+                # read transactions of the load path's threads reuse their reader slots instead of taking
+                # LMDB's shared reader-table lock for a new one (which the verifier's reader checks also take)
+                max_spare_txns=16,
                 sync=True,
                 metasync=True,
                 max_readers=256,

@@ -316,3 +316,9 @@ def test_store_stats_cli_reports_records_and_remembered_evictions(tmp_path) -> N
     assert "evicted keys remembered 2" in human.output and "None" not in human.output and "{" not in human.output
     as_json = CliRunner().invoke(cli, ["store", "stats", "--store", str(tmp_path), "--json"])
     assert json.loads(as_json.output)["evicted_tombstones"] == 2
+
+
+@pytest.mark.parametrize("bad", [{"atime_flush_s": 1e12}, {"atime_flush_s": -1.0}, {"read_threads": 0}])
+def test_store_config_refuses_values_its_threads_cannot_run_with(bad) -> None:
+    with pytest.raises(ValueError):
+        StoreConfig(**bad)
