@@ -5,8 +5,8 @@ is held while waiting on a socket. What a client can hold is bounded: its first 
 `hello_timeout_s`, it may idle `idle_timeout_s` between frames, a begun frame must arrive whole (and its
 reply be taken) within `frame_timeout_s`, and the receive buffer grows with the bytes that arrived (never
 the length a header announces) under `max_frame_bytes` per frame and `max_buffered_bytes` over all
-connections. At `max_connections` the oldest connection that has not sent a frame yet makes room, else
-the new one is answered `busy`. Each connection is an *owner*: when it goes away, for any reason,
+connections. At `max_connections` the oldest connection that has sent nothing yet (no byte waiting) makes
+room, else the new one is answered `busy`. Each connection is an *owner*: when it goes away, for any reason,
 `backend.release_owner(owner)` drops every lease it held. Every reply carries its request's id.
 """
 
@@ -190,9 +190,8 @@ class SocketServer:
             if refusal is None and self._closing:
                 refusal = DaemonBusy("the daemon is shutting down; retry later")
             elif refusal is None and len(self._conns) >= self.cfg.max_connections:
-                if self._fresh:  # one that has said nothing yet makes room for this one
-                    victim = self._fresh.pop(next(iter(self._fresh)))
-                else:
+                victim = self._silent_victim()
+                if victim is None:
                     refusal = DaemonBusy(
                         f"the daemon is at server.max_connections ({self.cfg.max_connections}); retry later"
                     )
@@ -211,6 +210,20 @@ class SocketServer:
             self._refuse(conn, refusal)
             return
         thread.start()
+
+    def _silent_victim(self) -> socket.socket | None:
+        """The oldest connection that has sent nothing (not even bytes its thread has yet to read), taken out of
+        `_fresh`; None if there is none. Caller holds the lock."""
+        for owner, conn in self._fresh.items():
+            try:
+                waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                waiting = b""
+            except OSError:
+                waiting = b""  # already broken: as good a victim as a silent one
+            if not waiting:
+                return self._fresh.pop(owner)
+        return None
 
     def _how_to_join(self) -> str:
         if self.cfg.allowed_gids:

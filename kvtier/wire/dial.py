@@ -19,7 +19,7 @@ from kvtier.wire import errors as E
 
 _NO_DAEMON = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR)
 _DENIED = (errno.EACCES, errno.EPERM)
-_RETRY_S = (0.002, 0.1)  # first and longest pause between connect attempts on a full backlog
+_RETRY_S = (0.001, 0.01)  # first and longest pause between connect attempts on a full backlog
 
 
 def _name(lookup: object, ident: int) -> str:
