@@ -129,7 +129,7 @@ def bench_lookup(profile: ModelProfile, sock: Path, tokens: int, n: int) -> dict
     for i in range(n + 20):
         t0 = time.perf_counter()
         res = mgr.lookup(hs)
-        mgr.handles(res)  # the daemon also resolves every REUSE slot for the reply
+        mgr.grid(res)  # the daemon also resolves every REUSE slot for the reply
         dt = time.perf_counter() - t0
         mgr.release(res)
         if i >= 20:
