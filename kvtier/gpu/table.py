@@ -102,18 +102,9 @@ class BlockTable:
 
     def bind(self, slot: int, row: int, verdict: int, ns_id: int) -> int:
         """Give a freshly allocated slot a new generation and make it row's object of its group."""
-        g = self.s_group[slot]
         gen = self.next_gen
         self.next_gen += 1
-        self.s_gen[slot] = gen
-        self.s_row[slot] = row
-        self.s_ns[slot] = ns_id
-        self.s_recoverable[slot] = False
-        self.s_pins[slot] = 0
-        self.s_leases[slot] = 0
-        self.e_slot[g, row] = slot
-        self.e_gen[g, row] = gen
-        self.e_verdict[g, row] = verdict
+        self._stamp(slot, row, gen, verdict, ns_id)
         self.r_live[row] += 1
         return gen
 
@@ -124,19 +115,25 @@ class BlockTable:
         n = len(slots)
         self.s_state[slots] = _RECOVERING
         self.n_recovering += n
-        g = self.s_group[slots]
         gens = np.arange(self.next_gen, self.next_gen + n, dtype=np.int64)
         self.next_gen += n
-        self.s_gen[slots] = gens
-        self.s_row[slots] = rows
-        self.s_ns[slots] = ns_id
-        self.s_recoverable[slots] = False
-        self.s_pins[slots] = 0
-        self.s_leases[slots] = 0
-        self.e_slot[g, rows] = slots
-        self.e_gen[g, rows] = gens
-        self.e_verdict[g, rows] = IN_FLIGHT
+        self._stamp(slots, rows, gens, IN_FLIGHT, ns_id)
         np.add.at(self.r_live, rows, 1)
+
+    def _stamp(
+        self, slot: int | np.ndarray, row: int | np.ndarray, gen: int | np.ndarray, verdict: int, ns_id: int
+    ) -> None:
+        """The slot's fields and its row's column for a new binding (one slot, or arrays of them)."""
+        g = self.s_group[slot]
+        self.s_gen[slot] = gen
+        self.s_row[slot] = row
+        self.s_ns[slot] = ns_id
+        self.s_recoverable[slot] = False
+        self.s_pins[slot] = 0
+        self.s_leases[slot] = 0
+        self.e_slot[g, row] = slot
+        self.e_gen[g, row] = gen
+        self.e_verdict[g, row] = verdict
 
     def seal_recovered(self, slots: np.ndarray, live_ns: int) -> None:
         """`seal(slot, live_ns, recoverable=True)` for a batch of RECOVERING slots, touched in order."""
