@@ -70,4 +70,4 @@ class Runtime:
         """Slot and generation per (group, block), -1 where the object is not REUSE (groups in profile order,
         as the manager keeps them)."""
         slots, gens = self.manager.grid(result)
-        return slots.astype("<i8").tobytes(), gens.astype("<i8").tobytes()
+        return slots.astype("<i8", copy=False).tobytes(), gens.astype("<i8", copy=False).tobytes()

@@ -217,10 +217,8 @@ class SocketServer:
         for owner, conn in self._fresh.items():
             try:
                 waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
+            except OSError:  # nothing waiting (EAGAIN), or already broken: as good a victim as a silent one
                 waiting = b""
-            except OSError:
-                waiting = b""  # already broken: as good a victim as a silent one
             if not waiting:
                 return self._fresh.pop(owner)
         return None

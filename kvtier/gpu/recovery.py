@@ -102,10 +102,9 @@ class Recovery:
                 room = c.cfg.max_recovering - c.table.n_recovering
                 if room <= 0:
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        for g, b in pending[at:].tolist():
-                            _fail(lease, g, b, Reason.ADMISSION)
-                        return
+                    if remaining <= 0:  # the rest is recomputed; what others are loading is still awaited below
+                        _fail(lease, pending[at:, 0], pending[at:, 1], Reason.ADMISSION)
+                        break
                     c.cond.wait(min(remaining, 0.05))
                     continue
                 chunk = pending[at : at + room]
@@ -154,7 +153,7 @@ class Recovery:
         another recovery is loading on `waiting`, and claim a slot for each of the rest (None if none)."""
         c = self._c
         if lease.namespace != c.ns:  # the version moved since the lookup: never load stale objects
-            _fail_all(lease, gs, bs, Reason.STALE_VERSION)
+            _fail(lease, gs, bs, Reason.STALE_VERSION)
             return None
         t = c.table
         for b in sorted(set(bs[lease.rows[bs] == t.sentinel].tolist())):
@@ -166,15 +165,15 @@ class Recovery:
             t.hold_row(row)  # keeps the new row indexed until the lease holds it
             adopted.append(row)
         rows = lease.rows[bs]
-        verdict = t.e_verdict[gs, rows].astype(np.int64)
-        verdict[rows == t.sentinel] = -1
-        ok = verdict == _OK
+        no_row = rows == t.sentinel  # the block index had no room for its hash
+        verdict = t.e_verdict[gs, rows]
+        ok = (verdict == _OK) & ~no_row
         self._adopt(lease, gs[ok], bs[ok])
-        flight = verdict == IN_FLIGHT
+        flight = (verdict == IN_FLIGHT) & ~no_row
         waiting += zip(gs[flight].tolist(), bs[flight].tolist())
-        load = (verdict == _MISSING) | (verdict == _EVICTED)
-        _fail_all(lease, gs[verdict == -1], bs[verdict == -1], Reason.ADMISSION)
-        other = ~(ok | flight | load | (verdict == -1))
+        load = ((verdict == _MISSING) | (verdict == _EVICTED)) & ~no_row
+        _fail(lease, gs[no_row], bs[no_row], Reason.ADMISSION)
+        other = ~(ok | flight | load | no_row)
         for g, b, v in zip(gs[other].tolist(), bs[other].tolist(), verdict[other].tolist()):
             _fail(lease, g, b, Reason(v))
         gs, bs, rows = gs[load], bs[load], rows[load]
@@ -186,14 +185,14 @@ class Recovery:
             gs, bs, rows = gs[~again], bs[~again], rows[~again]
         slots = c.space.allocate_many(gs, c.ns_id)
         refused = slots < 0
-        _fail_all(lease, gs[refused], bs[refused], Reason.ADMISSION)
+        _fail(lease, gs[refused], bs[refused], Reason.ADMISSION)
         gs, bs, rows, slots = gs[~refused], bs[~refused], rows[~refused], slots[~refused]
         local, aligned = c.space.locals(gs, slots)  # layer 4: never load into a slot that is not aligned and whole
         if not aligned.all():
             log.error("refusing to recover into %d misaligned slots", int((~aligned).sum()))
             for g, slot in zip(gs[~aligned].tolist(), slots[~aligned].tolist()):
                 c.space.unallocate(g, slot)
-            _fail_all(lease, gs[~aligned], bs[~aligned], Reason.MISALIGNED)
+            _fail(lease, gs[~aligned], bs[~aligned], Reason.MISALIGNED)
             gs, bs, rows, slots, local = gs[aligned], bs[aligned], rows[aligned], slots[aligned], local[aligned]
         if not len(gs):
             return None
@@ -326,7 +325,8 @@ class PersistOutcome:
     failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
 
 
-def _fail(lease: LeaseSet, g: int, b: int, reason: Reason) -> None:
+def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:
+    """Route one object (or arrays of them, all for the same reason) RECOMPUTE."""
     lease.routes[g, b] = Route.RECOMPUTE
     lease.reasons[g, b] = reason if reason != Reason.OK else Reason.MISSING
 
@@ -337,9 +337,3 @@ def _repeats(keys: np.ndarray) -> np.ndarray:
     out = np.zeros(len(keys), dtype=bool)
     out[order[1:]] = keys[order[1:]] == keys[order[:-1]]
     return out
-
-
-def _fail_all(lease: LeaseSet, gs: np.ndarray, bs: np.ndarray, reason: Reason) -> None:
-    """`_fail` for a batch of objects, all for the same reason."""
-    lease.routes[gs, bs] = Route.RECOMPUTE
-    lease.reasons[gs, bs] = reason if reason != Reason.OK else Reason.MISSING
