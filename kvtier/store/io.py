@@ -94,7 +94,7 @@ class SegmentFile:
     def preadv_into(self, views: list[memoryview], offset: int) -> int:
         """Fill the views in order from offset; returns bytes read (fewer than they hold only at end of file). A
         large read goes as SPLIT_BYTES pieces in parallel (the caller reads the first), each a scattered read."""
-        pieces = _split(views, offset)
+        pieces = split_read(views, offset)
         if len(pieces) == 1:
             return self._preadv(views, offset)
         pool = _split_pool()
@@ -106,13 +106,7 @@ class SegmentFile:
         finally:  # every piece finished before the caller may reuse (or free) the buffers they fill
             for f in futures:
                 f.exception()
-        got += [f.result() for f in futures]
-        done = 0
-        for (_, _, size), n in zip(pieces, got):
-            done += n
-            if n < size:  # end of file inside this piece: what follows it is not contiguous with what was read
-                break
-        return done
+        return contiguous(pieces, got + [f.result() for f in futures])
 
     def _preadv(self, views: list[memoryview], offset: int) -> int:
         """One scattered read per IOV_MAX views, in order, resuming after a short read until end of file."""
@@ -162,7 +156,7 @@ class SegmentFile:
             self.fd = -1
 
 
-def _split(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int, int]]:
+def split_read(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int, int]]:
     """Cut a scattered read into consecutive pieces of about SPLIT_BYTES: (views, file offset, bytes) each; one
     piece (the views as given) when it is not more than twice that. A view is cut only at a multiple of
     SPLIT_BYTES from its start, so an O_DIRECT piece keeps the address and offset alignment its view had."""
@@ -183,6 +177,17 @@ def _split(views: list[memoryview], offset: int) -> list[tuple[list[memoryview],
     if cur:
         pieces.append((cur, start, at - start))
     return pieces
+
+
+def contiguous(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) -> int:
+    """Bytes read from the start of a split read, given each piece's count: up to the first piece cut short by end
+    of file (what follows it is not contiguous with what was read)."""
+    done = 0
+    for (_, _, size), n in zip(pieces, got):
+        done += n
+        if n < size:
+            break
+    return done
 
 
 _pool: ThreadPoolExecutor | None = None

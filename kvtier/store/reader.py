@@ -1,4 +1,4 @@
-"""The read side: index lookups, segment files, checked reads of records into tensors, access times."""
+"""The read side: index lookups, segment files, checked reads of records into tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -17,12 +16,13 @@ import torch
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.extent import Run, copy_out, plan_runs, scatter
-from kvtier.store.index import IndexEntry, RecordState, encode_key, pack_time
-from kvtier.store.io import AlignedBuffer, SegmentFile
+from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
+from kvtier.store.index import IndexEntry, RecordState, encode_key
+from kvtier.store.io import AlignedBuffer, SegmentFile, contiguous, split_read
 from kvtier.store.record import (
     FORM_CODES,
     FORMAT_VERSION,
@@ -173,7 +173,18 @@ class Reader:
         if device:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
-        runs = plan_runs([(e.segment, e.offset, e.record_len, j) for j in jobs for e in (j.entry,)])
+        aio_ctx = aio.acquire() if backend.direct and not device else None
+        # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
+        # few threads, reading across gaps is what keeps the disk busy.
+        runs = plan_runs(
+            [(e.segment, e.offset, e.record_len, j) for j in jobs for e in (j.entry,)],
+            AIO_RUN_GAP if aio_ctx is not None else MAX_RUN_GAP,
+        )
+        if aio_ctx is not None:
+            try:
+                return self._read_runs_aio(runs, visit, headers, aio_ctx)
+            finally:
+                aio.release(aio_ctx)
         units: list[Run[ReadJob] | ReadJob] = [*runs, *device]
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
@@ -186,6 +197,64 @@ class Reader:
         )
         return [r for lane in done for r in lane]
 
+    def _read_runs_aio(
+        self, runs: list[Run[ReadJob]], visit: Visit, headers: bool, ctx: aio.AioContext
+    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        """Every run's read in flight at once from this thread, each run checked as soon as its pieces are in (in
+        the order the disk finishes them). Runs go in groups of AIO_GROUP, one system call and one bounce buffer a
+        group, while fewer than aio.DEPTH pieces and AIO_BOUNCE_BYTES of buffers are out."""
+        results: list[tuple[ReadJob, CorruptRecord | None]] = []
+        lent: list[BounceShare] = []  # given back in the end, whatever happens
+        bounce = 0
+        pending = iter(runs)
+        run: Run[ReadJob] | None = next(pending, None)
+        try:
+            while run is not None or ctx.pending:
+                # Room: a group always goes when nothing is pending (a window smaller than one group still moves).
+                while run is not None and (
+                    not ctx.pending or (bounce < AIO_BOUNCE_BYTES and ctx.pending + AIO_GROUP <= aio.DEPTH)
+                ):
+                    group: list[tuple[Run[ReadJob], SegmentFile, Scatter]] = []
+                    size = 0
+                    while run is not None and len(group) < AIO_GROUP:
+                        planned = self._plan_run(run)
+                        run = next(pending, None)
+                        if isinstance(planned, list):
+                            results += planned
+                        else:
+                            group.append(planned)
+                            size += align_up(planned[2].bounce_bytes, DISK_ALIGNMENT)
+                    if not group:
+                        continue
+                    share = BounceShare(self._ctx.buffers.acquire(size), len(group))
+                    lent.append(share)
+                    bounce += share.buf.capacity
+                    ops: list[aio.ReadOp] = []
+                    base = 0
+                    for r, seg, plan in group:
+                        rr = _place(r, seg, plan, share, base)
+                        base += align_up(plan.bounce_bytes, DISK_ALIGNMENT)
+                        ops += [aio.ReadOp(seg, views, at, (rr, k)) for k, (views, at, _) in enumerate(rr.pieces)]
+                    ctx.submit(ops)
+                if not ctx.pending:
+                    continue
+                for op, n in ctx.complete():
+                    rr, k = op.tag
+                    rr.got[k] = n
+                    if min(rr.got) < 0:
+                        continue
+                    results += self._check_run(rr, rr.run.start + contiguous(rr.pieces, rr.got), visit, headers)
+                    rr.share.runs -= 1
+                    if not rr.share.runs:
+                        lent.remove(rr.share)
+                        bounce -= rr.share.buf.capacity
+                        self._ctx.buffers.release(rr.share.buf)
+            return results
+        finally:
+            ctx.drain()  # after an exception: no read may still be filling a buffer given back below
+            for share in lent:
+                self._ctx.buffers.release(share.buf)
+
     def _read_unit(
         self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
@@ -196,62 +265,67 @@ class Reader:
                 return [(unit, None)]
             except CorruptRecord as exc:
                 return [(unit, exc)]
-        return self._read_run(unit, visit, headers)
+        planned = self._plan_run(unit)
+        if isinstance(planned, list):
+            return planned
+        share = BounceShare(self._ctx.buffers.acquire(planned[2].bounce_bytes), 1)
+        try:
+            rr = _place(*planned, share, 0)
+            return self._check_run(rr, unit.start + rr.seg.preadv_into(rr.views, unit.start), visit, headers)
+        finally:
+            self._ctx.buffers.release(share.buf)
 
-    def _read_run(self, run: Run[ReadJob], visit: Visit, headers: bool) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """One scattered read of the run (large payloads straight into their targets, the rest into a bounce
-        buffer), then each record checked on its own (one bad record fails alone)."""
+    def _plan_run(
+        self, run: Run[ReadJob]
+    ) -> tuple[Run[ReadJob], SegmentFile, Scatter] | list[tuple[ReadJob, CorruptRecord | None]]:
+        """The run's segment and where its bytes go (`scatter`); or every job's fault when the segment is gone."""
         try:
             seg = self.segment(run.seg_id)
         except CorruptRecord as exc:
             return [(job, exc) for _, _, job in run.jobs]
-        plan = scatter(
-            run, [_NO_DIRECT if length < _LARGE_RECORD else self._direct_want(job) for _, length, job in run.jobs]
+        return (
+            run,
+            seg,
+            scatter(
+                run, [_NO_DIRECT if length < _LARGE_RECORD else self._direct_want(job) for _, length, job in run.jobs]
+            ),
         )
-        buffers = self._ctx.buffers
-        buf = buffers.acquire(plan.bounce_bytes)
-        try:
-            mv = buf.mv
-            views: list[memoryview] = []
-            b = 0
-            for n, k in plan.pieces:
-                if k < 0:
-                    views.append(mv[b : b + n])
-                    b += n
+
+    def _check_run(
+        self, rr: RunRead, got: int, visit: Visit, headers: bool
+    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        """Each record of a run read up to file offset `got` checked on its own (one bad record fails alone)."""
+        run, buf, base = rr.run, rr.share.buf, rr.base
+        mv = buf.mv
+        results: list[tuple[ReadJob, CorruptRecord | None]] = []
+        for (offset, length, job), where, took in zip(run.jobs, rr.plan.where, rr.plan.direct):
+            e, at = job.entry, base + where
+            try:
+                if got < offset + length:
+                    raise CorruptRecord(
+                        QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
+                    )
+                if e.record_version == FORMAT_VERSION:
+                    payload_at = at + HEADER_BYTES
+                    # The fast check: the header's bytes are exactly those its key and index entry imply.
+                    header = (
+                        None
+                        if not headers and mv[at:payload_at].tobytes() == _expected_header(job.key, e)
+                        else _checked_header(job, mv, at)
+                    )
                 else:
-                    views.append(_host_view(run.jobs[k][2].out, n))
-            got = run.start + seg.preadv_into(views, run.start)
-            results: list[tuple[ReadJob, CorruptRecord | None]] = []
-            for (offset, length, job), at, took in zip(run.jobs, plan.where, plan.direct):
-                e = job.entry
-                try:
-                    if got < offset + length:
-                        raise CorruptRecord(
-                            QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
-                        )
-                    if e.record_version == FORMAT_VERSION:
-                        payload_at = at + HEADER_BYTES
-                        # The fast check: the header's bytes are exactly those its key and index entry imply.
-                        header = (
-                            None
-                            if not headers and mv[at:payload_at].tobytes() == _expected_header(job.key, e)
-                            else _checked_header(job, mv, at)
-                        )
-                    else:
-                        payload_at = at + V1_HEADER_BYTES
-                        header = _checked_header(job, mv, at)
-                    if took:
-                        _finish_direct(job, buf, payload_at, took)
-                        visit(job, header, None, 0)
-                    else:
-                        _check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
-                        visit(job, header, buf, payload_at)
-                    results.append((job, None))
-                except CorruptRecord as exc:
-                    results.append((job, exc))
-            return results
-        finally:
-            buffers.release(buf)
+                    payload_at = at + V1_HEADER_BYTES
+                    header = _checked_header(job, mv, at)
+                if took:
+                    _finish_direct(job, buf, payload_at, took)
+                    visit(job, header, None, 0)
+                else:
+                    _check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
+                    visit(job, header, buf, payload_at)
+                results.append((job, None))
+            except CorruptRecord as exc:
+                results.append((job, exc))
+        return results
 
     def _direct_want(self, job: ReadJob) -> tuple[int, int]:
         """(payload offset, bytes to read straight into `job.out`): the aligned bulk of a large, uncompressed
@@ -323,65 +397,6 @@ class Reader:
             self._files.clear()
 
 
-class AccessTimes:
-    """Access times noted in memory and written by a background thread every `atime_flush_s`, in one write
-    transaction, so a load never waits for a synced index commit (LRU order is advisory)."""
-
-    def __init__(self, ctx: StoreContext) -> None:
-        self._ctx = ctx
-        self._pending: dict[bytes, float] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-
-    def touch(self, raw_keys: list[bytes]) -> None:
-        if not raw_keys:
-            return
-        now = time.time()
-        with self._lock:
-            for k in raw_keys:
-                self._pending[k] = now
-            if self._thread is None and not self._stop:
-                self._thread = threading.Thread(target=self._run, name="kvtier-store-atime", daemon=True)
-                self._thread.start()
-            if len(self._pending) >= 65536:  # bound the memory between flushes
-                self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop:
-            self._wake.wait(self._ctx.config.atime_flush_s)
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # advisory data: log, keep the thread (the next flush retries what is pending)
-                log.exception("flushing access times failed")
-
-    def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        if not pending:
-            return
-        index = self._ctx.index
-
-        def put(txn: lmdb.Transaction) -> None:
-            for k, t in pending.items():
-                if txn.get(k, db=index.obj) is not None:
-                    txn.put(k, pack_time(t), db=index.atime)
-
-        index.update(put)
-
-    def close(self) -> None:
-        """Stop the background thread and write what is pending (the store is closing)."""
-        with self._lock:
-            self._stop = True
-            thread, self._thread = self._thread, None
-        self._wake.set()
-        if thread is not None:
-            thread.join()
-        self.flush()
-
-
 class ReadJob(NamedTuple):
     """One record to read: the request's index, its key and entry, and where its payload goes (None: nowhere).
     A tuple: one is made per object of every load."""
@@ -394,6 +409,53 @@ class ReadJob(NamedTuple):
 
 AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
+
+
+@dataclasses.dataclass(slots=True)
+class BounceShare:
+    """A bounce buffer lent to `runs` runs (one read's, or a group's read through AIO), given back after the last."""
+
+    buf: AlignedBuffer
+    runs: int
+
+
+@dataclasses.dataclass(slots=True)
+class RunRead:
+    """One run's read as placed (`_place`): its segment, where its bytes go (the share's buffer from `base`, and
+    direct targets: `views`, in file order, cut into `pieces` of about SPLIT_BYTES), and per piece the bytes read
+    (-1 while it is in flight)."""
+
+    run: Run[ReadJob]
+    seg: SegmentFile
+    plan: Scatter
+    share: BounceShare
+    base: int
+    views: list[memoryview]
+    pieces: list[tuple[list[memoryview], int, int]]
+    got: list[int]
+
+
+def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead:
+    """The run's views: its bounce bytes from `base` of the share's buffer, its direct payloads in their targets."""
+    mv = share.buf.mv
+    views: list[memoryview] = []
+    b = base
+    for n, k in plan.pieces:
+        if k < 0:
+            views.append(mv[b : b + n])
+            b += n
+        else:
+            views.append(_host_view(run.jobs[k][2].out, n))
+    pieces = split_read(views, run.start)
+    return RunRead(run, seg, plan, share, base, views, pieces, [-1] * len(pieces))
+
+
+# Bounce buffers one load keeps in flight through native AIO: the small records of a million-token restore would
+# otherwise all be read into memory at once before the first is checked.
+AIO_BOUNCE_BYTES = 64 << 20
+# Runs a group sends in one io_submit: the first reads reach the disk while the rest are planned, and a
+# small group's bounce bytes share one buffer.
+AIO_GROUP = 16
 _NO_DIRECT = (0, 0)
 _LARGE_RECORD = LARGE_PAYLOAD + HEADER_BYTES  # no shorter record has a payload `_direct_want` takes
 _OK = Reason.OK

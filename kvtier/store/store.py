@@ -17,6 +17,7 @@ import torch
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
+from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
 from kvtier.store.compaction import Compaction
 from kvtier.store.context import StoreConfig, StoreContext, StoreLimits, flat_uint8, key_str
@@ -25,7 +26,7 @@ from kvtier.store.index import Index, NamespaceEntry, SegmentEntry
 from kvtier.store.io import PosixBackend, select_backend
 from kvtier.store.keyscan import live_keys
 from kvtier.store.maintenance import DropFilter, Maintenance, RecordInfo, VerifyResult
-from kvtier.store.reader import AccessTimes, Reader
+from kvtier.store.reader import Reader
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock
 from kvtier.store.writer import Writer
 

@@ -95,7 +95,7 @@ def test_a_small_read_is_one_preadv(backend, data_file, preadv_calls) -> None:
 
 def test_split_pieces_cover_the_views_in_order() -> None:
     views = [memoryview(bytearray(n)) for n in (4096, 3 * MIB, 512, 9 * MIB, 8192)]
-    pieces = io._split(views, 4096)
+    pieces = io.split_read(views, 4096)
     assert [off for _, off, _ in pieces] == [4096 + sum(n for _, _, n in pieces[:k]) for k in range(len(pieces))]
     assert sum(n for _, _, n in pieces) == sum(map(len, views))
     assert all(sum(map(len, v)) == n for v, _, n in pieces)

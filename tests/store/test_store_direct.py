@@ -9,7 +9,6 @@ import torch
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason
-from kvtier.store.io import SegmentFile
 from support.corrupt import flip_bit, segment_path
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
 
@@ -27,43 +26,34 @@ def store_root(tmp_path):
     return root, keys
 
 
-@pytest.fixture
-def reads(monkeypatch) -> list[list[int]]:
-    """The destination address of every piece of every scattered read."""
-    seen: list[list[int]] = []
-    real = SegmentFile.preadv_into
-
-    def recording(self, views, offset):
-        seen.append([np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views])
-        return real(self, views, offset)
-
-    monkeypatch.setattr(SegmentFile, "preadv_into", recording)
-    return seen
+def _addresses(views) -> list[int]:
+    return [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
 
 
 def _load(s: DiskStore, keys, outs) -> list[Reason]:
     return s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
 
 
-def test_large_payloads_land_in_aligned_targets_in_the_same_read(store_root, reads) -> None:
+def test_large_payloads_land_in_aligned_targets_in_the_same_read(store_root, scattered_reads) -> None:
     root, keys = store_root
     outs = [slot_like(n) for n in SIZES]
     with DiskStore(root) as s:
         assert _load(s, keys, outs) == [Reason.OK] * len(SIZES)
     assert all(torch.equal(o, make_payload(f"d{i}", n)) for i, (o, n) in enumerate(zip(outs, SIZES)))
-    (pieces,) = reads  # one run, one scattered read
+    (views,) = scattered_reads  # one run, one scattered read
+    pieces = _addresses(views)
     direct = {o.data_ptr() for o, n in zip(outs, SIZES) if n >= 4096}
     assert direct <= set(pieces)  # every large payload went straight into its target
     assert outs[3].data_ptr() not in pieces  # the small one through the bounce buffer
 
 
-def test_unaligned_targets_read_through_the_bounce_buffer(store_root, reads) -> None:
+def test_unaligned_targets_read_through_the_bounce_buffer(store_root, scattered_reads) -> None:
     root, keys = store_root
     outs = [slot_like(n + 1)[1:] for n in SIZES]  # one byte off any alignment
     with DiskStore(root) as s:
         assert _load(s, keys, outs) == [Reason.OK] * len(SIZES)
     assert all(torch.equal(o, make_payload(f"d{i}", n)) for i, (o, n) in enumerate(zip(outs, SIZES)))
-    assert not {o.data_ptr() for o in outs} & {p for r in reads for p in r}
+    assert not {o.data_ptr() for o in outs} & {p for views in scattered_reads for p in _addresses(views)}
 
 
 def test_the_same_record_twice_in_one_load_fills_both_targets(store_root) -> None:

@@ -58,23 +58,15 @@ def test_a_batch_of_small_objects_is_one_contiguous_extent_of_about_their_size(t
         assert all(torch.equal(o, make_payload(f"s{i}", SMALL)) for i, o in enumerate(outs))
 
 
-def test_a_run_of_adjacent_records_is_one_read(tmp_path, monkeypatch) -> None:
+def test_a_run_of_adjacent_records_is_one_read(tmp_path, scattered_reads) -> None:
     root = str(tmp_path)
     keys = _small_batch(root)
-    reads: list[int] = []
-    real = SegmentFile.preadv_into
-
-    def counting(self, buf, offset):
-        reads.append(len(buf))
-        return real(self, buf, offset)
-
-    monkeypatch.setattr(SegmentFile, "preadv_into", counting)
     with DiskStore(root) as s:
         reasons, _ = _load(s, keys[5:60])
-    assert reasons == [Reason.OK] * 55 and len(reads) == 1
+    assert reasons == [Reason.OK] * 55 and len(scattered_reads) == 1
 
 
-def test_bit_flips_in_a_shared_block_fail_only_the_records_they_hit(tmp_path) -> None:
+def test_bit_flips_in_a_shared_block_fail_only_the_records_they_hit(tmp_path, read_path) -> None:
     """One 4 KiB block holds the headers and payloads of several small records: each record checks alone."""
     root = str(tmp_path)
     keys = _small_batch(root)
@@ -97,7 +89,7 @@ def test_bit_flips_in_a_shared_block_fail_only_the_records_they_hit(tmp_path) ->
         assert sum(r is Reason.CORRUPT for r in reasons) >= 3
 
 
-def test_truncation_inside_an_extent_fails_the_records_past_the_cut(tmp_path) -> None:
+def test_truncation_inside_an_extent_fails_the_records_past_the_cut(tmp_path, read_path) -> None:
     root = str(tmp_path)
     keys = _small_batch(root)
     with DiskStore(root) as s:
@@ -110,7 +102,7 @@ def test_truncation_inside_an_extent_fails_the_records_past_the_cut(tmp_path) ->
         assert s.records([keys[40]])[0].entry.quarantine is QuarantineReason.SEGMENT_TRUNCATED
 
 
-def test_deleted_segment_fails_every_record_of_it_as_missing(tmp_path) -> None:
+def test_deleted_segment_fails_every_record_of_it_as_missing(tmp_path, read_path) -> None:
     root = str(tmp_path)
     keys = _small_batch(root)
     with DiskStore(root) as s:

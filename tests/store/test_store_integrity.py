@@ -76,7 +76,7 @@ def _assert_only_victim_fails(store: DiskStore, keys, victim: int, reason: Reaso
         (3, HEADER_BYTES + 5, QuarantineReason.PAYLOAD),  # zstd stream
     ],
 )
-def test_bit_flip_in_segment_is_corrupt_and_quarantined(populated, victim, where, why) -> None:
+def test_bit_flip_in_segment_is_corrupt_and_quarantined(populated, victim, where, why, read_path) -> None:
     root, keys = populated
     with DiskStore(root) as s:
         e = _entry(s, keys[victim])
@@ -104,7 +104,7 @@ def test_bit_flip_inside_lmdb_value_is_corrupt(populated) -> None:
         assert info.entry.state is RecordState.QUARANTINED and info.entry.quarantine is QuarantineReason.INDEX_VALUE
 
 
-def test_truncated_segment_is_corrupt_for_records_past_the_cut(populated) -> None:
+def test_truncated_segment_is_corrupt_for_records_past_the_cut(populated, read_path) -> None:
     root, keys = populated
     with DiskStore(root) as s:
         e = _entry(s, keys[2])

@@ -1,0 +1,73 @@
+"""Access times of loaded records, noted in memory and written to the index off the load path."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import lmdb
+
+from kvtier.store.context import StoreContext
+from kvtier.store.index import pack_time
+
+log = logging.getLogger(__name__)
+
+
+class AccessTimes:
+    """Access times noted in memory and written by a background thread every `atime_flush_s`, in one write
+    transaction, so a load never waits for a synced index commit (LRU order is advisory)."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self._ctx = ctx
+        self._pending: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def touch(self, raw_keys: list[bytes]) -> None:
+        if not raw_keys:
+            return
+        now = time.time()
+        with self._lock:
+            for k in raw_keys:
+                self._pending[k] = now
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="kvtier-store-atime", daemon=True)
+                self._thread.start()
+            if len(self._pending) >= 65536:  # bound the memory between flushes
+                self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self._ctx.config.atime_flush_s)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # advisory data: log, keep the thread (the next flush retries what is pending)
+                log.exception("flushing access times failed")
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        index = self._ctx.index
+
+        def put(txn: lmdb.Transaction) -> None:
+            for k, t in pending.items():
+                if txn.get(k, db=index.obj) is not None:
+                    txn.put(k, pack_time(t), db=index.atime)
+
+        index.update(put)
+
+    def close(self) -> None:
+        """Stop the background thread and write what is pending (the store is closing)."""
+        with self._lock:
+            self._stop = True
+            thread, self._thread = self._thread, None
+        self._wake.set()
+        if thread is not None:
+            thread.join()
+        self.flush()
