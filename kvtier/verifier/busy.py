@@ -33,6 +33,7 @@ OTHERS_BUSY_BYTES_PER_S = 1 << 20
 # Foreground loads come in bursts (a request's prefetch, then compute): without a hold the verifier would resume its
 # full rate in each gap and meet the next burst at it.
 HOLD_S = 0.5
+_UNREADABLE = (OSError, ValueError, KeyError, IndexError)  # a stat or io file missing, or not in the kernel's format
 
 
 def disk_stat_file(dev: int, sys_dev_block: str | Path = "/sys/dev/block") -> Path | None:
@@ -68,7 +69,7 @@ class DeviceActivity:
         try:
             self._last = (clock(), self._device_bytes(), self._own_bytes())
             self.available = True
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+        except _UNREADABLE:
             self.available = False
 
     @classmethod
@@ -94,7 +95,7 @@ class DeviceActivity:
         if now - last_at >= self.sample_s:
             try:
                 dev, own = self._device_bytes(), self._own_bytes()
-            except (OSError, ValueError, KeyError, IndexError):
+            except _UNREADABLE:
                 return False  # transient (a device going away): not evidence of a foreground
             own_delta = own - last_own
             # /proc counts a read when it is issued, the device when it completes: one of our reads that straddles a
