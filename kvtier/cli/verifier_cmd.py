@@ -9,6 +9,11 @@ import click
 
 _OVERRIDES = {
     "rate": ("rate_bytes_per_s", int, "Payload bytes per second to read (verify) and copy (compaction); 0: unlimited."),
+    "busy_rate": (
+        "busy_rate_bytes_per_s",
+        int,
+        "The rate while other processes use the store's disk (at most --rate; 0: --rate).",
+    ),
     "sweep_interval": ("sweep_interval_s", float, "Seconds between full sweeps."),
     "maintenance_interval": ("maintenance_interval_s", float, "Seconds between index scans + cleaner actions."),
     "poll": ("poll_s", float, "Idle wake-up in seconds when no watchdog hint arrives."),
@@ -84,6 +89,12 @@ def status_cmd(root: str, as_json: bool) -> None:
         )
         if "heartbeat_age_s" in doc:
             click.echo(f"heartbeat  {doc['heartbeat_age_s']}s ago (pid {doc['verifier_pid']})")
+        if rates := doc["settings"]:
+            pace = "busy: others use the disk" if doc["paced_busy"] else "full"
+            click.echo(
+                f"rate       {rates.get('rate_bytes_per_s')} B/s, {rates.get('busy_rate_bytes_per_s')} B/s while the "
+                f"disk is busy (now {pace})"
+            )
         for action, n in sorted(doc["actions"].items()):
             click.echo(f"  {action:<22} {n}")
     sys.exit(0 if doc["running"] else 1)

@@ -80,6 +80,7 @@ class VerifierConfig:
 
     mode: str = "off"
     rate_bytes_per_s: int = 64 * 2**20
+    busy_rate_bytes_per_s: int = 4 * 2**20  # while others use the disk (the verifier's settings say why 4 MiB/s)
     sweep_interval_s: float = 300.0
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
@@ -230,6 +231,7 @@ def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
         verifier=dataclasses.replace(
             current.verifier,
             rate_bytes_per_s=new.verifier.rate_bytes_per_s,
+            busy_rate_bytes_per_s=new.verifier.busy_rate_bytes_per_s,
             sweep_interval_s=new.verifier.sweep_interval_s,
         ),
         versions=new.versions,
@@ -442,6 +444,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
     verifier = VerifierConfig(
         mode=v.string("mode", b3.mode, choices=VERIFIER_MODES),
         rate_bytes_per_s=v.size("rate_bytes_per_s", b3.rate_bytes_per_s),
+        busy_rate_bytes_per_s=v.size("busy_rate_bytes_per_s", b3.busy_rate_bytes_per_s),
         sweep_interval_s=float(v.number("sweep_interval_s", b3.sweep_interval_s)),
         restart_backoff_s=float(v.number("restart_backoff_s", b3.restart_backoff_s)),
         max_backoff_s=float(v.number("max_backoff_s", b3.max_backoff_s)),

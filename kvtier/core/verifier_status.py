@@ -24,13 +24,21 @@ class MetaDocs(Protocol):
 
 
 def verifier_status(store: MetaDocs) -> dict[str, Any]:
-    """What the verifier last published: phase, readiness, heartbeat age, sweep progress and cumulative actions.
+    """What the verifier last published: phase, readiness, heartbeat age, sweep progress, cumulative actions, its
+    rates (`settings`) and whether it last paced at the busy rate because others were using the disk (`paced_busy`).
 
     `running` is true when the heartbeat is fresh and its pid exists (on this host).
     """
     doc = store.meta_doc(VERIFIER_DOC)
     if doc is None:
-        return {"phase": "never ran", "running": False, "ready": False, "actions": {}}
+        return {
+            "phase": "never ran",
+            "running": False,
+            "ready": False,
+            "actions": {},
+            "settings": {},
+            "paced_busy": False,
+        }
     age = max(0.0, time.time() - float(doc.get("heartbeat_at", 0.0)))
     alive = _pid_alive(int(doc.get("pid", 0)))
     return {
@@ -41,6 +49,8 @@ def verifier_status(store: MetaDocs) -> dict[str, Any]:
         "heartbeat_age_s": round(age, 3),
         "sweep": doc.get("sweep", {}),
         "actions": dict(doc.get("actions", {})),
+        "settings": dict(doc.get("settings", {})),
+        "paced_busy": bool(doc.get("paced_busy", False)),
     }
 
 

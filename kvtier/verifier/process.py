@@ -85,7 +85,12 @@ def run(
                 signal.signal(s, lambda *_: verifier.request_stop())
             signal.signal(signal.SIGHUP, lambda *_: _reload(verifier, config, overrides))
             log.info(
-                "verifier on %s (pid %d, %s, rate %d B/s)", store.root, os.getpid(), prio, settings.rate_bytes_per_s
+                "verifier on %s (pid %d, %s, rate %d B/s, %d B/s while the disk is busy)",
+                store.root,
+                os.getpid(),
+                prio,
+                settings.rate_bytes_per_s,
+                settings.busy_rate_bytes_per_s,
             )
             verifier.run()
         finally:

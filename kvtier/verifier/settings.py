@@ -15,6 +15,11 @@ class VerifierSettings:
     """How fast and how often the verifier reads, and when the cleaner acts."""
 
     rate_bytes_per_s: int = 64 << 20  # payload bytes read (verify) and copied (compaction) per second; 0: unlimited
+    # ... while other processes use the store's disk (`kvtier.verifier.busy`), like md's sync_speed_min beside its
+    # sync_speed_max. md's floor is 1/200 of its cap; a verifier must still finish sweeps under constant load, so ours
+    # is 1/16 of the default rate: 4 MiB/s re-reads a 1 TB store in about 3 days however busy the disk stays. At most
+    # the rate (0 or more than it: the rate).
+    busy_rate_bytes_per_s: int = 4 << 20
     sweep_interval_s: float = 300.0  # a full rate-limited sweep starts this long after the previous one finished
     maintenance_interval_s: float = 30.0  # index scan + cleaner actions (sooner when the store is over its limits)
     poll_s: float = 1.0  # idle wake-up when no watchdog hint arrives (hints are never relied on)
@@ -44,6 +49,7 @@ def settings_from_config(path: str | Path, base: VerifierSettings = VerifierSett
     return dataclasses.replace(
         base,
         rate_bytes_per_s=cfg.verifier.rate_bytes_per_s,
+        busy_rate_bytes_per_s=cfg.verifier.busy_rate_bytes_per_s,
         sweep_interval_s=cfg.verifier.sweep_interval_s,
         limits=StoreLimits(cfg.store.budget_bytes, quotas),
         profiles=cfg.profiles,

@@ -20,6 +20,7 @@ import lmdb
 from kvtier.core.errors import KvtierError
 from kvtier.core.verifier_status import VERIFIER_DOC
 from kvtier.store import DiskStore, RecordInfo
+from kvtier.verifier.busy import DeviceActivity
 from kvtier.verifier.checks import NamespaceView, SegmentFiles, Verdict, classify
 from kvtier.verifier.cleaner import Cleaner
 from kvtier.verifier.hints import SegmentHints
@@ -45,7 +46,11 @@ class Verifier:
         self.oracle = oracle or LayoutOracle.load(settings.profiles)
         self.stop_event = threading.Event()
         self.wake = threading.Event()
-        self.limiter = RateLimiter(settings.rate_bytes_per_s, self.stop_event)
+        self._seg_dir = store.segment_dir
+        disk = DeviceActivity.of_root(self._seg_dir)
+        if not disk.available:
+            log.info("the statistics of the disk under %s are unavailable: pacing at the full rate", self._seg_dir)
+        self.limiter = RateLimiter(settings.rate_bytes_per_s, self.stop_event, settings.busy_rate_bytes_per_s, disk)
         doc = store.meta_doc(VERIFIER_DOC) or {}
         self.actions: collections.Counter[str] = collections.Counter(
             {k: int(v) for k, v in doc.get("actions", {}).items()}
@@ -53,7 +58,6 @@ class Verifier:
         self.sweep = SweepProgress.from_doc(doc.get("sweep", {}))
         self.cleaner = Cleaner(store, settings, self.limiter, self.actions)
         self.namespaces = NamespaceView(store)
-        self._seg_dir = store.segment_dir
         self.files = SegmentFiles(self._seg_dir)
         self.phase = "starting"
         self.ready = False
@@ -81,9 +85,14 @@ class Verifier:
         new, self._pending_settings = self._pending_settings, None
         if new is not None:
             self.settings = self.cleaner.settings = new
-            self.limiter.set_rate(new.rate_bytes_per_s)
+            self.limiter.set_rate(new.rate_bytes_per_s, new.busy_rate_bytes_per_s)
             self._next_maintenance = 0.0
-            log.info("reloaded: rate %d B/s, sweep every %.0fs", new.rate_bytes_per_s, new.sweep_interval_s)
+            log.info(
+                "reloaded: rate %d B/s (%d B/s while the disk is busy), sweep every %.0fs",
+                new.rate_bytes_per_s,
+                new.busy_rate_bytes_per_s,
+                new.sweep_interval_s,
+            )
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -242,8 +251,10 @@ class Verifier:
             "ready": self.ready,
             "sweep": self.sweep.to_doc(),
             "actions": dict(self.actions),
+            "paced_busy": self.limiter.paced_busy,
             "settings": {
                 "rate_bytes_per_s": self.settings.rate_bytes_per_s,
+                "busy_rate_bytes_per_s": self.settings.busy_rate_bytes_per_s,
                 "sweep_interval_s": self.settings.sweep_interval_s,
             },
         }

@@ -110,6 +110,8 @@ class VerifierReport(msgspec.Struct):
     heartbeat_age_s: float | None = None
     sweep: dict[str, Any] = {}
     actions: dict[str, int] = {}
+    settings: dict[str, Any] = {}  # the verifier's rates and sweep interval
+    paced_busy: bool = False  # its last read was paced at the busy rate: others were using the disk
 
 
 class Reloadable(msgspec.Struct):

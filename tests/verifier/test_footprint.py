@@ -97,3 +97,34 @@ def test_after_an_idle_spell_the_limiter_lets_through_a_tenth_of_a_second_not_a_
     assert lim.take(rate // 2) and abs(stop_event.waited[-1] - 0.5) < 1e-9  # no saved-up second to spend at once
     clock.now += 60.0
     assert lim.take(rate) and abs(stop_event.waited[-1] - 0.9) < 1e-9
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.is_busy = False
+
+    def busy(self) -> bool:
+        return self.is_busy
+
+
+def test_while_the_disk_is_busy_the_limiter_paces_at_the_busy_rate(monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(throttle, "time", clock)
+    stop_event = _Stop(clock)
+    rate, busy_rate = 10_000_000, 1_000_000
+    probe = _Probe()
+    lim = RateLimiter(rate, stop_event, busy_rate, probe)
+    clock.now += 60.0
+    assert lim.take(rate // 10 + rate // 2) and abs(stop_event.waited[-1] - 0.5) < 1e-9 and not lim.paced_busy
+    probe.is_busy = True  # the same bytes now cost ten times as long ...
+    assert lim.take(rate // 2) and abs(stop_event.waited[-1] - 5.0) < 1e-9 and lim.paced_busy
+    clock.now += 60.0  # ... and an idle spell saves up a tenth of a second of the busy rate, not of the full one
+    assert lim.take(busy_rate // 10) and len(stop_event.waited) == 2
+    assert lim.take(busy_rate) and abs(stop_event.waited[-1] - 1.0) < 1e-9
+    probe.is_busy = False
+    assert lim.take(rate) and abs(stop_event.waited[-1] - 1.0) < 1e-9 and not lim.paced_busy
+    lim.set_rate(rate, 2 * rate)  # a busy rate above the rate is the rate
+    probe.is_busy = True
+    assert lim.take(rate) and abs(stop_event.waited[-1] - 1.0) < 1e-9 and not lim.paced_busy
+    lim.set_rate(0, busy_rate)  # 0: unlimited, busy or not
+    assert lim.take(100 * rate) and len(stop_event.waited) == 5
