@@ -93,11 +93,17 @@ class AioContext:
         self._events = (_Event * (2 * DEPTH))()
         self._error: OSError | None = None
         self._next = 0
+        self._pending_bytes = 0
 
     @property
     def pending(self) -> int:
         """Reads submitted and not yet returned by complete()."""
         return len(self._inflight) + len(self._ready)
+
+    @property
+    def pending_bytes(self) -> int:
+        """The bytes those reads ask for."""
+        return self._pending_bytes
 
     def submit(self, ops: list[ReadOp]) -> None:
         """Queue the reads in one system call (those the kernel has no room for are read now, synchronously);
@@ -120,6 +126,7 @@ class AioContext:
                 offset=op.offset,
             )
             op.nbytes, op._iocb, op._iov = total, cb, iov
+            self._pending_bytes += total
             ptrs[i] = ctypes.addressof(cb)
             self._inflight[self._next] = op
         first = self._next - len(ops) + 1
@@ -136,6 +143,7 @@ class AioContext:
                 continue
             rest = [self._inflight.pop(first + k) for k in range(done, len(ops))]  # none of these is in flight
             if err != errno.EAGAIN:
+                self._pending_bytes -= sum(op.nbytes for op in rest)
                 raise OSError(err, f"io_submit: {os.strerror(err)}", ops[done].file.path)
             self._ready += [(op, op.file.preadv_into(op.views, op.offset)) for op in rest]  # no room: read now
             return
@@ -145,6 +153,7 @@ class AioContext:
         failed read: call again while `pending`). Raises the first failure once nothing is in flight."""
         if self._ready:
             done, self._ready = self._ready, []
+            self._pending_bytes -= sum(op.nbytes for op, _ in done)
             return done
         done: list[tuple[ReadOp, int]] = []
         if self._inflight:
@@ -156,6 +165,7 @@ class AioContext:
                 got = 0
             for ev in self._events[:got]:
                 op = self._inflight.pop(ev.data)
+                self._pending_bytes -= op.nbytes
                 n = ev.res
                 if n < 0:
                     self._error = self._error or OSError(-n, os.strerror(-n), op.file.path)
@@ -178,6 +188,7 @@ class AioContext:
                 pass
         self._ready.clear()
         self._error = None
+        self._pending_bytes = 0
 
 
 def _after(views: list[memoryview], n: int) -> list[memoryview]:

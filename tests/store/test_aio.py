@@ -51,7 +51,9 @@ def test_reads_in_flight_together_fill_every_view(ctx, data_file) -> None:
     offsets = random.Random(1).sample(range(0, SIZE, 4096), 200)
     for i, off in enumerate(offsets):  # two views a read: 4 KiB where the file has it, in two halves
         ctx.submit([aio.ReadOp(f, [buf.mv[off : off + 1024], buf.mv[off + 1024 : off + 4096]], off, i)])
+    assert ctx.pending_bytes == 4096 * len(offsets)
     assert _all(ctx) == {i: 4096 for i in range(len(offsets))}
+    assert ctx.pending_bytes == 0
     assert all(buf.mv[o : o + 4096] == data[o : o + 4096] for o in offsets)
 
 
