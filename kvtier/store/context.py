@@ -25,7 +25,7 @@ class StoreConfig:
     form_quotas: tuple[tuple[CacheForm, int], ...] = ()
     segment_bytes: int = 1 << 30
     io_threads: int = 4  # writer threads (extents are built and written in parallel)
-    read_threads: int = 8  # parallel reads of a load: runs of records and GDS reads (the disk's queue depth)
+    read_threads: int = 8  # parallel reads of a load where it reads with threads (no native AIO, GDS reads)
     device_checksums: str = "auto"  # auto | on | off: write the device checksum beside xxh3 (auto: on a GDS store)
     io_backend: str = "auto"  # auto | gds | odirect | buffered
     min_free_bytes: int | None = 1 << 20  # refuse writes that would leave less free space; None: no check

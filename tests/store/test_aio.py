@@ -3,6 +3,8 @@ through a queue and a bounce window far smaller than the load."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import random
 
@@ -114,3 +116,21 @@ def test_a_load_larger_than_the_queue_and_the_bounce_window(tmp_path, ctx, monke
         reasons = s.load_into([LoadRequest(keys[i], o, DIGEST) for i, o in zip(pick, outs)])
     assert reasons == [Reason.OK] * len(pick)
     assert all(o.equal(make_payload(f"k{i}", 1000)) for i, o in zip(pick, outs))
+
+
+def test_reads_the_kernel_has_no_room_for_are_read_at_once(ctx, data_file, monkeypatch) -> None:
+    """io_submit answering EAGAIN (the context's queue is full): the reads are done synchronously, not lost."""
+    f, data = data_file
+    real = aio._syscall
+
+    def full(number, *args):
+        if number == aio._SUBMIT:
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        return real(number, *args)
+
+    monkeypatch.setattr(aio, "_syscall", full)
+    buf = AlignedBuffer(2 * 4096)
+    ctx.submit([aio.ReadOp(f, [buf.mv[:4096]], 0, "a"), aio.ReadOp(f, [buf.mv[4096:]], 65536, "b")])
+    assert ctx.pending == 2 and _all(ctx) == {"a": 4096, "b": 4096} and ctx.pending_bytes == 0
+    assert buf.mv[:4096] == data[:4096] and buf.mv[4096:] == data[65536 : 65536 + 4096]
