@@ -187,10 +187,11 @@ class Cleaner:
             moved_all = True
             while todo:
                 batch, size = [], 0
+                limit = self.limiter.burst(self.settings.batch_bytes)
                 while (
                     todo
                     and len(batch) < self.settings.batch_records
-                    and (not batch or size + todo[0].record_len <= self.settings.batch_bytes)
+                    and (not batch or size + todo[0].record_len <= limit)
                 ):
                     c = todo.pop(0)
                     batch.append(c.key)

@@ -128,3 +128,15 @@ def test_while_the_disk_is_busy_the_limiter_paces_at_the_busy_rate(monkeypatch) 
     assert lim.take(rate) and abs(stop_event.waited[-1] - 1.0) < 1e-9 and not lim.paced_busy
     lim.set_rate(0, busy_rate)  # 0: unlimited, busy or not
     assert lim.take(100 * rate) and len(stop_event.waited) == 5
+
+
+def test_while_the_disk_is_busy_each_read_or_copy_is_a_tenth_of_a_second_of_the_busy_rate(monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(throttle, "time", clock)
+    probe = _Probe()
+    lim = RateLimiter(10_000_000, _Stop(clock), 1_000_000, probe)
+    assert lim.burst(8 << 20) == 8 << 20  # idle disk: the configured batch
+    probe.is_busy = True
+    assert lim.burst(8 << 20) == 100_000 and lim.burst(4096) == 4096
+    lim.set_rate(0, 1_000_000)  # unlimited: nothing is paced, nothing shrinks
+    assert lim.burst(8 << 20) == 8 << 20
