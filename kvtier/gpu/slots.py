@@ -118,10 +118,26 @@ class SlotSpace:
 
     def allocate_many(self, groups: np.ndarray, live_ns: int) -> np.ndarray:
         """A FREE slot for each object of a batch (`groups`: its group), in order; -1 where `allocate` refuses.
-        When the free lists hold the batch within the entry cap (nothing to evict) this takes them in a few
-        array operations; otherwise it allocates one by one, evicting as `allocate` does."""
+        Where pools are short of free slots and the entry cap does not bind, their victims are chosen and evicted
+        at once; then, when the free lists hold the batch within the cap, it takes them in a few array
+        operations; otherwise it allocates one by one, evicting as `allocate` does."""
         t, q = self.table, self.quotas
         counts = np.bincount(groups, minlength=t.n_groups).tolist()
+        short = [max(0, n - len(t.free[g])) for g, n in enumerate(counts)]
+        if any(short) and int(q.used.sum()) + len(groups) - sum(short) <= q.max_entries:
+            # Pools that run dry make their room at once: one by one, `allocate` would evict the same slots (from
+            # the group's own pool, least valued first) and never meet the entry cap.
+            found = [t.victims(self._pool_slice[g], live_ns, n) if n else None for g, n in enumerate(short)]
+            if all(v is None or len(v) == n for v, n in zip(found, short)):
+                for g, v in enumerate(found):
+                    if v is None:
+                        continue
+                    free = t.free[g]
+                    kept = len(free)
+                    for slot in v.tolist():
+                        self.evict(slot)
+                    # one by one, the free slots go first, then each victim as it is evicted: pop order
+                    free[:] = free[kept:][::-1] + free[:kept]
         if int(q.used.sum()) + len(groups) > q.max_entries or any(len(t.free[g]) < n for g, n in enumerate(counts)):
             out = np.full(len(groups), -1, dtype=np.int64)
             for i, g in enumerate(groups.tolist()):

@@ -24,6 +24,9 @@ _OK, _STALE = int(Reason.OK), int(Reason.STALE_VERSION)
 _CLASS_SHIFT = 1 << 48  # eviction order: stale namespace, then state forms, then history; LRU within
 
 
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
 class BlockTable:
     """All slot and index state; not thread-safe on its own (the manager holds the lock)."""
 
@@ -254,18 +257,26 @@ class BlockTable:
     def victim(self, where: slice | np.ndarray, live_ns: int) -> int:
         """The slot to evict among `where`: SEALED, unpinned, unleased; stale namespace first, then state
         forms, then history, least recently touched within; -1 if none."""
+        found = self.victims(where, live_ns, 1)
+        return int(found[0]) if len(found) else -1
+
+    def victims(self, where: slice | np.ndarray, live_ns: int, n: int) -> np.ndarray:
+        """The first n slots `victim` would name among `where` if each were evicted before the next was asked for
+        (evicting one changes no other's rank), fewer where fewer may go."""
         state = self.s_state[where]
         ok = state == BlockState.SEALED
         if not ok.any():
-            return -1
+            return _NO_SLOTS
         rows = self.s_row[where]
         hist = self.s_history[where]
         ok &= (self.s_pins[where] == 0) & (self.s_leases[where] == 0) & ~(hist & (self.r_leases[rows] > 0))
         if not ok.any():
-            return -1
+            return _NO_SLOTS
         klass = np.where(self.s_ns[where] != live_ns, 0, np.where(hist, 2, 1))
         score = klass * _CLASS_SHIFT + np.where(hist, self.r_touch[rows], self.s_touch[where])
-        score[~ok] = np.iinfo(np.int64).max
-        i = int(np.argmin(score))
         ids = np.arange(self.n_slots)[where]
-        return int(ids[i])
+        if n == 1:  # the common one-object case: argmin, no sort
+            score[~ok] = np.iinfo(np.int64).max
+            return ids[[int(np.argmin(score))]]
+        ids, score = ids[ok], score[ok]
+        return ids[np.argsort(score, kind="stable")[:n]]  # stable: ties go in slot order, as argmin's first

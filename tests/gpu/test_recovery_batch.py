@@ -65,6 +65,28 @@ def test_allocate_many_gives_what_allocate_gives_one_by_one() -> None:
         assert (got < 0).any() == (blocks == 2 or cap == 5)
 
 
+def test_allocate_many_evicts_what_allocate_evicts_one_by_one() -> None:
+    """Full pools: the batch picks its victims at once, the same slots in the same order as one by one."""
+    spaces = []
+    for _ in range(2):
+        m, _, clock = make(blocks=4)
+        hs = hashes_of(m, prompt(5, 4))
+        write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 4))
+        clock.advance(1.0)
+        m.release(m.lookup([hs[2], hs[0]]))  # touched: blocks 1 and 3 are now the least recently used
+        spaces.append(m._c.space)
+    batch, single = spaces
+    groups = np.array([1, 1, 2, 0, 1, 3, 0, 0], dtype=np.int64)  # history pools full, the state pool half
+    free_before = {s for free in batch.table.free for s in free}
+    got = batch.allocate_many(groups, batch.table.s_ns.max())
+    assert len(set(got.tolist()) - free_before) == 6  # six slots came from evictions
+    want = [single.allocate(g, single.table.s_ns.max()) for g in groups.tolist()]
+    assert got.tolist() == want and (got >= 0).all()
+    assert batch.table.free == single.table.free
+    assert (batch.table.s_state == single.table.s_state).all() and (batch.table.s_row == single.table.s_row).all()
+    assert batch.quotas.used.tolist() == single.quotas.used.tolist()
+
+
 def test_layer4_batch_check_agrees_with_the_slot_views() -> None:
     space = _space(4)
     for g, pool in enumerate(space.pools):
