@@ -2,11 +2,13 @@
 
 - lookup: round trip of `Client.lookup` over the unix socket (p50 / p99) for a resident prefix, next
   to the same lookup on an in-process `CacheManager` holding the same blocks (ratio = socket / in-process).
-- load: recovering objects from the disk store into the pool through the daemon (`Client.load`),
-  next to `DiskStore.load_into` of exactly the same objects into tensors in this process (ratio =
-  daemon / direct). Two prefixes larger than half the pool alternate, so every daemon load is a
-  real disk read; the store reads with O_DIRECT where the filesystem allows (cold either way). Direct
-  loads go into page-aligned tensors, as the daemon's pool slots are.
+- load: recovering objects from the disk store into the pool through the daemon (`Client.load`, timed without
+  the lookup), next to `DiskStore.load_into` of exactly the same objects into tensors in this process, in the
+  same round, ABBA order. Three prefixes are loaded in turn into pools that hold one, so every daemon load reads
+  the whole prefix from disk; the store reads with O_DIRECT where the filesystem allows (cold either way).
+  Direct loads go into page-aligned tensors, as the daemon's pool slots are. `ratio` is the median of the
+  rounds' daemon / direct throughput ratios (`round_ratios`), `daemon_MBps` and `direct_MBps` each side's
+  total.
 - dsv4_restore: three `--restore-tokens` prefixes (65,536 by default) offloaded durably into pools that hold
   one, then restored in turn into the pool (lookup + load, timed at the client, every object from disk), each
   round next to `dd iflag=direct bs=4M` reading the segment bytes that prefix's offload wrote, ABBA order, page
@@ -149,57 +151,85 @@ def bench_lookup(profile: ModelProfile, sock: Path, tokens: int, n: int) -> dict
     }
 
 
-def bench_load(profile: ModelProfile, sock: Path, tokens: int, rounds: int) -> tuple[dict, list[tuple[ObjectKey, int]]]:
+def bench_load(profile: ModelProfile, tmp: Path, sock: Path, tokens: int, rounds: int) -> dict:
+    """Three prefixes offloaded durably, then loaded in turn through the daemon (after a warm-up round of each) and,
+    in the same round, the same objects loaded by `DiskStore.load_into` in this process (a read-only store on the
+    daemon's directory), ABBA order: each pair runs back to back on the same shared disk, so `ratio` is the
+    median of the rounds' daemon / direct ratios (`round_ratios`)."""
     h = profile.hash_block_tokens
     blocks = tokens // h
-    prefixes = {seed: _tokens(seed, blocks * h) for seed in (10, 11)}
-    loaded: list[tuple[ObjectKey, int]] = []
-    total_bytes = 0
-    total_s = 0.0
+    seeds = (10, 11, 12)  # three in turn: a prefix was evicted whole by the two loaded since (the pools hold one)
+    prefixes = [_tokens(seed, blocks * h) for seed in seeds]
+    digests = {g.name: profile.layout(g).digest for g in profile.groups}
+    requests: list[list[LoadRequest]] = []  # per prefix: its objects into page-aligned tensors
+    daemon_s: list[float] = []
+    direct_s: list[float] = []
+    sizes: list[int] = []
     objects = 0
     with Client(sock) as c:
         c.attach(profile.name)
-        for seed, toks in prefixes.items():
+        for seed, toks in zip(seeds, prefixes):
             _check(c.offload(toks, _caches(profile, blocks, seed), durable=True))
-        for i in range(rounds * 2):
-            toks = prefixes[10 + i % 2]
+        for toks in prefixes:  # warm-up; the lookup says which objects a load of the prefix reads
             r = c.lookup(toks)
             recover = r.check_vector.routes != Route.RECOMPUTE  # servable: all of it is on disk (durable)
-            t0 = time.perf_counter()
-            rep = c.load(r)
-            dt = time.perf_counter() - t0
+            c.load(r)
             c.release(r)
-            if i >= 2:  # the first two rounds warm up (and may find objects still resident)
-                total_bytes += rep.loaded_bytes
-                total_s += dt
+            hs = block_hashes(profile.namespace, toks, h)
+            keys = [(profile.groups[gi], hs[b]) for gi, b in zip(*np.nonzero(recover))]
+            requests.append(
+                [
+                    LoadRequest(
+                        ObjectKey(profile.namespace, hb, g.name, g.form), _slot_like(g.object_bytes(h)), digests[g.name]
+                    )
+                    for g, hb in keys
+                ]
+            )
+        with DiskStore(str(tmp / "store"), readonly=True) as store:
+            backend = store.io_backend
+            for reqs in requests:  # the direct side's warm-up
+                store.load_into(reqs)
+            for i in range(2 * rounds):
+                toks, reqs = prefixes[i % 3], requests[i % 3]
+                direct_first = i % 4 in (1, 2)  # ABBA
+                if direct_first:
+                    direct_s.append(_direct_load(store, reqs))
+                r = c.lookup(toks)
+                t0 = time.perf_counter()
+                rep = c.load(r)
+                daemon_s.append(time.perf_counter() - t0)
+                c.release(r)
+                if not direct_first:
+                    direct_s.append(_direct_load(store, reqs))
+                want = sum(q.out.numel() for q in reqs)
+                if rep.loaded_bytes != want:
+                    raise SystemExit(
+                        f"load: the daemon read {rep.loaded_bytes} of the prefix's {want} bytes from disk (the pools"
+                        " must hold one prefix, so that the two loaded since evicted it)"
+                    )
+                sizes.append(want)
                 objects += rep.loaded_objects
-            if i < 2:
-                hs = block_hashes(profile.namespace, toks, h)
-                for gi, b in zip(*np.nonzero(recover)):
-                    g = profile.groups[gi]
-                    loaded.append((ObjectKey(profile.namespace, hs[b], g.name, g.form), g.object_bytes(h)))
+    daemon_rate = np.array(sizes) / np.array(daemon_s)
+    direct_rate = np.array(sizes) / np.array(direct_s)
     return {
         "objects": objects,
-        "bytes": total_bytes,
-        "daemon_MBps": round(total_bytes / total_s / 1e6, 1) if total_s else None,
-    }, loaded
+        "bytes": sum(sizes),
+        "daemon_MBps": round(sum(sizes) / sum(daemon_s) / 1e6, 1),
+        "direct_MBps": round(sum(sizes) / sum(direct_s) / 1e6, 1),
+        "io_backend": backend,
+        "ratio": round(float(np.median(daemon_rate / direct_rate)), 2),
+        "round_ratios": [round(float(x), 2) for x in daemon_rate / direct_rate],
+        "tokens": blocks * h,
+    }
 
 
-def bench_direct(profile: ModelProfile, root: Path, loaded: list[tuple[ObjectKey, int]], rounds: int) -> dict:
-    store = DiskStore(str(root), readonly=True)
-    digests = {g.name: profile.layout(g).digest for g in profile.groups}
-    outs = [_slot_like(n) for _, n in loaded]  # page-aligned, as the daemon's pool slots (a memfd mapping) are
-    reqs = [LoadRequest(k, o, digests[k.group]) for (k, _), o in zip(loaded, outs)]
-    store.load_into(reqs)  # warm-up, like the daemon's first rounds
-    nbytes = sum(n for _, n in loaded)
+def _direct_load(store: DiskStore, reqs: list[LoadRequest]) -> float:
     t0 = time.perf_counter()
-    for _ in range(rounds):
-        answers = store.load_into(reqs)
+    answers = store.load_into(reqs)
     dt = time.perf_counter() - t0
-    assert all(a == 0 for a in answers), "direct loads failed"
-    backend = store.io_backend
-    store.close()
-    return {"direct_MBps": round(nbytes * rounds / dt / 1e6, 1), "io_backend": backend}
+    if any(a != 0 for a in answers):
+        raise SystemExit("load: direct loads failed")
+    return dt
 
 
 def _slot_like(nbytes: int) -> torch.Tensor:
@@ -309,12 +339,13 @@ def main() -> None:
     h = profile.hash_block_tokens
     per_block = profile.bytes_per_hash_block()
     load_blocks = args.load_tokens // h
-    # pools hold one load prefix but not two (history), and one checkpoint of state at a time
+    # pools hold one load prefix and a few blocks (history, or the lookup prefix if larger) and two checkpoints of
+    # state: of three prefixes loaded in turn, each finds itself evicted by the two before
     pools = {
-        "compressed": per_block["compressed"] * load_blocks * 3 // 2,
-        "indexer": per_block["indexer"] * load_blocks * 3 // 2,
-        "swa": per_block["swa"] * 3,
-        "tail": per_block["tail"] * 3,
+        "compressed": per_block["compressed"] * (load_blocks + 8),
+        "indexer": per_block["indexer"] * (load_blocks + 8),
+        "swa": per_block["swa"] * 2,
+        "tail": per_block["tail"] * 2,
     }
     pools["compressed"] = max(pools["compressed"], per_block["compressed"] * (args.lookup_tokens // h + 8))
     pools["indexer"] = max(pools["indexer"], per_block["indexer"] * (args.lookup_tokens // h + 8))
@@ -323,18 +354,16 @@ def main() -> None:
         proc, sock, notify = _start(tmp, args.profile, {k: str(v) for k, v in pools.items()})
         try:
             lookup = bench_lookup(profile, sock, args.lookup_tokens, args.lookups)
-            load, loaded = bench_load(profile, sock, args.load_tokens, args.rounds)
+            load = bench_load(profile, tmp, sock, args.load_tokens, args.rounds)
         finally:
             _stop(proc, notify)
-        direct = bench_direct(profile, tmp / "store", loaded, args.rounds)
     restore = bench_dsv4_restore(profile, args.restore_tokens, args.rounds) if args.restore_tokens else None
-    ratio = round(load["daemon_MBps"] / direct["direct_MBps"], 2) if load["daemon_MBps"] else None
     print(
         json.dumps(
             {
                 "profile": args.profile,
                 "lookup": lookup,
-                "load": {**load, **direct, "ratio": ratio, "tokens": load_blocks * h},
+                "load": load,
                 "dsv4_restore": restore,
             }
         )
