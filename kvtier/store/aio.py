@@ -16,10 +16,10 @@ Contract:
 Why not a thread per read: one pread per thread keeps as many reads in flight as there are threads, each costing a
 thread switch; the small records of a random restore want a hundred or more in flight. On the 2-core VM this was
 measured on, 1,024 random 4 KiB O_DIRECT reads took 9-10 ms with all in flight through io_submit against 14-16 ms
-with 8-16 threads, and a third of the CPU. io_uring would do the same with fewer system calls, but it needs ring
-memory shared with the kernel and ordered by barriers, which Python cannot express; no maintained binding reads
-into caller-aligned memory without a system library (python-libaio needs libaio.so, caio allocates its own
-unaligned buffers).
+with 8-16 threads, for a fifth to a third of the CPU. io_uring would do the same with fewer system calls, but a ctypes
+binding of it needs ring memory shared with the kernel and ordered by barriers; of the bindings on PyPI,
+python-libaio needs the system's libaio.so, caio reads into buffers it allocates itself (not the caller's pool
+slot), and liburing returned completions other than documented when tried with 48 or more reads in flight.
 """
 
 from __future__ import annotations
