@@ -49,7 +49,7 @@ class RateLimiter:
 
     def burst(self, nbytes: int) -> int:
         """The size for one of the verifier's reads or copies of up to `nbytes`: while the disk is busy, at most a
-        tenth of a second of the busy rate (400 KiB at 4 MiB/s; at least 1). A reader's request that reaches the
+        tenth of a second of the busy rate (about 410 KiB at 4 MiB/s; at least 1). A reader's request that reaches the
         disk behind one of those waits for all of it, so a batch of megabytes read at disk speed, however well
         paced on average, is what its p99 sees."""
         rate = self._effective_rate()
