@@ -157,11 +157,12 @@ class SegmentFile:
 
 
 def split_read(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int, int]]:
-    """Cut a scattered read into consecutive pieces of about SPLIT_BYTES: (views, file offset, bytes) each; one
-    piece (the views as given) when it is not more than twice that. A view is cut only at a multiple of
-    SPLIT_BYTES from its start, so an O_DIRECT piece keeps the address and offset alignment its view had."""
+    """Cut a scattered read into consecutive pieces of about SPLIT_BYTES and at most IOV_MAX views: (views, file
+    offset, bytes) each; one piece (the views as given) when it is not more than twice that size and count. A view
+    is cut only at a multiple of SPLIT_BYTES from its start, so an O_DIRECT piece keeps the address and offset
+    alignment its view had. (A native AIO read is one scattered read: the kernel refuses more than IOV_MAX views.)"""
     total = sum(len(v) for v in views)
-    if total <= 2 * SPLIT_BYTES:
+    if total <= 2 * SPLIT_BYTES and len(views) <= _IOV_MAX:
         return [(views, offset, total)]
     pieces: list[tuple[list[memoryview], int, int]] = []
     cur: list[memoryview] = []
@@ -171,7 +172,7 @@ def split_read(views: list[memoryview], offset: int) -> list[tuple[list[memoryvi
             chunk = v[cut : cut + SPLIT_BYTES]
             cur.append(chunk)
             at += len(chunk)
-            if at - start >= SPLIT_BYTES:
+            if at - start >= SPLIT_BYTES or len(cur) == _IOV_MAX:
                 pieces.append((cur, start, at - start))
                 cur, start = [], at
     if cur:

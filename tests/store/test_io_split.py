@@ -123,3 +123,11 @@ def test_a_forked_child_splits_reads_with_its_own_threads(data_file) -> None:
         os.waitpid(pid, 0)
         pytest.fail("the child's split read did not finish in 60 s")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_read_of_more_views_than_iov_max_is_cut_into_pieces_of_at_most_that() -> None:
+    views = [memoryview(bytearray(512)) for _ in range(3 * io._IOV_MAX + 5)]  # 1.5 MiB: under the size to cut at
+    pieces = io.split_read(views, 8192)
+    assert all(len(v) <= io._IOV_MAX for v, _, _ in pieces) and len(pieces) == 4
+    assert [x for v, _, _ in pieces for x in v] == views
+    assert [off for _, off, _ in pieces] == [8192 + sum(n for _, _, n in pieces[:k]) for k in range(len(pieces))]
