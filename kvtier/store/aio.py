@@ -27,12 +27,15 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import logging
 import os
 import platform
 import threading
 from typing import Any
 
 from kvtier.store.io import SegmentFile
+
+log = logging.getLogger(__name__)
 
 DEPTH = 128  # reads in flight per context: the disk's queue (nr_requests is 64-256 on common devices)
 
@@ -229,8 +232,14 @@ def acquire() -> AioContext | None:
             return None
     ctx_id = ctypes.c_ulong(0)
     if _syscall(_SETUP, 2 * DEPTH, ctypes.byref(ctx_id)) != 0:  # room beyond DEPTH: a batch may overshoot it
+        err = ctypes.get_errno()
         with _lock:
             _refused = True
+        log.warning(
+            "native AIO refused (io_setup: %s; fs.aio-max-nr reached, or a seccomp filter): this process reads "
+            "with threads from now on",
+            os.strerror(err),
+        )
         return None
     return AioContext(ctx_id.value)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import random
 
@@ -134,3 +135,29 @@ def test_reads_the_kernel_has_no_room_for_are_read_at_once(ctx, data_file, monke
     ctx.submit([aio.ReadOp(f, [buf.mv[:4096]], 0, "a"), aio.ReadOp(f, [buf.mv[4096:]], 65536, "b")])
     assert ctx.pending == 2 and _all(ctx) == {"a": 4096, "b": 4096} and ctx.pending_bytes == 0
     assert buf.mv[:4096] == data[:4096] and buf.mv[4096:] == data[65536 : 65536 + 4096]
+
+
+def test_a_refused_io_setup_leaves_the_process_reading_with_threads(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(aio, "_free", [])
+    monkeypatch.setattr(aio, "_refused", False)
+    real = aio._syscall
+
+    def refuse(number, *args):
+        if number == aio._SETUP:
+            ctypes.set_errno(errno.EAGAIN)  # fs.aio-max-nr reached
+            return -1
+        return real(number, *args)
+
+    monkeypatch.setattr(aio, "_syscall", refuse)
+    root = str(tmp_path / "store")
+    with DiskStore(root, writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"r{i}") for i in range(8)]
+        s.store_many([(k, make_payload(f"r{i}", 5000), DIGEST) for i, k in enumerate(keys)])
+    with caplog.at_level(logging.WARNING, logger="kvtier.store.aio"), DiskStore(root) as s:
+        outs = [make_payload("x", 5000) for _ in keys]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * len(keys)
+        assert s.load_into([LoadRequest(keys[0], outs[0], DIGEST)]) == [Reason.OK]
+    assert all(o.equal(make_payload(f"r{i}", 5000)) for i, o in enumerate(outs))
+    assert sum("native AIO refused" in r.getMessage() for r in caplog.records) == 1  # said once, not per load
+    assert aio._refused and aio.acquire() is None
