@@ -176,6 +176,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._dropped_since_warning = 0
         self._failed_jobs = 0  # jobs that raised since the last warning
         self._last_warning = 0.0
+        self._warn_lock = threading.Lock()  # the load and store threads fail at once when the daemon goes away
 
         self._done: collections.deque[_Done] = collections.deque()
         self._loads: queue.Queue[TransferJob | None] = queue.Queue()
@@ -321,28 +322,31 @@ class KvtierSecondaryTier(SecondaryTierManager):
         )
 
     def _warn_dropped(self, n: int) -> None:
-        self._dropped_since_warning += n
-        if self._warn(
-            f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, "
-            f"max_pending_store_chunks={self._max_pending}): "
-            f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower "
-            "than the offload rate"
-        ):
-            self._dropped_since_warning = 0
+        with self._warn_lock:
+            self._dropped_since_warning += n
+            if self._warn(
+                f"kvtier tier: store queue full ({self._pending_store_chunks} chunks pending, "
+                f"max_pending_store_chunks={self._max_pending}): "
+                f"dropped {self._dropped_since_warning} chunks since the last warning; the disk is slower "
+                "than the offload rate"
+            ):
+                self._dropped_since_warning = 0
 
     def _job_failed(self, kind: str, job_id: int, exc: Exception) -> None:
         """A job that raised: its traceback at DEBUG only, and at most one warning per _WARN_EVERY_S (once the
         daemon is gone every job fails; a traceback per job would flood the engine's log)."""
         log.debug("kvtier tier: %s job %d failed", kind, job_id, exc_info=exc)
-        self._failed_jobs += 1
-        if self._warn(
-            f"kvtier tier: {kind} job {job_id} failed: {exc} ({self._failed_jobs} failed jobs since the last "
-            "warning); vLLM recomputes what it cannot load"
-        ):
-            self._failed_jobs = 0
+        with self._warn_lock:
+            self._failed_jobs += 1
+            if self._warn(
+                f"kvtier tier: {kind} job {job_id} failed: {exc} ({self._failed_jobs} failed jobs since the last "
+                "warning); vLLM recomputes what it cannot load"
+            ):
+                self._failed_jobs = 0
 
     def _warn(self, message: str) -> bool:
-        """Log `message` unless a warning went out in the last _WARN_EVERY_S seconds; True if it was logged."""
+        """Log `message` unless a warning went out in the last _WARN_EVERY_S seconds; True if it was logged. Called
+        with _warn_lock held: the check and the stamp are one step for the load and store threads."""
         now = time.monotonic()
         if now - self._last_warning < _WARN_EVERY_S:
             return False
@@ -437,10 +441,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
             self._keys.discard(get_offload_group_idx(key), xxhash.xxh3_128_digest(get_offload_block_hash(key)))
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
         if failed:
-            self._warn(
-                f"kvtier tier: {len(failed)} of {len(keys)} chunks failed to load ({dict(outcomes)}): "
-                "vLLM recomputes them"
-            )
+            with self._warn_lock:
+                self._warn(
+                    f"kvtier tier: {len(failed)} of {len(keys)} chunks failed to load ({dict(outcomes)}): "
+                    "vLLM recomputes them"
+                )
         result = JobResult(
             job.job_id,
             success=not failed,
