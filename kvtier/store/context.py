@@ -26,10 +26,6 @@ class StoreConfig:
     segment_bytes: int = 1 << 30
     io_threads: int = 4  # writer threads (extents are built and written in parallel)
     read_threads: int = 8  # parallel reads of a load where it reads with threads (no native AIO, GDS reads)
-    # Bytes of reads a load keeps in flight through native AIO: enough to keep the disk streaming; more only make
-    # its requests contend (4 MiB records read 5-10% slower with 128 MiB in flight than with 16 MiB, on the 2-core
-    # VM's virtual disk). A background reader (the verifier) reads one run at a time: 1.
-    read_inflight_bytes: int = 16 << 20
     device_checksums: str = "auto"  # auto | on | off: write the device checksum beside xxh3 (auto: on a GDS store)
     io_backend: str = "auto"  # auto | gds | odirect | buffered
     min_free_bytes: int | None = 1 << 20  # refuse writes that would leave less free space; None: no check
@@ -39,8 +35,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.atime_flush_s <= 86400:  # a background thread waits this long between writes
             raise ValueError(f"atime_flush_s must be between 0 and 86400 seconds, got {self.atime_flush_s}")
-        if self.io_threads < 1 or self.read_threads < 1 or self.read_inflight_bytes < 1:
-            raise ValueError("io_threads, read_threads and read_inflight_bytes must be >= 1")
+        if self.io_threads < 1 or self.read_threads < 1:
+            raise ValueError("io_threads and read_threads must be >= 1")
 
     @staticmethod
     def quotas(mapping: Mapping[CacheForm, int]) -> tuple[tuple[CacheForm, int], ...]:

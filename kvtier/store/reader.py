@@ -202,12 +202,11 @@ class Reader:
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         """Every run's read in flight at once from this thread, each run checked as soon as its pieces are in (in
         the order the disk finishes them). Runs go in groups of AIO_GROUP, one system call and one bounce buffer a
-        group, while fewer than aio.DEPTH pieces, `read_inflight_bytes` of reads and AIO_BOUNCE_BYTES of buffers are
+        group, while fewer than aio.DEPTH pieces, AIO_INFLIGHT_BYTES of reads and AIO_BOUNCE_BYTES of buffers are
         out."""
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
         lent: list[BounceShare] = []  # given back in the end, whatever happens
         bounce = 0
-        inflight = self._ctx.config.read_inflight_bytes
         pending = iter(runs)
         run: Run[ReadJob] | None = next(pending, None)
         try:
@@ -218,12 +217,12 @@ class Reader:
                     or (
                         bounce < AIO_BOUNCE_BYTES
                         and ctx.pending + AIO_GROUP <= aio.DEPTH
-                        and ctx.pending_bytes < inflight
+                        and ctx.pending_bytes < AIO_INFLIGHT_BYTES
                     )
                 ):
                     group: list[tuple[Run[ReadJob], SegmentFile, Scatter]] = []
                     size = reads = 0
-                    while run is not None and len(group) < AIO_GROUP and reads < inflight:
+                    while run is not None and len(group) < AIO_GROUP and reads < AIO_INFLIGHT_BYTES:
                         reads += run.end - run.start
                         planned = self._plan_run(run)
                         run = next(pending, None)
@@ -464,6 +463,9 @@ AIO_BOUNCE_BYTES = 64 << 20
 # Runs a group sends in one io_submit: the first reads reach the disk while the rest are planned, and a
 # small group's bounce bytes share one buffer.
 AIO_GROUP = 16
+# Bytes in flight at once: enough to keep the disk streaming; many more only make its requests contend (4 MiB
+# records read 5-10% slower with 128 MiB in flight than with 16 MiB, on the 2-core VM's virtual disk).
+AIO_INFLIGHT_BYTES = 16 << 20
 _NO_DIRECT = (0, 0)
 _LARGE_RECORD = LARGE_PAYLOAD + HEADER_BYTES  # no shorter record has a payload `_direct_want` takes
 _OK = Reason.OK

@@ -32,22 +32,16 @@ def store_exists(root: str | Path) -> bool:
     return os.path.isdir(os.path.join(root, INDEX_DIR))
 
 
-def _config(io_backend: str) -> StoreConfig:
-    """A background reader's store: one writer thread, and one run of records read at a time (a reader's request
-    that reaches the disk behind the verifier's waits for all it has queued there)."""
-    return StoreConfig(io_backend=io_backend, io_threads=1, read_threads=1, read_inflight_bytes=1)
-
-
 def open_store(root: str | Path, *, readonly: bool = False) -> DiskStore:
     """A non-writer store for maintenance or audit: O_DIRECT reads where the filesystem allows, else buffered."""
     if not store_exists(root):
         raise StoreNotFound(f"no kvtier store at {root} (no {INDEX_DIR}/): pass the --store the daemon uses")
     try:
-        return DiskStore(str(root), _config("odirect"), readonly=readonly)
+        return DiskStore(str(root), StoreConfig(io_backend="odirect", io_threads=1), readonly=readonly)
     except StoreError as exc:
         if "O_DIRECT" not in str(exc):
             raise
-        return DiskStore(str(root), _config("buffered"), readonly=readonly)
+        return DiskStore(str(root), StoreConfig(io_backend="buffered", io_threads=1), readonly=readonly)
 
 
 def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> VerifierSettings:

@@ -8,15 +8,11 @@ import shutil
 import subprocess
 import threading
 
-import pytest
-
-from kvtier.core import CacheForm, Reason
-from kvtier.core.tier import LoadRequest
+from kvtier.core import CacheForm
 from kvtier.store import DiskStore, QuarantineReason, RecordState
-from kvtier.verifier import Verifier, VerifierSettings, open_store, throttle, verifier_status
+from kvtier.verifier import Verifier, VerifierSettings, throttle, verifier_status
 from kvtier.verifier.throttle import RateLimiter
 from support.corrupt import flip_payload_bit
-from support.store_helpers import DIGEST, make_key, make_payload
 from support.verifier_helpers import VK, entries, populate, start_verifier, stop, wait_for
 
 
@@ -144,34 +140,3 @@ def test_while_the_disk_is_busy_each_read_or_copy_is_a_tenth_of_a_second_of_the_
     assert lim.burst(8 << 20) == 100_000 and lim.burst(4096) == 4096
     lim.set_rate(0, 1_000_000)  # unlimited: nothing is paced, nothing shrinks
     assert lim.burst(8 << 20) == 8 << 20
-
-
-def test_the_verifier_keeps_one_read_at_a_time_in_flight_where_a_load_keeps_many(tmp_path, monkeypatch) -> None:
-    """A reader's request that reaches the disk behind the verifier's waits for all of it: the verifier's store
-    submits a read only when none of its own is pending; the daemon's (defaults) has many out at once."""
-    from kvtier.store import aio
-
-    root = str(tmp_path / "store")
-    with DiskStore(root, writer=True) as s:
-        ns = s.register_namespace(VK)
-        keys = [make_key(ns, f"f{i}") for i in range(300)]
-        s.store_many([(k, make_payload(f"f{i}", 16_000), DIGEST) for i, k in enumerate(keys)])
-    pending_at_submit: list[int] = []
-    real = aio.AioContext.submit
-
-    def recording(self, ops):
-        pending_at_submit.append(self.pending)
-        return real(self, ops)
-
-    monkeypatch.setattr(aio.AioContext, "submit", recording)
-    every_other = keys[::2]  # gaps wider than a run spans: a run per record
-    with open_store(root, readonly=True) as store:
-        assert all(r.reason is Reason.OK for r in store.verify_many(every_other, apply=False))
-    verifier_side, pending_at_submit[:] = list(pending_at_submit), []
-    with DiskStore(root) as store:
-        outs = [make_payload("x", 16_000) for _ in every_other]
-        assert store.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(every_other, outs)]) == [Reason.OK] * 150
-    if not verifier_side:
-        pytest.skip("native AIO is not available on this machine")
-    assert len(verifier_side) >= 150 and max(verifier_side) == 0
-    assert max(pending_at_submit) > 0  # the same load on a default store has reads out while it submits more
