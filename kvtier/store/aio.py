@@ -33,7 +33,7 @@ import platform
 import threading
 from typing import Any
 
-from kvtier.store.io import SegmentFile
+from kvtier.store.io import SegmentFile, skip_bytes
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class AioContext:
                     self._error = self._error or OSError(-n, os.strerror(-n), op.file.path)
                     continue
                 if 0 < n < op.nbytes:  # cut short inside the file: the rest synchronously, until end of file
-                    n += op.file.preadv_into(_after(op.views, n), op.offset + n)
+                    n += op.file.preadv_into(skip_bytes(op.views, n), op.offset + n)
                 done.append((op, n))
         if not self._inflight and self._error is not None:
             err, self._error = self._error, None
@@ -192,18 +192,6 @@ class AioContext:
         self._ready.clear()
         self._error = None
         self._pending_bytes = 0
-
-
-def _after(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views with their first n bytes dropped."""
-    out: list[memoryview] = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
 
 
 _numbers = _SYSCALLS.get(platform.machine()) if os.name == "posix" and platform.system() == "Linux" else None

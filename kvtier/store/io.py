@@ -110,22 +110,13 @@ class SegmentFile:
 
     def _preadv(self, views: list[memoryview], offset: int) -> int:
         """One scattered read per IOV_MAX views, in order, resuming after a short read until end of file."""
-        views = list(views)
         done = 0
-        i = 0
-        while i < len(views):
-            n = os.preadv(self.fd, views[i : i + _IOV_MAX], offset + done)
+        while views:
+            n = os.preadv(self.fd, views[:_IOV_MAX], offset + done)
             if n == 0:
                 break
             done += n
-            while n and i < len(views):  # skip what is full, resume inside a view filled in part
-                size = len(views[i])
-                if n >= size:
-                    n -= size
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            views = skip_bytes(views, n)
         return done
 
     def sync(self) -> None:
@@ -178,6 +169,18 @@ def split_read(views: list[memoryview], offset: int) -> list[tuple[list[memoryvi
     if cur:
         pieces.append((cur, start, at - start))
     return pieces
+
+
+def skip_bytes(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views with their first n bytes dropped (after a read that filled that much of them)."""
+    out: list[memoryview] = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
 
 
 def contiguous(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) -> int:
