@@ -206,7 +206,6 @@ class Reader:
         out."""
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
         lent: list[BounceShare] = []  # given back in the end, whatever happens
-        bounce = 0
         pending = iter(runs)
         run: Run[ReadJob] | None = next(pending, None)
         try:
@@ -215,7 +214,7 @@ class Reader:
                 while run is not None and (
                     not ctx.pending
                     or (
-                        bounce < AIO_BOUNCE_BYTES
+                        sum(share.buf.capacity for share in lent) < AIO_BOUNCE_BYTES
                         and ctx.pending + AIO_GROUP <= aio.DEPTH
                         and ctx.pending_bytes < AIO_INFLIGHT_BYTES
                     )
@@ -235,12 +234,13 @@ class Reader:
                         continue
                     share = BounceShare(self._ctx.buffers.acquire(size), len(group))
                     lent.append(share)
-                    bounce += share.buf.capacity
                     ops: list[aio.ReadOp] = []
                     base = 0
                     for r, seg, plan in group:
                         rr = _place(r, seg, plan, share, base)
                         base += align_up(plan.bounce_bytes, DISK_ALIGNMENT)
+                        rr.pieces = split_read(rr.views, r.start)
+                        rr.got = [-1] * len(rr.pieces)
                         ops += [aio.ReadOp(seg, views, at, (rr, k)) for k, (views, at, _) in enumerate(rr.pieces)]
                     ctx.submit(ops)
                 if not ctx.pending:
@@ -254,7 +254,6 @@ class Reader:
                     rr.share.runs -= 1
                     if not rr.share.runs:
                         lent.remove(rr.share)
-                        bounce -= rr.share.buf.capacity
                         self._ctx.buffers.release(rr.share.buf)
             return results
         finally:
@@ -429,8 +428,8 @@ class BounceShare:
 @dataclasses.dataclass(slots=True)
 class RunRead:
     """One run's read as placed (`_place`): its segment, where its bytes go (the share's buffer from `base`, and
-    direct targets: `views`, in file order, cut into `pieces` of about SPLIT_BYTES), and per piece the bytes read
-    (-1 while it is in flight)."""
+    direct targets: `views`, in file order). Read through AIO, its views are cut into `pieces` (`split_read`), and
+    `got` holds per piece the bytes read (-1 while it is in flight); the thread path reads `views` whole."""
 
     run: Run[ReadJob]
     seg: SegmentFile
@@ -438,8 +437,8 @@ class RunRead:
     share: BounceShare
     base: int
     views: list[memoryview]
-    pieces: list[tuple[list[memoryview], int, int]]
-    got: list[int]
+    pieces: list[tuple[list[memoryview], int, int]] = dataclasses.field(default_factory=list)
+    got: list[int] = dataclasses.field(default_factory=list)
 
 
 def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead:
@@ -453,8 +452,7 @@ def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShar
             b += n
         else:
             views.append(_host_view(run.jobs[k][2].out, n))
-    pieces = split_read(views, run.start)
-    return RunRead(run, seg, plan, share, base, views, pieces, [-1] * len(pieces))
+    return RunRead(run, seg, plan, share, base, views)
 
 
 # Bounce buffers one load keeps in flight through native AIO: the small records of a million-token restore would

@@ -110,10 +110,9 @@ def deep_check(
     fresh = [i for i in serving if apply and rows[i].entry.verified_at == 0]  # type: ignore[union-attr]
     known = [i for i in serving if not (apply and rows[i].entry.verified_at == 0)]  # type: ignore[union-attr]
     for todo, limit, stamp in ((fresh, stamp_bytes, True), (known, read_bytes, False)):
-        # Re-reads shrink while the disk is busy (see RateLimiter.burst); stamping batches keep their size, since
-        # each is a synced commit.
-        small = not stamp and limiter is not None
-        for chunk, size in _chunks(rows, todo, limiter.burst(limit) if small else limit):  # type: ignore[union-attr]
+        if not stamp and limiter is not None:  # re-reads shrink while the disk is busy (RateLimiter.burst); stamping
+            limit = limiter.burst(limit)  # batches keep their size, since each is a synced commit
+        for chunk, size in _chunks(rows, todo, limit):
             if limiter is not None and not limiter.take(size):
                 return passed
             for i, res in zip(chunk, store.verify_many([rows[i].key for i in chunk], apply=stamp)):
