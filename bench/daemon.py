@@ -14,6 +14,7 @@
   round next to `dd iflag=direct bs=4M` reading the segment bytes that prefix's offload wrote, ABBA order, page
   cache dropped before each side. `MBps` and `dd_MBps` are each side's best round; `ratio` is the median of
   the rounds' restore / dd ratios (`round_ratios`): each pair ran back to back, on the same shared disk.
+  `round_MBps` lists each round's [restore, dd] MB/s, so a round where one side was slow shows which side.
 
 Usage: python bench/daemon.py [--profile deepseek-v4-flash] [--lookup-tokens 16384] [--load-tokens 12288] [--rounds 3]
        [--restore-tokens 65536] [--only dsv4_restore]
@@ -293,6 +294,7 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
         "dd_MBps": round(max(dd_mbps), 1),
         "ratio": round(float(np.median(np.array(restore_mbps) / np.array(dd_mbps))), 2),
         "round_ratios": [round(r / t, 2) for r, t in zip(restore_mbps, dd_mbps)],
+        "round_MBps": [[round(r), round(t)] for r, t in zip(restore_mbps, dd_mbps)],
         "fresh_daemon_MBps": round(want / fresh_s / 1e6, 1),
     }
 
