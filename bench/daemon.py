@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from pagecache import dd_direct_s, drop_cache_tree  # noqa: E402
+from slots import slot_targets  # noqa: E402
 
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
@@ -178,12 +179,11 @@ def bench_load(profile: ModelProfile, tmp: Path, sock: Path, tokens: int, rounds
             c.release(r)
             hs = block_hashes(profile.namespace, toks, h)
             keys = [(profile.groups[gi], hs[b]) for gi, b in zip(*np.nonzero(recover))]
+            outs = slot_targets([g.object_bytes(h) for g, _ in keys])
             requests.append(
                 [
-                    LoadRequest(
-                        ObjectKey(profile.namespace, hb, g.name, g.form), _slot_like(g.object_bytes(h)), digests[g.name]
-                    )
-                    for g, hb in keys
+                    LoadRequest(ObjectKey(profile.namespace, hb, g.name, g.form), out, digests[g.name])
+                    for (g, hb), out in zip(keys, outs)
                 ]
             )
         with DiskStore(str(tmp / "store"), readonly=True) as store:
@@ -231,12 +231,6 @@ def _direct_load(store: DiskStore, reqs: list[LoadRequest]) -> float:
     if any(a != 0 for a in answers):
         raise SystemExit("load: direct loads failed")
     return dt
-
-
-def _slot_like(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    return raw[start : start + nbytes]
 
 
 def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
