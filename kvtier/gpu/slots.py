@@ -7,11 +7,13 @@ holds the lock).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from kvtier.core import hugepages
 from kvtier.core.errors import LayoutError
 from kvtier.core.forms import CacheForm, GroupKind, Reason
 from kvtier.core.layout import POOL_ALIGNMENT
@@ -23,6 +25,8 @@ from kvtier.gpu.gentable import GenerationTable
 from kvtier.gpu.pools import Pool, allocate_pool
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import BlockTable
+
+log = logging.getLogger(__name__)
 
 
 def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> dict[CacheForm, int]:
@@ -43,6 +47,15 @@ def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> 
                 f"({per_block} B per block); raise it"
             )
     return slots_for
+
+
+def _log_huge_pages(profile: str, pools: tuple[Pool, ...]) -> None:
+    """Say how much of the cpu pools the kernel put on huge pages: it decides how large the disk's read requests
+    into them can be (kvtier.core.hugepages), and only its settings can change it."""
+    total = sum(p.tensor.numel() for p in pools)
+    huge = sum(hugepages.huge_bytes(p.address, p.tensor.numel()) for p in pools)
+    hint = "" if huge else " (shmem_enabled = advise gives them huge pages: docs/systemd.md)"
+    log.info("%s pools: %d MiB, %d MiB of it on huge pages%s", profile, total >> 20, huge >> 20, hint)
 
 
 class SlotSpace:
@@ -76,6 +89,8 @@ class SlotSpace:
                     f"pool {pool.group} is not {POOL_ALIGNMENT}-B aligned and contiguous; this is a kvtier bug, "
                     "please report it"
                 )
+        if device.type == "cpu":
+            _log_huge_pages(profile.name, self.pools)
         # per group, what layer 4 checks a slot against (one array gather per batch instead of a view per slot)
         self._address = np.array([p.address for p in self.pools], dtype=np.int64)
         self._stride = np.array([p.slot_stride for p in self.pools], dtype=np.int64)
