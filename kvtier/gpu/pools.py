@@ -1,4 +1,4 @@
-"""Preallocated pools, one per cache group: a 128-B aligned base, fixed slot stride, never moved.
+"""Preallocated pools, one per cache group: a 4096-B aligned base, fixed slot stride, never moved.
 
 On cpu a pool lives in a memfd, so another process can map it; its pages are taken when it is made, huge
 pages where the kernel allows them for shared memory (`kvtier.core.hugepages`). The daemon passes a
@@ -18,7 +18,7 @@ import torch
 
 from kvtier.core import hugepages
 from kvtier.core.forms import CacheForm
-from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
 from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
 
@@ -101,11 +101,12 @@ def _take_pages(raw: torch.Tensor, fd: int, name: str) -> None:
 
 
 def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: int, device: torch.device) -> Pool:
-    """A pool of as many whole slots as `budget_bytes` holds, base aligned to 128 B."""
-    stride = align_up(slot_nbytes, POOL_ALIGNMENT)
+    """A pool of as many whole slots as `budget_bytes` holds, base aligned to 4096 B (so a slot aligned in the pool
+    is aligned in memory: see `slot_stride`)."""
+    stride = slot_stride(slot_nbytes)
     n_slots = budget_bytes // stride
     span = n_slots * stride
-    raw, fd, rfd = _raw_buffer(span + POOL_ALIGNMENT, device, group)
-    offset = (-raw.data_ptr()) % POOL_ALIGNMENT
+    raw, fd, rfd = _raw_buffer(span + DISK_ALIGNMENT, device, group)
+    offset = (-raw.data_ptr()) % DISK_ALIGNMENT
     tensor = raw[offset : offset + span]
     return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd)

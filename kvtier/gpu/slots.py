@@ -16,7 +16,7 @@ import torch
 from kvtier.core import hugepages
 from kvtier.core.errors import LayoutError
 from kvtier.core.forms import CacheForm, GroupKind, Reason
-from kvtier.core.layout import POOL_ALIGNMENT
+from kvtier.core.layout import POOL_ALIGNMENT, slot_stride
 from kvtier.core.profile import ModelProfile
 from kvtier.gpu.admission import AdmissionConfig, FormQuotas
 from kvtier.gpu.counters import Counters
@@ -39,7 +39,7 @@ def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> 
                 f"budgets_bytes has no entry for form {form.value}; give every form of the profile a byte budget"
             )
         groups = [g for g in profile.groups if g.form is form]
-        per_block = sum(-(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT for g in groups)
+        per_block = sum(slot_stride(g.object_bytes(h)) for g in groups)
         slots_for[form] = budgets[form] // per_block
         if slots_for[form] < 1:
             raise BudgetError(
@@ -78,7 +78,7 @@ class SlotSpace:
                 g.name,
                 g.form,
                 g.object_bytes(h),
-                slots_for[g.form] * -(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT,
+                slots_for[g.form] * slot_stride(g.object_bytes(h)),
                 device,
             )
             for g in profile.groups

@@ -1,5 +1,6 @@
-"""kvtier.core.hugepages on this kernel: the pools and bounce buffers that O_DIRECT reads land in are on huge
-pages where the kernel's settings allow them, and `huge_bytes` tells which pages a mapping got."""
+"""The memory O_DIRECT reads land in: pools and bounce buffers on huge pages where the kernel's settings allow
+them (kvtier.core.hugepages; `huge_bytes` tells which pages a mapping got), and pool slots aligned so a
+restore reads large objects straight into them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 
 from kvtier.core import hugepages
 from kvtier.core.forms import CacheForm
+from kvtier.core.layout import DISK_ALIGNMENT, POOL_ALIGNMENT, slot_stride
+from kvtier.core.profile import load_profile
 from kvtier.gpu.pools import allocate_pool
 from kvtier.store.io import AlignedBuffer
 
@@ -54,3 +57,20 @@ def test_a_cpu_pool_is_on_huge_pages_exactly_where_shared_memory_may_be() -> Non
         assert int(pool.tensor[-1]) == 0  # taken and zeroed
     finally:
         pool.close()
+
+
+def test_every_large_slot_of_a_dsv4_pool_starts_where_a_direct_read_can_fill_it() -> None:
+    """Slots of 4 KiB objects or more start 4096-aligned (as their payloads lie on disk), so a restore reads each
+    straight into its slot; at 128 B alone half the indexer slots (177,408 B) were 256 B off a 512 B boundary."""
+    p = load_profile("deepseek-v4-flash")
+    h = p.hash_block_tokens
+    for g in p.groups:
+        n = g.object_bytes(h)
+        pool = allocate_pool(g.name, g.form, n, 5 * slot_stride(n), torch.device("cpu"))
+        try:
+            assert pool.n_slots == 5
+            for slot in range(pool.n_slots):
+                address = pool.slot_view(slot).data_ptr()
+                assert address % (DISK_ALIGNMENT if n >= DISK_ALIGNMENT else POOL_ALIGNMENT) == 0, (g.name, slot)
+        finally:
+            pool.close()
