@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.core import CacheForm, GroupKind, block_hashes, load_profile
+from kvtier.core.layout import slot_stride
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import CacheManager, Pool
 from kvtier.testing import MemoryTier
@@ -79,7 +80,7 @@ def run(device: torch.device) -> dict:
     budgets: dict[CacheForm, int] = {}
     for g in PROFILE.groups:  # room for exactly two prefixes' history: the second one takes the first's slots
         n = 2 * BLOCKS if g.kind is GroupKind.HISTORY else 2 * g.blocks_needed(H)
-        budgets[g.form] = budgets.get(g.form, 0) + -(-g.object_bytes(H) // 128) * 128 * n
+        budgets[g.form] = budgets.get(g.form, 0) + slot_stride(g.object_bytes(H)) * n
     m = CacheManager(PROFILE, budgets_bytes=budgets, device=device, lower=tier)
     addresses = m.pool_addresses()
     pools = [p for p in m.pools() if PROFILE.group(p.group).kind is GroupKind.HISTORY]

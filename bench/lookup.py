@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.core import CacheForm, GroupKind, block_hashes, load_profile
-from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.core.layout import slot_stride
 from kvtier.core.profile import ModelProfile
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import CacheManager
@@ -42,7 +42,7 @@ def _budgets(profile: ModelProfile, history_blocks: int) -> dict[CacheForm, int]
     h = profile.hash_block_tokens
     out: dict[CacheForm, int] = {}
     for g in profile.groups:
-        per = align_up(g.object_bytes(h), POOL_ALIGNMENT)
+        per = slot_stride(g.object_bytes(h))
         n = history_blocks if g.kind is GroupKind.HISTORY else STATE_CHECKPOINTS
         out[g.form] = out.get(g.form, 0) + per * n
     return out

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvtier.core import CacheForm, GroupKind, ModelProfile, block_hashes, load_profile
+from kvtier.core.layout import slot_stride
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionConfig, CacheManager
 from kvtier.testing import MemoryTier
@@ -42,7 +43,7 @@ def budgets(profile: ModelProfile, blocks: int, state_blocks: int | None = None)
     out: dict[CacheForm, int] = {}
     for g in profile.groups:
         n = blocks if g.kind is GroupKind.HISTORY else (state_blocks or blocks)
-        out[g.form] = out.get(g.form, 0) + -(-g.object_bytes(h) // 128) * 128 * n
+        out[g.form] = out.get(g.form, 0) + slot_stride(g.object_bytes(h)) * n
     return out
 
 
