@@ -14,6 +14,7 @@
   round next to `dd iflag=direct bs=4M` reading the segment bytes that prefix's offload wrote, ABBA order, page
   cache dropped before each side. `MBps` and `dd_MBps` are each side's best round; `ratio` is the median of
   the rounds' restore / dd ratios (`round_ratios`): each pair ran back to back, on the same shared disk.
+  `round_MBps` lists each round's [restore, dd] MB/s, so a round where one side was slow shows which side.
 
 Usage: python bench/daemon.py [--profile deepseek-v4-flash] [--lookup-tokens 16384] [--load-tokens 12288] [--rounds 3]
        [--restore-tokens 65536] [--only dsv4_restore]
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from pagecache import dd_direct_s, drop_cache_tree  # noqa: E402
+from slots import slot_targets  # noqa: E402
 
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
@@ -177,12 +179,11 @@ def bench_load(profile: ModelProfile, tmp: Path, sock: Path, tokens: int, rounds
             c.release(r)
             hs = block_hashes(profile.namespace, toks, h)
             keys = [(profile.groups[gi], hs[b]) for gi, b in zip(*np.nonzero(recover))]
+            outs = slot_targets([g.object_bytes(h) for g, _ in keys])
             requests.append(
                 [
-                    LoadRequest(
-                        ObjectKey(profile.namespace, hb, g.name, g.form), _slot_like(g.object_bytes(h)), digests[g.name]
-                    )
-                    for g, hb in keys
+                    LoadRequest(ObjectKey(profile.namespace, hb, g.name, g.form), out, digests[g.name])
+                    for (g, hb), out in zip(keys, outs)
                 ]
             )
         with DiskStore(str(tmp / "store"), readonly=True) as store:
@@ -230,12 +231,6 @@ def _direct_load(store: DiskStore, reqs: list[LoadRequest]) -> float:
     if any(a != 0 for a in answers):
         raise SystemExit("load: direct loads failed")
     return dt
-
-
-def _slot_like(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    return raw[start : start + nbytes]
 
 
 def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
@@ -293,6 +288,7 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
         "dd_MBps": round(max(dd_mbps), 1),
         "ratio": round(float(np.median(np.array(restore_mbps) / np.array(dd_mbps))), 2),
         "round_ratios": [round(r / t, 2) for r, t in zip(restore_mbps, dd_mbps)],
+        "round_MBps": [[round(r), round(t)] for r, t in zip(restore_mbps, dd_mbps)],
         "fresh_daemon_MBps": round(want / fresh_s / 1e6, 1),
     }
 

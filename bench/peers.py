@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
+from slots import slot_targets  # noqa: E402
 
 from kvtier.core.forms import GroupKind, Reason  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
@@ -182,10 +183,9 @@ class KvtierStore:
         self.store = DiskStore(str(root), StoreConfig(io_threads=IO_THREADS), writer=writer)
         if writer:
             self.store.register_namespace(w.profile.version)
-        # one page-aligned target per batch slot, as large as the largest object and faulted in now (not timed), as
-        # the daemon's pool slots are once it has served and as LMCache's allocator buffer is (zeroed at start)
-        biggest = max(map(len, w.payloads))
-        self.outs = [_aligned_zeroed(biggest) for _ in range(BATCH)]
+        # one page-aligned target per batch slot, as large as the largest object, in the memory the daemon's pool
+        # slots are (bench/slots.py) and faulted in now (not timed), as LMCache's allocator buffer is (zeroed at start)
+        self.outs = slot_targets([max(map(len, w.payloads))] * BATCH)
 
     @property
     def details(self) -> dict:
@@ -378,13 +378,6 @@ class LmcacheStore:
         self.cpu.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-
-
-def _aligned_zeroed(n: int) -> torch.Tensor:
-    """n zeroed bytes at a page-aligned address (large payloads then land without a bounce copy)."""
-    raw = torch.zeros(n + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    return raw[start : start + n]
 
 
 def _chunk_hash(key: ObjectKey) -> int:

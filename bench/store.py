@@ -1,11 +1,11 @@
 """Disk store throughput next to raw dd O_DIRECT on the same filesystem, in one run; prints one JSON object.
 
 Sequential write (store_many, group commit: one fdatasync + one LMDB commit per batch, checksums on) and
-cold sequential read (load_into batches through the thread pool into page-aligned targets, as pool slots
-are; O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered backend) of >= 1 GiB in
-fixed-size records, against `dd oflag=direct conv=fsync` and `dd iflag=direct` of the same size with the
-same block size. dd and store passes alternate `--repeat` times (the disk is shared) and each side's best
-pass is reported.
+cold sequential read (load_into batches into page-aligned targets in the memory the daemon's pool slots
+are, `bench/slots.py`; O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered
+backend) of >= 1 GiB in fixed-size records, against `dd oflag=direct conv=fsync` and `dd iflag=direct` of
+the same size with the same block size. dd and store passes alternate `--repeat` times (the disk is
+shared) and each side's best pass is reported.
 
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
 (`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them).
@@ -27,6 +27,7 @@ import time
 import torch
 import xxhash
 from pagecache import drop_cache_tree
+from slots import slot_targets
 
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
@@ -75,7 +76,7 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
     if backend == "buffered":
         drop_cache_tree(os.path.join(root, SEGMENTS_DIR))
     with DiskStore(root, cfg) as store:
-        outs = [slot_like(record) for _ in range(args.batch)]
+        outs = slot_targets([record] * args.batch)
         bad = 0
         t0 = time.perf_counter()
         for idx in batches:
@@ -87,14 +88,6 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
             raise SystemExit(f"{bad} of {count} records did not read back correctly")
     shutil.rmtree(root)
     return write_s, read_s, backend
-
-
-def slot_like(nbytes: int) -> torch.Tensor:
-    """A load target at a page-aligned address, as the daemon's pool slots are (a memfd mapping, strides of
-    whole 128 B): the store reads large payloads straight into such a target, with no bounce copy."""
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    return raw[start : start + nbytes]
 
 
 def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:

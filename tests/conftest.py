@@ -9,7 +9,7 @@ import pytest
 
 from support.fault_table import rows_of, write_table
 
-pytest_plugins = ("support.daemon_fixtures", "support.read_paths")
+pytest_plugins = ("support.daemon_fixtures", "support.read_paths", "support.alone")
 
 _FAULT_ROWS: list[tuple[str, ...]] = []
 

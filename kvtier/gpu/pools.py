@@ -1,8 +1,9 @@
-"""Preallocated pools, one per cache group: a 128-B aligned base, fixed slot stride, never moved.
+"""Preallocated pools, one per cache group: a 4096-B aligned base, fixed slot stride, never moved.
 
-On cpu a pool lives in a memfd (sparse until written), so another process can map it: the daemon
-passes a read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps it
-read-only at `base_offset`. The memfd is sealed against every future writable mapping once the daemon
+On cpu a pool lives in a memfd, so another process can map it; its pages are taken when it is made, huge
+pages where the kernel allows them for shared memory (`kvtier.core.hugepages`). The daemon passes a
+read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps it read-only at
+`base_offset`. The memfd is sealed against every future writable mapping once the daemon
 has mapped it (`F_SEAL_FUTURE_WRITE`), so no client can write a slot: offloads reach the pool through
 the daemon (see `kvtier.daemon.staging`). On cuda a pool is a plain device tensor (CUDA IPC mappings
 cannot be read-only: clients there are trusted to write only their reserved slots).
@@ -15,8 +16,9 @@ import os
 
 import torch
 
+from kvtier.core import hugepages
 from kvtier.core.forms import CacheForm
-from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
 from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
 
@@ -70,17 +72,8 @@ def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Ten
         fd = os.memfd_create(f"kvtier-pool-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
-            try:
-                # take the pages now: a restore into a fresh pool otherwise pays every page's allocation and
-                # zeroing inside its reads (measured: half the disk's speed), and a shared-memory limit
-                # would surface as SIGBUS on first touch instead of this error
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                raise BudgetError(
-                    f"cannot take {nbytes:,} bytes of shared memory for the {name} pool ({exc.strerror}); "
-                    "lower its budget or free memory"
-                ) from exc
             raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+            _take_pages(raw, fd, name)
             seal_for_readers(fd)
             return raw, fd, reader_fd(fd)
         except BaseException:
@@ -89,12 +82,31 @@ def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Ten
     return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None
 
 
+def _take_pages(raw: torch.Tensor, fd: int, name: str) -> None:
+    """Take the pool's pages now, huge where the kernel gives them (kvtier.core.hugepages: restores read in
+    requests up to 4x larger). Now, because a restore into a fresh pool otherwise pays every page's allocation
+    and zeroing inside its reads (measured: half the disk's speed), and a shared-memory limit would surface as
+    SIGBUS on first touch instead of this error. Through the mapping, so the huge-page advice applies;
+    fallocate(2) where the kernel cannot populate a mapping (before 5.14)."""
+    nbytes = raw.numel()
+    try:
+        hugepages.advise_huge(raw.data_ptr(), nbytes)
+        if not hugepages.populate(raw.data_ptr(), nbytes):
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise BudgetError(
+            f"cannot take {nbytes:,} bytes of shared memory for the {name} pool ({exc.strerror}); "
+            "lower its budget or free memory"
+        ) from exc
+
+
 def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: int, device: torch.device) -> Pool:
-    """A pool of as many whole slots as `budget_bytes` holds, base aligned to 128 B."""
-    stride = align_up(slot_nbytes, POOL_ALIGNMENT)
+    """A pool of as many whole slots as `budget_bytes` holds, base aligned to 4096 B (so a slot aligned in the pool
+    is aligned in memory: see `slot_stride`)."""
+    stride = slot_stride(slot_nbytes)
     n_slots = budget_bytes // stride
     span = n_slots * stride
-    raw, fd, rfd = _raw_buffer(span + POOL_ALIGNMENT, device, group)
-    offset = (-raw.data_ptr()) % POOL_ALIGNMENT
+    raw, fd, rfd = _raw_buffer(span + DISK_ALIGNMENT, device, group)
+    offset = (-raw.data_ptr()) % DISK_ALIGNMENT
     tensor = raw[offset : offset + span]
     return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd)

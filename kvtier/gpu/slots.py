@@ -7,14 +7,16 @@ holds the lock).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from kvtier.core import hugepages
 from kvtier.core.errors import LayoutError
 from kvtier.core.forms import CacheForm, GroupKind, Reason
-from kvtier.core.layout import POOL_ALIGNMENT
+from kvtier.core.layout import POOL_ALIGNMENT, slot_stride
 from kvtier.core.profile import ModelProfile
 from kvtier.gpu.admission import AdmissionConfig, FormQuotas
 from kvtier.gpu.counters import Counters
@@ -23,6 +25,8 @@ from kvtier.gpu.gentable import GenerationTable
 from kvtier.gpu.pools import Pool, allocate_pool
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import BlockTable
+
+log = logging.getLogger(__name__)
 
 
 def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> dict[CacheForm, int]:
@@ -35,7 +39,7 @@ def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> 
                 f"budgets_bytes has no entry for form {form.value}; give every form of the profile a byte budget"
             )
         groups = [g for g in profile.groups if g.form is form]
-        per_block = sum(-(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT for g in groups)
+        per_block = sum(slot_stride(g.object_bytes(h)) for g in groups)
         slots_for[form] = budgets[form] // per_block
         if slots_for[form] < 1:
             raise BudgetError(
@@ -43,6 +47,15 @@ def _slots_per_form(profile: ModelProfile, budgets: Mapping[CacheForm, int]) -> 
                 f"({per_block} B per block); raise it"
             )
     return slots_for
+
+
+def _log_huge_pages(profile: str, pools: tuple[Pool, ...]) -> None:
+    """Say how much of the cpu pools the kernel put on huge pages: it decides how large the disk's read requests
+    into them can be (kvtier.core.hugepages), and only its settings can change it."""
+    total = sum(p.tensor.numel() for p in pools)
+    huge = sum(hugepages.huge_bytes(p.address, p.tensor.numel()) for p in pools)
+    hint = "" if huge else " (shmem_enabled = advise gives them huge pages: docs/systemd.md)"
+    log.info("%s pools: %d MiB, %d MiB of it on huge pages%s", profile, total >> 20, huge >> 20, hint)
 
 
 class SlotSpace:
@@ -65,7 +78,7 @@ class SlotSpace:
                 g.name,
                 g.form,
                 g.object_bytes(h),
-                slots_for[g.form] * -(-g.object_bytes(h) // POOL_ALIGNMENT) * POOL_ALIGNMENT,
+                slots_for[g.form] * slot_stride(g.object_bytes(h)),
                 device,
             )
             for g in profile.groups
@@ -76,6 +89,8 @@ class SlotSpace:
                     f"pool {pool.group} is not {POOL_ALIGNMENT}-B aligned and contiguous; this is a kvtier bug, "
                     "please report it"
                 )
+        if device.type == "cpu":
+            _log_huge_pages(profile.name, self.pools)
         # per group, what layer 4 checks a slot against (one array gather per batch instead of a view per slot)
         self._address = np.array([p.address for p in self.pools], dtype=np.int64)
         self._stride = np.array([p.slot_stride for p in self.pools], dtype=np.int64)

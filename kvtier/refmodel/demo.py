@@ -36,7 +36,7 @@ from kvtier.client import Client
 from kvtier.core.errors import KvtierError
 from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
-from kvtier.core.layout import POOL_ALIGNMENT, align_up
+from kvtier.core.layout import align_up, slot_stride
 from kvtier.core.profile import ModelProfile, bundled_profile_names, load_profile
 from kvtier.refmodel.engine import RefEngine, checkpoint_policy
 from kvtier.refmodel.model import RefModel
@@ -137,7 +137,7 @@ def pool_budgets(profile: ModelProfile, tokens: int, checkpoint_every: int) -> d
     checkpoints = blocks // checkpoint_every + 2
     out: dict[str, int] = {}
     for g in profile.groups:
-        slot = align_up(g.object_bytes(h), POOL_ALIGNMENT)
+        slot = slot_stride(g.object_bytes(h))
         slots = blocks if g.kind is GroupKind.HISTORY else g.blocks_needed(h) * checkpoints
         out[g.form.value] = out.get(g.form.value, 0) + 2 * slots * slot
     return {form: align_up(n + (1 << 20), 1 << 20) for form, n in out.items()}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvtier.core import hugepages
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.store.errors import StoreError
 
@@ -32,16 +33,19 @@ SPLIT_THREADS = 4  # pieces in flight beside the caller's own, per process (shar
 
 
 class AlignedBuffer:
-    """Page-aligned anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor."""
+    """Page-aligned private anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor; from
+    2 MiB on, on huge pages where the kernel gives them (kvtier.core.hugepages: larger requests per read)."""
 
     __slots__ = ("_map", "addr", "capacity", "mv", "tensor")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._map = mmap.mmap(-1, capacity)
+        self._map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mv = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.addr = self.tensor.data_ptr()  # for memmove/memset without a Python-level copy
+        if capacity >= hugepages.HUGE_PAGE:  # before the first touch: pages are chosen when faulted in
+            hugepages.advise_huge(self.addr, capacity)
 
 
 class BufferPool:
@@ -147,23 +151,25 @@ class SegmentFile:
             self.fd = -1
 
 
-def split_read(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int, int]]:
-    """Cut a scattered read into consecutive pieces of about SPLIT_BYTES and at most IOV_MAX views: (views, file
+def split_read(
+    views: list[memoryview], offset: int, piece: int = SPLIT_BYTES
+) -> list[tuple[list[memoryview], int, int]]:
+    """Cut a scattered read into consecutive pieces of about `piece` bytes and at most IOV_MAX views: (views, file
     offset, bytes) each; one piece (the views as given) when it is not more than twice that size and count. A view
-    is cut only at a multiple of SPLIT_BYTES from its start, so an O_DIRECT piece keeps the address and offset
+    is cut only at a multiple of `piece` from its start, so an O_DIRECT piece keeps the address and offset
     alignment its view had. (A native AIO read is one scattered read: the kernel refuses more than IOV_MAX views.)"""
     total = sum(len(v) for v in views)
-    if total <= 2 * SPLIT_BYTES and len(views) <= _IOV_MAX:
+    if total <= 2 * piece and len(views) <= _IOV_MAX:
         return [(views, offset, total)]
     pieces: list[tuple[list[memoryview], int, int]] = []
     cur: list[memoryview] = []
     start = at = offset
     for v in views:
-        for cut in range(0, len(v), SPLIT_BYTES):
-            chunk = v[cut : cut + SPLIT_BYTES]
+        for cut in range(0, len(v), piece):
+            chunk = v[cut : cut + piece]
             cur.append(chunk)
             at += len(chunk)
-            if at - start >= SPLIT_BYTES or len(cur) == _IOV_MAX:
+            if at - start >= piece or len(cur) == _IOV_MAX:
                 pieces.append((cur, start, at - start))
                 cur, start = [], at
     if cur:

@@ -190,6 +190,7 @@ def guarded(tmp_path: Path) -> DaemonProc:
     d.close()
 
 
+@pytest.mark.alone  # its probe bound is a latency another worker's test would move
 def test_hostile_load(guarded: DaemonProc) -> None:
     d = guarded
     with Client(d.socket, timeout_s=10) as warm:  # the first stats pays the lazy imports

@@ -7,6 +7,7 @@ import pytest
 
 from kvtier.core import CacheForm, GroupKind, Reason, Route, VersionError, block_hashes, load_profile
 from kvtier.core.errors import LayoutError
+from kvtier.core.layout import slot_stride
 from kvtier.core.tier import ObjectKey
 from kvtier.gpu import AdmissionConfig, BadKey, BlockState, CacheManager, IllegalTransition, PartialBlock
 from kvtier.gpu.table import BlockTable
@@ -100,7 +101,7 @@ def test_design_example_on_the_dsv4_profile() -> None:
     h = p.hash_block_tokens
     budget = {}
     for g in p.groups:
-        budget[g.form] = budget.get(g.form, 0) + -(-g.object_bytes(h) // 128) * 128 * (
+        budget[g.form] = budget.get(g.form, 0) + slot_stride(g.object_bytes(h)) * (
             6 if g.kind is GroupKind.HISTORY else 2
         )
     m = CacheManager(p, budgets_bytes=budget, admission=AdmissionConfig())
