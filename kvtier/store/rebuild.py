@@ -18,7 +18,7 @@ import torch
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.devsum import device_checksum
-from kvtier.store.errors import CorruptRecord, StoreError
+from kvtier.store.errors import CorruptRecord, FormatVersionError, StoreError
 from kvtier.store.index import (
     INDEX_DIR,
     TIME,
@@ -172,6 +172,8 @@ def _read_old_index(
         return None
     try:
         old = Index(root, readonly=True)
+    except FormatVersionError:
+        raise  # a newer kvtier's index: refused, not rebuilt over (its segments may hold records we cannot read)
     except (StoreError, lmdb.Error) as exc:
         log.warning("existing index is unreadable (%s): rebuilding from segments alone", exc)
         return None

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import lmdb
 import pytest
 import torch
 import xxhash
@@ -16,6 +17,7 @@ import xxhash
 from kvtier.core import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, FormatVersionError, StoreConfig, StoreLocked, rebuild_index
+from kvtier.store.index import seal
 from kvtier.store.record import HEADER_BYTES, record_length
 from support.corrupt import flip_payload_bit
 from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
@@ -112,6 +114,22 @@ def test_dry_run_reports_orphans_and_corruption_without_changing_anything(tmp_pa
     assert report["orphan_bytes"] == record_length(rows[6][2]) and report["records_after"] == 23
     assert os.path.getmtime(os.path.join(root, "index.lmdb", "data.mdb")) == index_mtime
     assert report["namespaces_after"] == rebuild_index(root).namespaces_after  # the dry run's figure is the real one
+
+
+def test_newer_index_format_is_refused_not_rebuilt_over(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    _populate(root)
+    env = lmdb.open(os.path.join(root, "index.lmdb"), max_dbs=8)
+    meta = env.open_db(b"meta")  # before the write txn: open_db begins one of its own
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", seal((99).to_bytes(8, "big")), db=meta)
+    env.close()
+    for dry_run in (True, False):
+        with pytest.raises(FormatVersionError, match=r"v99.*upgrade kvtier"):
+            rebuild_index(root, dry_run=dry_run)
+    res = _cli("rebuild-index", "--store", root)
+    assert res.returncode == 2 and "upgrade kvtier" in res.stderr and "Traceback" not in res.stderr
+    assert not os.path.exists(os.path.join(root, "index.lmdb.rebuild"))
 
 
 def test_newer_record_format_is_refused_not_guessed(tmp_path) -> None:
