@@ -7,7 +7,7 @@ after another, and collects them:
   store     bench/store.py     disk store write / cold read vs raw dd O_DIRECT
   lookup    bench/lookup.py    lookup + validation vs a bare dict, 4K-1M tokens
   daemon    bench/daemon.py    socket lookup vs in-process, load via the daemon vs the store directly
-  verifier  bench/verifier.py  reads with the verifier running vs not (pending until it exists)
+  verifier  bench/verifier.py  reads with the verifier running vs not
   peers     bench/peers.py     kvtier vs python-diskcache and LMCache's LocalDiskBackend on the same objects
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
@@ -160,7 +160,18 @@ def machine(dir_: str) -> dict:
         "python": platform.python_version(),
         "bench_dir": dir_,
         "filesystem": " ".join(fs[2:4]) if len(fs) >= 4 else "unknown",
+        # whether the daemon's cpu pools (shared memory) and the store's buffers can be on huge pages: it sets how
+        # large the disk's read requests are (docs/systemd.md)
+        "thp_shmem": _thp_setting("shmem_enabled"),
+        "thp_anon": _thp_setting("enabled"),
     }
+
+
+def _thp_setting(name: str) -> str:
+    """The bracketed choice in /sys/kernel/mm/transparent_hugepage/<name>, or 'absent'."""
+    path = Path("/sys/kernel/mm/transparent_hugepage") / name
+    text = path.read_text() if path.exists() else ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "absent"
 
 
 def git_commit() -> str:
@@ -325,7 +336,8 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     head = (
         f"kvtier benchmarks, {report['date']}, commit {report['commit']}: {m['cpus']}-core {m['arch']} VM, "
-        f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}"
+        f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}, "
+        f"transparent huge pages: shmem_enabled={m.get('thp_shmem', '?')}, enabled={m.get('thp_anon', '?')}"
         f"{' (--quick)' if report['quick'] else ''}\n\n"
     )
     workload = report["sections"].get("peers", {}).get("workload")
