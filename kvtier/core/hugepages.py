@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 HUGE_PAGE = 2 << 20  # x86_64 and aarch64 (4 KiB base pages): a PMD maps 2 MiB
@@ -58,14 +59,17 @@ def populate(addr: int, length: int) -> bool:
     raise OSError(err, f"cannot take {length:,} bytes of memory: {os.strerror(err)}")
 
 
-def huge_bytes(addr: int, length: int) -> int:
-    """Bytes mapped by huge pages in the mappings of this process that overlap [addr, addr + length)."""
-    total, inside, end = 0, False, addr + length
+def huge_bytes(spans: Iterable[tuple[int, int]]) -> int:
+    """Bytes mapped by huge pages in the mappings of this process that overlap any (address, length) of `spans`,
+    in one pass over /proc/self/smaps (about 17 ms in a daemon's process, so not once per pool)."""
+    ranges = [(addr, addr + length) for addr, length in spans]
+    total, inside = 0, False
     for line in Path("/proc/self/smaps").read_bytes().splitlines():
         head = line.split(b" ", 1)[0]
         if b"-" in head and not head.endswith(b":"):
             lo, _, hi = head.partition(b"-")
-            inside = int(lo, 16) < end and int(hi, 16) > addr
+            start, end = int(lo, 16), int(hi, 16)
+            inside = any(a < end and b > start for a, b in ranges)
         elif inside and line.startswith(_HUGE_FIELDS):
             total += int(line.split()[1]) * 1024
     return total

@@ -53,7 +53,11 @@ def _log_huge_pages(profile: str, pools: tuple[Pool, ...]) -> None:
     """Say how much of the cpu pools the kernel put on huge pages: it decides how large the disk's read requests
     into them can be (kvtier.core.hugepages), and only its settings can change it."""
     total = sum(p.tensor.numel() for p in pools)
-    huge = sum(hugepages.huge_bytes(p.address, p.tensor.numel()) for p in pools)
+    try:
+        huge = hugepages.huge_bytes((p.address, p.tensor.numel()) for p in pools)
+    except OSError as exc:  # no /proc (an unusual container): the pools work the same, only this line is lost
+        log.info("%s pools: %d MiB (huge pages unknown: %s)", profile, total >> 20, exc)
+        return
     hint = "" if huge else " (shmem_enabled = advise gives them huge pages: docs/systemd.md)"
     log.info("%s pools: %d MiB, %d MiB of it on huge pages%s", profile, total >> 20, huge >> 20, hint)
 

@@ -34,7 +34,7 @@ def test_a_mapping_without_huge_pages_counts_none() -> None:
     m.madvise(mmap.MADV_NOHUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.uint8)
     t.fill_(1)
-    assert hugepages.huge_bytes(t.data_ptr(), t.numel()) == 0
+    assert hugepages.huge_bytes([(t.data_ptr(), t.numel())]) == 0
     del t
     m.close()
 
@@ -43,13 +43,13 @@ def test_a_mapping_without_huge_pages_counts_none() -> None:
 def test_a_large_bounce_buffer_is_on_huge_pages() -> None:
     buf = AlignedBuffer(8 << 20)
     buf.tensor.fill_(1)  # pages are chosen when faulted in
-    assert hugepages.huge_bytes(buf.addr, buf.capacity) >= hugepages.HUGE_PAGE
+    assert hugepages.huge_bytes([(buf.addr, buf.capacity)]) >= hugepages.HUGE_PAGE
 
 
 def test_a_cpu_pool_is_on_huge_pages_exactly_where_shared_memory_may_be() -> None:
     pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 16 << 20, torch.device("cpu"))
     try:
-        huge = hugepages.huge_bytes(pool.address, pool.tensor.numel())
+        huge = hugepages.huge_bytes([(pool.address, pool.tensor.numel())])
         if _setting("shmem_enabled") in ("advise", "always", "within_size", "force"):
             assert huge >= hugepages.HUGE_PAGE
         else:  # `never` or `deny`, as most distributions ship: small pages, and the pool works the same
