@@ -5,6 +5,7 @@ restore reads large objects straight into them."""
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,16 @@ def test_every_large_slot_of_a_dsv4_pool_starts_where_a_direct_read_can_fill_it(
                 assert address % (DISK_ALIGNMENT if n >= DISK_ALIGNMENT else POOL_ALIGNMENT) == 0, (g.name, slot)
         finally:
             pool.close()
+
+
+def test_a_kernel_without_populate_still_gets_a_whole_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14 madvise refuses MADV_POPULATE_WRITE (EINVAL): the pool takes its pages with fallocate."""
+    monkeypatch.setattr(hugepages, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
+    assert hugepages.populate(AlignedBuffer(1 << 16).addr, 1 << 16) is False
+    pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 4 << 20, torch.device("cpu"))
+    try:
+        fd_blocks = os.fstat(pool.fd).st_blocks * 512
+        assert fd_blocks >= pool.tensor.numel()  # every page taken now, not at first touch
+        assert int(pool.tensor.sum()) == 0
+    finally:
+        pool.close()
