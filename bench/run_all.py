@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.core import hugepages
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -162,16 +164,9 @@ def machine(dir_: str) -> dict:
         "filesystem": " ".join(fs[2:4]) if len(fs) >= 4 else "unknown",
         # whether the daemon's cpu pools (shared memory) and the store's buffers can be on huge pages: it sets how
         # large the disk's read requests are (docs/systemd.md)
-        "thp_shmem": _thp_setting("shmem_enabled"),
-        "thp_anon": _thp_setting("enabled"),
+        "thp_shmem": hugepages.setting("shmem_enabled"),
+        "thp_anon": hugepages.setting("enabled"),
     }
-
-
-def _thp_setting(name: str) -> str:
-    """The bracketed choice in /sys/kernel/mm/transparent_hugepage/<name>, or 'absent'."""
-    path = Path("/sys/kernel/mm/transparent_hugepage") / name
-    text = path.read_text() if path.exists() else ""
-    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "absent"
 
 
 def git_commit() -> str:

@@ -29,6 +29,15 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 # smaps fields that count a mapping's bytes mapped by huge pages (anonymous, shared memory, file)
 _HUGE_FIELDS = (b"AnonHugePages:", b"ShmemPmdMapped:", b"FilePmdMapped:")
+_SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
+
+
+def setting(name: str) -> str:
+    """The kernel's choice for one transparent huge page setting (`enabled`, `shmem_enabled`, ...): the bracketed
+    word of /sys/kernel/mm/transparent_hugepage/<name>, or 'absent' where the kernel has no such setting."""
+    path = _SETTINGS / name
+    text = path.read_text() if path.exists() else ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "absent"
 
 
 def _madvise(addr: int, length: int, advice: int) -> int:

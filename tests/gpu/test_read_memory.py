@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +16,6 @@ from kvtier.core.layout import DISK_ALIGNMENT, POOL_ALIGNMENT, slot_stride
 from kvtier.core.profile import load_profile
 from kvtier.gpu.pools import allocate_pool
 from kvtier.store.io import AlignedBuffer
-
-THP = Path("/sys/kernel/mm/transparent_hugepage")
-
-
-def _setting(name: str) -> str:
-    """The bracketed choice of a THP setting ('' where the kernel has no THP)."""
-    path = THP / name
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    return text[text.index("[") + 1 : text.index("]")]
 
 
 def test_a_mapping_without_huge_pages_counts_none() -> None:
@@ -40,7 +28,9 @@ def test_a_mapping_without_huge_pages_counts_none() -> None:
     m.close()
 
 
-@pytest.mark.skipif(_setting("enabled") not in ("madvise", "always"), reason="this kernel gives no anonymous THP")
+@pytest.mark.skipif(
+    hugepages.setting("enabled") not in ("madvise", "always"), reason="this kernel gives no anonymous THP"
+)
 def test_a_large_bounce_buffer_is_on_huge_pages() -> None:
     buf = AlignedBuffer(8 << 20)
     buf.tensor.fill_(1)  # pages are chosen when faulted in
@@ -51,7 +41,7 @@ def test_a_cpu_pool_is_on_huge_pages_exactly_where_shared_memory_may_be() -> Non
     pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 16 << 20, torch.device("cpu"))
     try:
         huge = hugepages.huge_bytes([(pool.address, pool.tensor.numel())])
-        if _setting("shmem_enabled") in ("advise", "always", "within_size", "force"):
+        if hugepages.setting("shmem_enabled") in ("advise", "always", "within_size", "force"):
             assert huge >= hugepages.HUGE_PAGE
         else:  # `never` or `deny`, as most distributions ship: small pages, and the pool works the same
             assert huge == 0
