@@ -80,7 +80,7 @@ class ReadOp:
     views: list[memoryview]
     offset: int
     tag: Any = None
-    nbytes: int = 0  # filled in by submit
+    nbytes: int = 0  # the bytes the views hold (submit sets it)
     # What the kernel reads through: kept alive while the read is in flight.
     _iocb: _Iocb | None = None
     _iov: ctypes.Array[_Iovec] | None = None

@@ -200,6 +200,19 @@ def contiguous(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) 
     return done
 
 
+def readable(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) -> tuple[int, bool]:
+    """Bytes read from the start of a split read so far (`got`: per piece the bytes read, -1 while in flight), up
+    to the first piece in flight or cut short by end of file; and whether every piece is in."""
+    done = 0
+    for k, ((_, _, size), n) in enumerate(zip(pieces, got)):
+        if n < 0:
+            return done, False
+        done += n
+        if n < size:
+            return done, min(got[k + 1 :], default=0) >= 0
+    return done, True
+
+
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

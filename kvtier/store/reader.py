@@ -22,7 +22,7 @@ from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
 from kvtier.store.index import IndexEntry, RecordState, encode_key
-from kvtier.store.io import AlignedBuffer, SegmentFile, contiguous, split_read
+from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORM_CODES,
     FORMAT_VERSION,
@@ -37,6 +37,7 @@ from kvtier.store.record import (
 )
 from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 from kvtier.store.segments import segment_name
+from kvtier.store.waves import BounceShare, RunRead, WaveRead
 
 log = logging.getLogger(__name__)
 
@@ -200,66 +201,15 @@ class Reader:
     def _read_runs_aio(
         self, runs: list[Run[ReadJob]], visit: Visit, headers: bool, ctx: aio.AioContext
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """Every run's read in flight at once from this thread, each run checked as soon as its pieces are in (in
-        the order the disk finishes them). Runs go in groups of AIO_GROUP, one system call and one bounce buffer a
-        group, while fewer than aio.DEPTH pieces, AIO_INFLIGHT_BYTES of reads and AIO_BOUNCE_BYTES of buffers are
-        out."""
-        results: list[tuple[ReadJob, CorruptRecord | None]] = []
-        lent: list[BounceShare] = []  # given back in the end, whatever happens
-        pending = iter(runs)
-        run: Run[ReadJob] | None = next(pending, None)
-        try:
-            while run is not None or ctx.pending:
-                # Room: a group always goes when nothing is pending (a window smaller than one group still moves).
-                while run is not None and (
-                    not ctx.pending
-                    or (
-                        sum(share.buf.capacity for share in lent) < AIO_BOUNCE_BYTES
-                        and ctx.pending + AIO_GROUP <= aio.DEPTH
-                        and ctx.pending_bytes < AIO_INFLIGHT_BYTES
-                    )
-                ):
-                    group: list[tuple[Run[ReadJob], SegmentFile, Scatter]] = []
-                    size = reads = 0
-                    while run is not None and len(group) < AIO_GROUP and reads < AIO_INFLIGHT_BYTES:
-                        reads += run.end - run.start
-                        planned = self._plan_run(run)
-                        run = next(pending, None)
-                        if isinstance(planned, list):
-                            results += planned
-                        else:
-                            group.append(planned)
-                            size += align_up(planned[2].bounce_bytes, DISK_ALIGNMENT)
-                    if not group:
-                        continue
-                    share = BounceShare(self._ctx.buffers.acquire(size), len(group))
-                    lent.append(share)
-                    ops: list[aio.ReadOp] = []
-                    base = 0
-                    for r, seg, plan in group:
-                        rr = _place(r, seg, plan, share, base)
-                        base += align_up(plan.bounce_bytes, DISK_ALIGNMENT)
-                        rr.pieces = split_read(rr.views, r.start, AIO_PIECE_BYTES)
-                        rr.got = [-1] * len(rr.pieces)
-                        ops += [aio.ReadOp(seg, views, at, (rr, k)) for k, (views, at, _) in enumerate(rr.pieces)]
-                    ctx.submit(ops)
-                if not ctx.pending:
-                    continue
-                for op, n in ctx.complete():
-                    rr, k = op.tag
-                    rr.got[k] = n
-                    if min(rr.got) < 0:
-                        continue
-                    results += self._check_run(rr, rr.run.start + contiguous(rr.pieces, rr.got), visit, headers)
-                    rr.share.runs -= 1
-                    if not rr.share.runs:
-                        lent.remove(rr.share)
-                        self._ctx.buffers.release(rr.share.buf)
-            return results
-        finally:
-            ctx.drain()  # after an exception: no read may still be filling a buffer given back below
-            for share in lent:
-                self._ctx.buffers.release(share.buf)
+        """Every run's read through native AIO from this thread, in waves (kvtier.store.waves)."""
+        return WaveRead(
+            ctx,
+            runs,
+            self._ctx.buffers,
+            self._plan_run,
+            _place,
+            lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, first, stop),
+        ).run()
 
     def _read_unit(
         self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
@@ -298,13 +248,16 @@ class Reader:
         )
 
     def _check_run(
-        self, rr: RunRead, got: int, visit: Visit, headers: bool
+        self, rr: RunRead[ReadJob], got: int, visit: Visit, headers: bool, first: int = 0, stop: int | None = None
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """Each record of a run read up to file offset `got` checked on its own (one bad record fails alone)."""
-        run, buf, base = rr.run, rr.share.buf, rr.base
+        """Each record of a run read up to file offset `got` (of its jobs[first:stop]) checked on its own: one bad
+        record fails alone."""
+        run, buf, base, plan = rr.run, rr.share.buf, rr.base, rr.plan
         mv = buf.mv
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
-        for (offset, length, job), where, took in zip(run.jobs, rr.plan.where, rr.plan.direct):
+        for (offset, length, job), where, took in zip(
+            run.jobs[first:stop], plan.where[first:stop], plan.direct[first:stop]
+        ):
             e, at = job.entry, base + where
             try:
                 if got < offset + length:
@@ -417,31 +370,7 @@ AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
 
 
-@dataclasses.dataclass(slots=True)
-class BounceShare:
-    """A bounce buffer lent to `runs` runs (one read's, or a group's read through AIO), given back after the last."""
-
-    buf: AlignedBuffer
-    runs: int
-
-
-@dataclasses.dataclass(slots=True)
-class RunRead:
-    """One run's read as placed (`_place`): its segment, where its bytes go (the share's buffer from `base`, and
-    direct targets: `views`, in file order). Read through AIO, its views are cut into `pieces` (`split_read`), and
-    `got` holds per piece the bytes read (-1 while it is in flight); the thread path reads `views` whole."""
-
-    run: Run[ReadJob]
-    seg: SegmentFile
-    plan: Scatter
-    share: BounceShare
-    base: int
-    views: list[memoryview]
-    pieces: list[tuple[list[memoryview], int, int]] = dataclasses.field(default_factory=list)
-    got: list[int] = dataclasses.field(default_factory=list)
-
-
-def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead:
+def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead[ReadJob]:
     """The run's views: its bounce bytes from `base` of the share's buffer, its direct payloads in their targets."""
     mv = share.buf.mv
     views: list[memoryview] = []
@@ -455,19 +384,6 @@ def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShar
     return RunRead(run, seg, plan, share, base, views)
 
 
-# Bounce buffers one load keeps in flight through native AIO: the small records of a million-token restore would
-# otherwise all be read into memory at once before the first is checked.
-AIO_BOUNCE_BYTES = 64 << 20
-# Runs a group sends in one io_submit: the first reads reach the disk while the rest are planned, and a
-# small group's bounce bytes share one buffer.
-AIO_GROUP = 16
-# Bytes in flight at once, and the piece a run's read is cut into: into huge-page pool memory a piece goes to the
-# disk in requests of up to max_sectors_kb (kvtier.core.hugepages), and 64 MiB in 8 MiB pieces kept the 2-core
-# VM's virtual disk busier than 16 MiB in 2 MiB pieces: 2.9-3.4 against 2.5-3.0 GB/s over three 266 MB DSV4
-# prefixes, two runs of six rounds side by side. (Into small pages, where requests stay near 1 MiB, the shape
-# made no difference.)
-AIO_INFLIGHT_BYTES = 64 << 20
-AIO_PIECE_BYTES = 8 << 20
 _NO_DIRECT = (0, 0)
 _LARGE_RECORD = LARGE_PAYLOAD + HEADER_BYTES  # no shorter record has a payload `_direct_want` takes
 _OK = Reason.OK
