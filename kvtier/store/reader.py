@@ -255,9 +255,10 @@ class Reader:
         run, buf, base, plan = rr.run, rr.share.buf, rr.base, rr.plan
         mv = buf.mv
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
-        for (offset, length, job), where, took in zip(
-            run.jobs[first:stop], plan.where[first:stop], plan.direct[first:stop]
-        ):
+        jobs, where_at, direct = run.jobs, plan.where, plan.direct
+        if first or (stop is not None and stop < len(jobs)):  # part of the run (no copies for a whole one)
+            jobs, where_at, direct = jobs[first:stop], where_at[first:stop], direct[first:stop]
+        for (offset, length, job), where, took in zip(jobs, where_at, direct):
             e, at = job.entry, base + where
             try:
                 if got < offset + length:

@@ -101,8 +101,12 @@ class WaveRead(Generic[J, R]):
         self.pending: Iterator[Run[J]] = iter(runs)
         self.next_run: Run[J] | None = next(self.pending, None)
         total = sum(r.end - r.start for r in runs)
-        # (A load of less than two pieces is checked sooner than a second wave would come back.)
-        self.last_wave_from = total - min(total, AIO_WINDOW_BYTES) // 8 if total >= 2 * AIO_PIECE_BYTES else total
+        # Only loads of large runs hold back: where runs are small, the window is refilled run by run as reads come
+        # back, which already overlaps checking and reading, and a held-back wave would drain the queue first
+        # (about 5% fewer objects/s on 1,024 random 1 KB records, in one A/B). A load of less than two pieces is
+        # checked sooner than a second wave would come back.
+        large = total >= 2 * AIO_PIECE_BYTES and total >= len(runs) * AIO_PIECE_BYTES // 2
+        self.last_wave_from = total - min(total, AIO_WINDOW_BYTES) // 8 if large else total
         self.queued = self.submitted = 0
 
     def run(self) -> list[R]:
@@ -112,17 +116,25 @@ class WaveRead(Generic[J, R]):
             self._refill()
             while ctx.pending:
                 finished: dict[int, RunRead[J]] = {}
+                done = 0
                 for op, n in ctx.complete():
                     rr, k = op.tag
                     rr.got[k] = n
                     finished[id(rr)] = rr
-                self._refill()
+                    done += n
+                # Refill first where the checks are worth overlapping (hashing a piece or more). Small reads are
+                # checked first: their bounce buffers go back before the next reads take theirs (refilled first, a
+                # load of small runs held twice the buffers: a cold load of 1,024 random 1 KB records took about
+                # 950 minor page faults against 650).
+                large = done >= AIO_PIECE_BYTES
+                if large:
+                    self._refill()
                 for rr in finished.values():
                     self._check_ready(rr)
+                if not large or not ctx.pending:
+                    self._refill()  # (also what the bounce buffers or the last wave held back)
                 if ctx.pending:
                     self._restock(AIO_WINDOW_BYTES)  # the next window planned while this one reads
-                else:
-                    self._refill()  # what the bounce buffers or the last wave held back
             return self.results
         finally:
             ctx.drain()  # after an exception: no read may still be filling a buffer given back below
@@ -132,29 +144,36 @@ class WaveRead(Generic[J, R]):
     def _refill(self) -> None:
         """Submit queued pieces while the window has room; the first always goes when nothing is in flight (a
         window smaller than a piece still moves)."""
-        ctx, queue = self.ctx, self.queue
+        ctx, queue, last_wave_from = self.ctx, self.queue, self.last_wave_from
         self._restock(1)
         ops: list[aio.ReadOp] = []
-        nbytes = ctx.pending_bytes
-        while queue and ctx.pending + len(ops) < aio.DEPTH:
+        # Locals, not properties and fields: this loop runs per piece of every load.
+        room, nbytes, submitted = aio.DEPTH - ctx.pending, ctx.pending_bytes, self.submitted
+        busy = room < aio.DEPTH
+        while queue and room > 0:
             n = queue[0].nbytes
-            if (ctx.pending or ops) and (
-                nbytes + n > AIO_WINDOW_BYTES or self.submitted <= self.last_wave_from < self.submitted + n
-            ):
+            if busy and (nbytes + n > AIO_WINDOW_BYTES or submitted <= last_wave_from < submitted + n):
                 break
             ops.append(queue.popleft())
             nbytes += n
-            self.queued -= n
-            self.submitted += n
-            if not queue:
+            submitted += n
+            room -= 1
+            busy = True
+            if not queue:  # submit what is placed: the first reads reach the disk while the next runs are planned
+                ctx.submit(ops)
+                ops = []
+                self.queued, self.submitted = 0, submitted
                 self._restock(1)
         if ops:
             ctx.submit(ops)
+        self.queued -= submitted - self.submitted
+        self.submitted = submitted
 
     def _restock(self, need: int) -> None:
-        """Plan runs until `need` bytes of pieces wait in the queue, no run is left, or the bounce buffers are spent
-        while reads are out (checks give them back)."""
-        while self.next_run is not None and self.queued < need:
+        """Plan runs until `need` bytes (or AIO_GROUP pieces) wait in the queue, no run is left, or the bounce
+        buffers are spent while reads are out (checks give them back). (Planned further ahead, a load of small
+        runs would hold more bounce buffers at once: more fresh pages to fault in.)"""
+        while self.next_run is not None and self.queued < need and len(self.queue) < AIO_GROUP:
             if self.ctx.pending and sum(share.buf.capacity for share in self.lent) >= AIO_BOUNCE_BYTES:
                 return
             self._place_group()
@@ -189,9 +208,12 @@ class WaveRead(Generic[J, R]):
 
     def _check_ready(self, rr: RunRead[J]) -> None:
         """Check the run's jobs whose records are all in; give the share back after its last run's last job."""
-        upto, final = readable(rr.pieces, rr.got)
-        got = rr.run.start + upto
         jobs: list[tuple[int, int, Any]] = rr.run.jobs
+        if len(rr.got) == 1:  # one piece: in, all of it (the common case of small runs, per run of every load)
+            final, got = True, rr.run.start + rr.got[0]
+        else:
+            upto, final = readable(rr.pieces, rr.got)
+            got = rr.run.start + upto
         stop = rr.checked
         if final:
             stop = len(jobs)
