@@ -9,9 +9,11 @@ Contract (`WaveRead(ctx, runs, buffers, plan, place, check).run()`):
   offset `got` past their records; once no piece of the run is in flight, every job not yet checked (a record a
   short read left incomplete is the caller's to fail). Each job is checked exactly once, in file order; the
   results of `plan` and `check` are returned together.
-- Whenever reads finish, the window is refilled before they are checked, and the next runs are planned while the
-  refill reads. In a load of two pieces or more, the pieces that reach into its last eighth (at most the last
-  eighth of a window) go only once everything before them is in.
+- Whenever reads of a piece's worth or more finish, the window is refilled before they are checked (smaller
+  ones are checked first, so their bounce buffers go back before the next reads take theirs), and the next runs
+  are planned while the refill reads. In a load of two pieces or more whose runs average half a piece or more,
+  the pieces that reach into its last eighth (at most the last eighth of a window) go only once everything
+  before them is in.
 - On return or exception nothing is in flight and every bounce buffer is given back.
 
 Why waves: the 2-core VM's virtual disk completes everything it holds at once (64 MiB read as 32 pieces: all 32
