@@ -110,7 +110,7 @@ class SegmentFile:
         finally:  # every piece finished before the caller may reuse (or free) the buffers they fill
             for f in futures:
                 f.exception()
-        return contiguous(pieces, got + [f.result() for f in futures])
+        return readable(pieces, got + [f.result() for f in futures])[0]
 
     def _preadv(self, views: list[memoryview], offset: int) -> int:
         """One scattered read per IOV_MAX views, in order, resuming after a short read until end of file."""
@@ -189,20 +189,10 @@ def skip_bytes(views: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def contiguous(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) -> int:
-    """Bytes read from the start of a split read, given each piece's count: up to the first piece cut short by end
-    of file (what follows it is not contiguous with what was read)."""
-    done = 0
-    for (_, _, size), n in zip(pieces, got):
-        done += n
-        if n < size:
-            break
-    return done
-
-
 def readable(pieces: list[tuple[list[memoryview], int, int]], got: list[int]) -> tuple[int, bool]:
     """Bytes read from the start of a split read so far (`got`: per piece the bytes read, -1 while in flight), up
-    to the first piece in flight or cut short by end of file; and whether every piece is in."""
+    to the first piece in flight or cut short by end of file (what follows it is not contiguous with what was
+    read); and whether every piece is in."""
     done = 0
     for k, ((_, _, size), n) in enumerate(zip(pieces, got)):
         if n < 0:

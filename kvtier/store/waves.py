@@ -110,7 +110,7 @@ class WaveRead(Generic[J, R]):
         # checked sooner than a second wave would come back.
         large = total >= 2 * AIO_PIECE_BYTES and total >= len(runs) * AIO_PIECE_BYTES // 2
         self.last_wave_from = total - min(total, AIO_WINDOW_BYTES) // 8 if large else total
-        self.queued = self.submitted = 0
+        self.submitted = 0
 
     def run(self) -> list[R]:
         """Read and check every run; the results of `plan` and `check`."""
@@ -165,18 +165,18 @@ class WaveRead(Generic[J, R]):
             if not queue:  # submit what is placed: the first reads reach the disk while the next runs are planned
                 ctx.submit(ops)
                 ops = []
-                self.queued, self.submitted = 0, submitted
                 self._restock(1)
         if ops:
             ctx.submit(ops)
-        self.queued -= submitted - self.submitted
         self.submitted = submitted
 
     def _restock(self, need: int) -> None:
         """Plan runs until `need` bytes (or AIO_GROUP pieces) wait in the queue, no run is left, or the bounce
         buffers are spent while reads are out (checks give them back). (Planned further ahead, a load of small
         runs would hold more bounce buffers at once: more fresh pages to fault in.)"""
-        while self.next_run is not None and self.queued < need and len(self.queue) < AIO_GROUP:
+        queue = self.queue
+        # (the queue's bytes summed only while it holds fewer than AIO_GROUP pieces)
+        while self.next_run is not None and len(queue) < AIO_GROUP and sum(op.nbytes for op in queue) < need:
             if self.ctx.pending and sum(share.buf.capacity for share in self.lent) >= AIO_BOUNCE_BYTES:
                 return
             self._place_group()
@@ -207,7 +207,6 @@ class WaveRead(Generic[J, R]):
             rr.pieces = split_read(rr.views, r.start, AIO_PIECE_BYTES)
             rr.got = [-1] * len(rr.pieces)
             self.queue.extend(aio.ReadOp(seg, views, at, (rr, k), n) for k, (views, at, n) in enumerate(rr.pieces))
-            self.queued += r.end - r.start
 
     def _check_ready(self, rr: RunRead[J]) -> None:
         """Check the run's jobs whose records are all in; give the share back after its last run's last job."""
