@@ -235,8 +235,9 @@ def test_the_last_pieces_of_a_load_wait_so_the_rest_is_checked_while_they_read(
     assert len(submits) == 2 and 1 <= submits[1] <= submits[0] // 4
     last = waves.index(("submit", submits[1]), 1)
     assert sum(e[1] for e in waves[:last] if e[0] == "complete") == submits[0]  # it went once the first was in
-    checks = [e for e in waves if e[0] == "check"]
-    assert checks[0][2] == submits[1] and sum(e[1] for e in checks) == 48
+    # the first wave's last records were checked while the last wave read (however the disk split its completions)
+    assert any(e[0] == "check" and e[2] > 0 for e in waves[last:])
+    assert sum(e[1] for e in waves if e[0] == "check") == 48
 
 
 def test_faults_in_an_early_wave_and_in_the_last_fail_only_their_records(tmp_path, ctx, waves) -> None:
