@@ -140,17 +140,30 @@ class Reader:
         raw_keys = [encode_key(key) for key in keys]
         outs = [flat_uint8(req.out) for req in requests]
         with self._ctx.index.read() as txn:
-            jobs: list[ReadJob] = []
-            found = self.lookups(txn, keys, raw_keys, [req.layout_digest for req in requests], corrupt_values)
-            for i, ((reason, entry), out) in enumerate(zip(found, outs)):
-                if entry is not None:
-                    if entry.payload_len != out.numel():
-                        reason = Reason.ABI_MISMATCH
-                    else:
-                        jobs.append(ReadJob(i, keys[i], entry, out))
-                reasons[i] = reason
+            found = enumerate(
+                zip(self.lookups(txn, keys, raw_keys, [req.layout_digest for req in requests], corrupt_values), outs)
+            )
+
+            def take(upto: int) -> tuple[list[ReadJob], bool]:
+                """The next keys' jobs, looked up until their records hold `upto` bytes; and whether keys are left."""
+                jobs: list[ReadJob] = []
+                nbytes = 0
+                for i, ((reason, entry), out) in found:
+                    if entry is not None:
+                        if entry.payload_len != out.numel():
+                            reason = Reason.ABI_MISMATCH
+                        else:
+                            jobs.append(ReadJob(i, keys[i], entry, out))
+                            nbytes += entry.record_len
+                    reasons[i] = reason
+                    if nbytes >= upto and i + 1 < len(requests):
+                        return jobs, True
+                return jobs, False
+
+            # The first keys' reads go out before the rest are looked up: the disk reads while this thread looks up.
+            first, left = take(EARLY_READ_BYTES)
             hits = outcome.hits
-            for job, exc in self.read(jobs, _fill_out):
+            for job, exc in self.read(first, _fill_out, more=(lambda: take(_ALL)[0]) if left else None):
                 if exc is None:
                     hits.append(raw_keys[job.index])
                 else:
@@ -160,14 +173,22 @@ class Reader:
         return outcome
 
     def read(
-        self, jobs: Sequence[ReadJob], visit: Visit, *, headers: bool = False
+        self,
+        jobs: Sequence[ReadJob],
+        visit: Visit,
+        *,
+        headers: bool = False,
+        more: Callable[[], Sequence[ReadJob]] | None = None,
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         """Read and check every job's record; `visit(job, header, buf, payload_at)` gets each good one while its
         bytes are in `buf`; buf is None where the payload went straight into `job.out` (a large record read
         into its target, or a GDS read). `header` is the parsed header with `headers=True`, else None where the
         record's header bytes matched its index entry exactly (the fast check). Runs of nearby records are one
-        scattered read each; runs and GDS reads are spread over the read pool."""
+        scattered read each; runs and GDS reads are spread over the read pool. `more`, if given, is called once
+        for the rest of the jobs: through native AIO once the first jobs' reads are on their way, else first."""
         backend = self._ctx.backend
+        if more is not None and (backend.gpu_direct or not backend.direct):
+            jobs, more = [*jobs, *more()], None
         device: list[ReadJob] = []
         if backend.gpu_direct:
             device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
@@ -175,18 +196,24 @@ class Reader:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
         aio_ctx = aio.acquire() if backend.direct and not device else None
-        # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
-        # few threads, reading across gaps is what keeps the disk busy.
-        runs = plan_runs(
-            [(e.segment, e.offset, e.record_len, j) for j in jobs for e in (j.entry,)],
-            AIO_RUN_GAP if aio_ctx is not None else MAX_RUN_GAP,
-        )
         if aio_ctx is not None:
             try:
-                return self._read_runs_aio(runs, visit, headers, aio_ctx)
+                return WaveRead(
+                    aio_ctx,
+                    _runs(jobs, AIO_RUN_GAP),
+                    self._ctx.buffers,
+                    self._plan_run,
+                    _place,
+                    lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, first, stop),
+                    more=None if more is None else lambda: _runs(more(), AIO_RUN_GAP),
+                ).run()
             finally:
                 aio.release(aio_ctx)
-        units: list[Run[ReadJob] | ReadJob] = [*runs, *device]
+        if more is not None:  # native AIO refused in this process
+            jobs = [*jobs, *more()]
+        # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
+        # few threads, reading across gaps is what keeps the disk busy.
+        units: list[Run[ReadJob] | ReadJob] = [*_runs(jobs, MAX_RUN_GAP), *device]
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
             return [r for u in units for r in self._read_unit(u, visit, headers)]
@@ -197,19 +224,6 @@ class Reader:
             lambda _: [r for u in pending for r in self._read_unit(u, visit, headers)], range(lanes)
         )
         return [r for lane in done for r in lane]
-
-    def _read_runs_aio(
-        self, runs: list[Run[ReadJob]], visit: Visit, headers: bool, ctx: aio.AioContext
-    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """Every run's read through native AIO from this thread, in waves (kvtier.store.waves)."""
-        return WaveRead(
-            ctx,
-            runs,
-            self._ctx.buffers,
-            self._plan_run,
-            _place,
-            lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, first, stop),
-        ).run()
 
     def _read_unit(
         self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
@@ -385,6 +399,13 @@ def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShar
     return RunRead(run, seg, plan, share, base, views)
 
 
+# A load looks up keys until their records hold this many bytes and sends those reads before looking up the rest
+# (a 32-object DSV4 batch: two or three objects first). On the 2-core VM the disk starts on a read as it is
+# submitted and returns everything in flight together, so the 0.1-0.2 ms of the other lookups no longer come before
+# the batch's read: the 780 DSV4 objects in batches of 32, cold, read 3,008 against 2,877 MB/s (medians of eight
+# alternated rounds in one process); 256 KiB to 2 MiB first made no difference beyond the noise.
+EARLY_READ_BYTES = 1 << 20
+_ALL = 1 << 62
 _NO_DIRECT = (0, 0)
 _LARGE_RECORD = LARGE_PAYLOAD + HEADER_BYTES  # no shorter record has a payload `_direct_want` takes
 _OK = Reason.OK
@@ -393,6 +414,10 @@ _NONE = Codec.NONE
 _ZSTD = Codec.ZSTD
 _memmove = ctypes.memmove
 Visit = Callable[[ReadJob, "AnyHeader | None", "AlignedBuffer | None", int], None]
+
+
+def _runs(jobs: Sequence[ReadJob], max_gap: int) -> list[Run[ReadJob]]:
+    return plan_runs([(e.segment, e.offset, e.record_len, j) for j in jobs for e in (j.entry,)], max_gap)
 
 
 def _gds_ready(entry: IndexEntry) -> bool:

@@ -221,6 +221,27 @@ def test_a_window_is_refilled_before_the_reads_it_finished_are_checked(tmp_path,
     assert checks[-1][2] == 0
 
 
+def test_the_first_keys_reads_go_out_before_the_rest_are_looked_up(tmp_path, ctx, waves, monkeypatch) -> None:
+    """Keys asked in reverse file order, a missing key and a wrong-size target among them: the reads of the first
+    keys (20 KB of records) are on their way while the other keys are looked up, and every answer is as asked."""
+    monkeypatch.setattr(reader_mod, "EARLY_READ_BYTES", 20_000)
+    real_unpack = reader_mod.IndexEntry.unpack
+    monkeypatch.setattr(
+        reader_mod.IndexEntry, "unpack", staticmethod(lambda raw: waves.append(("lookup",)) or real_unpack(raw))
+    )
+    keys, _ = _one_extent(str(tmp_path), 48, 6000)
+    asked = [*keys[::-1], make_key(keys[0].namespace, "never stored")]
+    with DiskStore(str(tmp_path)) as s:
+        outs = [torch.zeros(6000 if i != 10 else 5999, dtype=torch.uint8) for i in range(len(asked))]
+        waves.clear()
+        reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(asked, outs)])
+    assert reasons == [Reason.OK] * 10 + [Reason.ABI_MISMATCH] + [Reason.OK] * 37 + [Reason.MISSING]
+    assert all(o.equal(make_payload(f"w{47 - i}", 6000)) for i, o in enumerate(outs[:48]) if i != 10)
+    first_submit = next(k for k, e in enumerate(waves) if e[0] == "submit")
+    assert [e[0] for e in waves[:first_submit]] == ["lookup"] * 4  # 4 records of 6,160 B: 20 KB
+    assert [e for e in waves[first_submit:] if e[0] == "lookup"] == [("lookup",)] * 44
+
+
 def test_the_last_pieces_of_a_load_wait_so_the_rest_is_checked_while_they_read(
     tmp_path, ctx, waves, monkeypatch
 ) -> None:

@@ -1,5 +1,6 @@
 """The AIO wave scheduler (kvtier.store.waves) as a state machine over a real O_DIRECT file: for any runs, window,
-piece, queue depth, group and bounce budget, every job is checked exactly once, in file order within its run,
+piece, queue depth, group and bounce budget, with or without runs handed over later (`more`), every job is checked
+exactly once, in file order within its run,
 with exactly the file's bytes; records past end of file come back as cut short; nothing is in flight and every
 bounce buffer is back afterwards."""
 
@@ -71,14 +72,15 @@ def loads(draw):
         "AIO_GROUP": draw(st.integers(1, 4)),
         "AIO_BOUNCE_BYTES": draw(st.sampled_from([1, 32768, 1 << 20])),
     }
-    return runs, knobs, draw(st.integers(1, 8))
+    split = draw(st.none() | st.integers(0, len(runs)))  # the runs `more` hands over, after those of the start
+    return runs, knobs, draw(st.integers(1, 8)), split
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(load=loads())
 def test_every_job_is_checked_once_with_the_files_bytes(segment, load) -> None:
     f, data = segment
-    runs, knobs, depth = load
+    runs, knobs, depth, split = load
     pool = CountingPool()
     checked: list[tuple[int, int, bool, bool]] = []  # (run number, job id, complete, bytes equal)
     numbers = {id(r): k for k, r in enumerate(runs)}
@@ -100,9 +102,18 @@ def test_every_job_is_checked_once_with_the_files_bytes(segment, load) -> None:
         return out
 
     ctx = aio.acquire()
+    asked: list[int] = []  # reads in flight when `more` was called
+
+    def more():
+        asked.append(ctx.pending)
+        return runs[split:]
+
     try:
         with mock.patch.multiple(waves, **knobs), mock.patch.object(aio, "DEPTH", depth):
-            results = waves.WaveRead(ctx, runs, pool, plan, place, check).run()
+            if split is None:
+                results = waves.WaveRead(ctx, runs, pool, plan, place, check).run()
+            else:
+                results = waves.WaveRead(ctx, runs[:split], pool, plan, place, check, more=more).run()
         assert ctx.pending == 0
     finally:
         aio.release(ctx)
@@ -115,6 +126,8 @@ def test_every_job_is_checked_once_with_the_files_bytes(segment, load) -> None:
         assert complete == (offset + length <= FILE_BYTES)
         assert same == complete
     assert pool.out == 0
+    if split is not None:  # asked once; after the first runs' reads went out, if there were any
+        assert len(asked) == 1 and (asked[0] > 0 or split == 0)
 
 
 def test_readable_stops_at_a_piece_in_flight_or_cut_short_and_is_final_only_with_every_piece_in() -> None:
