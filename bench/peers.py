@@ -7,8 +7,8 @@ indexer_k) of every hash block of a `--tokens` prefix, and the state objects (sw
 c128_state) of a checkpoint every `--checkpoint-every` blocks; random payloads, each one stamped
 with its own id. Per store, in a fresh process, on the same filesystem:
 
-* write: every object, in batches; `ack` is when the store says it has them, `durable` adds an
-  fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
+* write: every object, in batches (the truncation target alone, last); `ack` is when the store says it has them,
+  `durable` adds an fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
 * cold read: page cache of the store's files dropped (fsync + posix_fadvise DONTNEED), every object
   read back in batches and compared with what was written;
 * integrity: one byte of a stored object flipped in the store's file, a second object's file
@@ -93,8 +93,9 @@ class Workload:
                 t[:8] = len(self.payloads).to_bytes(8, "little")
                 self.payloads.append(bytes(t))
         self.total_bytes = sum(map(len, self.payloads))
-        # integrity targets: a history object in the middle (flip) and the last object written (truncate: for
-        # kvtier the last record of its segment, so no other object is cut with it)
+        # integrity targets: a history object in the middle (flip) and the last object, written alone after the
+        # others (truncate: for kvtier the last record of its segment, so no other object is cut with it; written in
+        # a batch it could lie before the batch's other records, whose extents are written in parallel)
         self.flip_index = next(
             i
             for i, k in enumerate(self.keys)
@@ -118,6 +119,11 @@ class Workload:
     def batches(self, indices: Sequence[int]) -> Iterator[list[int]]:
         for start in range(0, len(indices), BATCH):
             yield list(indices[start : start + BATCH])
+
+    def write_batches(self) -> Iterator[list[int]]:
+        """Every object in batches, the truncation target alone and last."""
+        yield from self.batches([i for i in range(len(self.keys)) if i != self.trunc_index])
+        yield [self.trunc_index]
 
 
 def as_tensor(payload: bytes) -> torch.Tensor:
@@ -397,7 +403,7 @@ def phase_main(store_name: str, root: Path, w: Workload) -> dict:
     try:
         everything = list(range(len(w.keys)))
         t0 = time.perf_counter()
-        for idx in w.batches(everything):
+        for idx in w.write_batches():
             s.write(idx)
         ack_s = time.perf_counter() - t0
         fsync_tree(root)
