@@ -18,7 +18,7 @@ from kvtier.gpu.states import BlockState, check_move, check_moves
 IN_FLIGHT = 100  # verdict of an object being recovered right now; mapped to RECOVER before any vector is built
 
 # enum members as plain values for the per-slot paths (an enum attribute lookup costs ~1.5 us on 3.11)
-_RECOVERING, _SEALED = BlockState.RECOVERING, BlockState.SEALED
+_RECOVERING, _SEALED, _EVICTING = BlockState.RECOVERING, BlockState.SEALED, BlockState.EVICTING
 _OK, _STALE = int(Reason.OK), int(Reason.STALE_VERSION)
 
 _CLASS_SHIFT = 1 << 48  # eviction order: stale namespace, then state forms, then history; LRU within
@@ -158,6 +158,25 @@ class BlockTable:
         self.s_touch[slots] = ticks
         hist = self.s_history[slots]
         self.r_touch[rows[hist]] = ticks[hist]
+
+    def evict_many(self, slots: np.ndarray, marker: Reason) -> np.ndarray:
+        """For a batch of slots, in order: `move` to EVICTING and on to FREE, and `unbind` (generations in that
+        order); their groups' free lists are the caller's. Returns the rows they were bound to, in that order."""
+        check_moves(self.s_state[slots], _EVICTING, slots)
+        self.s_state[slots] = BlockState.FREE  # (only SEALED slots may go: EVICTING -> FREE is legal, none recovered)
+        n = len(slots)
+        g, rows = self.s_group[slots], self.s_row[slots]
+        gens = np.arange(self.next_gen, self.next_gen + n, dtype=np.int64)
+        self.next_gen += n
+        self.s_gen[slots] = gens
+        self.e_slot[g, rows] = -1  # (a row holds one slot per group: no (group, row) twice)
+        self.e_gen[g, rows] = gens
+        self.e_verdict[g, rows] = marker
+        np.subtract.at(self.r_live, rows, 1)
+        self.s_row[slots] = self.sentinel
+        self.s_leases[slots] = 0
+        self.s_pins[slots] = 0
+        return rows
 
     def unbind(self, slot: int, marker: Reason) -> int:
         """Detach a slot from its row (generation moves, column gets `marker`); returns the row."""

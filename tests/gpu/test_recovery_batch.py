@@ -9,6 +9,7 @@ from kvtier.core import Route
 from kvtier.gpu import AdmissionConfig
 from kvtier.gpu.counters import Counters
 from kvtier.gpu.slots import SlotSpace
+from kvtier.gpu.states import BlockState
 from support.gpuworld import PROFILE, budgets, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 
@@ -85,6 +86,36 @@ def test_allocate_many_evicts_what_allocate_evicts_one_by_one() -> None:
     assert batch.table.free == single.table.free
     assert (batch.table.s_state == single.table.s_state).all() and (batch.table.s_row == single.table.s_row).all()
     assert batch.quotas.used.tolist() == single.quotas.used.tolist()
+
+
+def test_evict_many_leaves_what_evicting_one_by_one_leaves() -> None:
+    """Sealed slots of every group evicted as a batch and one by one on two identical spaces: two rows lose all
+    their slots (interleaved: A's first, all of B, the rest of A, so B's row goes first), others some. The same
+    table, free lists, rows freed in the same order, quotas and counters."""
+    spaces = []
+    for _ in range(2):
+        m, _, _ = make(blocks=4)
+        hs = hashes_of(m, prompt(9, 4))
+        write(m, hs, range(4), state_at=state_blocks_for(PROFILE, 4))
+        spaces.append(m._c.space)
+    batch, single = spaces
+    t = batch.table
+    sealed = np.flatnonzero(t.s_state == BlockState.SEALED)
+    rows = t.s_row[sealed]
+    row_a, row_b = np.unique(rows)[:2]
+    a, b = sealed[rows == row_a], sealed[rows == row_b]
+    assert len(a) > 1
+    rest = sealed[(rows != row_a) & (rows != row_b)][::3]
+    batch.evict_many(np.concatenate([a[:1], b, a[1:], rest]))
+    for slot in [*a[:1], *b, *a[1:], *rest]:
+        single.evict(int(slot))
+    bt, st = batch.table, single.table
+    for name in ("s_state", "s_row", "s_gen", "s_pins", "s_leases", "e_slot", "e_gen", "e_verdict", "r_live"):
+        assert (getattr(bt, name) == getattr(st, name)).all(), name
+    assert bt.index == st.index and bt.r_hash == st.r_hash and bt.free == st.free and bt.next_gen == st.next_gen
+    assert bt._free_rows == st._free_rows and bt._free_rows[-2:] == [row_b, row_a]
+    assert batch.quotas.used.tolist() == single.quotas.used.tolist()
+    assert batch._counters.snapshot() == single._counters.snapshot()
 
 
 def test_layer4_batch_check_agrees_with_the_slot_views() -> None:
