@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -237,9 +238,17 @@ class Client(Connection):
         self._attach_req = req
         assert self.attachment is not None
         if self._heartbeat and self._beat is None:
+            # The heartbeat holds the client weakly, stops when it is collected, and close() joins it: a heartbeat
+            # that dropped the last reference would free the client's mapped pool tensors on its own thread, and
+            # at interpreter exit torch's release of the GIL there tore the thread down through C++ frames
+            # (SIGABRT, "terminate called without an active exception": pytorch/pytorch#38228).
             self._beat = threading.Thread(
-                target=self._renew_forever, args=(reply.lease_ttl_s / 3,), name="kvtier-heartbeat", daemon=True
+                target=_heartbeat,
+                args=(weakref.ref(self), self._stop, reply.lease_ttl_s / 3),
+                name="kvtier-heartbeat",
+                daemon=True,
             )
+            weakref.finalize(self, self._stop.set)
             self._beat.start()
         return self.attachment
 
@@ -247,13 +256,6 @@ class Client(Connection):
         """Renew every lease and reserved write of this client (the heartbeat does this); how many it holds."""
         reply: P.Renewed = self._call(P.Renew())
         return reply.held
-
-    def _renew_forever(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            try:
-                self.renew()
-            except Exception as exc:  # the next call reports a lost daemon; the heartbeat only keeps trying
-                log.debug("lease renewal failed: %s", exc)
 
     def _mapped(self, reply: P.AttachOk, fds: list[int]) -> None:
         gens = map_generations(reply.pools[0], fds) if reply.pools else None
@@ -498,8 +500,12 @@ class Client(Connection):
         return reply.persisted
 
     def close(self) -> None:
-        """Disconnect; the daemon releases every lease this client still holds."""
+        """Disconnect; the daemon releases every lease this client still holds. Waits for a renewal in flight
+        (at most the connection's timeout) so that no heartbeat outlives the client."""
         self._stop.set()
+        beat = self._beat
+        if beat is not None and beat is not threading.current_thread():
+            beat.join(self.timeout_s)
         if self.attachment is not None:
             for pool in self.attachment.pools.values():
                 pool.close()
@@ -507,3 +513,16 @@ class Client(Connection):
 
     def __enter__(self) -> Client:
         return self
+
+
+def _heartbeat(client: weakref.ref[Client], stop: threading.Event, every_s: float) -> None:
+    """Renew the client's leases every `every_s` until it is closed or collected (holding it only to renew)."""
+    while not stop.wait(every_s):
+        c = client()
+        if c is None:
+            return
+        try:
+            c.renew()
+        except Exception as exc:  # the next call reports a lost daemon; the heartbeat only keeps trying
+            log.debug("lease renewal failed: %s", exc)
+        del c
