@@ -192,12 +192,10 @@ class SlotSpace:
         many objects as it loads: bench/daemon.py's 147-object loads allocated their slots in 0.55 ms evicting one
         by one, 0.43 ms with this)."""
         t = self.table
-        groups = t.s_group[slots]
         rows = t.evict_many(slots, Reason.EVICTED)
-        forms = np.asarray(self.gform)[groups]
-        for g, slot in zip(groups.tolist(), slots.tolist()):
+        for g, slot in zip(t.s_group[slots].tolist(), slots.tolist()):
             t.free[g].append(slot)
-        counts = np.bincount(forms, minlength=len(self.quotas.used))
+        counts = np.bincount(self._s_form[slots], minlength=len(self.quotas.used))
         self.quotas.used -= counts
         for f in np.flatnonzero(counts).tolist():
             self._counters.event("evictions", f, int(counts[f]))

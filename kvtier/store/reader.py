@@ -187,7 +187,7 @@ class Reader:
         scattered read each; runs and GDS reads are spread over the read pool. `more`, if given, is called once
         for the rest of the jobs: through native AIO once the first jobs' reads are on their way, else first."""
         backend = self._ctx.backend
-        if more is not None and (backend.gpu_direct or not backend.direct):
+        if more is not None and backend.gpu_direct:  # the device jobs are chosen from all of them
             jobs, more = [*jobs, *more()], None
         device: list[ReadJob] = []
         if backend.gpu_direct:
@@ -209,7 +209,7 @@ class Reader:
                 ).run()
             finally:
                 aio.release(aio_ctx)
-        if more is not None:  # native AIO refused in this process
+        if more is not None:  # the thread path (no native AIO here, or a buffered backend) reads them all at once
             jobs = [*jobs, *more()]
         # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
         # few threads, reading across gaps is what keeps the disk busy.
