@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from kvtier.core.forms import Reason
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey, every_request
 
 
 class MemoryTier:
@@ -36,7 +36,8 @@ class MemoryTier:
                 )
         return out
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
+        requests = every_request(requests, more)
         out = []
         for req in requests:
             with self._lock:

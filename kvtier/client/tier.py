@@ -21,7 +21,7 @@ import torch
 
 from kvtier.client.errors import TierFull
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey, every_request
 from kvtier.core.versions import VersionKey
 from kvtier.wire import Connection
 from kvtier.wire import errors as E
@@ -124,8 +124,9 @@ class TierClient(Connection):
         keys = [(hashes[16 * i : 16 * i + 16], names[g]) for i, g in enumerate(reply.groups)]
         return KeyPage(keys, reply.cursor, reply.txn)
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
         """Fill each `out` with its verified payload; an `out` whose reason is not OK is left untouched."""
+        requests = every_request(requests, more)
         reasons = [Reason.MISSING] * len(requests)
         outs = [_flat(r.out, writable=True) for r in requests]
         with self._staged:

@@ -18,7 +18,7 @@ from kvtier.cluster.stats import ChainStats, Counters
 from kvtier.cluster.tier import ClusterTier
 from kvtier.core.cluster_config import ClusterConfig
 from kvtier.core.forms import Reason
-from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
+from kvtier.core.tier import LoadRequest, LowerTier, MoreRequests, ObjectKey
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,16 @@ class TierChain:
                     out[i] = r
         return out
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
-        out = self.local.load_into(requests)
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
+        later: list[LoadRequest] = []
+
+        def forward() -> Sequence[LoadRequest]:
+            assert more is not None
+            later.extend(more())
+            return later
+
+        out = self.local.load_into(requests, None if more is None else forward)
+        requests = [*requests, *later]  # (what the cluster is asked for is chosen from all of them)
         self._counters.add("local_hits", out.count(Reason.OK))
         ask = [i for i, r in enumerate(out) if r in _ASK_CLUSTER]
         if not ask:

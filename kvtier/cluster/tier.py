@@ -16,7 +16,7 @@ from kvtier.cluster.mooncake_client import BUFFER_TOO_SMALL, NOT_FOUND, TOO_LARG
 from kvtier.cluster.stats import ClusterStats, Counters, LatencyRecorder
 from kvtier.core.cluster_config import ClusterConfig
 from kvtier.core.forms import Reason
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey, every_request
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,9 @@ class ClusterTier:
         self._counters.add("found", out.count(Reason.OK))
         return out
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
         """Get, verify (header against the request, payload checksum) and copy each object into its `out`."""
+        requests = every_request(requests, more)
         if not requests:
             return []
         t0 = time.monotonic()

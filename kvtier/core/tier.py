@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -54,6 +54,14 @@ class KeyPage:
     txn: int  # the index snapshot it was read from (LMDB's txn id): the same id again means nothing changed
 
 
+MoreRequests = Callable[[], Sequence[LoadRequest]]
+
+
+def every_request(requests: Sequence[LoadRequest], more: MoreRequests | None) -> Sequence[LoadRequest]:
+    """All of a `load_into`'s requests, for a tier that reads nothing before it has them all."""
+    return requests if more is None else [*requests, *more()]
+
+
 @runtime_checkable
 class LowerTier(Protocol):
     """has / load_into / store(_many) / pin / remove, answering with the check vector's reasons."""
@@ -62,8 +70,13 @@ class LowerTier(Protocol):
         """Per key: Reason.OK if a load would be attempted, else why not (missing, stale_version, abi_mismatch, ...)."""
         ...
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
-        """Fill each `out` with the verified payload; OK, or why not (the bytes of `out` are then unspecified)."""
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
+        """Fill each `out` with the verified payload; OK, or why not (the bytes of `out` are then unspecified).
+
+        `more`, if given, returns the load's other requests: the tier calls it exactly once before it returns
+        (unless it raises first) and answers `requests`, then `more`'s, in that order. A tier that reads as it
+        goes calls it once the reads of `requests` are under way, so the caller prepares the rest (claims their
+        slots) while the disk reads the first; one that does not calls it first (`every_request`)."""
         ...
 
     def store(self, key: ObjectKey, payload: torch.Tensor, layout_digest: bytes) -> None:

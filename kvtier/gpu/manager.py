@@ -95,6 +95,7 @@ class CacheManager:
                 )
             for lease in self._c.book.leases.values():
                 lease.live = False
+                lease.reserved = 0  # (a recovery in flight gives its places back when it ends: none are left)
             self._c.book.clear()
             self._c.queued = 0
             self._c.build(budgets_bytes).close()

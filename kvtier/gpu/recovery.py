@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,6 +43,23 @@ class Claimed:
     slots: np.ndarray
     requests: list[LoadRequest]
     started: float
+
+    def joined(self, other: Claimed) -> Claimed:
+        """This claim's objects, then `other`'s (claimed while this one's were loading)."""
+        return Claimed(
+            np.concatenate((self.groups, other.groups)),
+            np.concatenate((self.blocks, other.blocks)),
+            np.concatenate((self.slots, other.slots)),
+            self.requests + other.requests,
+            self.started,
+        )
+
+
+# A recovery claims its first objects' slots (about this many bytes of them) and hands them to the lower tier before
+# it claims the rest, which it does once the tier has their reads under way (`LowerTier.load_into`'s `more`): the
+# disk reads while the slots are claimed. Claiming the 147 DSV4 objects of a daemon load, with evictions, took about
+# 1 ms of its 21; 4 MiB is about 1.3 ms of reading on the 2-core VM's disk.
+FIRST_CLAIM_BYTES = 4 << 20
 
 
 class Recovery:
@@ -109,10 +127,14 @@ class Recovery:
                     continue
                 chunk = pending[at : at + room]
                 at += len(chunk)
-                claimed = self._claim(lease, chunk[:, 0], chunk[:, 1], adopted, waiting)
+                first = self._first(chunk[:, 0])
+                claimed, rest = self._claim(lease, chunk[:first, 0], chunk[:first, 1], adopted, waiting), chunk[first:]
+                if claimed is None and len(rest):  # none of the first objects loads: nothing to overlap
+                    claimed, rest = self._claim(lease, rest[:, 0], rest[:, 1], adopted, waiting), rest[:0]
             if claimed is None:
                 continue
-            answers = self._load(claimed.requests)
+            later = self._later(lease, rest, epoch, adopted, waiting) if len(rest) else None
+            claimed, answers = self._load(claimed, later)
             with c.cond:
                 if c.topology_epoch != epoch:
                     raise StaleHandle("the pools were resized during recovery; look the prefix up again")
@@ -204,16 +226,56 @@ class Recovery:
         ]
         return Claimed(gs, bs, slots, requests, time.monotonic())
 
-    def _load(self, requests: list[LoadRequest]) -> np.ndarray:
+    def _first(self, groups: np.ndarray) -> int:
+        """How many of a batch's objects (their groups, in claim order) make up its first FIRST_CLAIM_BYTES."""
+        nbytes = np.cumsum(np.array([p.slot_nbytes for p in self._c.pools])[groups])
+        return int(np.searchsorted(nbytes, FIRST_CLAIM_BYTES)) + 1
+
+    def _later(
+        self, lease: LeaseSet, rest: np.ndarray, epoch: int, adopted: list[int], waiting: list[tuple[int, int]]
+    ) -> Callable[[], Claimed | None]:
+        """Claims `rest` (pending (group, block) pairs) when called, as `_round` would have: None if nothing is
+        claimed, and nothing is while the lease or the topology has moved on (the pairs stay pending, so the next
+        `_require_current` raises)."""
+
+        def claim() -> Claimed | None:
+            c = self._c
+            with c.cond:
+                if c.topology_epoch != epoch or not lease.live:
+                    return None
+                return self._claim(lease, rest[:, 0], rest[:, 1], adopted, waiting)
+
+        return claim
+
+    def _load(self, claimed: Claimed, later: Callable[[], Claimed | None] | None) -> tuple[Claimed, np.ndarray]:
+        """Load the claimed objects, and those `later` claims when the tier asks for more: everything claimed, and
+        an answer for each."""
+        extra: list[Claimed] = []
+
+        def more() -> list[LoadRequest]:
+            got = later() if later is not None else None
+            if got is None:
+                return []
+            extra.append(got)
+            return got.requests
+
         try:
-            answers = list(self._lower.load_into(requests))
+            lower = self._lower
+            answers: list[Reason] | None = list(
+                lower.load_into(claimed.requests, more) if later else lower.load_into(claimed.requests)
+            )
         except Exception:
-            log.exception("lower tier failed to load %d objects; they will be recomputed", len(requests))
-            return np.full(len(requests), int(Reason.CORRUPT))
-        if len(answers) != len(requests):
-            log.error("lower tier answered %d of %d loads; treating them as failed", len(answers), len(requests))
-            return np.full(len(requests), int(Reason.CORRUPT))
-        return np.array([int(a) for a in answers], dtype=np.int64)
+            log.exception("lower tier failed to load %d objects; they will be recomputed", len(claimed.requests))
+            answers = None
+        for got in extra:  # (also after an exception: what was claimed is settled)
+            claimed = claimed.joined(got)
+        n = len(claimed.requests)
+        if answers is not None and len(answers) != n:
+            log.error("lower tier answered %d of %d loads; treating them as failed", len(answers), n)
+            answers = None
+        if answers is None:
+            return claimed, np.full(n, int(Reason.CORRUPT))
+        return claimed, np.array([int(a) for a in answers], dtype=np.int64)
 
     def _finish(self, lease: LeaseSet, claimed: Claimed, answers: np.ndarray) -> None:
         """RECOVERING -> SEALED after a verified load (layer 1: the tier filled the whole slot from a

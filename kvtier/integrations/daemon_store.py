@@ -16,7 +16,7 @@ import torch
 
 from kvtier.client import TierClient, TierFull
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store import StoreFull
 
@@ -59,8 +59,8 @@ class DaemonStore:
     def live_keys(self, after: bytes = b"", limit: int = 4096) -> KeyPage:
         return self._lookups.live_keys(after, limit)
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
-        return self._loads.load_into(requests)
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
+        return self._loads.load_into(requests, more)
 
     def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
         try:

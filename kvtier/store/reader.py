@@ -15,7 +15,7 @@ import torch
 
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey
 from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
@@ -127,22 +127,31 @@ class Reader:
 
     # ----------------------------------------------------------------- loads
 
-    def load(self, requests: Sequence[LoadRequest]) -> LoadOutcome:
-        """Read, verify and copy each record into its `out`, in as few large reads as the layout allows.
+    def load(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> LoadOutcome:
+        """Read, verify and copy each record into its `out`, in as few large reads as the layout allows; `more`
+        as `LowerTier.load_into` has it (its requests are answered after `requests`).
 
         The read transaction stays open across the batch's reads: LMDB's reader table is the epoch
         that keeps the cleaner from unlinking a segment this batch could still read (FORMAT.md).
         """
-        outcome = LoadOutcome([Reason.MISSING] * len(requests), [], [])
+        outcome = LoadOutcome([], [], [])
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
-        keys = [req.key for req in requests]
-        raw_keys = [encode_key(key) for key in keys]
-        outs = [flat_uint8(req.out) for req in requests]
+        keys: list[ObjectKey] = []
+        raw_keys: list[bytes] = []
         with self._ctx.index.read() as txn:
-            found = enumerate(
-                zip(self.lookups(txn, keys, raw_keys, [req.layout_digest for req in requests], corrupt_values), outs)
-            )
+            found: Iterator[tuple[int, tuple[tuple[Reason, IndexEntry | None], torch.Tensor]]] = iter(())
+
+            def look(reqs: Sequence[LoadRequest]) -> None:
+                """Queue the requests' lookups (run as `take` asks for them), answered after those queued before."""
+                nonlocal found
+                at = len(keys)
+                keys.extend(req.key for req in reqs)
+                raw_keys.extend(encode_key(key) for key in keys[at:])
+                reasons.extend([Reason.MISSING] * len(reqs))
+                outs = [flat_uint8(req.out) for req in reqs]
+                digests = [req.layout_digest for req in reqs]
+                found = enumerate(zip(self.lookups(txn, keys[at:], raw_keys[at:], digests, corrupt_values), outs), at)
 
             def take(upto: int) -> tuple[list[ReadJob], bool]:
                 """The next keys' jobs, looked up until their records hold `upto` bytes; and whether keys are left."""
@@ -156,14 +165,26 @@ class Reader:
                             jobs.append(ReadJob(i, keys[i], entry, out))
                             nbytes += entry.record_len
                     reasons[i] = reason
-                    if nbytes >= upto and i + 1 < len(requests):
+                    if nbytes >= upto and i + 1 < len(reasons):
                         return jobs, True
                 return jobs, False
 
-            # The first keys' reads go out before the rest are looked up: the disk reads while this thread looks up.
-            first, left = take(EARLY_READ_BYTES)
+            look(requests)
+            rest: Callable[[], Sequence[ReadJob]] | None
+            if more is None:
+                # The first keys' reads go out before the rest are looked up: the disk reads while this thread does.
+                first, left = take(EARLY_READ_BYTES)
+                rest = (lambda: take(_ALL)[0]) if left else None
+            else:
+                # The caller's first requests are read first (it sized them to cover what it does in `more`).
+                first = take(_ALL)[0]
+
+                def rest() -> Sequence[ReadJob]:
+                    look(more())
+                    return take(_ALL)[0]
+
             hits = outcome.hits
-            for job, exc in self.read(first, _fill_out, more=(lambda: take(_ALL)[0]) if left else None):
+            for job, exc in self.read(first, _fill_out, more=rest):
                 if exc is None:
                     hits.append(raw_keys[job.index])
                 else:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvtier.core.forms import CacheForm, Reason
-from kvtier.core.tier import KeyPage, LoadRequest, ObjectKey
+from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
@@ -121,10 +121,11 @@ class DiskStore:
         self._check_pid()
         return live_keys(self.index, namespace, after, limit)
 
-    def load_into(self, requests: Sequence[LoadRequest]) -> list[Reason]:
-        """Read, verify and copy each record into its `out`; a record that fails a check is quarantined."""
+    def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
+        """Read, verify and copy each record into its `out`; a record that fails a check is quarantined. `more`'s
+        requests (`LowerTier.load_into`) are looked up once the reads of `requests` are on their way."""
         self._check_pid()
-        outcome = self._reader.load(requests)
+        outcome = self._reader.load(requests, more)
         self._maintenance.quarantine_faults(outcome.faults)
         if not self.readonly:
             self._atimes.touch(outcome.hits)

@@ -60,6 +60,30 @@ def test_second_node_restores_from_the_cluster_and_promotes(shared_cluster, tmp_
             disk.close()
 
 
+def test_a_loads_later_requests_are_asked_of_the_cluster_too(shared_cluster, tmp_path) -> None:
+    """A load handed its first requests and `more` (as a recovery into the pools hands them): the local store asks
+    for the rest once its first reads are out, and what it misses of them comes from the cluster, in order."""
+    disk1, node1 = _node(tmp_path, "m1", shared_cluster)
+    disk2, node2 = _node(tmp_path, "m2", shared_cluster)
+    try:
+        items = _items("later", 5)[:5]
+        node1.store_many(items)
+        assert node1.drain(10)
+        node2.store_many(items[:1])  # one of the first is local to node 2 as well
+        outs = [torch.zeros_like(p) for _, p, _ in items]
+        requests = [LoadRequest(k, o, d) for (k, _, d), o in zip(items, outs)]
+        asked = []
+        reasons = node2.load_into(requests[:2], lambda: asked.append(1) or requests[2:])
+        assert reasons == [Reason.OK] * 5 and asked == [1]
+        assert all(torch.equal(o, p) for o, (_, p, _) in zip(outs, items))
+        stats = node2.stats()
+        assert stats.local_hits == 1 and stats.cluster_hits == 4
+    finally:
+        for chain, disk in ((node1, disk1), (node2, disk2)):
+            chain.close()
+            disk.close()
+
+
 def test_full_backlog_drops_without_blocking(own_cluster, tmp_path) -> None:
     """The master stopped, the first write-through hangs in its put; offloads still return at once, durable
     locally, and what does not fit beside it in the backlog is dropped and counted."""

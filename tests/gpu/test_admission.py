@@ -8,6 +8,7 @@ import threading
 import torch
 
 from kvtier.core import Reason, Route
+from kvtier.core.tier import every_request
 from kvtier.gpu import AdmissionRefused
 from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
@@ -61,7 +62,8 @@ class GatedTier:
     def has(self, keys, digests):
         return self.inner.has(keys, digests)
 
-    def load_into(self, requests):
+    def load_into(self, requests, more=None):
+        requests = every_request(requests, more)
         with self.lock:
             self.active += len(requests)
             self.peak = max(self.peak, self.active)

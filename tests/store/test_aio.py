@@ -14,7 +14,7 @@ import torch
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
-from kvtier.store import DiskStore, QuarantineReason, aio
+from kvtier.store import DiskStore, QuarantineReason, StoreConfig, aio
 from kvtier.store import reader as reader_mod
 from kvtier.store import waves as waves_mod
 from kvtier.store.io import AlignedBuffer, PosixBackend
@@ -221,25 +221,70 @@ def test_a_window_is_refilled_before_the_reads_it_finished_are_checked(tmp_path,
     assert checks[-1][2] == 0
 
 
-def test_the_first_keys_reads_go_out_before_the_rest_are_looked_up(tmp_path, ctx, waves, monkeypatch) -> None:
-    """Keys asked in reverse file order, a missing key and a wrong-size target among them: the reads of the first
-    keys (20 KB of records) are on their way while the other keys are looked up, and every answer is as asked."""
-    monkeypatch.setattr(reader_mod, "EARLY_READ_BYTES", 20_000)
+def _reverse_asks(root: str, waves: list, monkeypatch, early: int, wrong: int) -> list[LoadRequest]:
+    """48 records of one extent asked in reverse file order, then a key never stored; target `wrong` is one byte
+    short. Lookups are logged in `waves` as ("lookup",); a load's early reads stop at `early` bytes of records."""
+    monkeypatch.setattr(reader_mod, "EARLY_READ_BYTES", early)
     real_unpack = reader_mod.IndexEntry.unpack
     monkeypatch.setattr(
         reader_mod.IndexEntry, "unpack", staticmethod(lambda raw: waves.append(("lookup",)) or real_unpack(raw))
     )
-    keys, _ = _one_extent(str(tmp_path), 48, 6000)
+    keys, _ = _one_extent(root, 48, 6000)
     asked = [*keys[::-1], make_key(keys[0].namespace, "never stored")]
+    return [LoadRequest(k, torch.zeros(6000 - (i == wrong), dtype=torch.uint8), DIGEST) for i, k in enumerate(asked)]
+
+
+def _answered_as_asked(requests: list[LoadRequest], reasons: list[Reason], wrong: int) -> None:
+    assert reasons == [Reason.OK] * wrong + [Reason.ABI_MISMATCH] + [Reason.OK] * (47 - wrong) + [Reason.MISSING]
+    assert all(r.out.equal(make_payload(f"w{47 - i}", 6000)) for i, r in enumerate(requests[:48]) if i != wrong)
+
+
+def test_the_first_keys_reads_go_out_before_the_rest_are_looked_up(tmp_path, ctx, waves, monkeypatch) -> None:
+    """Keys asked in reverse file order, a missing key and a wrong-size target among them: the reads of the first
+    keys (20 KB of records) are on their way while the other keys are looked up, and every answer is as asked."""
+    requests = _reverse_asks(str(tmp_path), waves, monkeypatch, 20_000, 10)
     with DiskStore(str(tmp_path)) as s:
-        outs = [torch.zeros(6000 if i != 10 else 5999, dtype=torch.uint8) for i in range(len(asked))]
         waves.clear()
-        reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(asked, outs)])
-    assert reasons == [Reason.OK] * 10 + [Reason.ABI_MISMATCH] + [Reason.OK] * 37 + [Reason.MISSING]
-    assert all(o.equal(make_payload(f"w{47 - i}", 6000)) for i, o in enumerate(outs[:48]) if i != 10)
+        _answered_as_asked(requests, s.load_into(requests), 10)
     first_submit = next(k for k, e in enumerate(waves) if e[0] == "submit")
     assert [e[0] for e in waves[:first_submit]] == ["lookup"] * 4  # 4 records of 6,160 B: 20 KB
     assert [e for e in waves[first_submit:] if e[0] == "lookup"] == [("lookup",)] * 44
+
+
+def test_a_callers_later_requests_are_asked_for_once_its_first_are_read(tmp_path, ctx, waves, monkeypatch) -> None:
+    """A load handed 8 requests and `more` (40 others, a missing key and a wrong-size target among them): the 8 are
+    looked up and submitted whole (the caller sized them: no split at EARLY_READ_BYTES), `more` is called once, after
+    that submit, and every answer comes back in order, the first 8 then `more`'s."""
+    requests = _reverse_asks(str(tmp_path), waves, monkeypatch, 6000, 20)
+    calls = []
+
+    def more():
+        calls.append(len(waves))
+        waves.append(("more",))
+        return requests[8:]
+
+    with DiskStore(str(tmp_path)) as s:
+        waves.clear()
+        _answered_as_asked(requests, s.load_into(requests[:8], more), 20)
+    assert len(calls) == 1
+    first_submit = next(k for k, e in enumerate(waves) if e[0] == "submit")
+    assert [e[0] for e in waves[:first_submit]] == ["lookup"] * 8
+    assert calls[0] > first_submit and [e for e in waves[first_submit:] if e[0] == "lookup"] == [("lookup",)] * 40
+    assert waves.index(("lookup",), first_submit) > calls[0]  # the later keys are looked up once `more` gave them
+
+
+@pytest.mark.parametrize("backend", ["odirect", "buffered"])
+def test_a_load_with_nothing_to_read_first_still_asks_for_the_rest(tmp_path, ctx, backend) -> None:
+    """The first requests all missing (no read goes out for them): `more` is called anyway, and its keys load,
+    through native AIO and through the thread path alike."""
+    keys, _ = _one_extent(str(tmp_path), 4, 6000)
+    outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
+    missing = LoadRequest(make_key(keys[0].namespace, "never stored"), torch.zeros(6000, dtype=torch.uint8), DIGEST)
+    with DiskStore(str(tmp_path), StoreConfig(io_backend=backend)) as s:
+        assert s.io_backend == backend
+        reasons = s.load_into([missing], lambda: [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+    assert reasons == [Reason.MISSING] + [Reason.OK] * 4
+    assert all(o.equal(make_payload(f"w{i}", 6000)) for i, o in enumerate(outs))
 
 
 def test_the_last_pieces_of_a_load_wait_so_the_rest_is_checked_while_they_read(
