@@ -60,6 +60,9 @@ class Claimed:
 # disk reads while the slots are claimed. Claiming the 147 DSV4 objects of a daemon load, with evictions, took about
 # 1 ms of its 21; 4 MiB is about 1.3 ms of reading on the 2-core VM's disk.
 FIRST_CLAIM_BYTES = 4 << 20
+# ... and at most this many objects: the store looks the first objects up before their reads go out, so thousands of
+# small ones (a ref-tiny prefix: about 1 KB each, and nothing for the disk to overlap) would only delay the first read.
+FIRST_CLAIM_OBJECTS = 64
 
 
 class Recovery:
@@ -227,9 +230,12 @@ class Recovery:
         return Claimed(gs, bs, slots, requests, time.monotonic())
 
     def _first(self, groups: np.ndarray) -> int:
-        """How many of a batch's objects (their groups, in claim order) make up its first FIRST_CLAIM_BYTES."""
+        """How many of a batch's objects (their groups, in claim order) to claim first: those of its first
+        FIRST_CLAIM_BYTES, at most FIRST_CLAIM_OBJECTS; all of them in a batch of FIRST_CLAIM_BYTES or less."""
         nbytes = np.cumsum(np.array([p.slot_nbytes for p in self._c.pools])[groups])
-        return int(np.searchsorted(nbytes, FIRST_CLAIM_BYTES)) + 1
+        if nbytes[-1] <= FIRST_CLAIM_BYTES:  # all of it is read about as soon as the first part would be
+            return len(groups)
+        return min(int(np.searchsorted(nbytes, FIRST_CLAIM_BYTES)) + 1, FIRST_CLAIM_OBJECTS)
 
     def _later(
         self, lease: LeaseSet, rest: np.ndarray, epoch: int, adopted: list[int], waiting: list[tuple[int, int]]

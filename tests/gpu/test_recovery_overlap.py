@@ -85,6 +85,19 @@ def test_the_rest_is_claimed_while_the_tier_reads_the_first(monkeypatch) -> None
     assert m.audit() == [] and m.counters().recovering == 0
 
 
+@pytest.mark.parametrize(("first_bytes", "first_objects"), [(1 << 30, 64), (4096, 2)])
+def test_the_first_part_is_the_first_bytes_at_most_so_many_objects_and_a_small_batch_is_not_split(
+    monkeypatch, first_bytes, first_objects
+) -> None:
+    m, tier, hs, result, pending = _recovering_world({}, monkeypatch)
+    monkeypatch.setattr(recovery_mod, "FIRST_CLAIM_BYTES", first_bytes)
+    monkeypatch.setattr(recovery_mod, "FIRST_CLAIM_OBJECTS", first_objects)
+    m.recover(result)
+    ((first, at_entry, after_more),) = tier.seen
+    assert first == at_entry == (pending if first_bytes > 1 << 20 else first_objects) and after_more == pending
+    assert _restored(m, hs, result) == pending
+
+
 def test_a_tier_that_never_asks_for_more_still_gets_everything_loaded(monkeypatch) -> None:
     """The rest stays pending and the next round claims it: a tier ignoring `more` costs rounds, not objects."""
     m, tier, hs, result, pending = _recovering_world({"calls_more": False}, monkeypatch)
