@@ -146,12 +146,14 @@ class Reader:
                 """Queue the requests' lookups (run as `take` asks for them), answered after those queued before."""
                 nonlocal found
                 at = len(keys)
-                keys.extend(req.key for req in reqs)
-                raw_keys.extend(encode_key(key) for key in keys[at:])
-                reasons.extend([Reason.MISSING] * len(reqs))
+                new_keys = [req.key for req in reqs]
+                new_raw = [encode_key(key) for key in new_keys]
                 outs = [flat_uint8(req.out) for req in reqs]
                 digests = [req.layout_digest for req in reqs]
-                found = enumerate(zip(self.lookups(txn, keys[at:], raw_keys[at:], digests, corrupt_values), outs), at)
+                keys.extend(new_keys)
+                raw_keys.extend(new_raw)
+                reasons.extend([Reason.MISSING] * len(reqs))
+                found = enumerate(zip(self.lookups(txn, new_keys, new_raw, digests, corrupt_values), outs), at)
 
             def take(upto: int) -> tuple[list[ReadJob], bool]:
                 """The next keys' jobs, looked up until their records hold `upto` bytes; and whether keys are left."""
