@@ -101,8 +101,9 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
     quick = args.quick
     d = ["--dir", args.dir]
     return {
-        # Three rounds where a figure is a best of rounds: on the shared 2-core VM a slow spell can cover two
-        # rounds back to back (a 4K restore from the pool alone, which reads no disk, took twice as long in both).
+        # Three rounds where a figure is a best of rounds (restore, store, peers): on the shared 2-core VM a slow
+        # spell can cover two rounds back to back (a 4K restore from the pool alone, which reads no disk, took twice
+        # as long in both).
         "restore": [
             py,
             "bench/restore.py",
@@ -112,7 +113,7 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
             "--tokens",
             *(["4096", "8192", "16384"] if quick else ["4096", "8192", "16384", "32768", "65536"]),
         ],
-        "store": [py, "bench/store.py", *d, "--gib", "0.25" if quick else "0.5", "--repeat", "1" if quick else "2"],
+        "store": [py, "bench/store.py", *d, "--gib", "0.25" if quick else "0.5", "--repeat", "1" if quick else "3"],
         "lookup": [
             py,
             "bench/lookup.py",
