@@ -126,7 +126,8 @@ class Driver:
             pass
 
     def bump(self) -> None:
-        current = self.versions.index(next(v for v in self.versions if v.namespace == self.m.namespace))
+        live = self.m.namespace  # read once: another thread may bump it while the versions are searched
+        current = self.versions.index(next(v for v in self.versions if v.namespace == live))
         self.m.set_version(self.versions[1 - current])
 
     # -- checks -------------------------------------------------------------------------------
