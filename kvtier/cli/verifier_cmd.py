@@ -69,7 +69,7 @@ def run_cmd(root: str, config: str | None, wait_for_store: float, **given: objec
     from kvtier.verifier import process
 
     overrides = {_OVERRIDES[k][0]: v for k, v in given.items() if v is not None}
-    sys.exit(process.run(root, config, overrides, wait_for_store_s=wait_for_store))
+    process.exit_without_teardown(process.run(root, config, overrides, wait_for_store_s=wait_for_store))
 
 
 @verifier.command("status")
