@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import lmdb
 import torch
@@ -128,10 +128,15 @@ class Compaction:
         finally:
             probe.close()
 
-    def relocate(self, keys: Sequence[ObjectKey]) -> int:
-        """Compaction: copy live records (checked first) into extents of a segment this process appends, then
-        repoint each entry that still names the old place, in one commit; returns how many moved. A bad record is
-        quarantined. Format v1 records move as v2 records (same payload and checksum, inline header).
+    def relocate(self, batches: Iterable[Sequence[ObjectKey]]) -> list[int]:
+        """Compaction: copy the live records of each batch of keys (checked first) into extents of a segment this
+        process appends; then make every copy durable with one fdatasync and repoint each entry that still names
+        the old place in one commit. Returns how many moved, per batch. A bad record is quarantined. Format v1
+        records move as v2 records (same payload and checksum, inline header).
+
+        `batches` is drawn one batch at a time, between copies: the caller paces the copies by when it yields the
+        next batch, and the sync and the commit, each a device flush that the store's readers feel, come once
+        for all of them. A crash before the commit leaves the copies as an orphan tail, trimmed later.
 
         The old bytes stay readable until their segment is unlinked under the epoch rule, so a reader that looked
         the old entry up finishes on it; a record that changed meanwhile keeps its entry (its copy is garbage).
@@ -142,22 +147,26 @@ class Compaction:
         if self._relocator is None:
             self._relocator = Appender(ctx.root, ctx.index, ctx.backend, ctx.config.segment_bytes)
         app = self._relocator
-        copies, namespaces, failures = self._read_for_relocation(keys)
-        moved = 0
-        if copies:
-            with ctx.write_lock:
-                app.begin_batch()
-                synced = False
-                try:
-                    written = [w for part in _cut(copies) for w in self._write_copies(part, namespaces)]
+        written: list[list[_Moved]] = []
+        failures: list[tuple[ObjectKey, QuarantineReason]] = []
+        with ctx.write_lock:
+            app.begin_batch()
+            synced = False
+            try:
+                for keys in batches:
+                    copies, namespaces, failed = self._read_for_relocation(keys)
+                    failures += failed
+                    written.append([w for part in _cut(copies) for w in self._write_copies(part, namespaces)])
+                moved = [0] * len(written)
+                if any(written):
                     app.sync_batch()
                     synced = True
                     moved = ctx.index.update(lambda txn: self._repoint(txn, written))
-                except BaseException:
-                    app.rewind(abandon=not synced)
-                    raise
-                finally:
-                    app.end_batch()
+            except BaseException:
+                app.rewind(abandon=not synced)
+                raise
+            finally:
+                app.end_batch()
         self._maintenance.quarantine_faults(failures)
         return moved
 
@@ -208,28 +217,29 @@ class Compaction:
         seg_id, offsets = write_extent(self._relocator, ctx.backend, ctx.buffers, records, None)
         return [_Moved(c, seg_id, at) for c, at in zip(copies, offsets[len(ns_records) :])]
 
-    def _repoint(self, txn: lmdb.Transaction, written: list[_Moved]) -> int:
+    def _repoint(self, txn: lmdb.Transaction, written: list[list[_Moved]]) -> list[int]:
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
-        moved = 0
-        for w in written:
-            old, new_len = w.copy.entry, w.copy.header.record_len
-            raw = txn.get(w.copy.raw_key, db=obj_db)
-            cur = entry_or_none(raw) if raw is not None else None
-            if (
-                cur is None
-                or cur.state is not RecordState.LIVE
-                or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq)
-            ):
-                continue
-            entry = dataclasses.replace(
-                cur, segment=w.seg_id, offset=w.offset, record_len=new_len, record_version=FORMAT_VERSION
-            )
-            txn.put(w.copy.raw_key, entry.pack(), db=obj_db)
-            ledger.release(old.segment, old.record_len)
-            ledger.add(w.seg_id, w.offset, new_len)
-            ledger.usage[cur.form].record_bytes += new_len - old.record_len  # a v1 record shrinks as it moves
-            moved += 1
+        moved = [0] * len(written)
+        for i, batch in enumerate(written):
+            for w in batch:
+                old, new_len = w.copy.entry, w.copy.header.record_len
+                raw = txn.get(w.copy.raw_key, db=obj_db)
+                cur = entry_or_none(raw) if raw is not None else None
+                if (
+                    cur is None
+                    or cur.state is not RecordState.LIVE
+                    or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq)
+                ):
+                    continue
+                entry = dataclasses.replace(
+                    cur, segment=w.seg_id, offset=w.offset, record_len=new_len, record_version=FORMAT_VERSION
+                )
+                txn.put(w.copy.raw_key, entry.pack(), db=obj_db)
+                ledger.release(old.segment, old.record_len)
+                ledger.add(w.seg_id, w.offset, new_len)
+                ledger.usage[cur.form].record_bytes += new_len - old.record_len  # a v1 record shrinks as it moves
+                moved[i] += 1
         ledger.save()
         return moved
 

@@ -231,10 +231,11 @@ class DiskStore:
         self._check_pid()
         return self._compaction.trim_segment(seg_id)
 
-    def relocate(self, keys: Sequence[ObjectKey]) -> int:
-        """Copy live records into a segment of this process's and repoint them (see `Compaction.relocate`)."""
+    def relocate(self, batches: Iterable[Sequence[ObjectKey]]) -> list[int]:
+        """Copy live records into a segment of this process's and repoint them, per batch of keys, under one sync
+        and one commit (see `Compaction.relocate`)."""
         self._check_pid()
-        return self._compaction.relocate(keys)
+        return self._compaction.relocate(batches)
 
     def reader_check(self) -> int:
         """Clear dead readers from LMDB's table; close cached segment files that were unlinked."""

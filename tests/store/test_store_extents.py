@@ -166,7 +166,7 @@ def test_a_v1_store_is_read_verified_and_written_to_by_v2(tmp_path) -> None:
         new = make_key(VersionKey(*manifest["version_key"]).namespace, "new")
         s.store(new, make_payload("new", 5000), DIGEST)
         _check_v1_bytes(s, manifest)
-        assert s.relocate(keys) == len(keys)  # compaction moves v1 records into v2 extents
+        assert s.relocate([keys]) == [len(keys)]  # compaction moves v1 records into v2 extents
         assert {r.entry.record_version for r in s.records(keys)} == {2}
         _check_v1_bytes(s, manifest)
 
@@ -202,12 +202,12 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
 
         monkeypatch.setattr(reader_mod.Reader, "read", grow_then_read)
         done: list[int] = []
-        t = threading.Thread(target=lambda: done.append(s.relocate(keys)), daemon=True)
+        t = threading.Thread(target=lambda: done.append(s.relocate([keys])), daemon=True)
         t.start()
         t.join(180)
         assert not t.is_alive(), "relocate hung while the map grew"
         monkeypatch.undo()
-        assert done == [64]
+        assert done == [[64]]
         assert s.index.env.info()["map_size"] > 64 << 20  # this process adopted the grown map mid-compaction
         reasons, _outs = _load(s, keys)
         assert reasons == [Reason.OK] * 64

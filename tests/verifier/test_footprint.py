@@ -11,8 +11,8 @@ import subprocess
 import threading
 
 from kvtier.core import CacheForm
-from kvtier.store import DiskStore, QuarantineReason, RecordState
-from kvtier.verifier import Verifier, VerifierSettings, throttle, verifier_status
+from kvtier.store import DiskStore, QuarantineReason, RecordState, segments
+from kvtier.verifier import Verifier, VerifierSettings, open_store, throttle, verifier_status
 from kvtier.verifier.throttle import RateLimiter
 from support.corrupt import flip_payload_bit
 from support.verifier_helpers import VK, entries, populate, start_verifier, stop, wait_for
@@ -174,3 +174,40 @@ def test_while_the_disk_is_busy_each_read_or_copy_is_a_tenth_of_a_second_of_the_
     assert lim.burst(8 << 20) == 100_000 and lim.burst(4096) == 4096
     lim.set_rate(0, 1_000_000)  # unlimited: nothing is paced, nothing shrinks
     assert lim.burst(8 << 20) == 8 << 20
+
+
+def test_while_the_disk_is_busy_compaction_copies_in_bursts_under_one_sync_and_commit_per_batch(
+    tmp_path, monkeypatch
+) -> None:
+    """A sync and a commit are device flushes the readers feel: the paced bursts of one batch share them."""
+    clock = _Clock()
+    monkeypatch.setattr(throttle, "time", clock)
+    root = str(tmp_path / "store")
+    recs = populate(root, [(VK, f"r{i}", CacheForm.COMPRESSED, 5000) for i in range(48)], segment_bytes=64 << 10)
+    syncs: list[int] = []
+    real_sync = segments.Appender.sync_batch
+    monkeypatch.setattr(segments.Appender, "sync_batch", lambda app: (syncs.append(1), real_sync(app))[1])
+    with open_store(root) as s:
+        survivors = [r.key for r in recs[::4]]
+        assert s.drop([r.key for r in recs if r.key not in survivors]) == 36  # every sealed segment is 1/4 live
+        relocations: list[list[int]] = []  # the records of each burst, per relocation
+        real_relocate = s.relocate
+
+        def relocate(batches):
+            drawn: list[int] = []
+            relocations.append(drawn)
+            return real_relocate(drawn.append(len(b)) or b for b in batches)
+
+        monkeypatch.setattr(s, "relocate", relocate)
+        v = Verifier(s, VerifierSettings(rate_bytes_per_s=0, batch_records=4, orphan_grace_s=3600))
+        probe = _Probe()
+        probe.is_busy = True
+        v.cleaner.limiter = RateLimiter(10_000_000, _Stop(clock), 1_000, probe)  # a burst is one record
+        before = {k: s.records([k])[0].entry.segment for k in survivors}
+        v.maintain()
+        moved = [k for k in survivors if s.records([k])[0].entry.segment != before[k]]
+        assert len(moved) >= 8 and v.actions["relocated"] == len(moved)  # the sealed segments' survivors
+        assert all(n == 1 for drawn in relocations for n in drawn)  # paced one record at a time ...
+        assert max(len(drawn) for drawn in relocations) == 4  # ... four bursts to a commit ...
+        assert len(syncs) == len(relocations) < sum(len(drawn) for drawn in relocations)  # ... and to a sync
+        assert all(r.reason.name == "OK" for r in s.verify_many(survivors))  # every byte where its entry says
