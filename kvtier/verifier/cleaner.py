@@ -188,8 +188,7 @@ class Cleaner:
                 keys_by_seg.setdefault(c.segment, []).append(c)
         work = _CompactionWork([(seg_id, keys_by_seg.get(seg_id, [])) for _, seg_id in sorted(ranked)])
         while work.more():
-            bursts = self._bursts(work)
-            moved = self.store.relocate(bursts)
+            moved = self.store.relocate(self._bursts(work))
             work.settle(moved)
             self.actions["relocated"] += sum(moved)
         self.actions["relocated_bytes"] += work.drawn_bytes
@@ -225,7 +224,6 @@ class _CompactionWork:
 
     def __init__(self, segments: list[tuple[int, list[Candidate]]]) -> None:
         self._todo = [(seg_id, list(cands)) for seg_id, cands in segments]
-        self._budget = COMPACT_BYTES_PER_PASS
         self._stopped = False
         self._drawn: list[tuple[int, int]] = []  # (segment, records) of each burst drawn since the last settle
         self._missed: set[int] = set()  # segments with a record that did not move
@@ -235,7 +233,7 @@ class _CompactionWork:
     def more(self) -> bool:
         while self._todo and not self._todo[0][1]:
             self._done.append(self._todo.pop(0)[0])
-        return bool(self._todo) and self._budget > 0 and not self._stopped
+        return bool(self._todo) and self.drawn_bytes < COMPACT_BYTES_PER_PASS and not self._stopped
 
     def draw(self, max_records: int, limit: int) -> tuple[list[Candidate], int]:
         """The next burst of the first segment: at least one record, then more while under both bounds."""
@@ -250,7 +248,6 @@ class _CompactionWork:
         seg_id, pending = self._todo[0]
         del pending[: len(burst)]
         self._drawn.append((seg_id, len(burst)))
-        self._budget -= nbytes
         self.drawn_bytes += nbytes
 
     def stop(self) -> None:
