@@ -18,7 +18,12 @@ with its own id. Per store, in a fresh process, on the same filesystem:
 
 The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes
 back to back, written once, page cache dropped first (`raw_device.dd_MBps`; each store's
-`cold_read_of_dd` is its cold read over that: what the disk leaves to gain).
+`cold_read_of_dd` is its cold read over that: what the disk leaves to gain). And kvtier's layout with none
+of kvtier's work: after its cold read, every batch's byte span in each segment read again, cold, in 2 MiB
+O_DIRECT reads all in flight at once through native AIO, one batch after another, with no lookup, check or
+copy (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what kvtier's own work
+costs). `layout_over_peer` is that read over each peer's cold read: the most kvtier could be faster than the
+peer on this disk with its layout, in batches of 32.
 
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
 `--repeat` times, in reverse order every other round (the dd pass always between them); each
@@ -60,6 +65,7 @@ from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 MB = 1e6
 BATCH = 32  # objects per write / read call, for every store
 IO_THREADS = 4  # kvtier's io_threads and LMCache's disk_io_threads
+LAYOUT_PIECE = 2 << 20  # the layout baseline's read size: kvtier's own (kvtier.store.waves.AIO_PIECE_BYTES)
 STORES = ("kvtier", "diskcache", "lmcache")
 DETECTS, SILENT, ERROR, CORRECT = "detects", "returns wrong bytes silently", "error", "returns the right bytes"
 
@@ -242,6 +248,58 @@ class KvtierStore:
         e = self._entry(i)
         return str(self.root / SEGMENTS_DIR / segment_name(e.segment)), e.offset + HEADER_BYTES, e.payload_len
 
+    def layout_read_s(self, batches: Sequence[list[int]]) -> float | None:
+        """Seconds to read every batch's span of each segment its records lie in (4 KiB-aligned), cold, in
+        LAYOUT_PIECE reads all in flight at once, a batch after the previous one is in; nothing checked or copied.
+        None where native AIO is not to be had."""
+        from kvtier.store import aio
+        from kvtier.store.io import SegmentFile
+        from kvtier.store.segments import SEGMENTS_DIR, segment_name
+
+        entries = {
+            info.key: info.entry
+            for info in self.store.iter_records(namespace=self.w.keys[0].namespace, limit=len(self.w.keys) + 1)
+        }
+        spans: list[dict[int, tuple[int, int]]] = []
+        for idx in batches:
+            per: dict[int, tuple[int, int]] = {}
+            for i in idx:
+                e = entries[self.w.keys[i]]
+                lo, hi = per.get(e.segment, (e.offset, e.offset + e.record_len))
+                per[e.segment] = (min(lo, e.offset), max(hi, e.offset + e.record_len))
+            spans.append({seg: (lo - lo % 4096, -(-hi // 4096) * 4096) for seg, (lo, hi) in per.items()})
+        ctx = aio.acquire()
+        if ctx is None:
+            return None
+        files: dict[int, SegmentFile] = {}
+        try:
+            for seg in {seg for per in spans for seg in per}:
+                path = str(self.root / SEGMENTS_DIR / segment_name(seg))
+                files[seg] = SegmentFile(path, os.open(path, os.O_RDONLY | os.O_DIRECT))
+            target = memoryview(
+                slot_targets([max(sum(hi - lo for lo, hi in per.values()) for per in spans)])[0].numpy()
+            )
+            drop_cache_tree(self.root)
+            took = 0.0
+            for per in spans:
+                t0 = time.perf_counter()
+                ops, at = [], 0
+                for seg, (lo, hi) in per.items():
+                    for off in range(lo, hi, LAYOUT_PIECE):
+                        n = min(LAYOUT_PIECE, hi - off)
+                        ops.append(aio.ReadOp(files[seg], [target[at : at + n]], off, None, 0))
+                        at += n
+                ctx.submit(ops)
+                while ctx.pending:
+                    ctx.complete()
+                took += time.perf_counter() - t0
+            return took
+        finally:
+            ctx.drain()
+            aio.release(ctx)
+            for f in files.values():
+                f.close()
+
     def close(self) -> None:
         self.store.close()
 
@@ -397,8 +455,10 @@ STORE_CLASSES = {c.name: c for c in (KvtierStore, DiskcacheStore, LmcacheStore)}
 # ----------------------------------------------------------------------------------------------- phases
 
 
-def phase_main(store_name: str, root: Path, w: Workload) -> dict:
-    """Write, cold read (verified), then flip a byte and truncate a file and read both back."""
+def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = False) -> dict:
+    """Write, cold read (verified), then flip a byte and truncate a file and read both back. kvtier's layout read
+    goes after the cold read, or before it with `layout_first` (the rounds alternate: a disk may serve bytes read
+    a moment ago faster)."""
     s = STORE_CLASSES[store_name](root, w, writer=True)
     try:
         everything = list(range(len(w.keys)))
@@ -408,6 +468,8 @@ def phase_main(store_name: str, root: Path, w: Workload) -> dict:
         ack_s = time.perf_counter() - t0
         fsync_tree(root)
         durable_s = time.perf_counter() - t0
+        layout = (lambda: s.layout_read_s(list(w.batches(everything)))) if isinstance(s, KvtierStore) else None
+        layout_s = layout() if layout is not None and layout_first else None
         drop_cache_tree(root)
 
         read_s, wrong, missing = 0.0, 0, 0
@@ -423,6 +485,9 @@ def phase_main(store_name: str, root: Path, w: Workload) -> dict:
             if hasattr(s, "release_views"):
                 s.release_views()
 
+        if layout is not None and not layout_first:
+            layout_s = layout()
+
         flip_path, flip_off, flip_len = s.locate(w.flip_index)
         flip_byte(flip_path, flip_off + flip_len // 2)
         trunc_path, trunc_off, trunc_len = s.locate(w.trunc_index)
@@ -437,6 +502,7 @@ def phase_main(store_name: str, root: Path, w: Workload) -> dict:
         "ack_s": ack_s,
         "durable_s": durable_s,
         "cold_read_s": read_s,
+        "layout_read_s": layout_s,
         "read_wrong": wrong,
         "read_missing": missing,
         "flipped_byte": flipped,
@@ -463,12 +529,14 @@ def phase_restart(store_name: str, root: Path, w: Workload) -> dict:
 def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # copies on 2 shared cores: intra-op threads only contend with the stores' I/O threads
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
-    fn = phase_main if args.phase == "main" else phase_restart
-    result = fn(args.store, Path(args.root), w)
+    if args.phase == "main":
+        result = phase_main(args.store, Path(args.root), w, args.layout_first)
+    else:
+        result = phase_restart(args.store, Path(args.root), w)
     Path(args.out).write_text(json.dumps(result))
 
 
-def run_child(store: str, phase: str, root: Path, args: argparse.Namespace) -> dict:
+def run_child(store: str, phase: str, root: Path, args: argparse.Namespace, *extra: str) -> dict:
     out = root.parent / f"{store}-{phase}.json"
     cmd = [
         sys.executable,
@@ -488,6 +556,7 @@ def run_child(store: str, phase: str, root: Path, args: argparse.Namespace) -> d
         str(args.tokens),
         "--checkpoint-every",
         str(args.checkpoint_every),
+        *extra,
     ]
     env = dict(os.environ, LMCACHE_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
     res = subprocess.run(
@@ -529,11 +598,18 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps
             "finds_its_data": restart["correct"] == restart["untouched"],
         }
     )
+    layout = {}
+    if all(p.get("layout_read_s") for p in good):
+        layout = {
+            "layout_read_MBps": round(total / best("layout_read_s") / MB, 1),
+            "cold_read_of_layout": round(best("layout_read_s") / best("cold_read_s"), 2),
+        }
     return {
         "write_ack_MBps": round(total / best("ack_s") / MB, 1),
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
         "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
         "cold_read_of_dd": round(total / best("cold_read_s") / MB / dd_mbps, 2),
+        **layout,
         "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
         "flipped_byte": last["flipped_byte"],
         "truncated_file": last["truncated_file"],
@@ -553,6 +629,18 @@ def ratios(stores: dict[str, dict]) -> dict:
     return out
 
 
+def layout_over_peer(stores: dict[str, dict]) -> dict:
+    """kvtier's layout read, with none of its work, over each peer's cold read: the bound of the cold read ratio."""
+    k = stores.get("kvtier", {})
+    if "layout_read_MBps" not in k:
+        return {}
+    return {
+        name: round(k["layout_read_MBps"] / s["cold_read_MBps"], 2)
+        for name, s in stores.items()
+        if name != "kvtier" and "error" not in s
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default="deepseek-v4-flash")
@@ -565,6 +653,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("main", "restart"), help=argparse.SUPPRESS)
+    ap.add_argument("--layout-first", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -585,7 +674,7 @@ def main() -> None:
                 if k == len(order) // 2:
                     dd_s.append(dd_pass(raw))
                 root = work / f"{store}-{r}"
-                passes[store].append(run_child(store, "main", root, args))
+                passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
                 if r == args.repeat - 1:
                     restarts[store] = (
                         run_child(store, "restart", root, args)
@@ -610,6 +699,7 @@ def main() -> None:
                 "repeat": args.repeat,
                 "stores": stores,
                 "kvtier_over_peer": ratios(stores),
+                "layout_over_peer": layout_over_peer(stores),
             }
         )
     )

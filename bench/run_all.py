@@ -153,12 +153,47 @@ def run_section(name: str, cmd: list[str], timeout: float, env: dict[str, str]) 
         return {"error": f"{name} printed no JSON object: {res.stdout[-300:]!r}"}, took
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def calibration() -> dict:
+    """How fast this machine's CPU runs the two kinds of work the CPU-bound lines are made of: interpreted Python
+    (a fixed loop, ns per iteration) and hashing (xxh3_128 over 64 MiB, GB/s); best of five each. Benchmarks in
+    objects/s or us per object scale with the first: compare two reports' numbers only beside these."""
+    import xxhash
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i & 7
+        return (time.perf_counter() - t0) / 1_000_000
+
+    data = os.urandom(64 << 20)
+
+    def hashing() -> float:
+        t0 = time.perf_counter()
+        xxhash.xxh3_128_digest(data)
+        return time.perf_counter() - t0
+
+    return {
+        "python_loop_ns": round(min(loop() for _ in range(5)) * 1e9, 1),
+        "xxh3_GBps": round(len(data) / min(hashing() for _ in range(5)) / 1e9, 2),
+    }
+
+
 def machine(dir_: str) -> dict:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     mem = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:")), 0)
     fs = subprocess.run(["df", "--output=fstype,source", dir_], capture_output=True, text=True).stdout.split()
     return {
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "calibration": calibration(),
         "memory_GiB": round(mem / (1 << 20), 1),
         "arch": platform.machine(),
         "kernel": platform.release(),
@@ -338,6 +373,12 @@ def markdown(report: dict) -> str:
         f"transparent huge pages: shmem_enabled={m.get('thp_shmem', '?')}, enabled={m.get('thp_anon', '?')}"
         f"{' (--quick)' if report['quick'] else ''}\n\n"
     )
+    cal = m.get("calibration")
+    if cal:
+        head += (
+            f"CPU: {m.get('cpu_model', '?')}; a Python loop takes {cal['python_loop_ns']} ns per iteration, xxh3 "
+            f"hashes {cal['xxh3_GBps']} GB/s (compare objects/s and µs per object across reports beside these)\n\n"
+        )
     workload = report["sections"].get("peers", {}).get("workload")
     if workload:
         head += (
