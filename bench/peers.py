@@ -16,14 +16,14 @@ with its own id. Per store, in a fresh process, on the same filesystem:
   or "error";
 * restart: a new process opens the same directory and reads the untouched objects back.
 
-The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes
-back to back, written once, page cache dropped first (`raw_device.dd_MBps`; each store's
-`cold_read_of_dd` is its cold read over that: what the disk leaves to gain). And kvtier's layout with none
-of kvtier's work: after its cold read, every batch's byte span in each segment read again, cold, in 2 MiB
-O_DIRECT reads all in flight at once through native AIO, one batch after another, with no lookup, check or
-copy (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what kvtier's own work
-costs). `layout_over_peer` is that read over each peer's cold read: the most kvtier could be faster than the
-peer on this disk with its layout, in batches of 32.
+The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes back to back,
+written once, page cache dropped first (`raw_device.dd_MBps`; each store's `cold_read_of_dd` is its cold read
+over that: what the disk leaves to gain). And kvtier's layout with none of kvtier's work: every batch's byte
+span in each segment read, cold, in kvtier's own piece size (2 MiB) of O_DIRECT reads all in flight at once
+through native AIO, one batch after another, with no lookup, check or copy, after kvtier's cold read or (every
+other round) before it (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what
+kvtier's own work costs). `layout_over_peer` is that read over each peer's cold read: the most kvtier could be
+faster than the peer on this disk with its layout, in batches of 32.
 
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
 `--repeat` times, in reverse order every other round (the dd pass always between them); each
@@ -65,7 +65,6 @@ from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 MB = 1e6
 BATCH = 32  # objects per write / read call, for every store
 IO_THREADS = 4  # kvtier's io_threads and LMCache's disk_io_threads
-LAYOUT_PIECE = 2 << 20  # the layout baseline's read size: kvtier's own (kvtier.store.waves.AIO_PIECE_BYTES)
 STORES = ("kvtier", "diskcache", "lmcache")
 DETECTS, SILENT, ERROR, CORRECT = "detects", "returns wrong bytes silently", "error", "returns the right bytes"
 
@@ -250,11 +249,12 @@ class KvtierStore:
 
     def layout_read_s(self, batches: Sequence[list[int]]) -> float | None:
         """Seconds to read every batch's span of each segment its records lie in (4 KiB-aligned), cold, in
-        LAYOUT_PIECE reads all in flight at once, a batch after the previous one is in; nothing checked or copied.
-        None where native AIO is not to be had."""
+        reads of kvtier's piece size all in flight at once, a batch after the previous one is in; nothing checked
+        or copied. None where native AIO is not to be had."""
         from kvtier.store import aio
         from kvtier.store.io import SegmentFile
         from kvtier.store.segments import SEGMENTS_DIR, segment_name
+        from kvtier.store.waves import AIO_PIECE_BYTES
 
         entries = {
             info.key: info.entry
@@ -285,8 +285,8 @@ class KvtierStore:
                 t0 = time.perf_counter()
                 ops, at = [], 0
                 for seg, (lo, hi) in per.items():
-                    for off in range(lo, hi, LAYOUT_PIECE):
-                        n = min(LAYOUT_PIECE, hi - off)
+                    for off in range(lo, hi, AIO_PIECE_BYTES):
+                        n = min(AIO_PIECE_BYTES, hi - off)
                         ops.append(aio.ReadOp(files[seg], [target[at : at + n]], off, None, 0))
                         at += n
                 ctx.submit(ops)
