@@ -61,6 +61,7 @@ from kvtier.core.forms import GroupKind, Reason  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
+from kvtier.store.index import IndexEntry  # noqa: E402
 
 MB = 1e6
 BATCH = 32  # objects per write / read call, for every store
@@ -232,12 +233,16 @@ class KvtierStore:
     def _out(self, slot: int, n: int) -> torch.Tensor:
         return self.outs[slot][:n]
 
-    def _entry(self, i: int):
-        key = self.w.keys[i]
-        for info in self.store.iter_records(namespace=key.namespace, limit=len(self.w.keys) + 1):
-            if info.key == key:
-                return info.entry
-        raise LookupError(f"kvtier has no record for object {i}")
+    def _entries(self) -> dict[ObjectKey, IndexEntry]:
+        """Every stored object's index entry, by key (one scan of the namespace's records)."""
+        ns = self.w.keys[0].namespace
+        return {info.key: info.entry for info in self.store.iter_records(namespace=ns, limit=len(self.w.keys) + 1)}
+
+    def _entry(self, i: int) -> IndexEntry:
+        entry = self._entries().get(self.w.keys[i])
+        if entry is None:
+            raise LookupError(f"kvtier has no record for object {i}")
+        return entry
 
     def locate(self, i: int) -> tuple[str, int, int]:
         """(file, offset of the payload in it, payload bytes)."""
@@ -256,10 +261,7 @@ class KvtierStore:
         from kvtier.store.segments import SEGMENTS_DIR, segment_name
         from kvtier.store.waves import AIO_PIECE_BYTES
 
-        entries = {
-            info.key: info.entry
-            for info in self.store.iter_records(namespace=self.w.keys[0].namespace, limit=len(self.w.keys) + 1)
-        }
+        entries = self._entries()
         spans: list[dict[int, tuple[int, int]]] = []
         for idx in batches:
             per: dict[int, tuple[int, int]] = {}
