@@ -136,7 +136,9 @@ class Compaction:
 
         `batches` is drawn one batch at a time, between copies: the caller paces the copies by when it yields the
         next batch, and the sync and the commit, each a device flush that the store's readers feel, come once
-        for all of them. A crash before the commit leaves the copies as an orphan tail, trimmed later.
+        for all of them. A crash before the commit leaves the copies as an orphan tail, trimmed later. The store's
+        append lock is held from the first batch to the commit, pacing included: a `store_many` of this process
+        waits meanwhile (the cleaner, the one caller, runs in the verifier, which stores nothing).
 
         The old bytes stay readable until their segment is unlinked under the epoch rule, so a reader that looked
         the old entry up finishes on it; a record that changed meanwhile keeps its entry (its copy is garbage).
