@@ -33,6 +33,13 @@ _REUSE = int(Route.REUSE)
 _FREE = BlockState.FREE
 
 
+# A write-back pins at most this share of each group's pool (at least one slot) while it stores them: the rest stays
+# evictable, so a recovery meanwhile finds its victims. Unbounded, one batch of 32 pinned every unpersisted slot of a
+# 16-slot pool, and a restore in that moment was recomputed (RECOMPUTE admission). Pools of thousands of slots never
+# reach it.
+WRITE_BACK_PIN_SHARE = 0.25
+
+
 @dataclasses.dataclass(slots=True)
 class Claimed:
     """Slots claimed (RECOVERING, verdict IN_FLIGHT) for objects of a lease, and the requests that fill them;
@@ -336,58 +343,83 @@ class Recovery:
         return np.bincount(t.s_group[todo], minlength=t.n_groups)
 
     def persist(self, limit: int | None, skip: frozenset[CacheForm]) -> PersistOutcome:
-        """See `CacheManager.persist`. Each form is stored in its own batch (up to `limit` objects), so a
-        form the tier refuses (its quota, say) does not hold back the others."""
+        """See `CacheManager.persist`. Each form is stored in its own batches (up to `limit` objects in all), so a
+        form the tier refuses (its quota, say) does not hold back the others; a batch pins at most
+        `WRITE_BACK_PIN_SHARE` of each group's pool, and the call takes batches until done."""
+        outcome = PersistOutcome()
+        left: dict[CacheForm, int | None] = {f: limit for f in dict.fromkeys(self._c.forms) if f not in skip}
+        while left:
+            if not self._persist_round(left, outcome):
+                break
+        return outcome
+
+    def _persist_round(self, left: dict[CacheForm, int | None], outcome: PersistOutcome) -> bool:
+        """One batch per form in `left` (each at most its count left, None: no limit); forms that are done, or that
+        the tier refused or skipped, leave `left`. False when nothing was taken, or the topology moved (that
+        round then counts for nothing, as its slots are gone)."""
         c = self._c
         with c.lock:
             t = c.table
             epoch = c.topology_epoch
             todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+            per_group = []  # each group's first slots to store, within its pin share
+            for g, pool in enumerate(c.pools):
+                base = int(t.base[g])
+                share = max(1, int(pool.n_slots * WRITE_BACK_PIN_SHARE))
+                per_group.append(base + np.flatnonzero(todo[base : base + pool.n_slots])[:share])
             batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
-            for form in dict.fromkeys(c.forms):
-                if form in skip:
+            for form in list(left):
+                mine = np.concatenate([per_group[g] for g, f in enumerate(c.forms) if f is form])[: left[form]]
+                if not len(mine):
+                    del left[form]
                     continue
-                groups = [g for g, f in enumerate(c.forms) if f is form]
-                mine = np.flatnonzero(todo & np.isin(t.s_group, groups))[:limit]
-                work = batches.setdefault(form, [])
+                work = batches[form] = []
                 for slot in mine.tolist():
                     g = int(t.s_group[slot])
                     t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
                     key = ObjectKey(c.ns, t.r_hash[t.s_row[slot]], c.names[g], c.forms[g])
                     local = slot - int(t.base[g])
                     work.append((slot, int(t.s_gen[slot]), key, c.pools[g].slot_view(local), c.digests[g]))
-        outcome = PersistOutcome()
         done: list[tuple[int, int, bool]] = []
+        stored = 0
+        failed: dict[CacheForm, str] = {}
         for form, work in batches.items():
-            if not work:
-                continue
             try:
                 self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
                 ok = True
-                outcome.stored += len(work)
+                stored += len(work)
+                n = left[form]
+                if n is not None and n - len(work) <= 0:
+                    del left[form]
+                elif n is not None:
+                    left[form] = n - len(work)
             except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
                 log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
                 ok = False
+                del left[form]
             except Exception as exc:
                 log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
-                outcome.failed[form] = f"{type(exc).__name__}: {exc}"
+                failed[form] = f"{type(exc).__name__}: {exc}"
                 ok = False
+                del left[form]
             done.extend((slot, gen, ok) for slot, gen, *_ in work)
         with c.lock:
-            if c.topology_epoch != epoch:
-                return PersistOutcome()
+            if c.topology_epoch != epoch:  # a resize dropped every slot: this round's results land nowhere
+                return False
             t = c.table
             for slot, gen, ok in done:
                 if t.s_gen[slot] == gen:
                     t.unpin(slot)
                     if ok:
                         t.mark_recoverable(slot)
-        return outcome
+        outcome.stored += stored
+        outcome.failed.update(failed)
+        return bool(batches)
 
 
 @dataclasses.dataclass(slots=True)
 class PersistOutcome:
-    """What one write-back batch did: objects stored, and per form the tier refused, why."""
+    """What one persist call did: objects stored, and per form the tier refused, why."""
 
     stored: int = 0
     failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)

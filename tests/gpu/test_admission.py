@@ -164,3 +164,47 @@ def test_a_pool_full_of_leased_objects_refuses_with_a_typed_error() -> None:
         raise AssertionError("a full, leased pool admitted a new object")
     m.release(held)
     write(m, hashes_of(m, prompt(42, 1)), [0])
+
+
+class _HeldWriteBack:
+    """Wraps a tier; store_many (the persister's write-back) blocks until released, its objects pinned."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def store_many(self, items):
+        self.entered.set()
+        assert self.gate.wait(30), "the test never released the write-back"
+        return self.inner.store_many(items)
+
+
+def test_a_write_back_in_flight_leaves_room_for_a_recovery() -> None:
+    # The persister pins each batch while storing it. In a small pool (8 slots a group here, the e2e fault
+    # matrix's daemon has 16 swa slots) one batch of 32 pinned every unpersisted object, so a restore in that
+    # moment found no victim and was recomputed (RECOMPUTE admission): a write-back must leave most of a pool
+    # evictable.
+    m, tier, hs = _on_lower_only(n=4)
+    other = hashes_of(m, prompt(22, 8))
+    write(m, other, range(8), state_at=state_blocks_for(PROFILE, 8))  # the pools full of unpersisted objects
+    held = _HeldWriteBack(tier)
+    m._c.lower = held
+    writer = threading.Thread(target=m.persist_batch, kwargs={"limit": 32})
+    writer.start()
+    try:
+        assert held.entered.wait(30)
+        pinned = int((m._c.table.s_pins > 0).sum())
+        assert 0 < pinned <= sum(max(1, p.n_slots // 4) for p in m._c.pools)
+        r = m.recover(m.lookup(hs), timeout_s=5)
+        assert r.check_vector.hit_blocks == 4, r.check_vector.counts()
+        for h in m.handles(r):
+            assert torch.equal(m.read(h, copy=True), payload(PROFILE, h.group, hs[h.block], m.namespace))
+        m.release(r)
+    finally:
+        held.gate.set()
+        writer.join()
+    assert m.audit() == []
