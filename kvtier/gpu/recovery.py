@@ -354,22 +354,19 @@ class Recovery:
         return outcome
 
     def _persist_round(self, left: dict[CacheForm, int | None], outcome: PersistOutcome) -> bool:
-        """One batch per form in `left` (each at most its count left, None: no limit); forms that are done, or that
-        the tier refused or skipped, leave `left`. False when nothing was taken, or the topology moved (that
-        round then counts for nothing, as its slots are gone)."""
+        """One batch per form in `left` (each at most its count left, None: no limit); forms that are done (all
+        they had, or their limit), or that the tier refused or skipped, leave `left`. False when nothing was
+        taken, or the topology moved (that round then counts for nothing, as its slots are gone)."""
         c = self._c
         with c.lock:
             t = c.table
             epoch = c.topology_epoch
             todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
-            per_group = []  # each group's first slots to store, within its pin share
-            for g, pool in enumerate(c.pools):
-                base = int(t.base[g])
-                share = max(1, int(pool.n_slots * WRITE_BACK_PIN_SHARE))
-                per_group.append(base + np.flatnonzero(todo[base : base + pool.n_slots])[:share])
             batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
+            more: dict[CacheForm, bool] = {}  # whether the pin share left some of the form's objects for a next round
             for form in list(left):
-                mine = np.concatenate([per_group[g] for g, f in enumerate(c.forms) if f is form])[: left[form]]
+                mine, more[form] = self._within_share(todo, form)
+                mine = mine[: left[form]]
                 if not len(mine):
                     del left[form]
                     continue
@@ -389,8 +386,8 @@ class Recovery:
                 ok = True
                 stored += len(work)
                 n = left[form]
-                if n is not None and n - len(work) <= 0:
-                    del left[form]
+                if not more[form] or (n is not None and n <= len(work)):
+                    del left[form]  # done: everything it had, or its limit
                 elif n is not None:
                     left[form] = n - len(work)
             except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
@@ -415,6 +412,20 @@ class Recovery:
         outcome.stored += stored
         outcome.failed.update(failed)
         return bool(batches)
+
+    def _within_share(self, todo: np.ndarray, form: CacheForm) -> tuple[np.ndarray, bool]:
+        """The form's slots to store (`todo`), at most `WRITE_BACK_PIN_SHARE` of each of its groups' pools, and
+        whether the share left some out. Caller holds the lock."""
+        c = self._c
+        taken, cut = [], False
+        for g, pool in enumerate(c.pools):
+            if c.forms[g] is form:
+                base = int(c.table.base[g])
+                share = max(1, int(pool.n_slots * WRITE_BACK_PIN_SHARE))
+                slots = base + np.flatnonzero(todo[base : base + pool.n_slots])
+                cut |= len(slots) > share
+                taken.append(slots[:share])
+        return np.concatenate(taken), cut
 
 
 @dataclasses.dataclass(slots=True)

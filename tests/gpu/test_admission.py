@@ -10,6 +10,7 @@ import torch
 from kvtier.core import Reason, Route
 from kvtier.core.tier import every_request
 from kvtier.gpu import AdmissionRefused
+from kvtier.gpu.recovery import WRITE_BACK_PIN_SHARE
 from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 
@@ -198,7 +199,7 @@ def test_a_write_back_in_flight_leaves_room_for_a_recovery() -> None:
     try:
         assert held.entered.wait(30)
         pinned = int((m._c.table.s_pins > 0).sum())
-        assert 0 < pinned <= sum(max(1, p.n_slots // 4) for p in m._c.pools)
+        assert 0 < pinned <= sum(max(1, int(p.n_slots * WRITE_BACK_PIN_SHARE)) for p in m._c.pools)
         r = m.recover(m.lookup(hs), timeout_s=5)
         assert r.check_vector.hit_blocks == 4, r.check_vector.counts()
         for h in m.handles(r):
