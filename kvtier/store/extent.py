@@ -26,9 +26,13 @@ MAX_RUN_BYTES = 16 << 20  # one read covers at most this much (a larger record i
 # of CPU (syscall, interrupt, wakeup) whatever its size up to 256 KiB, and 64 KiB more takes ~40 us of the disk.
 # 1,024 random 1 KB records of 20,000: 32 KiB made ~240 reads (12 MB), 64 KiB 50-65 (19 MB), ~25% faster.
 MAX_RUN_GAP = 64 << 10
-# With every read in flight at once (native AIO from one thread) a read costs the disk ~9 us and little CPU
-# (1,024 random 4 KiB reads in 9-10 ms), the time it takes to read ~12 KiB: gaps wider than that are skipped.
-AIO_RUN_GAP = 12 << 10
+# With every read in flight at once (native AIO from one thread) a read costs the disk ~9 us (1,024 random 4 KiB
+# reads in 9-10 ms), but the loading thread ~20 us of Python per run (plan, place, submit, complete, check), and
+# that is what a load of small records waits on: the disk sits idle between completions. 1,024 random 1 KB records
+# of 20,000 (2-core VM, 16 alternated rounds, twice): 12 KiB gaps made ~590 runs (5.9 MB) and 19,250-21,166
+# objects/s, 48 KiB ~115 runs (16 MB) and 23,048-26,032 (medians): 10 MB more is 3-7 ms of the disk (3 GB/s NVMe,
+# this VM's 1.4 GB/s), read while the thread works, against ~9 ms of CPU saved.
+AIO_RUN_GAP = 48 << 10
 
 
 @dataclasses.dataclass(slots=True)
