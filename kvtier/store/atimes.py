@@ -26,16 +26,20 @@ class AccessTimes:
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    def touch(self, raw_keys: list[bytes]) -> None:
-        if not raw_keys:
-            return
-        now = time.time()
+    def start(self) -> None:
+        """Start the writing thread; the store does this when it opens, not inside its first load (a thread
+        start costs 0.1-3 ms on a busy 2-core host, as much as a hundred small records take to read)."""
         with self._lock:
-            for k in raw_keys:
-                self._pending[k] = now
             if self._thread is None and not self._stop:
                 self._thread = threading.Thread(target=self._run, name="kvtier-store-atime", daemon=True)
                 self._thread.start()
+
+    def touch(self, raw_keys: list[bytes]) -> None:
+        if not raw_keys:
+            return
+        noted = dict.fromkeys(raw_keys, time.time())  # built outside the lock, in one C call per load
+        with self._lock:
+            self._pending.update(noted)
             if len(self._pending) >= 65536:  # bound the memory between flushes
                 self._wake.set()
 

@@ -66,6 +66,8 @@ class DiskStore:
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
             self._ctx.executor("read")  # the daemon's read threads start now, not inside its first restore
+        if not readonly:
+            self._atimes.start()  # last: a store that failed to open leaves no thread behind
 
     # ----------------------------------------------------------------- properties
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import lmdb
@@ -72,6 +73,22 @@ def test_store_is_idempotent_and_durable_across_reopen(tmp_path) -> None:
     with DiskStore(str(tmp_path)) as s:
         reason, out = _load(s, k, 10000)
         assert reason is Reason.OK and torch.equal(out, make_payload("x", 10000))
+
+
+def test_a_load_starts_no_thread_and_its_access_times_reach_the_index(tmp_path) -> None:
+    """The store's threads start when it opens: a thread start costs milliseconds on a busy host, which a load
+    of small records would pay on its clock."""
+    with DiskStore(str(tmp_path), writer=True) as w:
+        key = make_key(w.register_namespace(VK), "t")
+        w.store(key, make_payload("t", 3000), DIGEST)
+    with DiskStore(str(tmp_path), StoreConfig(atime_flush_s=3600)) as s:
+        before = {t.ident for t in threading.enumerate()}
+        started = time.time()
+        assert _load(s, key, 3000)[0] is Reason.OK
+        loaded = time.time()
+        assert {t.ident for t in threading.enumerate()} == before
+    with DiskStore(str(tmp_path), readonly=True) as r, r.index.read() as txn:  # written at close
+        assert started <= index_mod.unpack_time(txn.get(index_mod.encode_key(key), db=r.index.atime)) <= loaded
 
 
 def test_namespaces_are_isolated_and_retirement_is_stale(store: DiskStore) -> None:
