@@ -1,7 +1,9 @@
-"""The unix-socket server: one thread per connection, peer credentials, request order, error frames.
+"""The unix-socket server: a thread per speaking connection, peer credentials, request order, error frames.
 
-A connection never blocks another: each has its own thread, the backend is thread-safe, and no lock
-is held while waiting on a socket. What a client can hold is bounded: its first frame must come within
+A connection never blocks another: until it sends its first bytes the main loop watches it (`kvtier.daemon.lobby`),
+then a thread serves it alone while it lasts (`kvtier.daemon.workers`: threads are kept for later connections,
+not started per connection), the backend is thread-safe, and no lock is held while waiting on a socket (the
+main loop only peeks). What a client can hold is bounded: its first frame must come within
 `hello_timeout_s`, it may idle `idle_timeout_s` between frames, a begun frame must arrive whole (and its
 reply be taken) within `frame_timeout_s`, and the receive buffer grows with the bytes that arrived (never
 the length a header announces) under `max_frame_bytes` per frame and `max_buffered_bytes` over all
@@ -27,7 +29,9 @@ from pathlib import Path
 from kvtier import __version__
 from kvtier.core.config import ServerConfig
 from kvtier.core.errors import KvtierError
+from kvtier.daemon.lobby import Lobby, Waiting
 from kvtier.daemon.session import Backend, Peer, Session
+from kvtier.daemon.workers import Workers
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P
 from kvtier.wire.dial import group_names
@@ -37,6 +41,7 @@ from kvtier.wire.stats import StatsDoc
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+ACCEPT_BATCH = 64  # connections accepted per turn of the main loop
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
@@ -109,16 +114,10 @@ class _Quiet(Exception):
     """A connection closed for saying nothing (no first frame in time, or idle too long): no answer owed."""
 
 
-def _shut(conn: socket.socket) -> None:
-    """End a connection another thread serves: its blocked recv returns EOF and the thread cleans up."""
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 class SocketServer:
-    """Accepts connections (the caller's loop calls `accept_one` when the listener is readable), each in a thread."""
+    """Accepts connections and serves each on a worker thread once it has spoken. The caller's loop calls
+    `accept_ready` when the listener is readable, `greet_ready` when `lobby` is (connections that sent their
+    first bytes), and `expire_silent` at least every `hello_due` seconds."""
 
     def __init__(
         self,
@@ -136,8 +135,8 @@ class SocketServer:
         self._owners = itertools.count(1)
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
-        self._fresh: dict[int, socket.socket] = {}  # connections that have not sent a frame yet, oldest first
-        self._threads: dict[int, threading.Thread] = {}
+        self.lobby = Lobby(cfg.hello_timeout_s)  # accepted connections that have sent nothing yet
+        self._workers = Workers(self._serve, "kvtier-conn")
         self.budget = F.ByteBudget(cfg.max_buffered_bytes)
         _return_big_buffers_to_the_os()
         self._inflight = 0
@@ -165,8 +164,9 @@ class SocketServer:
         return self.listener.fileno()
 
     def accept_ready(self) -> None:
-        """Accept every connection waiting in the backlog (the listener is non-blocking)."""
-        while True:
+        """Accept up to ACCEPT_BATCH connections waiting in the backlog (the listener is non-blocking): then the
+        loop greets those that have spoken, which a backlog kept full would otherwise hold off for good."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -181,7 +181,7 @@ class SocketServer:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         peer = peer_credentials(conn)
         refusal: KvtierError | None = None
-        victim: socket.socket | None = None
+        victim: Waiting | None = None
         if not peer_allowed(peer, self.cfg):
             refusal = PermissionDenied(
                 f"uid {peer.uid} / gid {peer.gid} may not use this daemon; {self._how_to_join()}"
@@ -190,38 +190,52 @@ class SocketServer:
             if refusal is None and self._closing:
                 refusal = DaemonBusy("the daemon is shutting down; retry later")
             elif refusal is None and len(self._conns) >= self.cfg.max_connections:
-                victim = self._silent_victim()
+                victim = self.lobby.victim()
                 if victim is None:
                     refusal = DaemonBusy(
                         f"the daemon is at server.max_connections ({self.cfg.max_connections}); retry later"
                     )
             if refusal is None:
                 owner = next(self._owners)
-                self._conns[owner] = self._fresh[owner] = conn
-                thread = threading.Thread(
-                    target=self._serve, args=(conn, Session(owner, peer)), name=f"kvtier-conn-{owner}", daemon=True
-                )
-                self._threads[owner] = thread
+                self._conns[owner] = conn
         if victim is not None:
-            log.info("at max_connections: closing a connection that sent nothing yet")
-            _shut(victim)
+            self._end_silent(victim, "nothing sent yet, and the daemon is at max_connections")
         if refusal is not None:
             log.warning("refused pid %d uid %d: %s", peer.pid, peer.uid, refusal)
             self._refuse(conn, refusal)
             return
-        thread.start()
+        self.lobby.enter(owner, conn, Session(owner, peer), time.monotonic())
 
-    def _silent_victim(self) -> socket.socket | None:
-        """The oldest connection that has sent nothing (not even bytes its thread has yet to read), taken out of
-        `_fresh`; None if there is none. Caller holds the lock."""
-        for owner, conn in self._fresh.items():
+    def greet_ready(self) -> None:
+        """Hand each connection that has spoken to a worker; close those whose peer left without a word."""
+        for w in self.lobby.ready():
             try:
-                waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except OSError:  # nothing waiting (EAGAIN), or already broken: as good a victim as a silent one
-                waiting = b""
-            if not waiting:
-                return self._fresh.pop(owner)
-        return None
+                spoke = w.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                spoke = b""
+            if spoke:
+                self._workers.submit(w.conn, w.session)
+            else:
+                self._end_silent(w, None)
+
+    def expire_silent(self, now: float) -> None:
+        """Close the connections that sent nothing within hello_timeout_s."""
+        for w in self.lobby.expired(now):
+            self._end_silent(w, f"no first frame for {self.cfg.hello_timeout_s}s")
+
+    def hello_due(self, now: float) -> float | None:
+        """Seconds until `expire_silent` has a connection to close (None: none is waiting)."""
+        return self.lobby.due(now)
+
+    def _end_silent(self, w: Waiting, why: str | None) -> None:
+        """Close a connection out of the lobby (`why` None: its peer left). It never sent a frame, so it holds no
+        lease to release."""
+        if why is not None:
+            log.info("connection %d (pid %d): %s; closing", w.owner, w.session.peer.pid, why)
+        w.conn.close()
+        with self._lock:
+            self._conns.pop(w.owner, None)
+            self._idle.notify_all()
 
     def _how_to_join(self) -> str:
         if self.cfg.allowed_gids:
@@ -254,7 +268,6 @@ class SocketServer:
                     if body is None:
                         return
                     with self._lock:
-                        self._fresh.pop(session.owner, None)
                         self._inflight += 1
                     try:
                         reply, fds = self._handle(session, body, received)
@@ -285,8 +298,6 @@ class SocketServer:
                 log.info("connection %d (pid %d) gone: released %d leases", session.owner, session.peer.pid, released)
             with self._lock:
                 self._conns.pop(session.owner, None)
-                self._fresh.pop(session.owner, None)
-                self._threads.pop(session.owner, None)
                 self._idle.notify_all()
 
     def _read_frame(self, conn: socket.socket, fds: list[int], *, first: bool) -> bytearray | None:
@@ -405,7 +416,11 @@ class SocketServer:
         self.listener.close()
 
     def drain(self, deadline: float, tick: Callable[[], None] = lambda: None) -> bool:
-        """Let in-flight requests finish, end idle connections, wait for every connection thread; True if all ended."""
+        """Let in-flight requests finish, end idle connections, wait until every connection is served to its end;
+        True if all ended."""
+        for w in self.lobby.empty():  # no thread serves these: they end here
+            self._end_silent(w, None)
+        self.lobby.close()
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:
@@ -415,11 +430,11 @@ class SocketServer:
                 pass
         while True:
             with self._lock:
-                if not self._threads:
+                if not self._conns:
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    log.warning("%d connections still busy at the shutdown deadline", len(self._threads))
+                    log.warning("%d connections still busy at the shutdown deadline", len(self._conns))
                     return False
                 self._idle.wait(min(remaining, 0.5))
             tick()

@@ -193,6 +193,7 @@ class Daemon:
         previous = self._install_signals()
         sel = selectors.DefaultSelector()
         sel.register(self.server.listener, selectors.EVENT_READ, "accept")
+        sel.register(self.server.lobby, selectors.EVENT_READ, "greet")
         sel.register(self._pipe_r, selectors.EVENT_READ, "signal")
         try:
             if self.cfg.metrics.address:
@@ -210,14 +211,19 @@ class Daemon:
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             self.notifier.ping_watchdog()
             last_tick = 0.0
+            now = time.monotonic()
             while not self._stop:
-                due = self.notifier.watchdog_due()
-                for key, _ in sel.select(min(TICK_S, due) if due is not None else TICK_S):
+                dues = (TICK_S, self.notifier.watchdog_due(), self.server.hello_due(now))
+                wait = min(x for x in dues if x is not None)
+                for key, _ in sel.select(wait):
                     if key.data == "accept":
                         self.server.accept_ready()
+                    elif key.data == "greet":
+                        self.server.greet_ready()
                     else:
                         self._handle_signals()
                 now = time.monotonic()
+                self.server.expire_silent(now)
                 if now - last_tick >= TICK_S or (self.notifier.watchdog_due(now) == 0.0):
                     self._housekeeping()
                     last_tick = now
@@ -235,6 +241,7 @@ class Daemon:
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         self.notifier.stopping("draining connections")
         sel.unregister(self.server.listener)
+        sel.unregister(self.server.lobby)  # drain closes what waits there
         self.server.stop_accepting()
         clean = self.server.drain(deadline, tick=self.notifier.ping_watchdog)
         self.notifier.status("flushing acknowledged writes to the store")
