@@ -210,9 +210,11 @@ class SocketServer:
         """Hand each connection that has spoken to a worker; close those whose peer left without a word."""
         for w in self.lobby.ready():
             try:
-                spoke = w.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except OSError:
-                spoke = b""
+                spoke = w.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            except BlockingIOError:  # woken without a byte after all: its thread waits for one (hello_timeout_s)
+                spoke = True
+            except OSError:  # reset by its peer
+                spoke = False
             if spoke:
                 self._workers.submit(w.conn, w.session)
             else:
