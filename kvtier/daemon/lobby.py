@@ -1,17 +1,19 @@
 """Accepted connections that have not said anything yet, watched by the accept loop instead of by a thread each.
 
 Contract (used from the daemon's main loop only; not thread-safe):
-- `enter(owner, conn, session)` watches a new connection until bytes (or EOF) wait on it, or `hello_timeout_s`
-  passes. `fileno()` is a pollable descriptor (an epoll set) that is readable while some watched connection is.
-- `ready()` takes out the connections with something waiting (bytes or EOF); `expired(now)` those whose hello
-  time is up; `victim()` the oldest with nothing waiting (None if every one has bytes waiting); `empty()` all.
-  A connection taken out is the caller's to serve or close; `due(now)` is the seconds until the next expiry.
+- `enter(owner, conn, session, now)` watches a new connection until bytes (or EOF) wait on it, or
+  `hello_timeout_s` passes. `fileno()` is a pollable descriptor (an epoll set) that is readable while some watched
+  connection is.
+- `ready()` takes out the connections with something waiting, as (spoken: bytes wait, gone: EOF or reset);
+  `expired(now)` those whose hello time is up; `victim()` the oldest with no byte waiting (None if every one has
+  bytes waiting); `empty()` all. A connection taken out is the caller's to serve or close; `due(now)` is the
+  seconds until the next expiry.
 - Connections are kept in arrival order, so the oldest silent one is the first victim.
 
 Why: a connection that never speaks (tests/daemon/test_hostile_load.py keeps 200 open and opens more as fast
-as it can) used to cost a thread woken for it and one woken again to close it; each wakes into a GIL held by
-busy connections, and on the 2-core VM the accept loop managed 800-2,500 connections a second, so a
-well-formed client behind 4,096 of them in the listen backlog waited seconds to be greeted. Watched here, a
+as it can) used to cost a thread started for it and woken again to close it, each waiting for a GIL held by
+busy connections: on a slow 2-core VM the accept loop managed 900-5,100 connections a second, so a well-formed
+client behind 4,096 of them in the listen backlog waited 2.1-7.8 s to be greeted (docs/hardening.md). Watched here, a
 silent connection costs the loop an epoll registration, and a thread only once it has spoken.
 """
 
@@ -52,8 +54,14 @@ class Lobby:
         self._waiting[owner] = Waiting(owner, conn, session, now + self.hello_timeout_s)
         self._sel.register(conn, selectors.EVENT_READ, owner)
 
-    def ready(self) -> list[Waiting]:
-        return [self._take(key.data) for key, _ in self._sel.select(0)]
+    def ready(self) -> tuple[list[Waiting], list[Waiting]]:
+        spoken: list[Waiting] = []
+        gone: list[Waiting] = []
+        for key, _ in self._sel.select(0):
+            w = self._take(key.data)
+            # woken without a byte after all (None): its thread waits for one, within hello_timeout_s
+            (gone if _peek(w.conn) == b"" else spoken).append(w)
+        return spoken, gone
 
     def expired(self, now: float) -> list[Waiting]:
         out: list[Waiting] = []
@@ -69,11 +77,7 @@ class Lobby:
 
     def victim(self) -> Waiting | None:
         for owner, w in self._waiting.items():
-            try:
-                waiting = w.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except OSError:  # nothing waiting (EAGAIN), or already broken: as good a victim as a silent one
-                waiting = b""
-            if not waiting:
+            if not _peek(w.conn):  # nothing waiting, or gone: as good a victim as a silent one
                 return self._take(owner)
         return None
 
@@ -87,3 +91,13 @@ class Lobby:
         w = self._waiting.pop(owner)
         self._sel.unregister(w.conn)
         return w
+
+
+def _peek(conn: socket.socket) -> bytes | None:
+    """The first byte waiting on the connection; b"" if its peer left (EOF, or reset); None if nothing waits yet."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""

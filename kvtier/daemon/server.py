@@ -117,7 +117,7 @@ class _Quiet(Exception):
 class SocketServer:
     """Accepts connections and serves each on a worker thread once it has spoken. The caller's loop calls
     `accept_ready` when the listener is readable, `greet_ready` when `lobby` is (connections that sent their
-    first bytes), and `expire_silent` at least every `hello_due` seconds."""
+    first bytes), and `expire_silent` at least every `lobby.due()` seconds."""
 
     def __init__(
         self,
@@ -208,26 +208,16 @@ class SocketServer:
 
     def greet_ready(self) -> None:
         """Hand each connection that has spoken to a worker; close those whose peer left without a word."""
-        for w in self.lobby.ready():
-            try:
-                spoke = w.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-            except BlockingIOError:  # woken without a byte after all: its thread waits for one (hello_timeout_s)
-                spoke = True
-            except OSError:  # reset by its peer
-                spoke = False
-            if spoke:
-                self._workers.submit(w.conn, w.session)
-            else:
-                self._end_silent(w, None)
+        spoken, gone = self.lobby.ready()
+        for w in spoken:
+            self._workers.submit(w.conn, w.session)
+        for w in gone:
+            self._end_silent(w, None)
 
     def expire_silent(self, now: float) -> None:
         """Close the connections that sent nothing within hello_timeout_s."""
         for w in self.lobby.expired(now):
             self._end_silent(w, f"no first frame for {self.cfg.hello_timeout_s}s")
-
-    def hello_due(self, now: float) -> float | None:
-        """Seconds until `expire_silent` has a connection to close (None: none is waiting)."""
-        return self.lobby.due(now)
 
     def _end_silent(self, w: Waiting, why: str | None) -> None:
         """Close a connection out of the lobby (`why` None: its peer left). It never sent a frame, so it holds no

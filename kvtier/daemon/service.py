@@ -213,7 +213,7 @@ class Daemon:
             last_tick = 0.0
             now = time.monotonic()
             while not self._stop:
-                dues = (TICK_S, self.notifier.watchdog_due(), self.server.hello_due(now))
+                dues = (TICK_S, self.notifier.watchdog_due(), self.server.lobby.due(now))
                 wait = min(x for x in dues if x is not None)
                 for key, _ in sel.select(wait):
                     if key.data == "accept":

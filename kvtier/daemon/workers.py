@@ -9,10 +9,9 @@ Contract (`Workers(target, name)`):
   another.
 
 Why not a thread per connection: `Thread.start()` returns only once the new thread has run, and under load that
-waits for it to win the GIL from the busy connection threads. The accept loop started one per connection, so a
-flood of hello-less connects (tests/daemon/test_hostile_load.py) held it to 800-1,300 accepts a second on the
-2-core VM, and a well-formed client queued behind 4,096 of them in the listen backlog waited 4-8 s to be
-greeted. A worker reused for the next connection starts nothing.
+waits for it to win the GIL from the busy connection threads; the accept loop waited so for every connection
+(see `kvtier.daemon.lobby` for what that cost under a flood of connects). A worker reused for the next
+connection starts nothing.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ def test_lobby_hands_out_speakers_expires_in_arrival_order_and_picks_the_oldest_
     try:
         for owner, (ours, _) in enumerate(pairs):
             lobby.enter(owner, ours, Session(owner, Peer(0, 0, 0)), now=float(owner))
-        assert lobby.ready() == [] and lobby.due(0.0) == 5.0
+        assert lobby.ready() == ([], []) and lobby.due(0.0) == 5.0
         pairs[1][1].sendall(b"\x00")  # owner 1 speaks
         pairs[3][1].close()  # owner 3's peer leaves: readable too (EOF)
-        assert sorted(w.owner for w in lobby.ready()) == [1, 3]
+        spoken, gone = lobby.ready()
+        assert [w.owner for w in spoken] == [1] and [w.owner for w in gone] == [3]
         assert [w.owner for w in lobby.expired(5.5)] == [0]  # deadline 5.0; owner 2's is 7.0
         assert lobby.due(5.5) == 1.5
         assert lobby.victim().owner == 2 and lobby.victim() is None and len(lobby) == 0
