@@ -160,9 +160,6 @@ class SocketServer:
 
     # -- accepting -------------------------------------------------------------------------------
 
-    def fileno(self) -> int:
-        return self.listener.fileno()
-
     def accept_ready(self) -> None:
         """Accept up to ACCEPT_BATCH connections waiting in the backlog (the listener is non-blocking): then the
         loop greets those that have spoken, which a backlog kept full would otherwise hold off for good."""
