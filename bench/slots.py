@@ -1,8 +1,9 @@
 """Load targets for the benchmarks' in-process loads, in the memory the daemon's pool slots are.
 
-One cpu pool made by `kvtier.gpu.pools.allocate_pool` (a memfd whose pages are taken when it is made, huge
-pages where the kernel allows them for shared memory), carved as the daemon's slots are: the store reads large
-payloads straight into such a view, with no bounce copy, in requests as large as the daemon's pools allow.
+One pool made by `kvtier.gpu.pools.allocate_pool` (on cpu a memfd whose pages are taken when it is made, huge
+pages where the kernel allows them for shared memory; on cuda a device tensor), carved as the daemon's slots are:
+the store reads large payloads straight into such a view, with no bounce copy, in requests as large as the
+daemon's pools allow.
 A benchmark that gave the store ordinary tensors would measure a caller's memory, not kvtier's.
 """
 
@@ -16,13 +17,15 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.layout import slot_stride
 from kvtier.gpu.pools import allocate_pool
 
+_CPU = torch.device("cpu")
 
-def slot_targets(sizes: Sequence[int]) -> list[torch.Tensor]:
-    """One zeroed view per size, carved in order from one cpu pool, each aligned as a daemon's slot of that size
-    is (`slot_stride`: 4096 B from 4 KiB on)."""
+
+def slot_targets(sizes: Sequence[int], device: torch.device = _CPU) -> list[torch.Tensor]:
+    """One zeroed view per size, carved in order from one pool on `device`, each aligned as a daemon's slot of that
+    size is (`slot_stride`: 4096 B from 4 KiB on)."""
     strides = [slot_stride(n) for n in sizes]
     total = sum(strides)
-    pool = allocate_pool("bench-targets", CacheForm.COMPRESSED, total, slot_stride(total), torch.device("cpu"))
+    pool = allocate_pool("bench-targets", CacheForm.COMPRESSED, total, slot_stride(total), device)
     memory = pool.tensor
     pool.close()  # the mapping outlives the descriptors
     views, at = [], 0
