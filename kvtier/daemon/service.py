@@ -211,9 +211,9 @@ class Daemon:
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             self.notifier.ping_watchdog()
             last_tick = 0.0
-            now = time.monotonic()
             while not self._stop:
-                dues = (TICK_S, self.notifier.watchdog_due(), self.server.lobby.due(now))
+                # the lobby's due time from the clock now, not the turn's start: housekeeping may have run since
+                dues = (TICK_S, self.notifier.watchdog_due(), self.server.lobby.due(time.monotonic()))
                 wait = min(x for x in dues if x is not None)
                 for key, _ in sel.select(wait):
                     if key.data == "accept":
