@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
 import xxhash
 
 from kvtier.core.forms import CacheForm
@@ -85,6 +86,34 @@ class RecordState(enum.IntEnum):
 _STATES = tuple(RecordState)  # by value (0, 1, ...)
 _CODECS = tuple(Codec)
 _V2_SEALED = struct.Struct("<BBBBBBxxQQQQQ16s16sQddddQQ")  # IndexEntry._V2 and its seal: one value, one unpack
+# The same value as a numpy record, for loads that parse a batch's entries at once (kvtier.store.packed); the
+# field names are IndexEntry's, `version` and `seal` added.
+ENTRY_V2_DTYPE = np.dtype(
+    [
+        ("version", "u1"),
+        ("state", "u1"),
+        ("form", "u1"),
+        ("codec", "u1"),
+        ("quarantine_reason", "u1"),
+        ("flags", "u1"),
+        ("_pad", "V2"),
+        ("segment", "<u8"),
+        ("offset", "<u8"),
+        ("record_len", "<u8"),
+        ("payload_len", "<u8"),
+        ("stored_len", "<u8"),
+        ("payload_checksum", "V16"),
+        ("layout_digest", "V16"),
+        ("seq", "<u8"),
+        ("created", "<f8"),
+        ("verified_at", "<f8"),
+        ("pin_until", "<f8"),
+        ("quarantined_at", "<f8"),
+        ("device_checksum", "<u8"),
+        ("seal", "<u8"),
+    ]
+)
+assert ENTRY_V2_DTYPE.itemsize == _V2_SEALED.size
 
 
 @dataclasses.dataclass(slots=True)

@@ -23,6 +23,7 @@ from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
+from kvtier.store.packed import PackedLoad
 from kvtier.store.record import (
     FORM_CODES,
     FORMAT_VERSION,
@@ -135,65 +136,112 @@ class Reader:
         that keeps the cleaner from unlinking a segment this batch could still read (FORMAT.md).
         """
         outcome = LoadOutcome([], [], [])
+        backend = self._ctx.backend
+        with self._ctx.index.read() as txn:
+            aio_ctx = aio.acquire() if backend.direct and not backend.gpu_direct else None
+            if aio_ctx is None:
+                self._load(txn, requests, more, outcome)
+            else:
+                self._load_packed(txn, aio_ctx, requests, more, outcome)
+        return outcome
+
+    def _load_packed(
+        self,
+        txn: lmdb.Transaction,
+        aio_ctx: aio.AioContext,
+        requests: Sequence[LoadRequest],
+        more: MoreRequests | None,
+        outcome: LoadOutcome,
+    ) -> None:
+        """The small records through `PackedLoad`, then the rest (and any that failed its checks) through the
+        general path, each answer in its request's place."""
+        packed = PackedLoad(self._ctx, txn, aio_ctx, self.segment, self._namespace_reason)
+        every = list(requests)
+        try:
+            rest = packed.add(requests, 0)
+            none_small = len(rest) == len(requests)
+            if more is not None and not none_small:
+                extra = more()
+                rest += packed.add(extra, len(every))
+                every += extra
+            _, outcome.hits, failed = packed.finish()
+        finally:
+            packed.close()
+            aio.release(aio_ctx)
+        if none_small:  # the general path alone, calling `more` as it does (once the first reads are out)
+            self._load(txn, requests, more, outcome)
+            return
+        outcome.reasons = [_OK] * len(every)
+        rest = sorted(rest + failed)
+        if rest:
+            general = LoadOutcome([], [], [])
+            self._load(txn, [every[i] for i in rest], None, general)
+            for i, reason in zip(rest, general.reasons):
+                outcome.reasons[i] = reason
+            outcome.hits += general.hits
+            outcome.faults += general.faults
+
+    def _load(
+        self, txn: lmdb.Transaction, requests: Sequence[LoadRequest], more: MoreRequests | None, outcome: LoadOutcome
+    ) -> None:
+        """The general path: every request's lookup, read and checks a record at a time, any record format."""
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         keys: list[ObjectKey] = []
         raw_keys: list[bytes] = []
-        with self._ctx.index.read() as txn:
-            found: Iterator[tuple[int, tuple[tuple[Reason, IndexEntry | None], torch.Tensor]]] = iter(())
+        found: Iterator[tuple[int, tuple[tuple[Reason, IndexEntry | None], torch.Tensor]]] = iter(())
 
-            def look(reqs: Sequence[LoadRequest]) -> None:
-                """Queue the requests' lookups (run as `take` asks for them), answered after those queued before."""
-                nonlocal found
-                at = len(keys)
-                new_keys = [req.key for req in reqs]
-                new_raw = [encode_key(key) for key in new_keys]
-                outs = [flat_uint8(req.out) for req in reqs]
-                digests = [req.layout_digest for req in reqs]
-                keys.extend(new_keys)
-                raw_keys.extend(new_raw)
-                reasons.extend([Reason.MISSING] * len(reqs))
-                found = enumerate(zip(self.lookups(txn, new_keys, new_raw, digests, corrupt_values), outs), at)
+        def look(reqs: Sequence[LoadRequest]) -> None:
+            """Queue the requests' lookups (run as `take` asks for them), answered after those queued before."""
+            nonlocal found
+            at = len(keys)
+            new_keys = [req.key for req in reqs]
+            new_raw = [encode_key(key) for key in new_keys]
+            outs = [flat_uint8(req.out) for req in reqs]
+            digests = [req.layout_digest for req in reqs]
+            keys.extend(new_keys)
+            raw_keys.extend(new_raw)
+            reasons.extend([Reason.MISSING] * len(reqs))
+            found = enumerate(zip(self.lookups(txn, new_keys, new_raw, digests, corrupt_values), outs), at)
 
-            def take(upto: int) -> tuple[list[ReadJob], bool]:
-                """The next keys' jobs, looked up until their records hold `upto` bytes; and whether keys are left."""
-                jobs: list[ReadJob] = []
-                nbytes = 0
-                for i, ((reason, entry), out) in found:
-                    if entry is not None:
-                        if entry.payload_len != out.numel():
-                            reason = Reason.ABI_MISMATCH
-                        else:
-                            jobs.append(ReadJob(i, keys[i], entry, out))
-                            nbytes += entry.record_len
-                    reasons[i] = reason
-                    if nbytes >= upto and i + 1 < len(reasons):
-                        return jobs, True
-                return jobs, False
+        def take(upto: int) -> tuple[list[ReadJob], bool]:
+            """The next keys' jobs, looked up until their records hold `upto` bytes; and whether keys are left."""
+            jobs: list[ReadJob] = []
+            nbytes = 0
+            for i, ((reason, entry), out) in found:
+                if entry is not None:
+                    if entry.payload_len != out.numel():
+                        reason = Reason.ABI_MISMATCH
+                    else:
+                        jobs.append(ReadJob(i, keys[i], entry, out))
+                        nbytes += entry.record_len
+                reasons[i] = reason
+                if nbytes >= upto and i + 1 < len(reasons):
+                    return jobs, True
+            return jobs, False
 
-            look(requests)
-            rest: Callable[[], Sequence[ReadJob]] | None
-            if more is None:
-                # The first keys' reads go out before the rest are looked up: the disk reads while this thread does.
-                first, left = take(EARLY_READ_BYTES)
-                rest = (lambda: take(_ALL)[0]) if left else None
+        look(requests)
+        rest: Callable[[], Sequence[ReadJob]] | None
+        if more is None:
+            # The first keys' reads go out before the rest are looked up: the disk reads while this thread does.
+            first, left = take(EARLY_READ_BYTES)
+            rest = (lambda: take(_ALL)[0]) if left else None
+        else:
+            # The caller's first requests are read first (it sized them to cover what it does in `more`).
+            first = take(_ALL)[0]
+
+            def rest() -> Sequence[ReadJob]:
+                look(more())
+                return take(_ALL)[0]
+
+        hits = outcome.hits
+        for job, exc in self.read(first, _fill_out, more=rest):
+            if exc is None:
+                hits.append(raw_keys[job.index])
             else:
-                # The caller's first requests are read first (it sized them to cover what it does in `more`).
-                first = take(_ALL)[0]
-
-                def rest() -> Sequence[ReadJob]:
-                    look(more())
-                    return take(_ALL)[0]
-
-            hits = outcome.hits
-            for job, exc in self.read(first, _fill_out, more=rest):
-                if exc is None:
-                    hits.append(raw_keys[job.index])
-                else:
-                    outcome.faults.append((job.key, exc.reason))
-                    reasons[job.index] = exc.reason.miss_reason
+                outcome.faults.append((job.key, exc.reason))
+                reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
-        return outcome
 
     def read(
         self,

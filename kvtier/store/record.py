@@ -8,6 +8,7 @@ import json
 import struct
 import threading
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -49,10 +50,35 @@ class Codec(enum.IntEnum):
 _FIXED = struct.Struct("<8sHBBBBH16s16s16s32sQQd16sQ8x")
 _CHECKSUM = struct.Struct("<Q")
 HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 160: the inline header in front of every v2 payload
+# The same fields as a numpy record (loads that check a batch's headers at once, kvtier.store.packed), and the
+# header's checksum after them.
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "V8"),
+        ("version", "<u2"),
+        ("form", "u1"),
+        ("codec", "u1"),
+        ("group_len", "u1"),
+        ("flags", "u1"),
+        ("header_bytes", "<u2"),
+        ("namespace", "V16"),
+        ("block_hash", "V16"),
+        ("layout_digest", "V16"),
+        ("group", "S32"),
+        ("payload_len", "<u8"),
+        ("stored_len", "<u8"),
+        ("created", "<f8"),
+        ("payload_checksum", "V16"),
+        ("device_checksum", "<u8"),
+        ("_reserved", "V8"),
+        ("checksum", "<u8"),
+    ]
+)
 LARGE_PAYLOAD = DISK_ALIGNMENT  # payloads at least this long start 4096-aligned (O_DIRECT / GDS straight reads)
 RECORD_ALIGNMENT = 32  # every v2 header starts 32-aligned (HEADER_BYTES is a multiple: rebuild resyncs in these steps)
 NAMESPACE_RECORD = 0  # form code of the record that carries a namespace's VersionKey JSON
 MAX_VERSION_KEY_BYTES = 3942  # the v1 header block's room for it, kept so a namespace fits either format
+assert HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
 class Flags(enum.IntFlag):

@@ -1,0 +1,235 @@
+"""Small records through the packed path (kvtier.store.packed): the general path's answers and bytes, every record it
+finds damaged answered (and quarantined) by the general path, bounce memory bounded by its chunks."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.core import Reason
+from kvtier.core.tier import LoadRequest
+from kvtier.store import DiskStore, QuarantineReason, RecordState, aio, packed
+from kvtier.store.io import BufferPool
+from kvtier.store.record import HEADER_BYTES
+from support.corrupt import flip_bit, segment_path
+from support.store_helpers import DIGEST, VK, make_key, make_payload
+
+N = 64
+SIZES = [random.Random(i).randrange(1, 4096) for i in range(N)]  # every one small: < LARGE_PAYLOAD
+
+
+@pytest.fixture(autouse=True)
+def native_aio() -> None:
+    ctx = aio.acquire()
+    if ctx is None:
+        pytest.skip("native AIO is not available on this machine: loads take the general path only")
+    aio.release(ctx)
+
+
+def _populate(root: str, sizes: list[int], tag: str = "p") -> list:
+    with DiskStore(root, writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"{tag}{i}") for i in range(len(sizes))]
+        s.store_many([(k, make_payload(f"{tag}{i}", n), DIGEST) for i, (k, n) in enumerate(zip(keys, sizes))])
+    return keys
+
+
+@pytest.fixture
+def small(tmp_path):
+    root = str(tmp_path / "store")
+    return root, _populate(root, SIZES)
+
+
+@pytest.fixture
+def served(monkeypatch) -> list[int]:
+    """How many records each load's packed path served."""
+    counts: list[int] = []
+    real = packed.PackedLoad.finish
+
+    def finish(self):
+        out = real(self)
+        counts.append(len(out[0]))
+        return out
+
+    monkeypatch.setattr(packed.PackedLoad, "finish", finish)
+    return counts
+
+
+def _load(store: DiskStore, keys, sizes, digest: bytes = DIGEST) -> tuple[list[Reason], list[torch.Tensor]]:
+    outs = [torch.full((n,), 0xAA, dtype=torch.uint8) for n in sizes]
+    return store.load_into([LoadRequest(k, o, digest) for k, o in zip(keys, outs)]), outs
+
+
+def test_small_records_are_served_by_the_packed_path(small, served) -> None:
+    root, keys = small
+    order = list(range(N))
+    random.Random(7).shuffle(order)
+    with DiskStore(root) as s:
+        reasons, outs = _load(s, [keys[i] for i in order], [SIZES[i] for i in order])
+    assert reasons == [Reason.OK] * N
+    assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in zip(order, outs))
+    assert served == [N]
+
+
+@pytest.mark.parametrize(
+    "where, quarantined",
+    [
+        ("payload", QuarantineReason.PAYLOAD),
+        ("header", QuarantineReason.HEADER),  # a header field: its checksum no longer matches
+        ("header checksum", QuarantineReason.HEADER),
+    ],
+)
+def test_a_damaged_small_record_fails_alone_and_is_quarantined(small, served, where, quarantined) -> None:
+    root, keys = small
+    victim = 17
+    with DiskStore(root) as s:
+        e = s.records([keys[victim]])[0].entry
+        at = {
+            "payload": e.payload_offset + SIZES[victim] - 1,
+            "header": e.offset + 60,
+            "header checksum": e.offset + 155,
+        }
+        flip_bit(segment_path(root, e.segment), at[where], 3)
+        reasons, outs = _load(s, keys, SIZES)
+        assert served == [N - 1]  # the damaged one went on to the general path
+        assert reasons[victim] is Reason.CORRUPT
+        assert [r for i, r in enumerate(reasons) if i != victim] == [Reason.OK] * (N - 1)
+        assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in enumerate(outs) if i != victim)
+        entry = s.records([keys[victim]])[0].entry
+        assert entry.state is RecordState.QUARANTINED and entry.quarantine is quarantined
+
+
+def test_a_record_of_another_key_in_its_place_is_refused(small) -> None:
+    """The header names its key: another record's bytes (a stale read) never pass for this one's."""
+    root, keys = small
+    with DiskStore(root) as s:
+        a, b = (s.records([keys[i]])[0].entry for i in (3, 4))
+        path = segment_path(root, a.segment)
+        fd = os.open(path, os.O_RDWR)
+        try:  # record 4's header over record 3's (lengths differ: its fields are 4's)
+            os.pwrite(fd, os.pread(fd, HEADER_BYTES, b.offset), a.offset)
+        finally:
+            os.close(fd)
+        reasons, _ = _load(s, keys, SIZES)
+    assert reasons[3] is Reason.CORRUPT and reasons[4] is Reason.OK
+
+
+def test_a_truncated_extent_fails_the_records_past_the_cut(small, served) -> None:
+    root, keys = small
+    with DiskStore(root) as s:
+        entries = [s.records([k])[0].entry for k in keys]
+        cut = entries[N // 2].offset + HEADER_BYTES + 1
+        os.truncate(segment_path(root, entries[0].segment), cut)
+    with DiskStore(root) as s:
+        reasons, _ = _load(s, keys, SIZES)
+        for i, (e, r) in enumerate(zip(entries, reasons)):
+            assert r is (Reason.OK if e.offset + e.record_len <= cut else Reason.CORRUPT), i
+        assert served == [sum(e.offset + e.record_len <= cut for e in entries)]
+        assert s.records([keys[-1]])[0].entry.quarantine is QuarantineReason.SEGMENT_TRUNCATED
+
+
+def test_a_deleted_segment_is_a_miss_for_each_record(small) -> None:
+    root, keys = small
+    with DiskStore(root) as s:
+        os.unlink(segment_path(root, s.records([keys[0]])[0].entry.segment))
+        reasons, outs = _load(s, keys, SIZES)
+        assert reasons == [Reason.MISSING] * N and all((o == 0xAA).all() for o in outs)
+        assert {r.entry.quarantine for r in s.iter_records()} == {QuarantineReason.SEGMENT_MISSING}
+
+
+def test_more_is_called_once_and_answered_after_the_first(small, served) -> None:
+    root, keys = small
+    outs = [torch.empty(n, dtype=torch.uint8) for n in SIZES]
+    reqs = [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]
+    missing = LoadRequest(make_key(b"\0" * 16, "nowhere"), torch.empty(8, dtype=torch.uint8), DIGEST)
+    calls: list[int] = []
+
+    def more():
+        calls.append(1)
+        return [missing, *reqs[10:]]
+
+    with DiskStore(root) as s:
+        reasons = s.load_into(reqs[:10], more)
+    assert calls == [1]
+    assert reasons == [Reason.OK] * 10 + [Reason.MISSING] + [Reason.OK] * (N - 10)
+    assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in enumerate(outs))
+    assert served == [N]
+
+
+def test_bounce_memory_is_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch, served) -> None:
+    chunk = 64 << 10
+    monkeypatch.setattr(packed, "CHUNK_BYTES", chunk)
+    sizes = [3000] * 300  # ~950 KB of records: fifteen chunks
+    root = str(tmp_path / "store")
+    keys = _populate(root, sizes, "b")
+    out, peak, asked = [0], [0], {}
+    real_acquire, real_release = BufferPool.acquire, BufferPool.release
+
+    def acquire(self, nbytes):
+        buf = real_acquire(self, nbytes)
+        out[0] += nbytes
+        peak[0] = max(peak[0], out[0])
+        asked[id(buf)] = nbytes
+        return buf
+
+    def release(self, buf):
+        out[0] -= asked.pop(id(buf), 0)
+        return real_release(self, buf)
+
+    monkeypatch.setattr(BufferPool, "acquire", acquire)
+    monkeypatch.setattr(BufferPool, "release", release)
+    with DiskStore(root) as s:
+        reasons, outs = _load(s, keys, sizes)
+    assert reasons == [Reason.OK] * len(sizes) and served == [len(sizes)]
+    assert all(torch.equal(o, make_payload(f"b{i}", n)) for i, (o, n) in enumerate(zip(outs, sizes)))
+    assert out[0] == 0
+    # The chunks being read and the one being checked; a run may end a record and an alignment past its window.
+    assert peak[0] <= (packed.IN_FLIGHT + 1) * (chunk + 3 * 4096)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Small and large records, for loads asked every way (answers compared, never damaged: loads only read)."""
+    root = str(tmp_path_factory.mktemp("mixed") / "store")
+    sizes = [random.Random(100 + i).choice([1, 100, 1000, 4095, 4096, 9000]) for i in range(40)]
+    return root, _populate(root, sizes, "m"), sizes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(
+        st.tuples(st.integers(0, 39), st.sampled_from(["ok", "missing", "digest", "length", "large-target"])),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_the_packed_path_answers_as_the_general_path_does(mixed, monkeypatch, picks) -> None:
+    root, keys, sizes = mixed
+    with DiskStore(root) as s:
+        ns = keys[0].namespace
+
+        def ask():
+            reqs = []
+            for i, how in picks:
+                key = make_key(ns, f"absent{i}") if how == "missing" else keys[i]
+                n = sizes[i] + (1 if how == "length" else 0)
+                n = max(n, 5000) if how == "large-target" else n
+                digest = b"X" * 16 if how == "digest" else DIGEST
+                reqs.append(LoadRequest(key, torch.full((n,), 0x55, dtype=torch.uint8), digest))
+            return reqs
+
+        packed_reqs = ask()
+        packed_reasons = s.load_into(packed_reqs)
+        with monkeypatch.context() as m:
+            m.setattr(aio, "acquire", lambda: None)  # the general path (threads)
+            general_reqs = ask()
+            general_reasons = s.load_into(general_reqs)
+    assert packed_reasons == general_reasons
+    for a, b, r in zip(packed_reqs, general_reqs, packed_reasons):
+        if r is Reason.OK:
+            assert torch.equal(a.out, b.out)
