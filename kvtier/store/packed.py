@@ -185,7 +185,7 @@ class PackedLoad:
     def _queue(self, e: np.ndarray, raw: list[bytes], targets: list[int], numbers: list[int]) -> list[int]:
         """Plan the records' runs and chunks (file order); the numbers of records whose segment is gone."""
         files: dict[int, SegmentFile | None] = {}
-        for seg_id in np.unique(e["segment"]).tolist():
+        for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma, 15 ms)
             try:
                 files[seg_id] = self._segment(seg_id)
             except CorruptRecord:  # the general path reads it again and faults it
