@@ -17,7 +17,7 @@ Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, 
 
 Why: a load of small records costs Python steps per record, not disk time. 1,024 random 1 KB records of 20,000,
 cold, on the 2-core VM, eight rounds alternated in one process with the store's buffers warm: 28 µs of the thread's
-CPU a record and 33,400 records/s through the general path, 16-19 µs and 48,300-48,900 records/s here (lookups 6 µs
+CPU a record and 33,400 records/s through the general path, 16-17 µs and 47,200-48,300 records/s here (lookups 6 µs
 a record, planning 1.8, io_submit 2.6, checks and copies 4.5). Runs are planned as the general path's native-AIO
 runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of CHUNK_BYTES so no read is
 longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: the 2-core VM's disk returns what it holds
