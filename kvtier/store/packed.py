@@ -9,7 +9,7 @@ Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, 
   contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header bytes
   exactly those its key and index entry imply, the header's checksum, the payload's xxh3_128) and copies each good
-  one into its target; returns the numbers served and their encoded keys, and the numbers of records that failed.
+  one into its target; returns the encoded keys of those it served, and the numbers of records that failed.
 - What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
   path, which looks the key up again in the same transaction, reads and checks the record again and says why it
   fails: this path only ever accepts a record, so quarantine and every miss reason stay in one place.
@@ -105,7 +105,6 @@ class PackedLoad:
         self._ns_ok: dict[bytes, bool] = {}
         self._waiting: deque[_Chunk] = deque()  # planned, not yet submitted
         self._reading: deque[_Chunk] = deque()
-        self._served: list[int] = []
         self._hits: list[bytes] = []
         self._failed: list[int] = []
 
@@ -119,9 +118,9 @@ class PackedLoad:
             if part:
                 rest += self._plan([requests[n - first] for n in part], [outs[n - first] for n in part], part)
                 self._submit()
-        return sorted(rest)
+        return rest
 
-    def finish(self) -> tuple[list[int], list[bytes], list[int]]:
+    def finish(self) -> tuple[list[bytes], list[int]]:
         while self._reading:
             self._wait_oldest()
             chunk = self._reading.popleft()
@@ -131,7 +130,7 @@ class PackedLoad:
                 self._reading.appendleft(chunk)  # close() gives its buffer back
                 raise
             self._check(chunk)
-        return self._served, self._hits, self._failed
+        return self._hits, self._failed
 
     def close(self) -> None:
         self._aio.drain()
@@ -299,12 +298,11 @@ class PackedLoad:
             payloads = b"".join([_h128(mv[at[i] + HEADER_BYTES : at[i] + HEADER_BYTES + plen[i]]) for i in candidates])
             match = (np.frombuffer(payloads, "V16") == chunk.payload_checksum[candidates]).tolist()
             addr = buf.addr + HEADER_BYTES
-            served, hits, numbers, keys, targets = self._served, self._hits, chunk.numbers, chunk.keys, chunk.targets
+            hits, numbers, keys, targets = self._hits, chunk.numbers, chunk.keys, chunk.targets
             passed = set()
             for i, m in zip(candidates, match):
                 if m:
                     _memmove(targets[i], addr + at[i], plen[i])
-                    served.append(numbers[i])
                     hits.append(keys[i])
                     passed.add(i)
             if len(passed) < len(at):

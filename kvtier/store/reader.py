@@ -164,7 +164,7 @@ class Reader:
                 extra = more()
                 rest += packed.add(extra, len(every))
                 every += extra
-            _, outcome.hits, failed = packed.finish()
+            outcome.hits, failed = packed.finish()
         finally:
             packed.close()
             aio.release(aio_ctx)

@@ -53,7 +53,7 @@ def served(monkeypatch) -> list[int]:
 
     def finish(self):
         out = real(self)
-        counts.append(len(out[0]))
+        counts.append(len(out[0]))  # the keys it served
         return out
 
     monkeypatch.setattr(packed.PackedLoad, "finish", finish)
