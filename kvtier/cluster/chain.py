@@ -7,6 +7,7 @@ locally (durable when store_many returns, as before) and written through to the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -51,19 +52,19 @@ class TierChain:
         return out
 
     def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
-        later: list[LoadRequest] = []
+        later: list[Sequence[LoadRequest]] = []
 
         def forward() -> Sequence[LoadRequest]:
             assert more is not None
-            later.extend(more())
-            return later
+            later.append(got := more())  # as it came (a LoadBatch stays one for the local store)
+            return got
 
         out = self.local.load_into(requests, None if more is None else forward)
-        requests = [*requests, *later]  # (what the cluster is asked for is chosen from all of them)
         self._counters.add("local_hits", out.count(Reason.OK))
         ask = [i for i, r in enumerate(out) if r in _ASK_CLUSTER]
         if not ask:
             return out
+        requests = [*requests, *itertools.chain.from_iterable(later)]  # (the cluster is asked from all of them)
         remote = self.cluster.load_into([requests[i] for i in ask])
         got = [i for i, r in zip(ask, remote) if r is Reason.OK]
         for i, r in zip(ask, remote):

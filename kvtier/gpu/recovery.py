@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import VersionError
 from kvtier.core.forms import CacheForm, Reason, Route
+from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
@@ -48,7 +49,7 @@ class Claimed:
     groups: np.ndarray
     blocks: np.ndarray
     slots: np.ndarray
-    requests: list[LoadRequest]
+    requests: LoadBatch
     started: float
 
     def joined(self, other: Claimed) -> Claimed:
@@ -229,12 +230,17 @@ class Recovery:
         if not len(gs):
             return None
         t.bind_recovering(slots, rows, c.ns_id)
-        ns, names, forms, pools, digests, r_hash = c.ns, c.names, c.forms, c.pools, c.digests, t.r_hash
-        requests = [
-            LoadRequest(ObjectKey(ns, r_hash[row], names[g], forms[g]), pools[g].slot_view(slot), digests[g])
-            for g, row, slot in zip(gs.tolist(), rows.tolist(), local.tolist())
-        ]
+        r_hash = t.r_hash
+        requests = LoadBatch(c.ns, self._targets(), gs, [r_hash[row] for row in rows.tolist()], local)
         return Claimed(gs, bs, slots, requests, time.monotonic())
+
+    def _targets(self) -> tuple[TargetGroup, ...]:
+        """The groups, as the namespace's loads are bound for them."""
+        c = self._c
+        return tuple(
+            TargetGroup(name, form, digest, pool.tensor, pool.slot_stride, pool.slot_nbytes)
+            for name, form, digest, pool in zip(c.names, c.forms, c.digests, c.pools)
+        )
 
     def _first(self, groups: np.ndarray) -> int:
         """How many of a batch's objects (their groups, in claim order) to claim first: those of its first
@@ -265,7 +271,7 @@ class Recovery:
         an answer for each."""
         extra: list[Claimed] = []
 
-        def more() -> list[LoadRequest]:
+        def more() -> Sequence[LoadRequest]:
             got = later() if later is not None else None
             if got is None:
                 return []

@@ -67,7 +67,12 @@ def unpack_time(value: bytes | memoryview) -> float:
 
 def encode_key(key: ObjectKey) -> bytes:
     """namespace(16) || block hash(16) || form code(1) || group (utf-8, 1..32 B)."""
-    return key.namespace + key.block_hash + bytes((FORM_CODES[key.form],)) + key.group.encode()
+    return key.namespace + key.block_hash + key_suffix(key.group, key.form)
+
+
+def key_suffix(group: str, form: CacheForm) -> bytes:
+    """An encoded key's bytes after the block hash: the same for every object of a group."""
+    return bytes((FORM_CODES[form],)) + group.encode()
 
 
 def decode_key(raw: bytes) -> ObjectKey:

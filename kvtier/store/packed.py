@@ -6,7 +6,9 @@ Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, 
   their reads through `aio_ctx`; it returns the numbers of the others. It serves a request whose target is a cpu
   tensor and whose record is a small (payload < LARGE_PAYLOAD) v2 record stored as is with an xxh3 checksum, live
   in a live namespace, with the request's layout digest and payload length. A target that is not a non-empty
-  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does.
+  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a
+  `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only
+  for an object it does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header bytes
   exactly those its key and index entry imply, the header's checksum, the payload's xxh3_128) and copies each good
   one into its target; returns the encoded keys of those it served, and the numbers of records that failed.
@@ -39,12 +41,13 @@ import xxhash
 
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT
+from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest
 from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
-from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, RecordState, encode_key
+from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, RecordState, encode_key, key_suffix
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, HEADER_DTYPE, LARGE_PAYLOAD, MAGIC, Codec, Flags
 
@@ -109,14 +112,10 @@ class PackedLoad:
         self._failed: list[int] = []
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
-        outs = [flat_uint8(r.out) for r in requests]
-        rest: list[int] = []
-        mine: list[int] = []
-        for i, out in enumerate(outs):
-            (mine if out.is_cpu and out.numel() < LARGE_PAYLOAD else rest).append(first + i)
-        for part in (mine[:EARLY_KEYS], mine[EARLY_KEYS:]):
-            if part:
-                rest += self._plan([requests[n - first] for n in part], [outs[n - first] for n in part], part)
+        wanted, rest = _batch_wanted(requests, first) if isinstance(requests, LoadBatch) else _wanted(requests, first)
+        for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
+            if part.numbers:
+                rest += self._plan(part)
                 self._submit()
         return rest
 
@@ -142,10 +141,10 @@ class PackedLoad:
 
     # ----------------------------------------------------------------- planning
 
-    def _plan(self, requests: list[LoadRequest], outs: list[torch.Tensor], numbers: list[int]) -> list[int]:
+    def _plan(self, w: _Wanted) -> list[int]:
         """Look the requests up and queue the chunks of those this path serves; the numbers of the others."""
         txn = self._txn
-        raw = [encode_key(r.key) for r in requests]
+        raw = w.raw
         pairs = txn.cursor(db=self._ctx.index.obj).getmulti(raw)
         if len(pairs) == len(raw):  # every key found (getmulti answers in the order asked, skipping the absent)
             values = [v for _, v in pairs]
@@ -153,16 +152,15 @@ class PackedLoad:
             found = dict(pairs)
             values = [found.get(k, b"") for k in raw]
         ns_ok = self._ns_ok
-        for r in requests:
-            if r.key.namespace not in ns_ok:
-                ns_ok[r.key.namespace] = self._namespace_reason(txn, r.key.namespace) is Reason.OK
+        for ns in set(w.namespaces) - ns_ok.keys():
+            ns_ok[ns] = self._namespace_reason(txn, ns) is Reason.OK
         size = ENTRY_V2_DTYPE.itemsize
-        shaped = [i for i, (v, r) in enumerate(zip(values, requests)) if len(v) == size and ns_ok[r.key.namespace]]
+        shaped = [i for i, (v, ns) in enumerate(zip(values, w.namespaces)) if len(v) == size and ns_ok[ns]]
         kept = [values[i] for i in shaped]
         e = np.frombuffer(b"".join(kept), ENTRY_V2_DTYPE)
         seals = np.fromiter((_h64(memoryview(v)[:-8]) for v in kept), np.uint64, len(kept))
-        lengths = np.fromiter((outs[i].numel() for i in shaped), np.uint64, len(kept))
-        digests = [requests[i].layout_digest for i in shaped]
+        lengths = w.lengths[shaped]
+        digests = [w.digests[i] for i in shaped]
         ok = (
             (seals == e["seal"])
             & (e["version"] == FORMAT_VERSION)
@@ -179,9 +177,9 @@ class PackedLoad:
             ok[:] = False
         ours = [shaped[k] for k in np.flatnonzero(ok).tolist()]
         e = e[ok]
-        gone = self._queue(e, [raw[i] for i in ours], [outs[i].data_ptr() for i in ours], [numbers[i] for i in ours])
+        gone = self._queue(e, [raw[i] for i in ours], [w.targets[i] for i in ours], [w.numbers[i] for i in ours])
         taken = set(ours)
-        return [n for i, n in enumerate(numbers) if i not in taken] + gone
+        return [n for i, n in enumerate(w.numbers) if i not in taken] + gone
 
     def _queue(self, e: np.ndarray, raw: list[bytes], targets: list[int], numbers: list[int]) -> list[int]:
         """Plan the records' runs and chunks (file order); the numbers of records whose segment is gone."""
@@ -310,6 +308,87 @@ class PackedLoad:
         finally:
             chunk.buf = None
             self._ctx.buffers.release(buf)
+
+
+@dataclasses.dataclass(slots=True)
+class _Wanted:
+    """Requests this path may serve, as columns: request numbers, encoded keys, namespaces, target addresses,
+    target sizes (the payload lengths asked for) and layout digests."""
+
+    numbers: list[int]
+    raw: list[bytes]
+    namespaces: list[bytes]
+    targets: list[int]
+    lengths: np.ndarray
+    digests: list[bytes]
+
+    def part(self, lo: int, hi: int) -> _Wanted:
+        return _Wanted(
+            self.numbers[lo:hi],
+            self.raw[lo:hi],
+            self.namespaces[lo:hi],
+            self.targets[lo:hi],
+            self.lengths[lo:hi],
+            self.digests[lo:hi],
+        )
+
+
+def _wanted(requests: Sequence[LoadRequest], first: int) -> tuple[_Wanted, list[int]]:
+    """The requests this path may serve (a small cpu target), and the numbers of the others; StoreRequestError
+    for a target that is not a non-empty contiguous uint8 tensor."""
+    outs = [flat_uint8(r.out) for r in requests]
+    small = [out.is_cpu and out.numel() < LARGE_PAYLOAD for out in outs]
+    mine = [i for i, s in enumerate(small) if s]
+    rest = [first + i for i, s in enumerate(small) if not s]
+    reqs = [requests[i] for i in mine]
+    wanted = _Wanted(
+        [first + i for i in mine],
+        [encode_key(r.key) for r in reqs],
+        [r.key.namespace for r in reqs],
+        [outs[i].data_ptr() for i in mine],
+        np.fromiter((outs[i].numel() for i in mine), np.uint64, len(mine)),
+        [r.layout_digest for r in reqs],
+    )
+    return wanted, rest
+
+
+def _batch_wanted(batch: LoadBatch, first: int) -> tuple[_Wanted, list[int]]:
+    """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
+    group's pool is a flat contiguous uint8 cpu tensor, its payload small and its slot wholly inside the pool.
+    Any other object's request is built and its target checked as `_wanted` checks it."""
+    groups = batch.groups
+    whole = np.array([_flat_pool(g) for g in groups], bool)
+    cpu = np.array([g.tensor.is_cpu for g in groups], bool)
+    nbytes = np.array([g.nbytes for g in groups], np.int64)
+    stride = np.array([g.stride for g in groups], np.int64)
+    size = np.array([g.tensor.numel() for g in groups], np.int64)
+    base = np.array([g.tensor.data_ptr() for g in groups], np.int64)
+    g_of, slots = batch.group_of, batch.slots
+    start = slots * stride[g_of]
+    inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
+    for i in np.flatnonzero(~inside).tolist():
+        flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
+    mine = np.flatnonzero(inside & cpu[g_of] & (nbytes[g_of] < LARGE_PAYLOAD))
+    rest = np.flatnonzero(~inside | ~cpu[g_of] | (nbytes[g_of] >= LARGE_PAYLOAD)) + first
+    g_mine = g_of[mine].tolist()
+    suffix = [key_suffix(g.name, g.form) for g in groups]
+    digest = [g.layout_digest for g in groups]
+    ns, hashes = batch.namespace, batch.hashes
+    wanted = _Wanted(
+        (mine + first).tolist(),
+        [ns + hashes[i] + suffix[g] for i, g in zip(mine.tolist(), g_mine)],
+        [ns] * len(mine),
+        (base[g_of[mine]] + start[mine]).tolist(),
+        nbytes[g_of[mine]].astype(np.uint64),
+        [digest[g] for g in g_mine],
+    )
+    return wanted, rest.tolist()
+
+
+def _flat_pool(g: TargetGroup) -> bool:
+    """Whether slices of the group's pool are the flat, contiguous, non-empty uint8 targets this path needs."""
+    t = g.tensor
+    return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
 
 
 def _expected_headers(e: np.ndarray, raw: list[bytes]) -> np.ndarray:

@@ -156,14 +156,14 @@ class Reader:
         """The small records through `PackedLoad`, then the rest (and any that failed its checks) through the
         general path, each answer in its request's place."""
         packed = PackedLoad(self._ctx, txn, aio_ctx, self.segment, self._namespace_reason)
-        every = list(requests)
+        n = len(requests)
+        extra: Sequence[LoadRequest] = ()
         try:
             rest = packed.add(requests, 0)
-            none_small = len(rest) == len(requests)
+            none_small = len(rest) == n
             if more is not None and not none_small:
                 extra = more()
-                rest += packed.add(extra, len(every))
-                every += extra
+                rest += packed.add(extra, n)
             outcome.hits, failed = packed.finish()
         finally:
             packed.close()
@@ -171,11 +171,12 @@ class Reader:
         if none_small:  # the general path alone, calling `more` as it does (once the first reads are out)
             self._load(txn, requests, more, outcome)
             return
-        outcome.reasons = [_OK] * len(every)
+        outcome.reasons = [_OK] * (n + len(extra))
         rest = sorted(rest + failed)
         if rest:
             general = LoadOutcome([], [], [])
-            self._load(txn, [every[i] for i in rest], None, general)
+            # (indexed, not listed: a LoadBatch builds a request only for what is asked of it)
+            self._load(txn, [requests[i] if i < n else extra[i - n] for i in rest], None, general)
             for i, reason in zip(rest, general.reasons):
                 outcome.reasons[i] = reason
             outcome.hits += general.hits
@@ -195,6 +196,7 @@ class Reader:
             """Queue the requests' lookups (run as `take` asks for them), answered after those queued before."""
             nonlocal found
             at = len(keys)
+            reqs = list(reqs)  # (once: a LoadBatch builds its requests as they are asked for)
             new_keys = [req.key for req in reqs]
             new_raw = [encode_key(key) for key in new_keys]
             outs = [flat_uint8(req.out) for req in reqs]

@@ -6,18 +6,20 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.core import Reason
+from kvtier.core import CacheForm, Reason
+from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest
-from kvtier.store import DiskStore, QuarantineReason, RecordState, aio, packed
+from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreRequestError, aio, packed
 from kvtier.store.io import BufferPool
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path
-from support.store_helpers import DIGEST, VK, make_key, make_payload
+from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
 
 N = 64
 SIZES = [random.Random(i).randrange(1, 4096) for i in range(N)]  # every one small: < LARGE_PAYLOAD
@@ -233,3 +235,93 @@ def test_the_packed_path_answers_as_the_general_path_does(mixed, monkeypatch, pi
     for a, b, r in zip(packed_reqs, general_reqs, packed_reasons):
         if r is Reason.OK:
             assert torch.equal(a.out, b.out)
+
+
+GROUP_BYTES = {"s1": 100, "s2": 1000, "s3": 4095, "big": 9000}  # the last is large: the general path's
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """Records of four groups (fixed sizes, as a profile's), for loads asked as LoadBatches."""
+    root = str(tmp_path_factory.mktemp("grouped") / "store")
+    with DiskStore(root, writer=True) as s:
+        ns = s.register_namespace(VK)
+        items = [
+            (make_key(ns, f"{g}{i}", g), make_payload(f"{g}{i}", n), DIGEST)
+            for g, n in GROUP_BYTES.items()
+            for i in range(8)
+        ]
+        s.store_many(items)
+    return root, ns
+
+
+def _pools(digest_of: dict[str, bytes]) -> tuple[TargetGroup, ...]:
+    """A pool of 8 slots per group, 4096-aligned slots (as the daemon's), 0x55 everywhere; the last slot one byte
+    short (its view as torch slices it: the general path refuses the length)."""
+    groups = []
+    for g, n in GROUP_BYTES.items():
+        stride = -(-n // 4096) * 4096
+        pool = slot_like(7 * stride + n - 1, 0x55)
+        groups.append(TargetGroup(g, CacheForm.COMPRESSED, digest_of.get(g, DIGEST), pool, stride, n))
+    return tuple(groups)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 6), st.sampled_from(["ok", "missing", "short"])),
+        min_size=1,
+        max_size=24,
+        unique_by=lambda p: (p[0], p[1]),  # one object per slot
+    ),
+    wrong_digest=st.sets(st.sampled_from(sorted(GROUP_BYTES)), max_size=2),
+)
+def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wrong_digest) -> None:
+    """The packed path's columns (no request built per object) against the same requests as a list through the
+    general path: the same answers, the same bytes in the same slots."""
+    root, ns = grouped
+    names = list(GROUP_BYTES)
+    digests = {g: b"X" * 16 for g in wrong_digest}
+
+    def batch(groups):
+        hashes = [
+            make_key(ns, f"{'absent' if how == 'missing' else ''}{names[g]}{i}").block_hash for g, i, how in picks
+        ]
+        slots = [7 if how == "short" else i for g, i, how in picks]
+        return LoadBatch(ns, groups, np.array([g for g, _, _ in picks]), hashes, np.array(slots))
+
+    with DiskStore(root) as s:
+        a = batch(_pools(digests))
+        built = []
+        real = LoadBatch.__getitem__
+
+        def getitem(self, i):
+            if not isinstance(i, slice):
+                built.append(i)
+            return real(self, i)
+
+        with monkeypatch.context() as m:
+            m.setattr(LoadBatch, "__getitem__", getitem)
+            packed_reasons = s.load_into(a)
+        b = batch(_pools(digests))
+        with monkeypatch.context() as m:
+            m.setattr(aio, "acquire", lambda: None)  # the general path (threads)
+            general_reasons = s.load_into(list(b))
+    assert packed_reasons == general_reasons
+    for ga, gb in zip(a.groups, b.groups):
+        assert torch.equal(ga.tensor, gb.tensor)
+    # A request was built (once or twice) only for what the packed path did not serve: a large record, a slot past the end of
+    # its pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
+    served = [r is Reason.OK and names[g] != "big" and how == "ok" for (g, _, how), r in zip(picks, packed_reasons)]
+    assert len(set(built)) == len(picks) - sum(served)
+
+
+def test_a_slot_wholly_outside_its_pool_is_refused_before_any_read(grouped) -> None:
+    root, ns = grouped
+    groups = _pools({})
+    batch = LoadBatch(
+        ns, groups, np.array([0, 0]), [make_key(ns, f"s1{i}").block_hash for i in range(2)], np.array([0, 9])
+    )
+    with DiskStore(root) as s, pytest.raises(StoreRequestError, match="non-empty"):
+        s.load_into(batch)
+    assert (groups[0].tensor == 0x55).all()
