@@ -49,7 +49,16 @@ from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, RecordState, encode_key, key_suffix
 from kvtier.store.io import AlignedBuffer, SegmentFile
-from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, HEADER_DTYPE, LARGE_PAYLOAD, MAGIC, Codec, Flags
+from kvtier.store.record import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    LARGE_PAYLOAD,
+    MAGIC,
+    RECORD_ALIGNMENT,
+    Codec,
+    Flags,
+)
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -57,7 +66,10 @@ EARLY_KEYS = 128  # a load's first keys are looked up and their reads sent befor
 RUN_GAP = AIO_RUN_GAP  # records at most this far apart are read together
 
 _FIXED = HEADER_BYTES - 8  # the header's bytes before its checksum
-_HEADER_SPAN = np.arange(HEADER_BYTES)
+_FIXED_WORDS = _FIXED // 8
+_ROW = np.dtype(f"V{RECORD_ALIGNMENT}")
+_HEADER_ROWS = np.arange(HEADER_BYTES // RECORD_ALIGNMENT)
+assert HEADER_BYTES % RECORD_ALIGNMENT == 0 and _FIXED % 8 == 0
 _h64 = xxhash.xxh3_64_intdigest
 _h128 = xxhash.xxh3_128_digest
 _memmove = ctypes.memmove
@@ -284,27 +296,33 @@ class PackedLoad:
         assert buf is not None
         try:
             mv = buf.mv
-            at = chunk.at.tolist()
-            headers = np.frombuffer(mv, np.uint8)[chunk.at[:, None] + _HEADER_SPAN]
-            good = (np.asarray(chunk.got)[chunk.run_of] >= chunk.need) & (
-                headers[:, :_FIXED] == chunk.expected.view(np.uint8).reshape(-1, HEADER_BYTES)[:, :_FIXED]
-            ).all(axis=1)
+            at_a = chunk.at
+            at = at_a.tolist()
+            # Headers start 32-aligned in the buffer (runs start 4096-aligned, records 32-aligned in their file):
+            # gathered as 32-byte rows, five index entries a header where a byte gather takes 160.
+            rows = (at_a // RECORD_ALIGNMENT)[:, None] + _HEADER_ROWS
+            headers = np.frombuffer(mv, _ROW)[rows].view(np.uint8).reshape(-1, HEADER_BYTES)
+            expected = chunk.expected.view(np.uint64).reshape(len(at), -1)
+            good = (
+                (np.asarray(chunk.got)[chunk.run_of] >= chunk.need)
+                & (at_a % RECORD_ALIGNMENT == 0)
+                & (headers.view(np.uint64)[:, :_FIXED_WORDS] == expected[:, :_FIXED_WORDS]).all(axis=1)
+            )
             sums = np.fromiter((_h64(mv[p : p + _FIXED]) for p in at), np.uint64, len(at))
             good &= sums == headers.view(HEADER_DTYPE)[:, 0]["checksum"]
-            candidates = np.flatnonzero(good).tolist()
-            plen = chunk.payload_len
-            payloads = b"".join([_h128(mv[at[i] + HEADER_BYTES : at[i] + HEADER_BYTES + plen[i]]) for i in candidates])
-            match = (np.frombuffer(payloads, "V16") == chunk.payload_checksum[candidates]).tolist()
+            cand = np.flatnonzero(good)
+            starts = at_a[cand] + HEADER_BYTES
+            ends = starts + np.asarray(chunk.payload_len)[cand]
+            payloads = b"".join([_h128(mv[a:b]) for a, b in zip(starts.tolist(), ends.tolist())])
+            ok = cand[np.frombuffer(payloads, "V16") == chunk.payload_checksum[cand]].tolist()
+            targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
-            hits, numbers, keys, targets = self._hits, chunk.numbers, chunk.keys, chunk.targets
-            passed = set()
-            for i, m in zip(candidates, match):
-                if m:
-                    _memmove(targets[i], addr + at[i], plen[i])
-                    hits.append(keys[i])
-                    passed.add(i)
-            if len(passed) < len(at):
-                self._failed += [n for i, n in enumerate(numbers) if i not in passed]
+            for i in ok:
+                _memmove(targets[i], addr + at[i], plen[i])
+            self._hits += [keys[i] for i in ok]
+            if len(ok) < len(at):
+                passed = set(ok)
+                self._failed += [n for i, n in enumerate(chunk.numbers) if i not in passed]
         finally:
             chunk.buf = None
             self._ctx.buffers.release(buf)
