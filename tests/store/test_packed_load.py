@@ -310,8 +310,8 @@ def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wr
     assert packed_reasons == general_reasons
     for ga, gb in zip(a.groups, b.groups):
         assert torch.equal(ga.tensor, gb.tensor)
-    # A request was built (once or twice) only for what the packed path did not serve: a large record, a slot past the end of
-    # its pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
+    # A request was built (once or twice) only for what the packed path did not serve: a large record, a slot past
+    # the end of its pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
     served = [r is Reason.OK and names[g] != "big" and how == "ok" for (g, _, how), r in zip(picks, packed_reasons)]
     assert len(set(built)) == len(picks) - sum(served)
 
