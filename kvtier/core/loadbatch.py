@@ -33,6 +33,12 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import NAMESPACE_BYTES
 
 
+def slot_bytes(pool: torch.Tensor, stride: int, nbytes: int, slot: int) -> torch.Tensor:
+    """The uint8 view of one slot's object in a flat pool (`Pool.slot_view` and `TargetGroup.slot_view` both)."""
+    start = slot * stride
+    return pool[start : start + nbytes]
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class TargetGroup:
     """One cache group as a batch's objects are bound for it: its name and form (the keys'), its layout digest,
@@ -46,8 +52,7 @@ class TargetGroup:
     nbytes: int
 
     def slot_view(self, slot: int) -> torch.Tensor:
-        start = slot * self.stride
-        return self.tensor[start : start + self.nbytes]
+        return slot_bytes(self.tensor, self.stride, self.nbytes, slot)
 
     def same_as(self, other: TargetGroup) -> bool:
         """The same group bound for the same pool (the very tensor: tensors have no equality of their own)."""

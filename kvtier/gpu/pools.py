@@ -19,6 +19,7 @@ import torch
 from kvtier.core import hugepages
 from kvtier.core.forms import CacheForm
 from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
+from kvtier.core.loadbatch import slot_bytes
 from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
 
@@ -43,8 +44,7 @@ class Pool:
 
     def slot_view(self, slot: int) -> torch.Tensor:
         """The uint8 bytes of one slot's object (exactly `slot_nbytes`)."""
-        start = slot * self.slot_stride
-        return self.tensor[start : start + self.slot_nbytes]
+        return slot_bytes(self.tensor, self.slot_stride, self.slot_nbytes, slot)
 
     def close(self) -> None:
         for fd in (self.fd, self.reader_fd):
