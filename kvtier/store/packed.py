@@ -386,8 +386,8 @@ def _batch_wanted(batch: LoadBatch, first: int) -> tuple[_Wanted, list[int]]:
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
         flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    mine = np.flatnonzero(inside & cpu[g_of] & (nbytes[g_of] < LARGE_PAYLOAD))
-    rest = np.flatnonzero(~inside | ~cpu[g_of] | (nbytes[g_of] >= LARGE_PAYLOAD)) + first
+    served = inside & cpu[g_of] & (nbytes[g_of] < LARGE_PAYLOAD)
+    mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
     suffix = [key_suffix(g.name, g.form) for g in groups]
     digest = [g.layout_digest for g in groups]
