@@ -188,36 +188,31 @@ class PackedLoad:
         else:
             ok[:] = False
         ours = [shaped[k] for k in np.flatnonzero(ok).tolist()]
-        e = e[ok]
-        gone = self._queue(e, [raw[i] for i in ours], [w.targets[i] for i in ours], [w.numbers[i] for i in ours])
+        gone = self._queue(e[ok], w, ours)
         taken = set(ours)
         return [n for i, n in enumerate(w.numbers) if i not in taken] + gone
 
-    def _queue(self, e: np.ndarray, raw: list[bytes], targets: list[int], numbers: list[int]) -> list[int]:
-        """Plan the records' runs and chunks (file order); the numbers of records whose segment is gone."""
+    def _queue(self, e: np.ndarray, w: _Wanted, ours: list[int]) -> list[int]:
+        """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours`; the numbers of
+        records whose segment is gone."""
         files: dict[int, SegmentFile | None] = {}
         for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma, 15 ms)
             try:
                 files[seg_id] = self._segment(seg_id)
             except CorruptRecord:  # the general path reads it again and faults it
                 files[seg_id] = None
+        pick = np.asarray(ours, np.int64)
         gone: list[int] = []
         if None in files.values():
             here = np.fromiter((files[s] is not None for s in e["segment"].tolist()), bool, len(e))
-            gone = [n for n, h in zip(numbers, here.tolist()) if not h]
-            keep = np.flatnonzero(here).tolist()
-            e, raw, targets, numbers = (
-                e[here],
-                [raw[i] for i in keep],
-                [targets[i] for i in keep],
-                [numbers[i] for i in keep],
-            )
+            gone = [w.numbers[i] for i in pick[~here].tolist()]
+            e, pick = e[here], pick[here]
         if not len(e):
             return gone
         order = np.lexsort((e["offset"], e["segment"]))
         e = e[order]
-        o = order.tolist()
-        raw, targets, numbers = [raw[i] for i in o], [targets[i] for i in o], [numbers[i] for i in o]
+        o = pick[order].tolist()  # (one pass over the lists: the requests of `e`'s records, in file order)
+        raw, targets, numbers = [w.raw[i] for i in o], [w.targets[i] for i in o], [w.numbers[i] for i in o]
         seg = e["segment"]
         off = e["offset"].astype(np.int64)
         end = off + e["record_len"].astype(np.int64)
