@@ -4,14 +4,19 @@ through Python per record.
 Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
   their reads through `aio_ctx`; it returns the numbers of the others. It serves a request whose target is a cpu
-  tensor and whose record is a small (payload < LARGE_PAYLOAD) v2 record stored as is with an xxh3 checksum, live
-  in a live namespace, with the request's layout digest and payload length. A target that is not a non-empty
-  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a
-  `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only
-  for an object it does not serve.
+  tensor and whose record is a v2 record stored as is with an xxh3 checksum, live in a live namespace, with the
+  request's layout digest and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX
+  with a target at an address O_DIRECT takes: a large payload is read straight into its target, as the general
+  path reads it (the bytes move once), its unaligned tail through the bounce buffer. A first `add` whose requests
+  hold no small record serves nothing (a load of large records alone is the general path's: it cuts large runs
+  into pieces read in parallel). A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError
+  before anything is read, as the general path does. From a `LoadBatch` it reads the columns (keys encoded from
+  them, targets as pool addresses) and builds a request only for an object it does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header bytes
-  exactly those its key and index entry imply, the header's checksum, the payload's xxh3_128) and copies each good
-  one into its target; returns the encoded keys of those it served, and the numbers of records that failed.
+  exactly those its key and index entry imply, the header's checksum, the payload's xxh3_128: a large one's over
+  its target, after its tail is copied there) and copies each good small one into its target; returns the encoded
+  keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
+  holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
 - What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
   path, which looks the key up again in the same transaction, reads and checks the record again and says why it
   fails: this path only ever accepts a record, so quarantine and every miss reason stay in one place.
@@ -24,7 +29,11 @@ a record, planning 1.8, io_submit 2.6, checks and copies 4.5). Runs are planned 
 runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of CHUNK_BYTES so no read is
 longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: the 2-core VM's disk returns what it holds
 together, so the next chunk reads while this thread checks the last. A load holds at most IN_FLIGHT + 1 chunks'
-bounce buffers (those read and the one checked), however many records it asks for.
+bounce buffers (those read and the one checked), however many records it asks for. A run ends with each large
+record (its read is bounce bytes, the payload's aligned bulk into the target, the tail into the bounce buffer), so
+no read needs more than three buffers. Large records ride along because the general path after this one is a
+second round of lookups, planning and reads: in a ref-tiny restore (a few 8-16 KB SWA records among hundreds of
+small ones) it cost a daemon's load 0.8-1.25 ms.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import ctypes
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import lmdb
 import numpy as np
@@ -64,6 +74,7 @@ CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple
 IN_FLIGHT = 2  # chunks read at once
 EARLY_KEYS = 128  # a load's first keys are looked up and their reads sent before the rest are looked up
 RUN_GAP = AIO_RUN_GAP  # records at most this far apart are read together
+DIRECT_MAX = 1 << 20  # the largest payload this path reads straight into its target (larger: the general path's)
 
 _FIXED = HEADER_BYTES - 8  # the header's bytes before its checksum
 _FIXED_WORDS = _FIXED // 8
@@ -82,20 +93,24 @@ assert _KEY_PREFIX.itemsize == KEY_PREFIX_BYTES
 @dataclasses.dataclass(slots=True)
 class _Chunk:
     """Runs read into one bounce buffer (`buf`, taken when submitted). Per run: its file, where it starts there and
-    in the buffer, its size, the bytes read (-1 while in flight). Per record, in file order: its request number,
-    encoded key, target address, where it starts in the buffer, the bytes its run must read to hold it, its run,
-    the header its key and index entry imply, its payload length and checksum."""
+    in the buffer, its bytes in the buffer, the bytes read (-1 while in flight), and where its last record is
+    large, where its payload starts in the run, its target's address and the payload's bulk read straight into it.
+    Per record, in file order: its request number, encoded key, target address, where it starts in the buffer, the
+    bytes its run must read to hold it, its run, the bytes of its payload read into its target (0: small), the
+    header its key and index entry imply, its payload length and checksum."""
 
     files: list[SegmentFile]
     starts: list[int]
     bases: list[int]
     sizes: list[int]
+    direct: list[tuple[int, int, int] | None]
     numbers: list[int]
     keys: list[bytes]
     targets: list[int]
     at: np.ndarray
     need: np.ndarray
     run_of: np.ndarray
+    bulk: np.ndarray
     expected: np.ndarray
     payload_len: list[int]
     payload_checksum: np.ndarray
@@ -124,7 +139,13 @@ class PackedLoad:
         self._failed: list[int] = []
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
-        wanted, rest = _batch_wanted(requests, first) if isinstance(requests, LoadBatch) else _wanted(requests, first)
+        align = self._ctx.backend.direct_align
+        if isinstance(requests, LoadBatch):
+            wanted, rest = _batch_wanted(requests, first, align)
+        else:
+            wanted, rest = _wanted(requests, first, align)
+        if first == 0 and not (wanted.lengths < LARGE_PAYLOAD).any():  # large records alone: the general path's
+            return sorted(rest + wanted.numbers)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -182,6 +203,8 @@ class PackedLoad:
             & (e["payload_len"] == lengths)
             & (e["stored_len"] == lengths)
             & (e["record_len"] == e["stored_len"] + HEADER_BYTES)
+            # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
+            & ((lengths < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
         if all(len(d) == 16 for d in digests):  # (another length never matches: the general path says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
@@ -216,18 +239,33 @@ class PackedLoad:
         seg = e["segment"]
         off = e["offset"].astype(np.int64)
         end = off + e["record_len"].astype(np.int64)
-        # Records never share bytes (the same one asked twice aside), so the one before ends the run so far.
+        plen = e["payload_len"].astype(np.int64)
+        align = self._ctx.backend.direct_align
+        bulk = np.where(plen >= LARGE_PAYLOAD, plen - plen % align, 0)  # bytes read straight into the target
+        # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
+        # record ends its run (its payload's bulk is the run's one read into a target).
         breaks = np.ones(len(e), bool)
         breaks[1:] = (
-            (seg[1:] != seg[:-1]) | (off[1:] - end[:-1] > RUN_GAP) | (off[1:] // CHUNK_BYTES != off[:-1] // CHUNK_BYTES)
+            (seg[1:] != seg[:-1])
+            | (off[1:] - end[:-1] > RUN_GAP)
+            | (off[1:] // CHUNK_BYTES != off[:-1] // CHUNK_BYTES)
+            | (bulk[:-1] > 0)
         )
         first = np.flatnonzero(breaks)
         run_of = np.cumsum(breaks) - 1
+        last = np.append(first[1:], len(e)) - 1
         run_start = off[first] & -DISK_ALIGNMENT
         run_end = -(-np.maximum.reduceat(end, first) // DISK_ALIGNMENT) * DISK_ALIGNMENT
         run_size = run_end - run_start
+        run_bulk = bulk[last]
+        run_bounce = run_size - run_bulk
+        payload_at = off[last] + HEADER_BYTES - run_start  # where the last record's payload starts in the run
+        direct = [
+            (int(p), targets[i], int(n)) if n else None
+            for i, p, n in zip(last.tolist(), payload_at.tolist(), run_bulk.tolist())
+        ]
         expected = _expected_headers(e, raw)
-        # Chunks: consecutive runs up to CHUNK_BYTES (at least one) and a share of the AIO queue.
+        # Chunks: consecutive runs up to CHUNK_BYTES of file (at least one) and a share of the AIO queue.
         sizes = run_size.tolist()
         lo = 0
         while lo < len(sizes):
@@ -236,20 +274,23 @@ class PackedLoad:
                 total += sizes[hi]
                 hi += 1
             r0, r1 = int(first[lo]), int(first[hi]) if hi < len(sizes) else len(e)
-            bases = np.concatenate(([0], np.cumsum(run_size[lo:hi])[:-1]))
+            bases = np.concatenate(([0], np.cumsum(run_bounce[lo:hi])[:-1]))
             runs = run_of[r0:r1] - lo
             self._waiting.append(
                 _Chunk(
                     [files[s] for s in seg[first[lo:hi]].tolist()],  # type: ignore[misc]
                     run_start[lo:hi].tolist(),
                     bases.tolist(),
-                    sizes[lo:hi],
+                    run_bounce[lo:hi].tolist(),
+                    direct[lo:hi],
                     numbers[r0:r1],
                     raw[r0:r1],
                     targets[r0:r1],
+                    # (a large record's header and tail lie in the buffer as they would without its bulk: it is last)
                     bases[runs] + (off[r0:r1] - run_start[lo:hi][runs]),
                     end[r0:r1] - run_start[lo:hi][runs],
                     runs,
+                    bulk[r0:r1],
                     expected[r0:r1],
                     e["payload_len"][r0:r1].tolist(),
                     e["payload_checksum"][r0:r1],
@@ -271,8 +312,10 @@ class PackedLoad:
             self._reading.append(chunk)
             self._aio.submit(
                 [
-                    aio.ReadOp(f, [mv[b : b + n]], at, (chunk, k))
-                    for k, (f, at, b, n) in enumerate(zip(chunk.files, chunk.starts, chunk.bases, chunk.sizes))
+                    aio.ReadOp(f, _views(mv, b, n, d), at, (chunk, k))
+                    for k, (f, at, b, n, d) in enumerate(
+                        zip(chunk.files, chunk.starts, chunk.bases, chunk.sizes, chunk.direct)
+                    )
                 ]
             )
 
@@ -306,13 +349,24 @@ class PackedLoad:
             sums = np.fromiter((_h64(mv[p : p + _FIXED]) for p in at), np.uint64, len(at))
             good &= sums == headers.view(HEADER_DTYPE)[:, 0]["checksum"]
             cand = np.flatnonzero(good)
-            starts = at_a[cand] + HEADER_BYTES
-            ends = starts + np.asarray(chunk.payload_len)[cand]
-            payloads = b"".join([_h128(mv[a:b]) for a, b in zip(starts.tolist(), ends.tolist())])
-            ok = cand[np.frombuffer(payloads, "V16") == chunk.payload_checksum[cand]].tolist()
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
-            for i in ok:
+            bulk = chunk.bulk[cand]
+            if bulk.any():  # large payloads: the tail next to the bulk in the target, then the hash over the target
+                for i, n in zip(cand[bulk > 0].tolist(), bulk[bulk > 0].tolist()):
+                    _memmove(targets[i] + n, addr + at[i], plen[i] - n)
+                sources = [
+                    (ctypes.c_char * plen[i]).from_address(targets[i]) if n else mv[a : a + plen[i]]
+                    for i, a, n in zip(cand.tolist(), (at_a[cand] + HEADER_BYTES).tolist(), bulk.tolist())
+                ]
+                payloads = b"".join([_h128(src) for src in sources])
+            else:
+                starts = at_a[cand] + HEADER_BYTES
+                ends = starts + np.asarray(plen)[cand]
+                payloads = b"".join([_h128(mv[a:b]) for a, b in zip(starts.tolist(), ends.tolist())])
+            passed = np.frombuffer(payloads, "V16") == chunk.payload_checksum[cand]
+            ok = cand[passed].tolist()
+            for i in cand[passed & (bulk == 0)].tolist():
                 _memmove(targets[i], addr + at[i], plen[i])
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
@@ -346,13 +400,13 @@ class _Wanted:
         )
 
 
-def _wanted(requests: Sequence[LoadRequest], first: int) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (a small cpu target), and the numbers of the others; StoreRequestError
-    for a target that is not a non-empty contiguous uint8 tensor."""
+def _wanted(requests: Sequence[LoadRequest], first: int, align: int) -> tuple[_Wanted, list[int]]:
+    """The requests this path may serve (a cpu target, small or up to DIRECT_MAX at an `align`ed address), and the
+    numbers of the others; StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
-    small = [out.is_cpu and out.numel() < LARGE_PAYLOAD for out in outs]
-    mine = [i for i, s in enumerate(small) if s]
-    rest = [first + i for i, s in enumerate(small) if not s]
+    fits = [out.is_cpu and _fits(out.numel(), out.data_ptr(), align) for out in outs]
+    mine = [i for i, f in enumerate(fits) if f]
+    rest = [first + i for i, f in enumerate(fits) if not f]
     reqs = [requests[i] for i in mine]
     wanted = _Wanted(
         [first + i for i in mine],
@@ -365,10 +419,10 @@ def _wanted(requests: Sequence[LoadRequest], first: int) -> tuple[_Wanted, list[
     return wanted, rest
 
 
-def _batch_wanted(batch: LoadBatch, first: int) -> tuple[_Wanted, list[int]]:
+def _batch_wanted(batch: LoadBatch, first: int, align: int) -> tuple[_Wanted, list[int]]:
     """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
-    group's pool is a flat contiguous uint8 cpu tensor, its payload small and its slot wholly inside the pool.
-    Any other object's request is built and its target checked as `_wanted` checks it."""
+    group's pool is a flat contiguous uint8 cpu tensor, its slot wholly inside the pool and the slot `_fits`. Any
+    other object's request is built and its target checked as `_wanted` checks it."""
     groups = batch.groups
     whole = np.array([_flat_pool(g) for g in groups], bool)
     cpu = np.array([g.tensor.is_cpu for g in groups], bool)
@@ -381,7 +435,7 @@ def _batch_wanted(batch: LoadBatch, first: int) -> tuple[_Wanted, list[int]]:
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
         flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = inside & cpu[g_of] & (nbytes[g_of] < LARGE_PAYLOAD)
+    served = inside & cpu[g_of] & _fits(nbytes[g_of], base[g_of] + start, align)
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
     suffix = [key_suffix(g.name, g.form) for g in groups]
@@ -396,6 +450,22 @@ def _batch_wanted(batch: LoadBatch, first: int) -> tuple[_Wanted, list[int]]:
         [digest[g] for g in g_mine],
     )
     return wanted, rest.tolist()
+
+
+def _fits(n: _Int, addr: _Int, align: int) -> _Int:
+    """Whether a target of `n` bytes at `addr` is this path's (small, or large and read straight into); for one
+    target or, elementwise, for arrays of them."""
+    return (n < LARGE_PAYLOAD) | ((n <= DIRECT_MAX) & (addr % align == 0))
+
+
+def _views(mv: memoryview, base: int, n: int, direct: tuple[int, int, int] | None) -> list[memoryview]:
+    """A run's read: `n` bytes of the buffer from `base`; with its last record's bulk (`direct`: where the payload
+    starts in the run, the target's address, the bulk's length) read into the target after the bytes before it."""
+    if direct is None:
+        return [mv[base : base + n]]
+    at, target, bulk = direct
+    views = [mv[base : base + at], memoryview((ctypes.c_char * bulk).from_address(target)).cast("B")]
+    return [*views, mv[base + at : base + n]] if n > at else views
 
 
 def _flat_pool(g: TargetGroup) -> bool:
@@ -428,3 +498,4 @@ def _expected_headers(e: np.ndarray, raw: list[bytes]) -> np.ndarray:
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT
+_Int = TypeVar("_Int", int, np.ndarray)

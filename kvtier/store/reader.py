@@ -153,7 +153,7 @@ class Reader:
         more: MoreRequests | None,
         outcome: LoadOutcome,
     ) -> None:
-        """The small records through `PackedLoad`, then the rest (and any that failed its checks) through the
+        """What `PackedLoad` serves through it, then the rest (and any that failed its checks) through the
         general path, each answer in its request's place."""
         packed = PackedLoad(self._ctx, txn, aio_ctx, self.segment, self._namespace_reason)
         n = len(requests)

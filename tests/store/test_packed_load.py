@@ -1,5 +1,6 @@
-"""Small records through the packed path (kvtier.store.packed): the general path's answers and bytes, every record it
-finds damaged answered (and quarantined) by the general path, bounce memory bounded by its chunks."""
+"""Small records through the packed path (kvtier.store.packed), and large ones among them read straight into their
+targets: the general path's answers and bytes, every record it finds damaged answered (and quarantined) by the
+general path, bounce memory bounded by its chunks."""
 
 from __future__ import annotations
 
@@ -237,7 +238,7 @@ def test_the_packed_path_answers_as_the_general_path_does(mixed, monkeypatch, pi
             assert torch.equal(a.out, b.out)
 
 
-GROUP_BYTES = {"s1": 100, "s2": 1000, "s3": 4095, "big": 9000}  # the last is large: the general path's
+GROUP_BYTES = {"s1": 100, "s2": 1000, "s3": 4095, "big": 9000}  # the last is large: read into its slot
 
 
 @pytest.fixture(scope="module")
@@ -310,9 +311,14 @@ def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wr
     assert packed_reasons == general_reasons
     for ga, gb in zip(a.groups, b.groups):
         assert torch.equal(ga.tensor, gb.tensor)
-    # A request was built (once or twice) only for what the packed path did not serve: a large record, a slot past
-    # the end of its pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
-    served = [r is Reason.OK and names[g] != "big" and how == "ok" for (g, _, how), r in zip(picks, packed_reasons)]
+    # A request was built (once or twice) only for what the packed path did not serve: a slot past the end of its
+    # pool, a record its checks refused (a miss, a stale digest) and the general path answered, or any record of a
+    # load whose slots in their pools are all large (the general path's alone).
+    any_small = any(names[g] != "big" and how != "short" for g, _, how in picks)
+    served = [
+        r is Reason.OK and how == "ok" and (any_small or names[g] != "big")
+        for (g, _, how), r in zip(picks, packed_reasons)
+    ]
     assert len(set(built)) == len(picks) - sum(served)
 
 
@@ -325,3 +331,108 @@ def test_a_slot_wholly_outside_its_pool_is_refused_before_any_read(grouped) -> N
     with DiskStore(root) as s, pytest.raises(StoreRequestError, match="non-empty"):
         s.load_into(batch)
     assert (groups[0].tensor == 0x55).all()
+
+
+# Small and large records interleaved as a restore writes them (large: an aligned bulk, some with a tail).
+MIXED_SIZES = [1000, 9000, 300, 8192, 16384, 2000, 4096, 5000, 700, 12345] * 4
+LARGE = [i for i, n in enumerate(MIXED_SIZES) if n >= 4096]
+
+
+@pytest.fixture
+def mixed_large(tmp_path):
+    root = str(tmp_path / "store")
+    return root, _populate(root, MIXED_SIZES, "x")
+
+
+def _slot_load(store: DiskStore, keys, sizes, picks=None) -> tuple[list[Reason], list[torch.Tensor]]:
+    picks = range(len(keys)) if picks is None else picks
+    outs = [slot_like(sizes[i]) for i in picks]
+    return store.load_into([LoadRequest(keys[i], o, DIGEST) for i, o in zip(picks, outs)]), outs
+
+
+@pytest.fixture
+def submitted(monkeypatch) -> list[int]:
+    """The address of every buffer a read went into."""
+    seen: list[int] = []
+    real = aio.AioContext.submit
+
+    def submit(self, ops):
+        seen.extend(torch.frombuffer(v, dtype=torch.uint8).data_ptr() for op in ops for v in op.views if len(v))
+        return real(self, ops)
+
+    monkeypatch.setattr(aio.AioContext, "submit", submit)
+    return seen
+
+
+def test_large_records_among_small_ones_are_read_straight_into_their_targets(mixed_large, served, submitted) -> None:
+    root, keys = mixed_large
+    with DiskStore(root) as s:
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES)
+    assert reasons == [Reason.OK] * len(keys)
+    assert all(torch.equal(o, make_payload(f"x{i}", n)) for i, (o, n) in enumerate(zip(outs, MIXED_SIZES)))
+    assert served == [len(keys)]
+    targets = {o.data_ptr() for i, o in enumerate(outs) if i in LARGE}
+    assert targets <= set(submitted)  # the bytes moved once: disk to target
+
+
+def test_large_records_alone_take_the_general_path(mixed_large, served) -> None:
+    root, keys = mixed_large
+    with DiskStore(root) as s:
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
+    assert reasons == [Reason.OK] * len(LARGE) and served == [0]
+    assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
+
+
+def test_a_large_target_off_the_direct_alignment_takes_the_general_path(mixed_large, served) -> None:
+    root, keys = mixed_large
+    odd = slot_like(MIXED_SIZES[1] + 64)[64:]  # 64 bytes past a page: no O_DIRECT target
+    with DiskStore(root) as s:
+        reasons = s.load_into(
+            [LoadRequest(keys[0], slot_like(MIXED_SIZES[0]), DIGEST), LoadRequest(keys[1], odd, DIGEST)]
+        )
+    assert reasons == [Reason.OK, Reason.OK] and served == [1]
+    assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1]))
+
+
+@pytest.mark.parametrize(
+    "where, quarantined",
+    [
+        ("bulk", QuarantineReason.PAYLOAD),  # read into the target
+        ("tail", QuarantineReason.PAYLOAD),  # read into the bounce buffer, copied after the bulk
+        ("header", QuarantineReason.HEADER),
+    ],
+)
+def test_a_damaged_large_record_fails_alone_and_is_quarantined(mixed_large, served, where, quarantined) -> None:
+    root, keys = mixed_large
+    victim = 9  # 12,345 bytes: a bulk and a tail
+    with DiskStore(root) as s:
+        e = s.records([keys[victim]])[0].entry
+        at = {
+            "bulk": e.payload_offset + 100,
+            "tail": e.payload_offset + MIXED_SIZES[victim] - 1,
+            "header": e.offset + 60,
+        }
+        flip_bit(segment_path(root, e.segment), at[where], 5)
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES)
+        assert served == [len(keys) - 1]
+        assert reasons[victim] is Reason.CORRUPT
+        assert [r for i, r in enumerate(reasons) if i != victim] == [Reason.OK] * (len(keys) - 1)
+        assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in enumerate(outs) if i != victim)
+        entry = s.records([keys[victim]])[0].entry
+        assert entry.state is RecordState.QUARANTINED and entry.quarantine is quarantined
+
+
+def test_a_cut_inside_a_large_payload_fails_it_and_those_after(mixed_large, served) -> None:
+    root, keys = mixed_large
+    with DiskStore(root) as s:
+        entries = [s.records([k])[0].entry for k in keys]
+        victim = LARGE[len(LARGE) // 2]
+        cut = entries[victim].payload_offset + 4096 + 7
+        os.truncate(segment_path(root, entries[0].segment), cut)
+    with DiskStore(root) as s:
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES)
+        whole = [e.offset + e.record_len <= cut for e in entries]
+        assert reasons == [Reason.OK if w else Reason.CORRUPT for w in whole]
+        assert served == [sum(whole)]
+        assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in enumerate(outs) if whole[i])
+        assert s.records([keys[victim]])[0].entry.quarantine is QuarantineReason.SEGMENT_TRUNCATED
