@@ -206,7 +206,11 @@ def mixed(tmp_path_factory):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     picks=st.lists(
-        st.tuples(st.integers(0, 39), st.sampled_from(["ok", "missing", "digest", "length", "large-target"])),
+        st.tuples(
+            st.integers(0, 39),
+            st.sampled_from(["ok", "missing", "digest", "length", "large-target"]),
+            st.booleans(),  # the target at a 4096-aligned address (a large payload is read straight into it)
+        ),
         min_size=1,
         max_size=30,
     )
@@ -218,12 +222,13 @@ def test_the_packed_path_answers_as_the_general_path_does(mixed, monkeypatch, pi
 
         def ask():
             reqs = []
-            for i, how in picks:
+            for i, how, aligned in picks:
                 key = make_key(ns, f"absent{i}") if how == "missing" else keys[i]
                 n = sizes[i] + (1 if how == "length" else 0)
                 n = max(n, 5000) if how == "large-target" else n
                 digest = b"X" * 16 if how == "digest" else DIGEST
-                reqs.append(LoadRequest(key, torch.full((n,), 0x55, dtype=torch.uint8), digest))
+                out = slot_like(n, 0x55) if aligned else slot_like(n + 64, 0x55)[64:]
+                reqs.append(LoadRequest(key, out, digest))
             return reqs
 
         packed_reqs = ask()
