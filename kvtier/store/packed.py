@@ -42,7 +42,6 @@ import ctypes
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import lmdb
 import numpy as np
@@ -139,13 +138,11 @@ class PackedLoad:
         self._failed: list[int] = []
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
-        align = self._ctx.backend.direct_align
+        align, alone = self._ctx.backend.direct_align, first == 0  # (a first batch of large records: not ours)
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, align)
+            wanted, rest = _batch_wanted(requests, first, align, alone)
         else:
-            wanted, rest = _wanted(requests, first, align)
-        if first == 0 and not (wanted.lengths < LARGE_PAYLOAD).any():  # large records alone: the general path's
-            return sorted(rest + wanted.numbers)
+            wanted, rest = _wanted(requests, first, align, alone)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -351,27 +348,22 @@ class PackedLoad:
             cand = np.flatnonzero(good)
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
+            starts = at_a[cand] + HEADER_BYTES
+            ends = starts + np.asarray(plen)[cand]
+            sources = [mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
             bulk = chunk.bulk[cand]
-            if bulk.any():  # large payloads: the tail next to the bulk in the target, then the hash over the target
-                for i, n in zip(cand[bulk > 0].tolist(), bulk[bulk > 0].tolist()):
-                    _memmove(targets[i] + n, addr + at[i], plen[i] - n)
-                sources = [
-                    (ctypes.c_char * plen[i]).from_address(targets[i]) if n else mv[a : a + plen[i]]
-                    for i, a, n in zip(cand.tolist(), (at_a[cand] + HEADER_BYTES).tolist(), bulk.tolist())
-                ]
-                payloads = b"".join([_h128(src) for src in sources])
-            else:
-                starts = at_a[cand] + HEADER_BYTES
-                ends = starts + np.asarray(plen)[cand]
-                payloads = b"".join([_h128(mv[a:b]) for a, b in zip(starts.tolist(), ends.tolist())])
-            passed = np.frombuffer(payloads, "V16") == chunk.payload_checksum[cand]
+            for k in np.flatnonzero(bulk).tolist():  # a large payload: its tail after its bulk, hashed in the target
+                i, n = int(cand[k]), int(bulk[k])
+                _memmove(targets[i] + n, addr + at[i], plen[i] - n)
+                sources[k] = (ctypes.c_char * plen[i]).from_address(targets[i])
+            passed = np.frombuffer(b"".join([_h128(src) for src in sources]), "V16") == chunk.payload_checksum[cand]
             ok = cand[passed].tolist()
             for i in cand[passed & (bulk == 0)].tolist():
                 _memmove(targets[i], addr + at[i], plen[i])
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
-                passed = set(ok)
-                self._failed += [n for i, n in enumerate(chunk.numbers) if i not in passed]
+                served = set(ok)
+                self._failed += [n for i, n in enumerate(chunk.numbers) if i not in served]
         finally:
             chunk.buf = None
             self._ctx.buffers.release(buf)
@@ -400,29 +392,32 @@ class _Wanted:
         )
 
 
-def _wanted(requests: Sequence[LoadRequest], first: int, align: int) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (a cpu target, small or up to DIRECT_MAX at an `align`ed address), and the
-    numbers of the others; StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
+def _wanted(requests: Sequence[LoadRequest], first: int, align: int, alone: bool) -> tuple[_Wanted, list[int]]:
+    """The requests this path may serve (`_taken`: a cpu target, small or up to DIRECT_MAX at an `align`ed
+    address), and the numbers of the others; StoreRequestError for a target that is not a non-empty contiguous
+    uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
-    fits = [out.is_cpu and _fits(out.numel(), out.data_ptr(), align) for out in outs]
-    mine = [i for i, f in enumerate(fits) if f]
-    rest = [first + i for i, f in enumerate(fits) if not f]
+    n = np.fromiter((out.numel() for out in outs), np.int64, len(outs))
+    addr = np.fromiter((out.data_ptr() for out in outs), np.int64, len(outs))
+    cpu = np.fromiter((out.is_cpu for out in outs), bool, len(outs))
+    taken = _taken(cpu, n, addr, align, alone)
+    mine = np.flatnonzero(taken).tolist()
     reqs = [requests[i] for i in mine]
     wanted = _Wanted(
         [first + i for i in mine],
         [encode_key(r.key) for r in reqs],
         [r.key.namespace for r in reqs],
-        [outs[i].data_ptr() for i in mine],
-        np.fromiter((outs[i].numel() for i in mine), np.uint64, len(mine)),
+        addr[taken].tolist(),
+        n[taken].astype(np.uint64),
         [r.layout_digest for r in reqs],
     )
-    return wanted, rest
+    return wanted, (np.flatnonzero(~taken) + first).tolist()
 
 
-def _batch_wanted(batch: LoadBatch, first: int, align: int) -> tuple[_Wanted, list[int]]:
+def _batch_wanted(batch: LoadBatch, first: int, align: int, alone: bool) -> tuple[_Wanted, list[int]]:
     """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
-    group's pool is a flat contiguous uint8 cpu tensor, its slot wholly inside the pool and the slot `_fits`. Any
-    other object's request is built and its target checked as `_wanted` checks it."""
+    group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and `_taken`. Any other
+    object's request is built and its target checked as `_wanted` checks it."""
     groups = batch.groups
     whole = np.array([_flat_pool(g) for g in groups], bool)
     cpu = np.array([g.tensor.is_cpu for g in groups], bool)
@@ -435,7 +430,7 @@ def _batch_wanted(batch: LoadBatch, first: int, align: int) -> tuple[_Wanted, li
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
         flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = inside & cpu[g_of] & _fits(nbytes[g_of], base[g_of] + start, align)
+    served = _taken(inside & cpu[g_of], nbytes[g_of], base[g_of] + start, align, alone)
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
     suffix = [key_suffix(g.name, g.form) for g in groups]
@@ -452,10 +447,14 @@ def _batch_wanted(batch: LoadBatch, first: int, align: int) -> tuple[_Wanted, li
     return wanted, rest.tolist()
 
 
-def _fits(n: _Int, addr: _Int, align: int) -> _Int:
-    """Whether a target of `n` bytes at `addr` is this path's (small, or large and read straight into); for one
-    target or, elementwise, for arrays of them."""
-    return (n < LARGE_PAYLOAD) | ((n <= DIRECT_MAX) & (addr % align == 0))
+def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int, alone: bool) -> np.ndarray:
+    """Which targets (`host`: in host memory this path may write; `n` bytes at `addr`) this path serves: small
+    ones, and large ones up to DIRECT_MAX at an `align`ed address (read straight into); none of them where they
+    come `alone` (a load's first requests) and none is small: a load of large records alone is the general path's."""
+    small = host & (n < LARGE_PAYLOAD)
+    if alone and not small.any():
+        return small
+    return small | (host & (n <= DIRECT_MAX) & (addr % align == 0))
 
 
 def _views(mv: memoryview, base: int, n: int, direct: tuple[int, int, int] | None) -> list[memoryview]:
@@ -498,4 +497,3 @@ def _expected_headers(e: np.ndarray, raw: list[bytes]) -> np.ndarray:
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT
-_Int = TypeVar("_Int", int, np.ndarray)
