@@ -79,9 +79,10 @@ class MooncakeCluster:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.lease_ms, self.client_ttl_s = lease_ms, client_ttl_s
-        self.metadata_port = free_port()
+        self._ports: set[int] = set()
+        self.metadata_port = self._port()
         self.metadata = f"http://127.0.0.1:{self.metadata_port}/metadata"
-        self.master_port = free_port()
+        self.master_port = self._port()
         self.masters: list[Proc] = []
         self.holders: list[Proc] = []
         self.etcd: Proc | None = None
@@ -98,6 +99,15 @@ class MooncakeCluster:
         """The masters' admin servers as `[cluster] admin` takes them."""
         return ";".join(f"http://127.0.0.1:{p}" for p in self.admin_ports)
 
+    def _port(self) -> int:
+        """A free port not yet given to this cluster: free_port releases what it finds, so the kernel may hand the
+        same port out again before the process it was meant for binds it (a master once got its metadata port as
+        its admin port, and exited on "Address already in use")."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
     def _spawn(self, name: str, argv: list[str]) -> Proc:
         self._n += 1
         log = self.workdir / f"{self._n:02d}-{name}.log"
@@ -108,10 +118,10 @@ class MooncakeCluster:
 
     def start_master(self, *, ha: bool = False) -> Proc:
         """One master; with `ha`, one of several electing a leader over etcd (start_etcd first)."""
-        rpc_port = free_port() if ha else self.master_port
+        rpc_port = self._port() if ha else self.master_port
         argv = [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}"]
         argv += [f"--client_ttl={self.client_ttl_s}", f"--default_kv_lease_ttl={self.lease_ms}"]
-        self.admin_ports.append(free_port())
+        self.admin_ports.append(self._port())
         argv += ["--metrics_host=127.0.0.1", f"--metrics_port={self.admin_ports[-1]}"]  # its admin server, else :9003
         if not ha:  # the master also serves the transfer engine's metadata (HA masters keep it in etcd)
             argv += ["--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1"]
@@ -128,7 +138,7 @@ class MooncakeCluster:
         return proc
 
     def start_etcd(self) -> Proc:
-        client, peer = free_port(), free_port()
+        client, peer = self._port(), self._port()
         self.etcd_endpoint = f"127.0.0.1:{client}"
         argv = [shutil.which("etcd") or "etcd", "--data-dir", str(self.workdir / "etcd"), "--name", "kvtier-test"]
         argv += [
