@@ -12,7 +12,10 @@ For each prompt length (4K-64K tokens by default, one independent random prompt 
 4. recompute: a fresh state prefills the prefix up to the same boundary (`recompute_s`) and
    continues; the continuation's logits must be bitwise equal to the restored one's.
 
-Steps 2-4 run `--repeat` times; each time's best is reported.
+Steps 2-4 run `--repeat` times; each time's best is reported. Each round starts from the next length (4K first,
+then 8K first, ...): a daemon's first load after its start costs a few ms more than its next, in every phase (the
+caches of a new process are cold), and with a fixed order the shortest prompt would pay that in every round.
+`first_after_start` lists, per round, the length restored first and its `us_per_object`.
 
 `ratio` = recompute_s / restore_s at the same boundary (> 1: restoring is faster); `request_ratio` is the
 whole request (prefix + continuation + decode) without a cache over the same with it; `us_per_object` is the
@@ -59,7 +62,7 @@ def prompts(model: RefModel, lengths: list[int], extra: int) -> dict[int, np.nda
 
 def measure(
     profile: ModelProfile, lengths: list[int], extra: int, decode: int, repeat: int, work: Path
-) -> dict[int, dict]:
+) -> tuple[dict[int, dict], list[dict]]:
     model = RefModel(profile)
     ps = prompts(model, lengths, extra)
     daemon = DemoDaemon(
@@ -72,12 +75,17 @@ def measure(
             if off.refused or not off.persisted:
                 raise SystemExit(f"offload of {n} tokens incomplete (refused {off.refused}, persisted {off.persisted})")
             out[n] = {"prefill_s": off.prefill_s, "offload_s": off.offload_s, "objects": off.objects}
-    for _ in range(repeat):
+    firsts = []
+    for r in range(repeat):
         drop_cache_tree(work / "store")
+        order = lengths[r % len(lengths) :] + lengths[: r % len(lengths)]
         with _engine_on(daemon, model) as engine:
-            for n in lengths:
-                _merge(out[n], _restore_vs_recompute(engine, ps[n], decode))
-    return out
+            for n in order:
+                case = _restore_vs_recompute(engine, ps[n], decode)
+                if n == order[0]:
+                    firsts.append({"tokens": n, "us_per_object": _per_object(case)})
+                _merge(out[n], case)
+    return out, firsts
 
 
 @contextlib.contextmanager
@@ -116,6 +124,11 @@ def _restore_vs_recompute(engine: RefEngine, tokens: np.ndarray, decode: int) ->
     }
 
 
+def _per_object(case: dict) -> float | None:
+    """The cold load's µs an object (lookup excluded); None where nothing was loaded."""
+    return round(case["load_s"] / case["loaded_objects"] * 1e6, 1) if case["loaded_objects"] else None
+
+
 def _merge(acc: dict, new: dict) -> None:
     """Best time of the repeats; equality must hold in every one."""
     for k, v in new.items():
@@ -149,19 +162,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-restore-", dir=args.dir) as d:
-        results = measure(profile, sorted(args.tokens), args.continue_tokens, args.decode, args.repeat, Path(d))
+        results, firsts = measure(profile, sorted(args.tokens), args.continue_tokens, args.decode, args.repeat, Path(d))
     cases = []
     for n, r in sorted(results.items()):
         r = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
         request = (r["recompute_s"] + r["recompute_continue_s"]) / (r["restore_s"] + r["continue_s"])
-        per_object = r["load_s"] / r["loaded_objects"] * 1e6 if r["loaded_objects"] else None
+        per_object = _per_object(r)
         cases.append(
             {
                 "tokens": n,
                 **r,
                 "ratio": round(r["recompute_s"] / r["restore_s"], 2),
                 "request_ratio": round(request, 2),
-                "us_per_object": round(per_object, 1) if per_object is not None else None,
+                "us_per_object": per_object,
             }
         )
     short = [c["tokens"] for c in cases if c["hit_tokens"] < c["tokens"]]
@@ -183,6 +196,7 @@ def main() -> None:
                 "decode": args.decode,
                 "repeat": args.repeat,
                 "cases": cases,
+                "first_after_start": firsts,
             }
         )
     )
