@@ -8,7 +8,7 @@ teardown); an `alone` test holds it exclusive. The gate file keeps a waiting `al
 it takes the gate exclusive before waiting on the run file, and other tests pass the gate (shared, for an
 instant) before they take the run file, so no new test starts once an `alone` test is waiting. Without xdist
 every test is alone already and no lock is taken. Closing a descriptor releases its lock, so a worker that
-dies frees what it held."""
+dies frees what it held. The controller removes the two files once the run is over (they are per run)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,32 @@ from collections.abc import Iterator
 
 import pytest
 
+_runs: set[str] = set()  # (the xdist controller) the lock files' base path of each run it started workers for
+
+
+def _base(run_id: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"kvtier-tests-{run_id}")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: runs with no other test in flight on any xdist worker (latency bounds)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    _runs.add(_base(node.workerinput["testrunuid"]))  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure() -> None:
+    """The controller, once every worker is done: the run's lock files go (a worker never removes them: one that
+    opened them after would lock another file)."""
+    for base in _runs:
+        for path in (base + ".gate", base + ".run"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    _runs.clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -30,7 +53,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if run_id is None:
         yield
         return
-    base = os.path.join(tempfile.gettempdir(), f"kvtier-tests-{run_id}")
+    base = _base(run_id)
     gate = os.open(base + ".gate", os.O_RDWR | os.O_CREAT, 0o600)
     run = os.open(base + ".run", os.O_RDWR | os.O_CREAT, 0o600)
     try:
