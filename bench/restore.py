@@ -13,8 +13,9 @@ For each prompt length (4K-64K tokens by default, one independent random prompt 
    continues; the continuation's logits must be bitwise equal to the restored one's.
 
 Steps 2-4 run `--repeat` times; each time's best is reported. Each round starts from the next length (4K first,
-then 8K first, ...): a daemon's first load after its start costs a few ms more than its next, in every phase (the
-caches of a new process are cold), and with a fixed order the shortest prompt would pay that in every round.
+then 8K first, ...): a daemon's first load after its start can cost a few ms more than its next (a new process's
+caches are cold: each numpy function's first call, the first AIO context), and with a fixed order the shortest
+prompt would pay that in every round.
 `first_after_start` lists, per round, the length restored first and its `us_per_object`.
 
 `ratio` = recompute_s / restore_s at the same boundary (> 1: restoring is faster); `request_ratio` is the
