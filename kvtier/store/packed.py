@@ -303,13 +303,13 @@ class PackedLoad:
         while self._waiting and len(self._reading) < IN_FLIGHT:
             chunk = self._waiting.popleft()
             buf = chunk.buf = self._ctx.buffers.acquire(chunk.bases[-1] + chunk.sizes[-1])
-            mv = buf.mv
+            addr = buf.addr
             chunk.got = [-1] * len(chunk.sizes)
             chunk.left = len(chunk.sizes)
             self._reading.append(chunk)
             self._aio.submit(
                 [
-                    aio.ReadOp(f, _views(mv, b, n, d), at, (chunk, k))
+                    aio.ReadOp(f, [(addr + b, n)] if d is None else _iov(addr + b, n, d), at, (chunk, k))
                     for k, (f, at, b, n, d) in enumerate(
                         zip(chunk.files, chunk.starts, chunk.bases, chunk.sizes, chunk.direct)
                     )
@@ -457,14 +457,12 @@ def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int, alone:
     return small | (host & (n <= DIRECT_MAX) & (addr % align == 0))
 
 
-def _views(mv: memoryview, base: int, n: int, direct: tuple[int, int, int] | None) -> list[memoryview]:
-    """A run's read: `n` bytes of the buffer from `base`; with its last record's bulk (`direct`: where the payload
-    starts in the run, the target's address, the bulk's length) read into the target after the bytes before it."""
-    if direct is None:
-        return [mv[base : base + n]]
-    at, target, bulk = direct
-    views = [mv[base : base + at], memoryview((ctypes.c_char * bulk).from_address(target)).cast("B")]
-    return [*views, mv[base + at : base + n]] if n > at else views
+def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:
+    """A run's read ending in a large record's payload (`n` bytes of the buffer at address `at`; `direct`: where the
+    payload starts in the run, the target's address, the bulk's length): the bytes before the bulk into the buffer,
+    the bulk into the target, the rest into the buffer after the bytes before it."""
+    start, target, bulk = direct
+    return [(at, start), (target, bulk), (at + start, n - start)] if n > start else [(at, start), (target, bulk)]
 
 
 def _flat_pool(g: TargetGroup) -> bool:

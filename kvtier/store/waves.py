@@ -226,7 +226,7 @@ class WaveRead(Generic[J, R]):
             base += align_up(scatter.bounce_bytes, DISK_ALIGNMENT)
             rr.pieces = split_read(rr.views, r.start, AIO_PIECE_BYTES)
             rr.got = [-1] * len(rr.pieces)
-            self.queue.extend(aio.ReadOp(seg, views, at, (rr, k), n) for k, (views, at, n) in enumerate(rr.pieces))
+            self.queue.extend(aio.ReadOp(seg, aio.iov_of(v), at, (rr, k), n) for k, (v, at, n) in enumerate(rr.pieces))
 
     def _check_ready(self, rr: RunRead[J]) -> None:
         """Check the run's jobs whose records are all in; give the share back after its last run's last job."""

@@ -43,6 +43,10 @@ def data_file(tmp_path):
     f.close()
 
 
+def _op(f, views: list[memoryview], offset: int, tag: object = None) -> aio.ReadOp:
+    return aio.ReadOp(f, aio.iov_of(views), offset, tag)
+
+
 def _all(ctx: aio.AioContext) -> dict[object, int]:
     done: dict[object, int] = {}
     while ctx.pending:
@@ -56,7 +60,7 @@ def test_reads_in_flight_together_fill_every_view(ctx, data_file) -> None:
     buf = AlignedBuffer(SIZE)
     offsets = random.Random(1).sample(range(0, SIZE, 4096), 200)
     for i, off in enumerate(offsets):  # two views a read: 4 KiB where the file has it, in two halves
-        ctx.submit([aio.ReadOp(f, [buf.mv[off : off + 1024], buf.mv[off + 1024 : off + 4096]], off, i)])
+        ctx.submit([_op(f, [buf.mv[off : off + 1024], buf.mv[off + 1024 : off + 4096]], off, i)])
     assert ctx.pending_bytes == 4096 * len(offsets)
     assert _all(ctx) == {i: 4096 for i in range(len(offsets))}
     assert ctx.pending_bytes == 0
@@ -66,8 +70,8 @@ def test_reads_in_flight_together_fill_every_view(ctx, data_file) -> None:
 def test_a_read_across_end_of_file_returns_what_is_there(ctx, data_file) -> None:
     f, data = data_file
     buf = AlignedBuffer(3 * 4096)
-    ctx.submit([aio.ReadOp(f, [buf.mv[: 2 * 4096]], SIZE - 4096, "across")])
-    ctx.submit([aio.ReadOp(f, [buf.mv[2 * 4096 :]], SIZE, "past")])
+    ctx.submit([_op(f, [buf.mv[: 2 * 4096]], SIZE - 4096, "across")])
+    ctx.submit([_op(f, [buf.mv[2 * 4096 :]], SIZE, "past")])
     assert _all(ctx) == {"across": 4096, "past": 0}
     assert buf.mv[:4096] == data[-4096:]
 
@@ -75,9 +79,9 @@ def test_a_read_across_end_of_file_returns_what_is_there(ctx, data_file) -> None
 def test_a_failed_read_is_raised_once_the_others_are_in(ctx, data_file) -> None:
     f, data = data_file
     buf = AlignedBuffer(4 * 4096)
-    ctx.submit([aio.ReadOp(f, [buf.mv[:4096]], 0, "good")])
-    ctx.submit([aio.ReadOp(f, [buf.mv[4096 + 1 : 2 * 4096 + 1]], 4096, "misaligned")])  # O_DIRECT: EINVAL
-    ctx.submit([aio.ReadOp(f, [buf.mv[3 * 4096 :]], 8192, "good too")])
+    ctx.submit([_op(f, [buf.mv[:4096]], 0, "good")])
+    ctx.submit([_op(f, [buf.mv[4096 + 1 : 2 * 4096 + 1]], 4096, "misaligned")])  # O_DIRECT: EINVAL
+    ctx.submit([_op(f, [buf.mv[3 * 4096 :]], 8192, "good too")])
     seen: list[object] = []
     with pytest.raises(OSError) as err:
         while ctx.pending:
@@ -95,7 +99,7 @@ def test_a_forked_child_sets_up_its_own_context(ctx, data_file) -> None:
         try:
             c = aio.acquire()
             buf = AlignedBuffer(4096)
-            c.submit([aio.ReadOp(f, [buf.mv[:4096]], 4096)])
+            c.submit([_op(f, [buf.mv[:4096]], 4096)])
             ok = [n for _, n in c.complete()] == [4096] and buf.mv[:4096] == data[4096:8192]
         finally:
             os._exit(0 if ok else 1)
@@ -135,7 +139,7 @@ def test_reads_the_kernel_has_no_room_for_are_read_at_once(ctx, data_file, monke
 
     monkeypatch.setattr(aio, "_syscall", full)
     buf = AlignedBuffer(2 * 4096)
-    ctx.submit([aio.ReadOp(f, [buf.mv[:4096]], 0, "a"), aio.ReadOp(f, [buf.mv[4096:]], 65536, "b")])
+    ctx.submit([_op(f, [buf.mv[:4096]], 0, "a"), _op(f, [buf.mv[4096:]], 65536, "b")])
     assert ctx.pending == 2 and _all(ctx) == {"a": 4096, "b": 4096} and ctx.pending_bytes == 0
     assert buf.mv[:4096] == data[:4096] and buf.mv[4096:] == data[65536 : 65536 + 4096]
 

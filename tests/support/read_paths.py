@@ -1,9 +1,10 @@
 """The store's two read paths, for tests that must hold on both: native AIO from one thread (O_DIRECT on Linux)
 and threads (where AIO is refused, or the backend is buffered). `read_path` is parametrized over them;
-`scattered_reads` records the target views of every read either path issues."""
+`scattered_reads` records the target memory (address, length) of every read either path issues."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtier.store import aio
@@ -23,17 +24,18 @@ def read_path(request, monkeypatch) -> str:
 
 
 @pytest.fixture
-def scattered_reads(read_path, monkeypatch) -> list[list[memoryview]]:
-    """The views of every scattered read, in the order issued (a read cut in pieces by AIO: one entry a piece)."""
-    seen: list[list[memoryview]] = []
+def scattered_reads(read_path, monkeypatch) -> list[list[tuple[int, int]]]:
+    """The (address, length) of each view of every scattered read, in the order issued (a read cut in pieces by
+    AIO: one entry a piece)."""
+    seen: list[list[tuple[int, int]]] = []
     real_read, real_submit = SegmentFile.preadv_into, aio.AioContext.submit
 
     def reading(self, views, offset):
-        seen.append(list(views))
+        seen.append([(np.frombuffer(v, np.uint8).ctypes.data, len(v)) for v in views])
         return real_read(self, views, offset)
 
     def submitting(self, ops):
-        seen.extend(list(op.views) for op in ops)
+        seen.extend(list(op.iov) for op in ops)
         return real_submit(self, ops)
 
     monkeypatch.setattr(SegmentFile, "preadv_into", reading)
