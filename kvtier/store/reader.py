@@ -23,7 +23,7 @@ from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
-from kvtier.store.packed import PackedLoad
+from kvtier.store.packed import PackedLoad, take_buffers
 from kvtier.store.record import (
     FORM_CODES,
     FORMAT_VERSION,
@@ -62,6 +62,16 @@ class Reader:
         # The read threads start with the store, not inside its first load: on a busy host eight thread starts
         # cost milliseconds, as much as a thousand small records take to read.
         ctx.executor("read")
+
+    def take_load_resources(self) -> None:
+        """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
+        now (`packed.take_buffers`): a daemon's first restore otherwise pays both (io_setup about 0.2 ms)."""
+        backend = self._ctx.backend
+        if backend.direct and not backend.gpu_direct:
+            ctx = aio.acquire()
+            if ctx is not None:
+                aio.release(ctx)
+                take_buffers(self._ctx)
 
     # ----------------------------------------------------------------- lookups
 

@@ -65,7 +65,7 @@ class DiskStore:
             self._writer = Writer(self._ctx)
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
-            self._ctx.executor("read")  # the daemon's read threads start now, not inside its first restore
+            self._reader.take_load_resources()  # the daemon's, now, not inside its first restore
         if not readonly:
             self._atimes.start()  # last: a store that failed to open leaves no thread behind
 

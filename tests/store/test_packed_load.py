@@ -17,6 +17,7 @@ from kvtier.core import CacheForm, Reason
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreRequestError, aio, packed
+from kvtier.store import io as io_mod
 from kvtier.store.io import BufferPool
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path
@@ -441,3 +442,26 @@ def test_a_cut_inside_a_large_payload_fails_it_and_those_after(mixed_large, serv
         assert served == [sum(whole)]
         assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in enumerate(outs) if whole[i])
         assert s.records([keys[victim]])[0].entry.quarantine is QuarantineReason.SEGMENT_TRUNCATED
+
+
+def test_a_writer_store_takes_its_bounce_buffers_at_open(small, monkeypatch) -> None:
+    """The daemon's store (a writer) faults in the packed path's bounce buffers when it opens: its first load takes
+    every buffer from the pool; a reader store's first load makes its own."""
+    root, keys = small
+    made: list[int] = []
+    real_init = io_mod.AlignedBuffer.__init__
+
+    def init(self, capacity):
+        made.append(capacity)
+        real_init(self, capacity)
+
+    monkeypatch.setattr(io_mod.AlignedBuffer, "__init__", init)
+    for writer in (True, False):
+        made.clear()
+        with DiskStore(root, writer=writer) as s:
+            at_open = made.count(packed.CHUNK_BYTES)
+            made.clear()
+            reasons, outs = _load(s, keys, SIZES)
+            assert reasons == [Reason.OK] * N
+            assert all(torch.equal(o, make_payload(f"p{i}", n)) for i, (o, n) in enumerate(zip(outs, SIZES)))
+        assert (at_open, len(made)) == ((packed.IN_FLIGHT + 1, 0) if writer else (0, 1))
