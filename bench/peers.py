@@ -289,7 +289,7 @@ class KvtierStore:
                 for seg, (lo, hi) in per.items():
                     for off in range(lo, hi, AIO_PIECE_BYTES):
                         n = min(AIO_PIECE_BYTES, hi - off)
-                        ops.append(aio.ReadOp(files[seg], [target[at : at + n]], off, None, 0))
+                        ops.append(aio.ReadOp(files[seg], aio.iov_of([target[at : at + n]]), off, None, 0))
                         at += n
                 ctx.submit(ops)
                 while ctx.pending:
