@@ -119,30 +119,22 @@ class AioContext:
         for i, op in enumerate(ops):
             first_view, total = v, 0
             for addr, length in op.iov:
-                pack_iov(iovs, v * 16, addr, length)
+                pack_iov(iovs, v * _IOVEC.size, addr, length)
                 total += length
                 v += 1
             self._next += 1
-            cb = (
-                self._next,
-                0,
-                0,
-                _IOCB_CMD_PREADV,
-                0,
-                op.file.fd,
-                iovs_at + first_view * 16,
-                v - first_view,
-                op.offset,
-            )
-            pack_cb(cbs, i * 64, *cb, 0, 0, 0)
+            at = iovs_at + first_view * _IOVEC.size
+            pack_cb(cbs, i * _IOCB.size, self._next, 0, 0, _IOCB_CMD_PREADV, 0, op.file.fd, at, v - first_view,
+                    op.offset, 0, 0, 0)  # fmt: skip
             op.nbytes = total
             self._pending_bytes += total
             inflight[self._next] = op
-        ptrs = bytearray(struct.pack(f"<{n}Q", *range(cbs_at, cbs_at + 64 * n, 64)))
+        ptrs = bytearray(struct.pack(f"<{n}Q", *range(cbs_at, cbs_at + _IOCB.size * n, _IOCB.size)))
+        ptrs_at = _address(ptrs)
         first = self._next - n + 1
         done = 0
         while done < n:
-            got = _syscall(_SUBMIT, self._id, n - done, _address(ptrs) + done * 8)
+            got = _syscall(_SUBMIT, self._id, n - done, ptrs_at + done * 8)
             if got > 0:
                 done += got
                 continue

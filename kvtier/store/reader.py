@@ -63,11 +63,16 @@ class Reader:
         # cost milliseconds, as much as a thousand small records take to read.
         ctx.executor("read")
 
+    @property
+    def _packed_reads(self) -> bool:
+        """Whether a load reads through native AIO, the packed path first: O_DIRECT and no GDS reads."""
+        backend = self._ctx.backend
+        return backend.direct and not backend.gpu_direct
+
     def take_load_resources(self) -> None:
         """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
         now (`packed.take_buffers`): a daemon's first restore otherwise pays both (io_setup about 0.2 ms)."""
-        backend = self._ctx.backend
-        if backend.direct and not backend.gpu_direct:
+        if self._packed_reads:
             ctx = aio.acquire()
             if ctx is not None:
                 aio.release(ctx)
@@ -146,9 +151,8 @@ class Reader:
         that keeps the cleaner from unlinking a segment this batch could still read (FORMAT.md).
         """
         outcome = LoadOutcome([], [], [])
-        backend = self._ctx.backend
         with self._ctx.index.read() as txn:
-            aio_ctx = aio.acquire() if backend.direct and not backend.gpu_direct else None
+            aio_ctx = aio.acquire() if self._packed_reads else None
             if aio_ctx is None:
                 self._load(txn, requests, more, outcome)
             else:
