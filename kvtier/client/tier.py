@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,10 +41,13 @@ class TierClient(Connection):
         *,
         timeout_s: float | None = 60.0,
         name: str = "",
+        identity: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(socket_path, timeout_s=timeout_s, name=name)
         self._groups = {g: i for i, (g, _) in enumerate(groups)}
-        self._open_req = P.TierOpen(version_key.to_dict(), [(g, f.value) for g, f in groups], max(staging_bytes, 0))
+        self._open_req = P.TierOpen(
+            version_key.to_dict(), [(g, f.value) for g, f in groups], max(staging_bytes, 0), identity
+        )
         self._staged = threading.Lock()  # the staging region holds one request's bytes at a time
         self._mapping: mmap.mmap | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)

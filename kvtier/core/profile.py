@@ -14,7 +14,7 @@ import tomli_w
 from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm, GroupKind
 from kvtier.core.layout import DTYPE_BYTES, LayoutSpec, RowLayout
-from kvtier.core.versions import VersionKey
+from kvtier.core.versions import REQUIRED_FIELDS, VersionKey
 
 _GROUP_FIELDS = ("name", "form", "kind", "layers", "tokens_per_block", "rows_per_block", "row")
 
@@ -254,10 +254,10 @@ def profile_from_dict(data: dict[str, Any], source: str | None = None) -> ModelP
     version_raw = _require(data, "version", "", source)
     if not isinstance(version_raw, dict):
         raise ProfileError("must be a table", field="version", source=source)
-    for f in dataclasses.fields(VersionKey):
-        value = _require(version_raw, f.name, "version.", source)
+    for name in REQUIRED_FIELDS:
+        value = _require(version_raw, name, "version.", source)
         if not isinstance(value, str) or not value:
-            raise ProfileError("must be a non-empty string", field=f"version.{f.name}", source=source)
+            raise ProfileError("must be a non-empty string", field=f"version.{name}", source=source)
     version = VersionKey.from_dict(version_raw)
     groups_raw = _require(data, "groups", "", source)
     if not isinstance(groups_raw, list) or not groups_raw:

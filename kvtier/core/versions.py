@@ -19,10 +19,13 @@ class VersionKey:
     compression_version: str
     indexer_version: str
     dtype_layout: str
+    # An engine tier's digest of the engine's whole resolved configuration (kvtier.integrations.resolved_config);
+    # "" for kvtier's own profiles, and then left out of the encoding, so their namespaces are what they were.
+    engine_config: str = ""
 
     def canonical(self) -> bytes:
         """Stable byte encoding: sorted-key JSON, no whitespace, UTF-8."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def namespace(self) -> bytes:
@@ -38,8 +41,12 @@ class VersionKey:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OPTIONAL_FIELDS or v}
 
     @classmethod
     def from_dict(cls, data: dict[str, str]) -> VersionKey:
-        return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
+
+
+REQUIRED_FIELDS = ("model_id", "weights_digest", "kernel_abi", "compression_version", "indexer_version", "dtype_layout")
+OPTIONAL_FIELDS = ("engine_config",)

@@ -19,7 +19,7 @@ import torch
 from kvtier.core.forms import CacheForm
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
-from kvtier.core.versions import VersionKey
+from kvtier.core.versions import OPTIONAL_FIELDS, REQUIRED_FIELDS, VersionKey
 from kvtier.daemon.session import Session
 from kvtier.store import DiskStore, StoreFull, StoreRequestError
 from kvtier.wire import messages as P
@@ -106,9 +106,10 @@ class TierOps:
 
     def open(self, session: Session, req: P.TierOpen, fds: list[int]) -> P.TierOpenOk:
         """Register the client's namespace and map its staging memfd (the server closes `fds` afterwards)."""
-        fields = {f.name for f in dataclasses.fields(VersionKey)}
-        if set(req.version_key) != fields:
-            raise WrongType(f"version_key must have exactly the fields {sorted(fields)}")
+        if not set(REQUIRED_FIELDS) <= set(req.version_key) <= {*REQUIRED_FIELDS, *OPTIONAL_FIELDS}:
+            raise WrongType(
+                f"version_key must have the fields {sorted(REQUIRED_FIELDS)} and may have {sorted(OPTIONAL_FIELDS)}"
+            )
         version_key = VersionKey.from_dict(req.version_key)
         groups: list[tuple[str, CacheForm]] = []
         for name, form in req.groups:
@@ -126,7 +127,7 @@ class TierOps:
         mapping = _map_staging(fds, req.staging_bytes) if req.staging_bytes else None
         try:
             codecs = {form: self.codec for _, form in groups} if self.codec != "none" else None
-            namespace = self.store.register_namespace(version_key, codecs=codecs)
+            namespace = self.store.register_namespace(version_key, codecs=codecs, identity=req.identity)
         except BaseException:
             if mapping is not None:
                 mapping.close()

@@ -34,6 +34,7 @@ class DaemonStore:
         staging_bytes: int,
         *,
         lookup_timeout_s: float = 2.0,
+        identity: dict[str, Any] | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self._clients: list[TierClient] = []
@@ -43,7 +44,13 @@ class DaemonStore:
             for role, staging, timeout_s in roles:
                 self._clients.append(
                     TierClient(
-                        self.socket_path, version_key, groups, staging, timeout_s=timeout_s, name=f"engine tier {role}"
+                        self.socket_path,
+                        version_key,
+                        groups,
+                        staging,
+                        timeout_s=timeout_s,
+                        name=f"engine tier {role}",
+                        identity=identity,
                     )
                 )
         except BaseException:

@@ -27,7 +27,12 @@ class Catalog:
     # ----------------------------------------------------------------- namespaces
 
     def register_namespace(
-        self, version_key: VersionKey, *, live: bool = True, codecs: Mapping[CacheForm, str] | None = None
+        self,
+        version_key: VersionKey,
+        *,
+        live: bool = True,
+        codecs: Mapping[CacheForm, str] | None = None,
+        identity: Mapping[str, Any] | None = None,
     ) -> bytes:
         if len(version_key.canonical()) > MAX_VERSION_KEY_BYTES:
             raise NamespaceError(f"version key is over {MAX_VERSION_KEY_BYTES} bytes as JSON: shorten its fields")
@@ -39,7 +44,8 @@ class Catalog:
         def put(txn: lmdb.Transaction) -> None:
             old = index.namespace(txn, ns)
             registered = old.registered_at if old else now
-            entry = NamespaceEntry(version_key, live, registered, 0.0 if live else now, codec_pairs)
+            kept = identity if identity is not None else (old.identity if old else None)
+            entry = NamespaceEntry(version_key, live, registered, 0.0 if live else now, codec_pairs, kept)
             txn.put(ns, entry.pack(), db=index.ns)
 
         index.update(put)

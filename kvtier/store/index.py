@@ -10,7 +10,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import lmdb
@@ -235,6 +235,9 @@ class NamespaceEntry:
     registered_at: float
     retired_at: float = 0.0
     codecs: tuple[tuple[str, str], ...] = ()
+    # What an engine tier resolved its identity from (its canonical configuration): shown by audits; the
+    # namespace itself depends only on `version_key`, which carries this document's digest.
+    identity: Mapping[str, Any] | None = None
 
     def codec_for(self, form: CacheForm) -> Codec:
         return Codec.parse(dict(self.codecs).get(form.value, "none"))
@@ -247,6 +250,8 @@ class NamespaceEntry:
             "retired_at": self.retired_at,
             "codecs": dict(self.codecs),
         }
+        if self.identity is not None:
+            doc["identity"] = self.identity
         return seal(json.dumps(doc, sort_keys=True).encode())
 
     @classmethod
@@ -259,6 +264,7 @@ class NamespaceEntry:
                 float(doc["registered_at"]),
                 float(doc["retired_at"]),
                 tuple(sorted(doc["codecs"].items())),
+                doc.get("identity"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptRecord(QuarantineReason.INDEX_VALUE, f"unparseable namespace entry: {exc}") from None

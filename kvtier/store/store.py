@@ -92,11 +92,18 @@ class DiskStore:
     # ----------------------------------------------------------------- namespaces
 
     def register_namespace(
-        self, version_key: VersionKey, *, live: bool = True, codecs: Mapping[CacheForm, str] | None = None
+        self,
+        version_key: VersionKey,
+        *,
+        live: bool = True,
+        codecs: Mapping[CacheForm, str] | None = None,
+        identity: Mapping[str, Any] | None = None,
     ) -> bytes:
-        """Register (or update) a namespace with its full version key; codecs per form default to none."""
+        """Register (or update) a namespace with its full version key; codecs per form default to none.
+
+        `identity`: the document an engine tier derived the key's `engine_config` digest from (kept for audits)."""
         self._check_pid()
-        return self._catalog.register_namespace(version_key, live=live, codecs=codecs)
+        return self._catalog.register_namespace(version_key, live=live, codecs=codecs, identity=identity)
 
     def retire_namespace(self, namespace: bytes) -> bool:
         """Mark a namespace retired: its records become misses (stale_version) at once; returns if it existed."""

@@ -28,6 +28,7 @@ class NamespaceReport:
     state: str  # live / canary (as the daemon last published its roles) / retired
     version_key: dict[str, str] | None  # None: records name a namespace the index has no entry for
     forms: dict[CacheForm, FormCounts]
+    identity: dict[str, Any] | None = None  # an engine tier's resolved configuration behind the version key
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +65,7 @@ class AuditReport:
                     "live": n.live,
                     "state": n.state,
                     "version_key": n.version_key,
+                    "identity": n.identity,
                     "forms": {f.value: c.to_dict() for f, c in n.forms.items()},
                 }
                 for n in self.namespaces
@@ -119,7 +121,8 @@ def audit_store(
         forms = inv.counts.get(ns) or {f: FormCounts() for f in RECORD_FORMS}
         live = bool(entry and entry.live)
         state = "retired" if not live else "canary" if roles.get(ns.hex(), ("",))[0] == "canary" else "live"
-        reports.append(NamespaceReport(ns, live, state, entry.version_key.to_dict() if entry else None, forms))
+        key, identity = (entry.version_key.to_dict(), entry.identity) if entry else (None, None)
+        reports.append(NamespaceReport(ns, live, state, key, forms, dict(identity) if identity else None))
     reclaimable = sum(max(0, size - inv.serving_bytes.get(s, 0)) for s, (size, _) in survey.files.items())
     reclaimable += sum(s.size for s in survey.old_strays())
     limits = settings.limits or store.limits() or StoreLimits()

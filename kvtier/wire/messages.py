@@ -14,6 +14,8 @@ in that staging region.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvtier.core.acks import NotDurableCount
@@ -131,6 +133,7 @@ class TierOpen(Msg, tag="tier_open"):
     version_key: dict[str, str]
     groups: list[tuple[str, str]]
     staging_bytes: int = 0
+    identity: dict[str, Any] | None = None  # the engine's resolved configuration behind version_key (for audits)
 
 
 class TierHas(Msg, tag="tier_has"):
