@@ -18,15 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import vllm
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.platforms import current_platform
-from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -42,17 +38,18 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.core.errors import KvtierError
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
-from kvtier.integrations.engine_identity import ChunkLayout, EngineIdentity, derive_identity, read_hf_config
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.key_set import KeySet, ReadPage
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, is_dsv4, layer_kind, text_config
+from kvtier.integrations.kv_groups import GroupPlan, in_complete_window
+from kvtier.integrations.vllm_identity import engine_configs, engine_identity
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
@@ -129,6 +126,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
         lookup_cache_s: float = 1.0,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        vllm_config: VllmConfig | None = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if max_pending_store_chunks < 1 or staging_chunks < 1:
@@ -142,8 +141,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "in this engine) in the kvtier tier config"
             )
         self.locality = Locality(locality) if locality is not None else None
-        self.identity = engine_identity(
-            offloading_spec, self.block_size_bytes, model_dir, weights_digest, attention_backend
+        # What the engine resolved (launch-time overrides included), found on the connector constructing this tier.
+        engine, _ = engine_configs(offloading_spec.config, vllm_config, kv_cache_config)
+        self.identity, identity_doc = engine_identity(
+            offloading_spec.config, engine, self.block_size_bytes, model_dir, weights_digest, attention_backend
         )
         self._namespace = self.identity.namespace
         self._plans: Mapping[int, GroupPlan] = self.identity.plans
@@ -152,14 +153,18 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if daemon_socket is not None:
             groups = [(p.name, p.form) for _, p in sorted(self._plans.items())]
             self._store = DaemonStore(
-                daemon_socket, self.identity.version_key, groups, staging_chunks * self.block_size_bytes
+                daemon_socket,
+                self.identity.version_key,
+                groups,
+                staging_chunks * self.block_size_bytes,
+                identity=identity_doc,
             )
         else:
             assert store_dir is not None
             self._store = _open_store(
                 store_dir, StoreConfig(io_threads=io_threads, io_backend=io_backend, budget_bytes=budget_bytes)
             )
-            self._store.register_namespace(self.identity.version_key)
+            self._store.register_namespace(self.identity.version_key, identity=identity_doc)
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
         self._keys = KeySet(
@@ -499,75 +504,3 @@ def _open_store(root: str, config: StoreConfig) -> DiskStore:
     except StoreLocked:
         log.warning("kvtier tier: %s has another writer: this engine loads from it but stores nothing", root)
         return DiskStore(root, config, writer=False)
-
-
-def engine_identity(
-    offloading_spec: OffloadingSpec,
-    chunk_bytes: int,
-    model_dir: str | None,
-    weights_digest: str | None,
-    attention_backend: str | None,
-) -> EngineIdentity:
-    """Namespace and group plans from vLLM's offloading config, the checkpoint, the platform and vLLM's version."""
-    config = offloading_spec.config
-    ckpt = Path(model_dir or config.model.name)
-    groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups]
-    p = config.parallel
-    parallel = (
-        "agnostic"
-        if p.is_parallelism_agnostic
-        else f"world{p.world_size}.tp{p.tp_size}.pp{p.pp_size}.pcp{p.pcp_size}.dcp{p.dcp_size}"
-    )
-    layout = ChunkLayout(
-        kv_dtype=config.model.dtype,
-        kv_cache_layout=str(config.kv_cache_layout),
-        chunk_bytes=chunk_bytes,
-        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-        blocks_per_chunk=config.cache.blocks_per_chunk,
-        tokens_per_hash=config.cache.tokens_per_hash,
-        parallel=f"{parallel};replicated={int(config.replicated_layout)};canonical={int(config.canonical_layout)}",
-    )
-    backend = attention_backend or _platform_attention_backend(ckpt, config.model.dtype, groups)
-    kernel_abi = f"vllm {vllm.__version__};{current_platform.device_type};attn={backend}"
-    return derive_identity(config.model.name, ckpt, groups, layout, kernel_abi, weights_digest)
-
-
-def _platform_attention_backend(ckpt: Path, kv_dtype: str, groups: list[EngineGroup]) -> str:
-    """The backend vLLM's platform selects for this model's attention (full / sliding), as vLLM's selector would."""
-
-    cfg = text_config(read_hf_config(ckpt))
-    if is_dsv4(cfg):  # its MLA kernels are chosen per platform and cache module, past what the selector answers
-        raise VllmTierError(
-            "a DeepSeek-V4 checkpoint: set attention_backend in the kvtier tier config to the MLA backend vLLM logs"
-        )
-    try:
-        heads = int(cfg["num_attention_heads"])
-        head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        torch_dtype = getattr(torch, kv_dtype, None)
-        model_dtype = (
-            torch_dtype
-            if isinstance(torch_dtype, torch.dtype)
-            else getattr(torch, str(cfg.get("torch_dtype", "bfloat16")))
-        )
-        cache_dtype = "auto" if isinstance(torch_dtype, torch.dtype) else kv_dtype
-        kinds = sorted({layer_kind(cfg, n).window > 0 for g in groups for n in g.layer_names})
-        names = []
-        for sliding in kinds:
-            selector = AttentionSelectorConfig(
-                head_size=head_size,
-                dtype=model_dtype,
-                kv_cache_dtype=cache_dtype,
-                block_size=None,
-                use_mla=bool(cfg.get("kv_lora_rank")),
-                has_sliding_window=sliding,
-            )
-            path = current_platform.get_attn_backend_cls(None, attn_selector_config=selector, num_heads=heads)
-            names.append(f"{'swa' if sliding else 'full'}:{path.rsplit('.', 1)[-1]}")
-    except KvtierError:
-        raise
-    except Exception as exc:  # vLLM's selectors differ by platform and version; say what to set instead
-        raise VllmTierError(
-            f"cannot tell which attention backend vLLM uses here ({type(exc).__name__}: {exc}): set "
-            "attention_backend in the kvtier tier config"
-        ) from exc
-    return ",".join(names)

@@ -1,6 +1,7 @@
 """Run one vLLM engine (in this process) over a prompt set and write tokens, logprobs and tier metrics as JSON.
 
-Usage: python vllm_engine_run.py SPEC.json OUT.json   (SPEC: model, prompts, max_tokens, secondary_tiers)
+Usage: python vllm_engine_run.py SPEC.json OUT.json
+(SPEC: model, prompts, max_tokens, secondary_tiers, and engine_args: launch-time settings over the tests' own)
 The tests call `main` in a new process per engine (vllm_harness.run_engine), so a second engine sees only
 what the first left in the secondary tier.
 """
@@ -66,7 +67,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(**engine_kwargs(spec["model"], spec["secondary_tiers"]))
+    llm = LLM(**{**engine_kwargs(spec["model"], spec["secondary_tiers"]), **spec.get("engine_args", {})})
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, ignore_eos=True)
     results = []
     # One request at a time, in order: later prompts may reuse what earlier ones stored.

@@ -103,13 +103,20 @@ def _engine_process(spec: str, out: str, log: str) -> None:
 
 
 def run_engine(
-    work: Path, name: str, model: str, prompts: list[list[int]], tiers: list[dict], max_tokens: int = 8
+    work: Path,
+    name: str,
+    model: str,
+    prompts: list[list[int]],
+    tiers: list[dict],
+    max_tokens: int = 8,
+    engine_args: dict | None = None,
 ) -> EngineRun:
-    """Start a new process with one engine, generate greedily, and return what it wrote; its log is kept in `work`."""
+    """Start a new process with one engine, generate greedily, and return what it wrote; its log is kept in `work`.
+
+    `engine_args`: launch-time settings (LLM keyword arguments, as `vllm serve` flags set them) over the tests' own."""
     spec, out, log = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
-    spec.write_text(
-        json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers})
-    )
+    doc = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers}
+    spec.write_text(json.dumps({**doc, "engine_args": engine_args or {}}))
     proc = _engine_processes().Process(
         target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}"
     )

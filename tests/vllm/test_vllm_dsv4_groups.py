@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.forms import CacheForm
-from kvtier.integrations.engine_identity import ChunkLayout, derive_identity
+from kvtier.integrations.engine_identity import IN_ENGINE_CONFIG, ChunkLayout, derive_identity
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.kv_groups import EngineGroup, dsv4_layer_kind, plan_groups
+from kvtier.integrations.resolved_config import digest
 from support.vllm_dsv4_model import LAYERS, dsv4_config, dsv4_groups, write_dsv4_checkpoint
 
 LAYOUT = ChunkLayout("fp8_ds_mla", "BLHNC", 1003520, 1003520, 1, 4, "agnostic;replicated=1;canonical=0")
@@ -92,10 +93,18 @@ def test_unclassifiable_layers_are_refused_naming_the_layer(groups: list[EngineG
     assert exc.value.code == "vllm_tier"
 
 
+def resolved(**overrides: object) -> dict:
+    """The DSV4 config as the engine resolved it (launch-time overrides applied), in the identity document."""
+    hf = dsv4_config(**overrides)
+    return {"model_config": {"hf_config": hf, "hf_text_config": hf}}
+
+
 def test_namespace_changes_with_the_compressor_indexer_dtype_and_row_layout(tmp_path: Path) -> None:
+    model = write_dsv4_checkpoint(tmp_path / "m")
+
     def namespace(layout: ChunkLayout = LAYOUT, **overrides: object) -> bytes:
-        model = write_dsv4_checkpoint(tmp_path / f"m{len(seen)}", **overrides)
-        return derive_identity("deepseek-v4", model, dsv4_groups(), layout, ABI, weights="xxh3_128:same").namespace
+        doc = resolved(**overrides)
+        return derive_identity("deepseek-v4", model, dsv4_groups(), layout, ABI, doc, weights="xxh3_128:same").namespace
 
     seen: list[bytes] = []
     seen.append(namespace())
@@ -107,11 +116,13 @@ def test_namespace_changes_with_the_compressor_indexer_dtype_and_row_layout(tmp_
         namespace(index_n_heads=32),
         namespace(index_head_dim=64),
         namespace(sliding_window=256),
+        namespace(kv_source_layer_ids=[0, 1, 2]),  # DeepSeek-V4.1's sharing keys: any config key counts
+        namespace(index_source_layer_ids=[2]),
         namespace(dataclasses.replace(LAYOUT, kv_dtype="bfloat16")),
         namespace(dataclasses.replace(LAYOUT, chunk_bytes=2 * LAYOUT.chunk_bytes)),
         namespace(dataclasses.replace(LAYOUT, kv_cache_layout="NHD")),
     ]
     assert len(set(variants) | {seen[0]}) == len(variants) + 1
-    key = derive_identity("deepseek-v4", tmp_path / "m0", dsv4_groups(), LAYOUT, ABI, weights="w").version_key
-    assert key.compression_version.startswith("dsv4:") and '"compress_ratios":[0,0,4,128' in key.compression_version
-    assert key.indexer_version == 'dsv4:{"index_head_dim":128,"index_n_heads":64,"index_topk":512}'
+    key = derive_identity("deepseek-v4", model, dsv4_groups(), LAYOUT, ABI, resolved(), weights="w").version_key
+    assert key.compression_version == key.indexer_version == IN_ENGINE_CONFIG
+    assert key.engine_config == digest(resolved())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier.core.checkvector import usable_hit
 from kvtier.core.forms import CacheForm
-from kvtier.integrations.engine_identity import ChunkLayout, derive_identity, weights_digest
+from kvtier.integrations.engine_identity import VLLM_EXCLUDED, ChunkLayout, derive_identity, weights_digest
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, plan_groups
 from kvtier.store import DiskStore
@@ -114,21 +115,53 @@ def test_weights_digest_follows_the_bytes_not_the_name(tmp_path: Path) -> None:
         weights_digest(model)
 
 
+def resolved(hf: dict, **model_fields: object) -> dict:
+    """A resolved engine configuration document as `resolved_vllm_config` renders one (the parts read here)."""
+    return {"model_config": {"hf_config": hf, "hf_text_config": hf, "dtype": "bfloat16", **model_fields}}
+
+
 def test_namespace_changes_with_every_identity_field_and_registers_in_a_store(tmp_path: Path) -> None:
     model = checkpoint(tmp_path / "m", GEMMA2, b"w" * 4096)
-    base = derive_identity(str(model), model, GROUPS, LAYOUT, ABI)
-    assert derive_identity(str(model), model, GROUPS, LAYOUT, ABI).namespace == base.namespace
+    doc = resolved(GEMMA2)
+    base = derive_identity(str(model), model, GROUPS, LAYOUT, ABI, doc)
+    assert derive_identity(str(model), model, GROUPS, LAYOUT, ABI, resolved(dict(GEMMA2))).namespace == base.namespace
     variants = [
-        derive_identity(str(model), model, GROUPS, LAYOUT, ABI.replace("0.32.0", "0.33.0")),
-        derive_identity(str(model), model, GROUPS, LAYOUT, ABI, weights="xxh3_128:other"),
-        derive_identity(str(model), model, GROUPS, dataclasses.replace(LAYOUT, kv_dtype="float16"), ABI),
-        derive_identity(str(model), model, GROUPS, dataclasses.replace(LAYOUT, blocks_per_chunk=2), ABI),
-        derive_identity(str(model), model, GROUPS[::-1][:1], LAYOUT, ABI),
-        derive_identity("other-name", model, GROUPS, LAYOUT, ABI),
+        derive_identity(str(model), model, GROUPS, LAYOUT, ABI.replace("0.32.0", "0.33.0"), doc),
+        derive_identity(str(model), model, GROUPS, LAYOUT, ABI, doc, weights="xxh3_128:other"),
+        derive_identity(str(model), model, GROUPS, dataclasses.replace(LAYOUT, kv_dtype="float16"), ABI, doc),
+        derive_identity(str(model), model, GROUPS, dataclasses.replace(LAYOUT, blocks_per_chunk=2), ABI, doc),
+        derive_identity(str(model), model, GROUPS[::-1][:1], LAYOUT, ABI, doc),
+        derive_identity("other-name", model, GROUPS, LAYOUT, ABI, doc),
+        # What the engine resolved at launch, not what config.json says: an override, a dtype, any new field.
+        derive_identity(str(model), model, GROUPS, LAYOUT, ABI, resolved({**GEMMA2, "rope_theta": 40000.0})),
+        derive_identity(str(model), model, GROUPS, LAYOUT, ABI, resolved(GEMMA2, dtype="float32")),
+        derive_identity(str(model), model, GROUPS, LAYOUT, ABI, resolved(GEMMA2, a_future_field=1)),
     ]
     assert len({v.namespace for v in variants} | {base.namespace}) == len(variants) + 1
     assert base.layout_digests[0] != base.layout_digests[1]
     with DiskStore(str(tmp_path / "store"), writer=True) as store:
-        assert store.register_namespace(base.version_key) == base.namespace
+        assert store.register_namespace(base.version_key, identity=doc) == base.namespace
+        assert store.namespaces()[base.namespace].identity == doc
     with pytest.raises(VllmTierError, match="not a local checkpoint directory"):
-        derive_identity("org/model", tmp_path / "missing", GROUPS, LAYOUT, ABI)
+        derive_identity("org/model", tmp_path / "missing", GROUPS, LAYOUT, ABI, doc)
+
+
+def test_groups_are_classified_by_the_resolved_config_not_the_checkpoint(tmp_path: Path) -> None:
+    """config.json says Gemma2 (layer 0 sliding); the engine resolved every layer full: kvtier follows the engine."""
+    model = checkpoint(tmp_path / "m", GEMMA2, b"w" * 4096)
+    launched = {**GEMMA2, "layer_types": ["full_attention", "full_attention"]}
+    plans = derive_identity(str(model), model, GROUPS, LAYOUT, ABI, resolved(launched)).plans
+    assert plans[0].form is CacheForm.COMPRESSED and plans[0].window_tokens == 0
+
+
+def test_the_docs_list_exactly_the_fields_left_out_of_the_identity() -> None:
+    """docs/vllm.md's table of exclusions is the code's: a field left out silently would be a hidden claim."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    section = text.split("### Identity, field by field", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    documented = {}
+    for row in rows:
+        paths, why = row.strip("| ").rsplit(" | ", 1)
+        for path in re.findall(r"`([^`]+)`", paths):
+            documented[path] = why
+    assert documented == VLLM_EXCLUDED

@@ -22,6 +22,8 @@ from support.vllm_harness import require_vllm
 
 require_vllm()
 
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
@@ -36,7 +38,9 @@ from kvtier.core.forms import Reason  # noqa: E402
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
 from kvtier.integrations.vllm import log as tier_log  # noqa: E402
 from kvtier.store import QuarantineReason  # noqa: E402
+from support.vllm_engine_run import engine_kwargs  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
+from support.vllm_tiny_model import write_checkpoint  # noqa: E402
 
 ROW = 8192
 CHUNKS = 16
@@ -62,7 +66,19 @@ def write_model(path: Path, weights: bytes) -> Path:
     return path
 
 
-def make_tier(model: Path, store: Path, primary: np.ndarray, **options) -> KvtierSecondaryTier:
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
+    """What a Gemma2 engine resolved (Gemma2: layer 0 sliding, window 64; layer 1 full), as vLLM builds it."""
+    model = write_checkpoint(tmp_path_factory.mktemp("gemma2"), seed=1, arch="gemma2")
+    args = engine_kwargs(str(model), [])
+    args["kv_transfer_config"] = {**args["kv_transfer_config"], "engine_id": "unit"}
+    return EngineArgs(**args).create_engine_config()
+
+
+def make_tier(
+    weights: Path, store: Path, primary: np.ndarray, vllm_config: VllmConfig, **options
+) -> KvtierSecondaryTier:
+    """A tier for the engine `vllm_config` describes, its weights digested from `weights` (the model_dir option)."""
     config = OffloadingConfig(
         groups=(
             OffloadingGroupConfig(T, ("model.layers.0.self_attn.attn",), SWA),
@@ -72,25 +88,32 @@ def make_tier(model: Path, store: Path, primary: np.ndarray, **options) -> Kvtie
         enable_kv_cache_events=False,
         extra_config={},
         engine_id="unit",
-        model=OffloadingModelConfig(name=str(model), dtype="bfloat16"),
+        model=OffloadingModelConfig(name=vllm_config.model_config.model, dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=T, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
         kv_cache_layout="NHD",
     )
     return KvtierSecondaryTier(
-        SimpleNamespace(config=config), memoryview(primary), "KvtierSecondaryTier", str(store), **options
+        SimpleNamespace(config=config),
+        memoryview(primary),
+        "KvtierSecondaryTier",
+        str(store),
+        model_dir=str(weights),
+        vllm_config=vllm_config,
+        **options,
     )
 
 
 @pytest.fixture
-def env(tmp_path: Path):
+def env(tmp_path: Path, engine_config: VllmConfig):
     rng = np.random.default_rng(0)
     primary = np.zeros((CHUNKS, ROW), dtype=np.uint8)
     primary[:8] = rng.integers(0, 256, (8, ROW), dtype=np.uint8)
     tiers: list[KvtierSecondaryTier] = []
 
     def tier(model_bytes: bytes = b"weights" * 1000, **options) -> KvtierSecondaryTier:
-        t = make_tier(write_model(tmp_path / "model", model_bytes), tmp_path / "store", primary, **options)
+        weights = write_model(tmp_path / "model", model_bytes)
+        t = make_tier(weights, tmp_path / "store", primary, engine_config, **options)
         tiers.append(t)
         return t
 
