@@ -26,6 +26,7 @@ from typing import Any
 from kvtier.integrations.errors import UnrenderableConfig
 
 _MAX_DEPTH = 32
+_HF_CONFIG_BASES = ("PreTrainedConfig", "PretrainedConfig")
 
 
 def canonical(value: Any, excluded: Mapping[str, str] = {}, path: str = "") -> Any:
@@ -63,20 +64,29 @@ def _render(value: Any, excluded: Mapping[str, str], path: str, depth: int, seen
     if isinstance(value, (set, frozenset)):
         items = [_render(v, excluded, f"{path}[]", depth + 1, seen) for v in value]
         return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
-    to_dict = getattr(value, "to_dict", None)  # transformers' PretrainedConfig: the config as it resolved
-    if callable(to_dict) and type(value).__module__.startswith("transformers"):
-        return _fields({**to_dict(), "__class__": type(value).__name__}, excluded, path, depth, seen)
+    fields = _declared(value)
+    if fields is None:
+        raise UnrenderableConfig(
+            f"configuration field '{path}' holds a {type(value).__module__}.{type(value).__qualname__}, which kvtier "
+            "cannot render deterministically: this engine version is not supported by this kvtier"
+        )
+    # Declared fields are not all of it: configs set derived attributes in __init__ / __post_init__ (a model
+    # config's own keys, an architecture's derived sizes), so every public attribute is rendered too.
+    attrs = {k: v for k, v in vars(value).items() if not k.startswith("_")} if hasattr(value, "__dict__") else {}
+    return _fields({**attrs, **fields, "__class__": type(value).__name__}, excluded, path, depth, seen)
+
+
+def _declared(value: Any) -> dict[str, Any] | None:
+    """An object's declared configuration fields: a Hugging Face config's `to_dict()` (whatever module defines the
+    model's config class), a dataclass's or a pydantic model's fields; None for anything else."""
+    if any(c.__name__ in _HF_CONFIG_BASES and c.__module__.startswith("transformers") for c in type(value).__mro__):
+        return dict(value.to_dict())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return _fields({**fields, "__class__": type(value).__name__}, excluded, path, depth, seen)
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     model_fields = getattr(type(value), "model_fields", None)  # pydantic models
     if isinstance(model_fields, Mapping):
-        fields = {name: getattr(value, name) for name in model_fields}
-        return _fields({**fields, "__class__": type(value).__name__}, excluded, path, depth, seen)
-    raise UnrenderableConfig(
-        f"configuration field '{path}' holds a {type(value).__module__}.{type(value).__qualname__}, which kvtier "
-        "cannot render deterministically: this engine version is not supported by this kvtier"
-    )
+        return {name: getattr(value, name) for name in model_fields}
+    return None
 
 
 def _fields(

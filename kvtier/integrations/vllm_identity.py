@@ -128,40 +128,37 @@ def engine_identity(
 
 
 def _backend(vllm_config: VllmConfig, hf: Mapping[str, Any], groups: list[EngineGroup], configured: str | None) -> str:
-    """The attention backend vLLM runs: its selector's answer, else the backend the engine forces, else the tier's
-    `attention_backend` (where vLLM cannot answer in this process); a configured value that contradicts what
-    vLLM answers is refused."""
+    """The attention backend vLLM runs, as kvtier can read it in the scheduler process.
+
+    For full and sliding-window models: vLLM's platform selector's answer (the engine's forced backend
+    included). Where the selector does not answer (DeepSeek-V4's attention classes are chosen by the model
+    from the forced backend and the device's compute capability), those inputs of vLLM's choice are the
+    identity. A configured `attention_backend` must be a vLLM backend and agree with what vLLM runs."""
     forced = vllm_config.attention_config.backend
     selected = _selected(vllm_config, hf, groups, forced)
-    if configured is None:
+    if configured is not None:
+        try:
+            declared = AttentionBackendEnum[configured]
+        except (KeyError, ValueError):  # vLLM's enum raises ValueError for an unknown name
+            raise VllmTierError(
+                f"attention_backend {configured!r} is no vLLM attention backend: use one of "
+                f"{', '.join(b.name for b in AttentionBackendEnum)}"
+            ) from None
         if selected is not None:
-            return selected
-        if forced is not None:
-            return forced.name
-        raise VllmTierError(
-            "cannot tell which attention backend vLLM runs for this model here: set attention_backend in the kvtier "
-            "tier config to the backend vLLM logs at start (docs/vllm.md gives the value per platform)"
-        )
-    try:
-        backend = AttentionBackendEnum[configured]
-    except KeyError:
-        raise VllmTierError(
-            f"attention_backend {configured!r} is no vLLM attention backend: use one of "
-            f"{', '.join(b.name for b in AttentionBackendEnum)}"
-        ) from None
-    runs = (
-        {name.split(":")[-1] for name in selected.split(",")}
-        if selected is not None
-        else {_class_name(forced)}
-        if forced is not None
-        else None
-    )
-    if runs is not None and _class_name(backend) not in runs:
-        raise VllmTierError(
-            f"attention_backend is {configured!r} in the kvtier tier config, but vLLM runs {', '.join(sorted(runs))} "
-            "here: remove the setting (kvtier reads the backend from vLLM) or correct it"
-        )
-    return selected or configured
+            runs = {name.split(":")[-1] for name in selected.split(",")}
+        else:
+            runs = {_class_name(forced)} if forced is not None else {_class_name(declared)}
+        if _class_name(declared) not in runs:
+            raise VllmTierError(
+                f"attention_backend is {configured!r} in the kvtier tier config, but vLLM runs "
+                f"{', '.join(sorted(runs))} here: remove the setting (kvtier reads the backend from vLLM) or correct it"
+            )
+    if selected is not None:
+        return selected
+    cap = current_platform.get_device_capability()
+    device = f"sm{cap.major}{cap.minor}" if cap is not None else current_platform.device_type
+    chosen = forced.name if forced is not None else configured or "auto"
+    return f"{chosen}@{device}"
 
 
 def _class_name(backend: AttentionBackendEnum) -> str:

@@ -105,3 +105,22 @@ def test_changing_any_leaf_changes_the_digest(tree: dict, data) -> None:
     key = data.draw(st.sampled_from(sorted(tree)))
     changed = {**tree, key: [tree[key]]}  # a different value of another type
     assert digest(canonical(changed)) != digest(canonical(tree))
+
+
+@dataclasses.dataclass
+class Derived:
+    """A config whose __post_init__ sets attributes it never declared (as model configs set their own keys)."""
+
+    declared: int = 1
+
+    def __post_init__(self) -> None:
+        self.compress_ratios = [0, 4, 128]
+        self._cache = object()  # private state: not configuration
+
+
+def test_attributes_set_beyond_the_declared_fields_are_identity_too() -> None:
+    doc = canonical(Derived())
+    assert doc == {"__class__": "Derived", "declared": 1, "compress_ratios": [0, 4, 128]}
+    other = Derived()
+    other.compress_ratios = [0, 2, 1]
+    assert digest(canonical(other)) != digest(doc)

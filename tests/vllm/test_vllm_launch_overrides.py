@@ -1,7 +1,7 @@
 """Identity from what the engine runs: the same checkpoint at the same path, launched with other settings.
 
 Engine A stores a shared prefix. An engine launched from the same folder with a setting that changes KV
-bytes (RoPE base, YaRN scaling, dtype) must get no kvtier hit and produce exactly what it produces with
+bytes (RoPE base, YaRN scaling, dtype, KV cache dtype) must get no kvtier hit and produce exactly what it produces with
 no offloading at all; one launched with a setting that changes no KV byte (max_num_seqs) hits as before.
 RoPE is applied to K before it is cached, so serving A's rows to a RoPE-overridden engine gives wrong
 tokens from the first generated one: kvtier's namespace comes from vLLM's resolved config, not config.json.
@@ -72,6 +72,8 @@ def test_launch_time_overrides_that_change_kv_bytes_never_hit_another_configurat
     assert [r["tokens"] for r in rope.results] != [r["tokens"] for r in stored.results]
     assert_misses_and_matches_its_own_baseline(tmp_path, "yarn", model, prompts, tiers, stored, YARN)
     assert_misses_and_matches_its_own_baseline(tmp_path, "fp32", model, prompts, tiers, stored, {"dtype": "float32"})
+    fp8 = {"kv_cache_dtype": "fp8_e5m2"}  # the CPU backend's quantised KV cache
+    assert_misses_and_matches_its_own_baseline(tmp_path, "fp8-kv", model, prompts, tiers, stored, fp8)
 
     # A setting that changes no KV byte: the same namespace, every prefix chunk a hit, the same output.
     batch = run_engine(tmp_path, "max-num-seqs", model, prompts, tiers, engine_args={"max_num_seqs": 7})
@@ -84,7 +86,7 @@ def test_launch_time_overrides_that_change_kv_bytes_never_hit_another_configurat
     thetas = sorted(
         n["identity"]["model_config"]["hf_config"]["rope_parameters"]["rope_theta"] for n in report["namespaces"]
     )
-    assert thetas == [ROPE_THETA] * 3 + [4 * ROPE_THETA]  # stored (and max_num_seqs), yarn, fp32; rope
+    assert thetas == [ROPE_THETA] * 4 + [4 * ROPE_THETA]  # stored (and max_num_seqs), yarn, fp32, fp8 KV; rope
     for n in report["namespaces"]:
         assert n["version_key"]["engine_config"].startswith("blake2b16:")
         assert "hf_token" not in n["identity"]["model_config"] and "scheduler_config" not in n["identity"]

@@ -7,6 +7,7 @@ blocked (RETRY, back-pressure without blocking the scheduler), a second engine o
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from support.vllm_harness import require_vllm
 
 require_vllm()
 
-from vllm.config import VllmConfig  # noqa: E402
+from vllm.config import VllmConfig, WeightTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
@@ -35,6 +36,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
 from kvtier.core.forms import Reason  # noqa: E402
+from kvtier.integrations.errors import VllmTierError  # noqa: E402
 from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
 from kvtier.integrations.vllm import log as tier_log  # noqa: E402
 from kvtier.store import QuarantineReason  # noqa: E402
@@ -75,10 +77,9 @@ def engine_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
     return EngineArgs(**args).create_engine_config()
 
 
-def make_tier(
-    weights: Path, store: Path, primary: np.ndarray, vllm_config: VllmConfig, **options
-) -> KvtierSecondaryTier:
-    """A tier for the engine `vllm_config` describes, its weights digested from `weights` (the model_dir option)."""
+def make_tier(weights: Path, store: Path, primary: np.ndarray, engine: VllmConfig, **options) -> KvtierSecondaryTier:
+    """A tier for the engine `engine` describes, its weights digested from `weights` (the model_dir option);
+    the tier is handed `engine` as its `vllm_config` unless `options` name another (or None)."""
     config = OffloadingConfig(
         groups=(
             OffloadingGroupConfig(T, ("model.layers.0.self_attn.attn",), SWA),
@@ -88,7 +89,7 @@ def make_tier(
         enable_kv_cache_events=False,
         extra_config={},
         engine_id="unit",
-        model=OffloadingModelConfig(name=vllm_config.model_config.model, dtype="bfloat16"),
+        model=OffloadingModelConfig(name=engine.model_config.model, dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=T, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
         kv_cache_layout="NHD",
@@ -99,8 +100,7 @@ def make_tier(
         "KvtierSecondaryTier",
         str(store),
         model_dir=str(weights),
-        vllm_config=vllm_config,
-        **options,
+        **{"vllm_config": engine, **options},
     )
 
 
@@ -318,6 +318,7 @@ def test_a_failing_store_logs_one_warning_not_a_traceback_per_job(env, caplog) -
     tier._store.store_many = gone
     tier._store.has = gone
     caplog.set_level("DEBUG", logger=tier_log.name)
+    caplog.clear()  # the tier's start-up lines; what follows is the failing jobs' logging alone
     for i in range(9):
         tier.submit_store(job([key(100 + i)], [i]))
         tier.submit_load(job([key(200 + i)], [8 + i]))
@@ -327,3 +328,30 @@ def test_a_failing_store_logs_one_warning_not_a_traceback_per_job(env, caplog) -
     assert len(above_debug) == 1 and "failed: lost the kvtier daemon" in above_debug[0].getMessage()
     assert not any(r.exc_info for r in above_debug)
     assert sum(1 for r in caplog.records if r.levelno == 10 and r.exc_info) == 18  # tracebacks at DEBUG only
+
+
+def test_a_tier_without_the_engines_resolved_config_refuses_to_start(tmp_path: Path, engine_config) -> None:
+    """No VllmConfig to be found (not built by vLLM's connector), another engine's, or one whose weights change at
+    run time: a one-line VllmTierError at start, never an identity read from config.json."""
+    primary = np.zeros((CHUNKS, ROW), dtype=np.uint8)
+    weights = write_model(tmp_path / "model", b"weights" * 1000)
+
+    def start(config, **options) -> None:
+        make_tier(weights, tmp_path / "store", primary, engine_config, vllm_config=config, **options).shutdown()
+
+    with pytest.raises(VllmTierError, match="cannot reach the engine's resolved configuration") as exc:
+        start(None)  # and no vLLM connector on the stack to take one from
+    assert exc.value.code == "vllm_tier" and "\n" not in str(exc.value)
+    other = copy.deepcopy(engine_config)
+    other.kv_transfer_config.engine_id = "another-engine"
+    with pytest.raises(VllmTierError, match="is not the one the offloading config was built from"):
+        start(other)
+    updating = copy.deepcopy(engine_config)
+    updating.weight_transfer_config = WeightTransferConfig()
+    with pytest.raises(VllmTierError, match="weight updates while it runs"):
+        start(updating)
+    with pytest.raises(VllmTierError, match="'FLASH_ATTN' in the kvtier tier config, but vLLM runs"):
+        start(engine_config, attention_backend="FLASH_ATTN")  # the CPU platform runs its own backend
+    with pytest.raises(VllmTierError, match="is no vLLM attention backend"):
+        start(engine_config, attention_backend="FASTEST")
+    start(engine_config, attention_backend="CPU_ATTN")  # what vLLM runs here: accepted
