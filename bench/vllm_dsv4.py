@@ -34,13 +34,14 @@ from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, r
 from support.vllm_dsv4_model import write_dsv4_checkpoint
 
 
-def tier(config, primary: np.ndarray, store: Path) -> KvtierSecondaryTier:
+def tier(config, primary: np.ndarray, store: Path, engine) -> KvtierSecondaryTier:
+    """kvtier's tier over `config`, handed the VllmConfig it came from (`engine`), as vLLM's connector would."""
     return KvtierSecondaryTier(
         SimpleNamespace(config=config),
         memoryview(primary),
         "KvtierSecondaryTier",
         store_dir=str(store),
-        attention_backend="FLASHMLA_SPARSE",
+        vllm_config=engine,
     )
 
 
@@ -54,10 +55,10 @@ def fs_tier(config, primary: np.ndarray, root: Path):
     return FileSystemTierManager(spec, memoryview(primary), "fs", root_dir=str(root))
 
 
-def lookups(small, work: Path, tokens: int, repeats: int) -> dict:
+def lookups(small, engine, work: Path, tokens: int, repeats: int) -> dict:
     """The connector's scans of one request on fresh tiers: fastest and median of `repeats`."""
     primary = np.random.default_rng(0).integers(0, 256, (1024, 4096), dtype=np.uint8)
-    writer = tier(small, primary, work / "lookups")
+    writer = tier(small, primary, work / "lookups", engine)
     prompt = block_hashes(1, tokens // 4)
     req = ChunkKeys(small, prompt, "store")
     keys = []  # what vLLM keeps for one request: every history chunk, the windows at its end
@@ -70,7 +71,7 @@ def lookups(small, work: Path, tokens: int, repeats: int) -> dict:
     writer.shutdown()
     wall, cpu, load, asked = [], [], [], 0
     for r in range(repeats):
-        fresh = tier(small, primary, work / "lookups")
+        fresh = tier(small, primary, work / "lookups", engine)
         load.append(fresh._keys.load_s)
         again = ChunkKeys(small, prompt, f"repeat{r}")
         calls = 0
@@ -128,13 +129,13 @@ def throughput(make, full, rows: int, block: int) -> tuple[float, float]:
 def main(tokens: int, rows: int, repeats: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-dsv4-"))
     model = write_dsv4_checkpoint(work / "model")
-    small, block = dsv4_offloading_config(model, 4096)
-    out = lookups(small, work, tokens, repeats)
+    small, block, engine = dsv4_offloading_config(model, 4096)
+    out = lookups(small, engine, work, tokens, repeats)
 
     # Throughput: rows of vLLM's packed DSV4 block size, one job each way, kvtier (store_dir) vs vLLM's fs tier.
     block = -(-block // TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT) * TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-    full, _ = dsv4_offloading_config(model, block)
-    kv_store, kv_load = throughput(lambda rows_: tier(full, rows_, work / "rows"), full, rows, block)
+    full, _, engine = dsv4_offloading_config(model, block)
+    kv_store, kv_load = throughput(lambda rows_: tier(full, rows_, work / "rows", engine), full, rows, block)
     fs_store, fs_load = throughput(lambda rows_: fs_tier(full, rows_, work / "fs"), full, rows, block)
     out.update(
         row_bytes=block,

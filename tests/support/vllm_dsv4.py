@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
 from vllm.models.deepseek_v4.compressor import CompressorStateCache
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
@@ -75,12 +75,14 @@ def dsv4_layer_specs(model_dir: Path, **vllm_config: object) -> tuple[VllmConfig
     return config, specs
 
 
-def dsv4_offloading_config(model_dir: Path, row_bytes: int | None = None) -> tuple[OffloadingConfig, int]:
-    """The OffloadingConfig vLLM's connector hands a secondary tier for this checkpoint, and vLLM's packed block bytes.
+def dsv4_offloading_config(model_dir: Path, row_bytes: int | None = None) -> tuple[OffloadingConfig, int, VllmConfig]:
+    """The OffloadingConfig vLLM's connector hands a secondary tier for this checkpoint, vLLM's packed block bytes,
+    and the VllmConfig it describes (a tier built outside vLLM's connector is handed it as `vllm_config`).
 
     `row_bytes` replaces the packed block size in the config (tests keep rows small; the groups stay vLLM's).
     """
-    config, specs = dsv4_layer_specs(model_dir)
+    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="dsv4")
+    config, specs = dsv4_layer_specs(model_dir, kv_transfer_config=transfer)
     with set_current_vllm_config(config):
         groups = get_kv_cache_groups(config, specs)
         kv = get_kv_cache_config_from_groups(config, groups, 8 << 30)
@@ -99,7 +101,7 @@ def dsv4_offloading_config(model_dir: Path, row_bytes: int | None = None) -> tup
         replicated_layout=True,
         kv_cache_layout="BLHNC",
     )
-    return offloading, block_bytes
+    return offloading, block_bytes, config
 
 
 def block_hashes(seed: int, n: int, shared: int = 0, base_seed: int = 0) -> list[bytes]:
