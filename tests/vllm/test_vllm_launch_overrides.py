@@ -19,6 +19,7 @@ require_vllm()
 
 from support.daemon import DaemonProc  # noqa: E402
 from support.vllm_harness import (  # noqa: E402
+    ENGINE_TIMEOUT_S,
     KVTIER_TIER,
     EngineRun,
     assert_same_output,
@@ -60,6 +61,7 @@ def assert_misses_and_matches_its_own_baseline(
     return got
 
 
+@pytest.mark.timeout(11 * ENGINE_TIMEOUT_S)  # eleven engine processes, each bounded on its own
 def test_launch_time_overrides_that_change_kv_bytes_never_hit_another_configurations_records(tmp_path: Path) -> None:
     model = new_checkpoint(tmp_path / "model", seed=1)
     prompts = shared_prefix_prompts(seed=0)
@@ -92,6 +94,7 @@ def test_launch_time_overrides_that_change_kv_bytes_never_hit_another_configurat
         assert "hf_token" not in n["identity"]["model_config"] and "scheduler_config" not in n["identity"]
 
 
+@pytest.mark.timeout(4 * ENGINE_TIMEOUT_S)
 @pytest.mark.parametrize("override", [ROPE_4X], ids=["rope_theta"])
 def test_through_the_daemon_a_rope_override_gets_no_hit(tmp_path: Path, override: dict) -> None:
     model = new_checkpoint(tmp_path / "model", seed=1)
