@@ -32,6 +32,43 @@ def require_sglang() -> None:
 
 require_sglang()
 
+
+def _stand_in_for_torchvision() -> None:
+    """SGLang's config package imports torchvision's transforms at module level for multimodal preprocessing.
+
+    PyPI's torchvision wheels are CUDA builds that do not load beside the CPU torch on these hosts, so the
+    test venv has none; kvtier's code path never touches images. The stand-in goes in only after
+    transformers has looked for torchvision (it answers "not installed" there) and only when the real one
+    does not import.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import sglang  # noqa: F401  (imports transformers first)
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    mods = {name: types.ModuleType(name) for name in names}
+    interpolation = type("InterpolationMode", (), {"BICUBIC": "bicubic", "BILINEAR": "bilinear", "NEAREST": "nearest"})
+
+    def _any(name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+    for mod in mods.values():
+        mod.__path__ = []  # type: ignore[attr-defined]
+        mod.__getattr__ = _any  # type: ignore[method-assign]
+        mod.InterpolationMode = interpolation  # type: ignore[attr-defined]
+    mods["torchvision"].transforms = mods["torchvision.transforms"]  # type: ignore[attr-defined]
+    mods["torchvision.transforms"].functional = mods["torchvision.transforms.functional"]  # type: ignore[attr-defined]
+    sys.modules.update(mods)
+
+
+_stand_in_for_torchvision()
+
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
@@ -43,6 +80,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.runtime_context import publish  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 # re-exported for the tests: it imports SGLang, so it comes after the skip above
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402, F401
@@ -230,13 +269,52 @@ def file_backend(host: Dsv4Host, path: Path) -> HiCacheFile:
     return host.attach(HiCacheFile(storage_config({"file_storage_path": str(path)}), file_path=str(path)))
 
 
-def write_checkpoint(model_dir: Path, **overrides) -> Path:
-    """A DSV4-shaped config.json (the fields the identity reads) and a small weight file."""
+def launch(model_dir: Path, **server_args) -> ServerArgs:
+    """What SGLang's scheduler process does before it builds its caches: resolve the launch's ServerArgs
+    and publish them for this process (`run_scheduler_process`). The backend reads them back from there."""
+    args = ServerArgs(model_path=str(model_dir), device="cpu", skip_tokenizer_init=True, **server_args)
+    publish(args, role="scheduler")
+    return args
+
+
+def write_qwen3_checkpoint(model_dir: Path, **overrides) -> Path:
+    """A tiny Qwen3 (plain KV pool) config.json and a small weight file."""
     import json
 
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+        **overrides,
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 64)
+    return model_dir
+
+
+def write_checkpoint(model_dir: Path, **overrides) -> Path:
+    """A DSV4-shaped config.json (what SGLang's ModelConfig needs to build) and a small weight file."""
+    import json
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
+        "num_hidden_layers": 8,
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "num_attention_heads": 4,
         "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0],
         "sliding_window": 128,
         "index_topk": 512,
