@@ -269,12 +269,12 @@ def file_backend(host: Dsv4Host, path: Path) -> HiCacheFile:
     return host.attach(HiCacheFile(storage_config({"file_storage_path": str(path)}), file_path=str(path)))
 
 
-def launch(model_dir: Path, **server_args) -> ServerArgs:
+def launch(model_dir: Path, **server_args) -> dict:
     """What SGLang's scheduler process does before it builds its caches: resolve the launch's ServerArgs
-    and publish them for this process (`run_scheduler_process`). The backend reads them back from there."""
+    and publish them for this process (`run_scheduler_process`). The backend reads them back from there.
+    Returns the resolved arguments (`page_size` as SGLang settled it, ...)."""
     args = ServerArgs(model_path=str(model_dir), device="cpu", skip_tokenizer_init=True, **server_args)
-    publish(args, role="scheduler")
-    return args
+    return publish(args, role="scheduler").resolved_server_args_dict()
 
 
 def write_qwen3_checkpoint(model_dir: Path, **overrides) -> Path:
