@@ -30,6 +30,7 @@ from support.sglang_pools import (  # first: it skips this module unless SGLang 
     storage_config,
     write_checkpoint,
     write_qwen3_checkpoint,
+    write_v41_checkpoint,
 )
 
 PAGES = 4
@@ -137,6 +138,40 @@ def test_rope_override_through_the_daemon_is_a_miss_for_every_dsv4_pool(tmp_path
         assert daemon.proc.poll() is None and "Traceback" not in daemon.read_log()
     finally:
         assert daemon.terminate() == 0
+
+
+def test_dsv41_pools_round_trip_and_a_changed_sharing_layout_is_a_miss(tmp_path: Path) -> None:
+    """DeepSeek-V4.1's host pools (C1/C2 KV and indexer keys, SWA) store and load bitwise; rewriting
+    `kv_source_layer_ids` or `index_source_layer_ids` in the same checkpoint at the same path, with the
+    operator's weights digest unchanged, is 0 hits."""
+    from support.sglang_pools import DSV41_POOLS, Dsv4Host, load
+
+    model = write_v41_checkpoint(tmp_path / "v41")
+    store = str(tmp_path / "store")
+    keys = chain("a", PAGES)
+    launch(model)
+    host = Dsv4Host(PAGES, geometry=DSV41_POOLS)
+    host.fill(seed=8)
+    written = host.snapshot()
+    kv = kvtier_backend(host, model, store_dir=store)
+    stored = backup(kv, host, keys, SLOTS, state_at={PAGES - 1})
+    assert len(stored) == len(DSV41_POOLS) and all(all(v) for v in stored.values())
+    assert kv.flush(30)
+    kv.close()
+    host.clear()
+    kv = kvtier_backend(host, model, store_dir=store)  # a restart: same launch, same namespace
+    assert query(kv, keys, geometry=DSV41_POOLS) == (PAGES, [PAGES])
+    assert all(all(v) for v in load(kv, host, keys, SLOTS).values())
+    for g in DSV41_POOLS:
+        rows = SLOTS if g.policy.value == "all_pages" else SLOTS[-1:]
+        assert torch.equal(host.pools[g.name].kv_buffer[rows], written[g.name][rows]), g.name
+    kv.close()
+    for change in ({"kv_source_layer_ids": [0, 1, 2, 2, 1, 5]}, {"index_source_layer_ids": [0, 1, 1, 1, 2, 5]}):
+        write_v41_checkpoint(model, **change)  # same path, same weights digest (the operator's)
+        launch(model)
+        kv = kvtier_backend(Dsv4Host(PAGES, geometry=DSV41_POOLS), model, store_dir=store)
+        assert query(kv, keys, geometry=DSV41_POOLS) == (0, []), change
+        kv.close()
 
 
 def test_audit_json_shows_the_resolved_identity(tmp_path: Path, qwen: Path) -> None:

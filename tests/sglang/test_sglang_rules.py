@@ -22,6 +22,13 @@ from kvtier.integrations.sglang_pools import PoolPlan, PoolQuery, SglangStorageE
         ("deepseek_v4_c4_state", CacheForm.TAIL),
         ("deepseek_v4_c4_indexer_state", CacheForm.TAIL),
         ("mamba", CacheForm.TAIL),
+        # DeepSeek-V4.1's pools in SGLang 0.5.23
+        ("deepseek_v4_c1", CacheForm.COMPRESSED),
+        ("deepseek_v4_c2", CacheForm.COMPRESSED),
+        ("deepseek_v4_c1_indexer", CacheForm.INDEXER),
+        ("deepseek_v4_c2_indexer_scale", CacheForm.INDEXER),
+        ("deepseek_v4_c128_state", CacheForm.TAIL),
+        ("auxiliary_swa", CacheForm.SWA),
     ],
 )
 def test_pool_forms(name: str, form: CacheForm) -> None:
