@@ -61,3 +61,14 @@ def test_hit_policy_must_match_the_form() -> None:
     with pytest.raises(SglangStorageError, match="TRAILING_PAGES"):
         plan.check_policy(history=True)
     assert plan.layout_digest("a") != plan.layout_digest("b")
+
+
+def test_docs_list_every_exclusion() -> None:
+    """docs/sglang.md's table of left-out fields is the code's: every excluded path is named there."""
+    from pathlib import Path
+
+    from kvtier.integrations.sglang_identity import EXCLUDED
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    missing = [path for path in EXCLUDED if f"`{path}`" not in doc]
+    assert not missing, f"docs/sglang.md does not list {missing}"
