@@ -106,6 +106,26 @@ def test_launch_change_that_keeps_kv_bytes_still_hits(tmp_path: Path, qwen: Path
     assert store_then_ask(qwen, tmp_path / "store", {}, change) == PAGES
 
 
+def test_a_runtime_override_after_publish_is_read(tmp_path: Path, qwen: Path) -> None:
+    """SGLang's processes may override a resolved leaf after publishing (`get_context().override`): the
+    identity is read from the values in effect when the backend opens, not from the launch's input."""
+    from sglang.srt.runtime_context import get_context
+
+    keys = chain("prompt", PAGES)
+    info = HiCacheStorageExtraInfo(prefix_keys=None)
+    args = launch(qwen)
+    backend, pool = kv_backend(qwen, args["page_size"], store_dir=str(tmp_path / "store"))
+    assert backend.batch_set_v1(keys, torch.arange(PAGES * pool.page_size), info) == [True] * PAGES
+    assert backend.flush(30)
+    backend.close()
+    launch(qwen)
+    get_context().override("test", kv_cache_dtype="fp8_e4m3")
+    backend, _ = kv_backend(qwen, args["page_size"], store_dir=str(tmp_path / "store"))
+    assert backend.batch_exists(keys, info) == 0
+    assert backend.identity["server_args"]["model"]["kv_cache_dtype"] == "fp8_e4m3"
+    backend.close()
+
+
 def test_identical_launches_share_a_namespace(tmp_path: Path, qwen: Path) -> None:
     """SGLang draws a new random seed per launch: two identical launches must still be one namespace."""
     assert store_then_ask(qwen, tmp_path / "store", {}, {}) == PAGES
