@@ -67,6 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         model = D.write_checkpoint(Path(tmp) / "model")
+        D.launch(model)  # the resolved launch the backend identifies (as a scheduler publishes it)
         host = D.Dsv4Host(args.pages, args.layers)
         host.fill(seed=0)
         written = host.snapshot()

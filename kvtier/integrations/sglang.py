@@ -34,7 +34,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
-from kvtier.integrations.sglang_identity import EngineShape, version_key
+from kvtier.integrations.engine_identity import weights_digest
+from kvtier.integrations.errors import VllmTierError
+from kvtier.integrations.sglang_identity import identity_document, server_args_tree, version_key
 from kvtier.integrations.sglang_pools import ANCHOR, PoolPlan, PoolQuery, SglangStorageError, hit_pages, pool_form
 from kvtier.integrations.sglang_writer import BoundedWriter, Item
 from kvtier.store import DiskStore, StoreConfig, StoreLocked
@@ -52,7 +54,6 @@ class Options:
     store_dir: str | None = None
     model_dir: str | None = None
     weights_digest: str | None = None
-    kv_cache_dtype: str = "auto"
     staging_bytes: int = 64 << 20
     max_pending_store_bytes: int = 256 << 20
     store_timeout_s: float = 0.5
@@ -62,6 +63,11 @@ class Options:
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Options:
+        if "kv_cache_dtype" in extra:  # read from SGLang now: a stale copy here must not be believed silently
+            raise SglangStorageError(
+                "remove kv_cache_dtype from --hicache-storage-backend-extra-config: kvtier reads the KV cache "
+                "dtype SGLang resolved (--kv-cache-dtype) itself"
+            )
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name not in extra or extra[f.name] is None:
@@ -97,6 +103,60 @@ def _pool_id(name: Any) -> str:
     return str(name.value if isinstance(name, enum.Enum) else name)
 
 
+def _resolved_engine() -> tuple[dict[str, Any], dict[str, Any]]:
+    """SGLang's server arguments as resolved in this process (runtime overrides included), by namespace, and
+    the `ModelConfig` built from them: what the scheduler that attaches this backend runs.
+
+    SGLang's scheduler process publishes its `ServerArgs` (`runtime_context.publish`) before it builds its
+    caches; a process where nothing is published is not a scheduler, and is refused rather than identified
+    from files.
+    """
+    from sglang.srt.arg_groups.arg_utils import namespace_of
+    from sglang.srt.runtime_context import get_context, process_model_config
+
+    context = get_context()
+    try:
+        resolved = context.resolved_server_args_dict()
+        model_config = process_model_config()
+    except (ValueError, RuntimeError) as exc:
+        raise SglangStorageError(
+            f"SGLang published no resolved configuration in this process ({exc}): the kvtier backend runs "
+            "only inside SGLang's scheduler (--enable-hierarchical-cache --hicache-storage-backend dynamic)"
+        ) from None
+    return server_args_tree(resolved, namespace_of(type(context.server_args))), dict(vars(model_config))
+
+
+def _checkpoint_dir(configured: str | None, served: Any) -> Path:
+    """The checkpoint whose bytes are digested: SGLang's own model path, or `model_dir` naming the same files."""
+    served_dir = Path(str(served)) if served else None
+    if configured is None:
+        if served_dir is None or not served_dir.is_dir():
+            raise SglangStorageError(
+                f"SGLang serves '{served}', not a local directory: set model_dir (the local checkpoint) or "
+                "weights_digest in --hicache-storage-backend-extra-config"
+            )
+        return served_dir
+    model_dir = Path(configured)
+    if served_dir is not None and served_dir.is_dir() and served_dir.resolve() != model_dir.resolve():
+        raise SglangStorageError(
+            f"model_dir '{model_dir}' is not the checkpoint SGLang serves ('{served_dir}'): remove model_dir "
+            "or point it at that directory"
+        )
+    return model_dir
+
+
+def _weights(model_dir: Path) -> str:
+    if not model_dir.is_dir():
+        raise SglangStorageError(
+            f"'{model_dir}' is not a local checkpoint directory: set model_dir in "
+            "--hicache-storage-backend-extra-config to the checkpoint SGLang serves"
+        )
+    try:
+        return weights_digest(model_dir)
+    except VllmTierError as exc:  # the shared checkpoint helper's error; its advice names vLLM's setting
+        raise SglangStorageError(f"cannot digest the checkpoint at {model_dir}: {exc}") from None
+
+
 class KvtierHiCacheStorage(HiCacheStorage):
     """HiCache storage over kvtier's verified disk store; v2 for hybrid pools (DSV4), v1 and v0 for the KV pool."""
 
@@ -128,7 +188,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         pid = _pool_id(name)
         page = host_pool.get_dummy_flat_data_page()
         layers, order = getattr(host_pool, "layer_num", "-"), getattr(host_pool, "layout", "-")
-        layout = f"{type(host_pool).__name__};layers={layers};{order}"
+        dtype = str(getattr(host_pool, "dtype", "-")).removeprefix("torch.")  # the KV dtype the device pool holds
+        layout = f"{type(host_pool).__name__};layers={layers};{order};dtype={dtype}"
         plan = PoolPlan(pid, pool_form(pid), int(host_pool.page_size), page.numel() * page.element_size(), layout)
         with self._lock:
             old = self._pools.get(pid)
@@ -158,22 +219,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
             shard += f".cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
         if cfg.dcp_size > 1:
             shard += f".dcp{cfg.dcp_rank}of{cfg.dcp_size}.page{cfg.logical_page_size}"
-        shape = EngineShape(
-            model_name=cfg.model_name or "",
-            sglang_version=sglang.__version__,
-            page_size=anchor.plan.page_tokens,
-            kv_cache_dtype=opts.kv_cache_dtype,
-            is_mla_model=cfg.is_mla_model,
-            is_page_first_layout=cfg.is_page_first_layout,
-            shard=shard,
-        )
-        vk = version_key(Path(opts.model_dir or cfg.model_name or ""), shape, opts.weights_digest)
+        storage = {"shard": shard, "is_mla_model": cfg.is_mla_model, "is_page_first_layout": cfg.is_page_first_layout}
+        pools = {p.plan.name: dataclasses.asdict(p.plan) | {"form": p.plan.form.value} for p in self._pools.values()}
+        server_args, model_config = _resolved_engine()
+        doc = identity_document(server_args, model_config, storage, pools)
+        weights = opts.weights_digest or _weights(_checkpoint_dir(opts.model_dir, model_config.get("model_path")))
+        model_id = cfg.model_name or str(model_config.get("model_path"))
+        vk = version_key(doc, model_id=model_id, weights=weights, sglang_version=sglang.__version__)
         for pool in self._pools.values():
             pool.digest = pool.plan.layout_digest(vk.namespace_hex)
         groups = [(p.plan.group, p.plan.form) for p in self._pools.values()]
         if opts.daemon_socket is not None:
             largest = max(max(p.plan.page_bytes, 1) for p in self._pools.values())
-            self._store = DaemonStore(opts.daemon_socket, vk, groups, max(opts.staging_bytes, largest))
+            self._store = DaemonStore(opts.daemon_socket, vk, groups, max(opts.staging_bytes, largest), identity=doc)
         else:
             assert opts.store_dir is not None
             config = StoreConfig(io_threads=opts.io_threads, io_backend=opts.io_backend, budget_bytes=opts.budget_bytes)
@@ -183,8 +241,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 log.warning("kvtier: %s has another writer: this rank loads from it but stores nothing", opts.store_dir)
                 self._store = DiskStore(opts.store_dir, config, writer=False)
             if self._store.is_writer:
-                self._store.register_namespace(vk)
+                self._store.register_namespace(vk, identity=doc)
         self._namespace = vk.namespace
+        self.identity = doc
         self._writer = BoundedWriter(self._write, opts.max_pending_store_bytes, opts.store_timeout_s)
         log.info(
             "kvtier HiCache backend: store %s, namespace %s, pools %s",

@@ -36,6 +36,15 @@ if ! [[ -x $PY && -f $STAMP && $(cat "$STAMP") == "$WANT" ]] || ! probe >/dev/nu
     echo "$WANT" >"$STAMP"
 fi
 
+# What resolving a launch (ServerArgs -> ModelConfig, the backend's identity) imports beyond the storage
+# classes, at SGLang's pins; added to the venv when missing, without rebuilding it.
+RESOLUTION_IMPORTS=(dill loguru pydantic apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf einops psutil
+    setproctitle partial_json_parser interegular easydict regex)
+if ! "$PY" -c "import dill, loguru, pydantic, tvm_ffi, sentencepiece, compressed_tensors, gguf, einops, psutil, setproctitle, \
+partial_json_parser, interegular, easydict, regex" >/dev/null 2>&1; then
+    quiet "$PY" -m pip install -q "${RESOLUTION_IMPORTS[@]}" "$TORCH_SPEC"
+fi
+
 [[ ${1:-} == --prepare ]] && { echo "tests/sglang: $VENV has $SGLANG_SPEC"; exit 0; }
 
 # kvtier itself, editable and --no-deps, with its own deps and test extra (torch stays as installed above).

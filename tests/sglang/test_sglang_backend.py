@@ -27,6 +27,7 @@ from support.sglang_pools import (  # first: it skips this module unless SGLang 
     chain,
     file_backend,
     kvtier_backend,
+    launch,
     load,
     page_indices,
     query,
@@ -39,7 +40,9 @@ SLOTS = list(range(PAGES))
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    return write_checkpoint(tmp_path / "model")
+    """A DSV4 checkpoint, launched: its resolved ServerArgs published as SGLang's scheduler does."""
+    launch(write_checkpoint(tmp_path / "model"))
+    return tmp_path / "model"
 
 
 def flip_record(store_dir: Path, key) -> None:
@@ -163,8 +166,9 @@ def test_changed_compressor_config_is_a_new_namespace(tmp_path: Path, model: Pat
     assert kv.flush(30)
     assert query(kv, keys)[0] == PAGES
     kv.close()
-    for change in ({"compress_ratios": [0, 0, 4, 64, 4, 64, 4, 0]}, {"index_topk": 1024}):
+    for change in ({"compress_ratios": [0, 0, 4, 4, 4, 128, 4, 0]}, {"index_topk": 1024}):
         other = write_checkpoint(tmp_path / f"model-{next(iter(change))}", **change)
+        launch(other)
         kv = kvtier_backend(Dsv4Host(PAGES), other, store_dir=str(tmp_path / "store"))
         assert query(kv, keys) == (0, [])
         kv.close()

@@ -22,6 +22,13 @@ from kvtier.integrations.sglang_pools import PoolPlan, PoolQuery, SglangStorageE
         ("deepseek_v4_c4_state", CacheForm.TAIL),
         ("deepseek_v4_c4_indexer_state", CacheForm.TAIL),
         ("mamba", CacheForm.TAIL),
+        # DeepSeek-V4.1's pools in SGLang 0.5.23
+        ("deepseek_v4_c1", CacheForm.COMPRESSED),
+        ("deepseek_v4_c2", CacheForm.COMPRESSED),
+        ("deepseek_v4_c1_indexer", CacheForm.INDEXER),
+        ("deepseek_v4_c2_indexer_scale", CacheForm.INDEXER),
+        ("deepseek_v4_c128_state", CacheForm.TAIL),
+        ("auxiliary_swa", CacheForm.SWA),
     ],
 )
 def test_pool_forms(name: str, form: CacheForm) -> None:
@@ -54,3 +61,14 @@ def test_hit_policy_must_match_the_form() -> None:
     with pytest.raises(SglangStorageError, match="TRAILING_PAGES"):
         plan.check_policy(history=True)
     assert plan.layout_digest("a") != plan.layout_digest("b")
+
+
+def test_docs_list_every_exclusion() -> None:
+    """docs/sglang.md's table of left-out fields is the code's: every excluded path is named there."""
+    from pathlib import Path
+
+    from kvtier.integrations.sglang_identity import EXCLUDED
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    missing = [path for path in EXCLUDED if f"`{path}`" not in doc]
+    assert not missing, f"docs/sglang.md does not list {missing}"

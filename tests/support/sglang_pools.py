@@ -32,6 +32,43 @@ def require_sglang() -> None:
 
 require_sglang()
 
+
+def _stand_in_for_torchvision() -> None:
+    """SGLang's config package imports torchvision's transforms at module level for multimodal preprocessing.
+
+    PyPI's torchvision wheels are CUDA builds that do not load beside the CPU torch on these hosts, so the
+    test venv has none; kvtier's code path never touches images. The stand-in goes in only after
+    transformers has looked for torchvision (it answers "not installed" there) and only when the real one
+    does not import.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import sglang  # noqa: F401  (imports transformers first)
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    mods = {name: types.ModuleType(name) for name in names}
+    interpolation = type("InterpolationMode", (), {"BICUBIC": "bicubic", "BILINEAR": "bilinear", "NEAREST": "nearest"})
+
+    def _any(name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+    for mod in mods.values():
+        mod.__path__ = []  # type: ignore[attr-defined]
+        mod.__getattr__ = _any  # type: ignore[method-assign]
+        mod.InterpolationMode = interpolation  # type: ignore[attr-defined]
+    mods["torchvision"].transforms = mods["torchvision.transforms"]  # type: ignore[attr-defined]
+    mods["torchvision.transforms"].functional = mods["torchvision.transforms.functional"]  # type: ignore[attr-defined]
+    sys.modules.update(mods)
+
+
+_stand_in_for_torchvision()
+
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
@@ -43,6 +80,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.runtime_context import publish  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.utils.hf_transformers.config import get_config  # noqa: E402
 
 # re-exported for the tests: it imports SGLang, so it comes after the skip above
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402, F401
@@ -66,6 +106,17 @@ DSV4_POOLS = (
     PoolGeometry(PoolName.DEEPSEEK_V4_C4_STATE, 8 * 2 * 2 * 512 * 4, TRAILING),
     PoolGeometry(PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, 8 * 2 * 2 * 128 * 4, TRAILING),
     PoolGeometry(PoolName.DEEPSEEK_V4_C128, (PAGE // 128) * 584, ALL),
+)
+
+# DeepSeek-V4.1's pools in SGLang 0.5.23 (`_dsv4_low_ratio_entries`): the ratio-1 and ratio-2 shared source
+# KV and their indexer keys mirror the KV anchor (ALL_PAGES); the sliding window is state. Row bytes as
+# DSV4's (a 584 B KV row, a 132 B fp8 indexer row).
+DSV41_POOLS = (
+    PoolGeometry(PoolName.SWA, PAGE * 584, TRAILING),
+    PoolGeometry(PoolName.DEEPSEEK_V4_C1, PAGE * 584, ALL),
+    PoolGeometry(PoolName.DEEPSEEK_V4_C1_INDEXER, PAGE * 132, ALL),
+    PoolGeometry(PoolName.DEEPSEEK_V4_C2, (PAGE // 2) * 584, ALL),
+    PoolGeometry(PoolName.DEEPSEEK_V4_C2_INDEXER, (PAGE // 2) * 132, ALL),
 )
 
 
@@ -107,11 +158,12 @@ class FakeAnchorPool:
 
 
 class Dsv4Host:
-    """The anchor and the six pools, `num_pages` host pages each."""
+    """The anchor and the six pools (or `geometry`'s), `num_pages` host pages each."""
 
-    def __init__(self, num_pages: int, layer_num: int = 1) -> None:
+    def __init__(self, num_pages: int, layer_num: int = 1, geometry: tuple[PoolGeometry, ...] = DSV4_POOLS) -> None:
         self.anchor = FakeAnchorPool()
-        self.pools = {g.name: FakePagedPool(g.item_bytes, layer_num, num_pages) for g in DSV4_POOLS}
+        self.geometry = geometry
+        self.pools = {g.name: FakePagedPool(g.item_bytes, layer_num, num_pages) for g in geometry}
 
     def fill(self, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -153,7 +205,7 @@ def backup(
     """What `_page_backup` does for one node: history pools for every page, state pools for the pages in
     `state_at` (a node's trailing host pages), then the KV anchor through the generic page path."""
     transfers = []
-    for g in DSV4_POOLS:
+    for g in host.geometry:
         pick = range(len(keys)) if g.policy is ALL else sorted(state_at)
         if pick:
             transfers.append(
@@ -170,14 +222,18 @@ def backup(
 
 
 def query(
-    backend: HiCacheStorage, keys: list[str], prefix: list[str] | None = None, window_pages: int = 1
+    backend: HiCacheStorage,
+    keys: list[str],
+    prefix: list[str] | None = None,
+    window_pages: int = 1,
+    geometry: tuple[PoolGeometry, ...] = DSV4_POOLS,
 ) -> tuple[int, list[int] | None]:
     """`batch_exists_v2` as the prefetch thread asks it: every pool, state pools with their window."""
     transfers = [
         PoolTransfer(
             name=g.name, keys=["__placeholder__"] * window_pages if g.policy is TRAILING else None, hit_policy=g.policy
         )
-        for g in DSV4_POOLS
+        for g in geometry
     ]
     result = backend.batch_exists_v2(keys, transfers, HiCacheStorageExtraInfo(prefix_keys=prefix))
     return result.kv_hit_pages, result.restorable_prefix_pages
@@ -192,7 +248,7 @@ def load(backend: HiCacheStorage, host: Dsv4Host, keys: list[str], slots: list[i
             keys=keys if g.policy is ALL else keys[-1:],
             hit_policy=g.policy,
         )
-        for g in DSV4_POOLS
+        for g in host.geometry
     ]
     return backend.batch_get_v2(transfers, extra_info=HiCacheStorageExtraInfo(prefix_keys=None))
 
@@ -230,13 +286,79 @@ def file_backend(host: Dsv4Host, path: Path) -> HiCacheFile:
     return host.attach(HiCacheFile(storage_config({"file_storage_path": str(path)}), file_path=str(path)))
 
 
-def write_checkpoint(model_dir: Path, **overrides) -> Path:
-    """A DSV4-shaped config.json (the fields the identity reads) and a small weight file."""
+def launch(model_dir: Path, **server_args) -> dict:
+    """What SGLang's scheduler process does before it builds its caches: resolve the launch's ServerArgs
+    and publish them for this process (`run_scheduler_process`). The backend reads them back from there.
+    Returns the resolved arguments (`page_size` as SGLang settled it, ...)."""
+    get_config.cache_clear()  # SGLang caches config.json per process; each launch is a new process
+    args = ServerArgs(model_path=str(model_dir), device="cpu", skip_tokenizer_init=True, **server_args)
+    return publish(args, role="scheduler").resolved_server_args_dict()
+
+
+def write_qwen3_checkpoint(model_dir: Path, **overrides) -> Path:
+    """A tiny Qwen3 (plain KV pool) config.json and a small weight file."""
     import json
 
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+        **overrides,
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 64)
+    return model_dir
+
+
+def write_v41_checkpoint(model_dir: Path, **overrides) -> Path:
+    """A DeepSeek-V4.1-shaped config.json (compress ratios 0/1/2, cross-layer KV and indexer sources)."""
+    import json
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "num_hidden_layers": 6,
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "num_attention_heads": 4,
+        "compress_ratios": [0, 1, 2, 1, 2, 0],
+        "kv_source_layer_ids": [0, 1, 2, 1, 2, 5],
+        "index_source_layer_ids": [0, 1, 2, 1, 2, 5],
+        "sliding_window": 128,
+        "index_topk": 512,
+        "index_head_dim": 128,
+        "kv_lora_rank": 512,
+        **overrides,
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 64)
+    return model_dir
+
+
+def write_checkpoint(model_dir: Path, **overrides) -> Path:
+    """A DSV4-shaped config.json (what SGLang's ModelConfig needs to build) and a small weight file."""
+    import json
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
+        "num_hidden_layers": 8,
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "num_attention_heads": 4,
         "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0],
         "sliding_window": 128,
         "index_topk": 512,
