@@ -23,7 +23,7 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
         return []
     t = doc["cluster"]
     misses = ", ".join(f"{r} {n}" for r, n in sorted(t["misses"].items())) or "none"
-    return [
+    lines = [
         f"cluster    {'up' if t['up'] else 'DOWN'}  hits {doc['cluster_hits']} (local disk {doc['local_hits']})"
         f"  misses: {misses}",
         f"  moved    loaded {t['bytes_loaded'] / 2**20:.1f} MiB, stored {t['bytes_stored'] / 2**20:.1f} MiB;"
@@ -32,3 +32,6 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
         f"  latency  lookup p50 {_quantile(t['lookup_latency'], 0.5)} p99 {_quantile(t['lookup_latency'], 0.99)};"
         f" load p50 {_quantile(t['load_latency'], 0.5)} p99 {_quantile(t['load_latency'], 0.99)}",
     ]
+    if not t["up"] and t.get("why_down"):
+        lines.insert(1, f"  down     {t['why_down']}")
+    return lines
