@@ -129,20 +129,32 @@ def _endpoints(cfg: ClusterConfig) -> tuple[list[str], str]:
     return [m.strip() for m in masters if m.strip()], (url.netloc if url.scheme in ("http", "etcd") else "")
 
 
-def _accepts(endpoint: str, timeout_s: float) -> bool:
+# connect() fails with EPERM when the host's policy drops the packet: a systemd unit's IPAddressDeny= (the
+# shipped kvtier.service allows localhost only) or a firewall rule. Said in the error, since the link retries.
+_POLICY = (
+    ": connect() refused with EPERM by this host's policy (a systemd unit's IPAddressDeny=: see docs/systemd.md, "
+    "'A cluster node')"
+)
+
+
+def _accepts(endpoint: str, timeout_s: float) -> str | None:
+    """None when the endpoint accepts a TCP connection, else why not ("" or the policy note)."""
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
+            return None
+    except PermissionError:
+        return _POLICY
     except (OSError, ValueError):
-        return False
+        return ""
 
 
 def probe(cfg: ClusterConfig) -> None:
     """ClusterSetupError unless a master (or etcd) endpoint and the metadata server accept a TCP connection."""
     masters, metadata = _endpoints(cfg)
     timeout = min(1.0, cfg.load_timeout_s)
-    if not any(_accepts(m, timeout) for m in masters):
-        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections")
-    if metadata and not _accepts(metadata, timeout):
-        raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections")
+    refused = [_accepts(m, timeout) for m in masters]
+    if None not in refused:
+        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections{max(refused, default='')}")
+    if metadata and (why := _accepts(metadata, timeout)) is not None:
+        raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections{why}")
