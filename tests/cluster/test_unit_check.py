@@ -18,7 +18,7 @@ from support.daemon import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "kvtier.service"
-DROPIN = REPO / "systemd" / "kvtier.service.d" / "cluster.conf"
+DROPIN = REPO / "systemd" / "drop-ins" / "kvtier-cluster.conf"
 REMOTE = ClusterConfig(
     enabled=True,
     master="10.0.0.5:50051",
@@ -83,6 +83,29 @@ def test_installed_unit_reads_drop_ins_in_systemds_order(tmp_path: Path) -> None
     ]
     assert [b.address for b in unit_blocks(REMOTE, texts)] == ["10.0.0.6"]
     assert installed_unit(tmp_path / "nothing") == []
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_reads_the_drop_in_and_prints_nothing(tmp_path: Path) -> None:
+    """`systemd-analyze verify` exits 0 on misspelt keys: the test fails on any output, and shows the drop-in
+    is read at all by a misspelt copy of it that does print."""
+    exe = tmp_path / "kvtier"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    (tmp_path / "kvtier.service").write_text(UNIT.read_text().replace("/opt/kvtier/bin/kvtier", str(exe)))
+    (tmp_path / "kvtier.service.d").mkdir()
+    conf = tmp_path / "kvtier.service.d" / "cluster.conf"
+
+    def verify() -> str:
+        run = subprocess.run(
+            ["systemd-analyze", "verify", str(tmp_path / "kvtier.service")], capture_output=True, text=True
+        )
+        return run.stdout + run.stderr
+
+    conf.write_text(DROPIN.read_text())
+    assert verify() == ""
+    conf.write_text(DROPIN.read_text().replace("IPAddressAllow", "IPAdressAllow"))
+    assert "IPAdressAllow" in verify()
 
 
 def _can_unshare() -> bool:
