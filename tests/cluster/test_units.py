@@ -128,6 +128,19 @@ def test_config_validation_and_policy() -> None:
         ClusterConfig(probe_s=0)
 
 
+def test_a_history_only_write_through_is_refused_with_the_choices(tmp_path) -> None:
+    """A history-only write-through gave other nodes no usable hit: asking for it is an error naming the choices."""
+    from kvtier.core.config import load_config
+
+    path = tmp_path / "kvtier.toml"
+    path.write_text('[cluster]\nenabled = true\nwrite_through = "history"\n')
+    with pytest.raises(ConfigError, match=r"cluster\.write_through.*must be one of off, all"):
+        load_config(str(path))
+    path.write_text("[cluster]\nenabled = true\nprobe_s = 0.25\n")
+    cfg = load_config(str(path)).cluster
+    assert cfg.probe_s == 0.25 and cfg.write_through is WriteThrough.ALL
+
+
 def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:
     """The audit's check: an object is judged by its own header (layout and size unknown to the auditor)."""
     obj = _object()
