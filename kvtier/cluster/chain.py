@@ -120,8 +120,8 @@ class TierChain:
         The write-through is queued once the local store has decided, even when it refuses the batch (full):
         the objects are sound, and other nodes can still use them. Each object is queued once: a refused
         object comes back with every retry of the write-back (and again, in smaller batches, when room is
-        made), and a put of a key the cluster already holds is a failed put, so the chain remembers the
-        keys it queued (the last `_SENT_KEYS`) and queues only the others.
+        made), and a put of a key the cluster already holds moves the bytes again for nothing, so the chain
+        remembers the keys it queued (the last `_SENT_KEYS`) and queues only the others.
         """
         try:
             self.local.store_many(items)
