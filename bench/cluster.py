@@ -37,15 +37,17 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # support.mooncake
 
+from bench import cluster_link
 from bench.pagecache import drop_cache_tree
 from kvtier.client import Client
 from kvtier.cluster import ClusterConfig, ClusterTier
 from kvtier.core import CacheForm, VersionKey
+from kvtier.core.forms import GroupKind
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.refmodel import RefModel
 from kvtier.refmodel.demo import DemoDaemon, pool_budgets
-from kvtier.refmodel.engine import RefEngine, RestoreResult
+from kvtier.refmodel.engine import RefEngine, RestoreResult, checkpoint_policy
 from kvtier.store import DiskStore
 from support.cluster_nodes import cluster_stats, cluster_toml, wait_written_through
 from support.mooncake_loopback import mooncake_cluster, unavailable
@@ -164,6 +166,21 @@ def _side(best: RestoreResult) -> dict:
     }
 
 
+def _write_through_cost(profile, tokens: int, wrote: dict, seconds: float) -> dict:
+    """What the default write-through sent for one prefix (measured), and the share of it that is state objects
+    (from the profile's geometry: history per block, state per checkpoint, the engine's checkpoint policy)."""
+    h = profile.hash_block_tokens
+    history = sum(g.object_bytes(h) for g in profile.groups if g.kind is GroupKind.HISTORY) * (tokens // h)
+    per_cp = sum(g.object_bytes(h) * g.blocks_needed(h) for g in profile.groups if g.kind is GroupKind.STATE)
+    state = per_cp * len(checkpoint_policy(tokens, h, CHECKPOINT_EVERY))
+    return {
+        "objects": wrote["written_through"],
+        "bytes": wrote["cluster"]["bytes_stored"],
+        "lag_s": round(seconds, 3),
+        "state_vs_history_bytes": round(state / history, 3),
+    }
+
+
 def daemon_level(args: argparse.Namespace, tmp: pathlib.Path) -> dict:
     """Engine B on node 2 restoring node 1's prefix from the cluster, vs node 1 restoring it from its disk."""
     torch.set_num_threads(1)
@@ -183,7 +200,9 @@ def daemon_level(args: argparse.Namespace, tmp: pathlib.Path) -> dict:
                 )
             if off.refused or not off.persisted:
                 raise SystemExit(f"bench/cluster: offload incomplete (refused {off.refused})")
+            t0 = time.perf_counter()
             wrote = wait_written_through(node1, off.written, timeout=600)
+            through_s = time.perf_counter() - t0  # after the durable offload returned: the background's lag
             if wrote["dropped"] or wrote["background_failed"]:
                 raise SystemExit(f"bench/cluster: write-through incomplete: {wrote}")
         finally:
@@ -200,6 +219,7 @@ def daemon_level(args: argparse.Namespace, tmp: pathlib.Path) -> dict:
     if c.hit_tokens != d.hit_tokens or not torch.equal(c.logits, d.logits):
         raise SystemExit("bench/cluster: the cluster and disk restores continue differently")
     out = {"profile": profile.name, "tokens": args.tokens, "cluster": _side(c), "disk": _side(d)}
+    out["write_through"] = _write_through_cost(profile, args.tokens, wrote, through_s)
     out["ratio"] = round(out["cluster"]["gbps"] / out["disk"]["gbps"], 3)
     out["restore_ratio"] = round(d.restore_s / c.restore_s, 3)
     return out
@@ -214,6 +234,8 @@ def main() -> None:
     ap.add_argument("--object-bytes", type=int, default=1 << 20, help="Tier level: bytes per object.")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-tier", action="store_true", help="Only the daemon-level comparison.")
+    ap.add_argument("--link", action="store_true", help="Also restore across two network namespaces (root).")
+    cluster_link.add_args(ap)
     args = ap.parse_args()
     why = unavailable()
     if why:
@@ -224,11 +246,13 @@ def main() -> None:
         tier = None if args.skip_tier else tier_level(args, pathlib.Path(tmp))
     link = loopback_gbps()
     daemon["cluster_vs_link"] = round(daemon["cluster"]["gbps"] / link, 3)
+    across = cluster_link.link_level(args) if args.link else None
     print(
         json.dumps(
             {
                 "daemon": daemon,
                 "tier": tier,
+                "link": across,
                 "loopback_gbps": round(link, 3),
                 "note": "one machine: the cluster's link is loopback TCP (loopback_gbps is its ceiling here), and "
                 "the master, holders, both daemons and the engines share its cores",

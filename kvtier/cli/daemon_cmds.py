@@ -14,7 +14,7 @@ import msgspec
 import tomli_w
 
 from kvtier.cli import exits
-from kvtier.cli.cluster_status import cluster_lines
+from kvtier.cli.cluster_status import cluster_lines, unit_warnings
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.cli.reach import daemon_exits
@@ -126,6 +126,8 @@ def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
     # --system: the defaults of a daemon under systemd (root, /run/kvtier, /var/lib/kvtier), not this user's
     cfg = load_config(config_path, env={}, uid=0) if system else load_config(config_path)
     _check_profiles(cfg)
+    for line in unit_warnings(cfg.cluster):  # on stderr: stdout stays the config, parseable
+        click.echo(line, err=True)
     doc = cfg.to_dict()
     if as_json:
         click.echo(json.dumps(doc, indent=2))

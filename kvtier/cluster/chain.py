@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -26,6 +28,37 @@ log = logging.getLogger(__name__)
 # Local answers the cluster may improve on. A retired namespace (stale_version) or a record in another
 # layout (abi_mismatch) is this node's verdict on the key itself: the cluster is not asked.
 _ASK_CLUSTER = frozenset({Reason.MISSING, Reason.EVICTED, Reason.CORRUPT})
+# Keys of objects queued for write-through that the chain remembers (about 100 bytes each): far more than
+# a write-back backlog holds, so a retried object is recognised for as long as it can come back.
+_SENT_KEYS = 1 << 18
+
+
+class SentKeys:
+    """The last `capacity` keys queued for the cluster, oldest forgotten first (thread-safe)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def first_time(self, items: Iterable[tuple[ObjectKey, torch.Tensor, bytes]]) -> list:
+        """The items whose keys were not queued before (and are now remembered as queued)."""
+        out = []
+        with self._lock:
+            for it in items:
+                if it[0] in self._keys:
+                    self._keys.move_to_end(it[0])
+                    continue
+                self._keys[it[0]] = None
+                out.append(it)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+        return out
+
+    def forget(self, keys: Iterable[ObjectKey]) -> None:
+        with self._lock:
+            for k in keys:
+                self._keys.pop(k, None)
 
 
 class TierChain:
@@ -39,6 +72,7 @@ class TierChain:
             "local_hits", "cluster_hits", "queued", "dropped", "written_through", "promoted", "background_failed"
         )
         self._writer = BackgroundWriter(cfg.queue_bytes, self._counters)
+        self._sent = SentKeys(_SENT_KEYS)
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
         out = self.local.has(keys, layout_digests)
@@ -83,15 +117,18 @@ class TierChain:
     def store_many(self, items: Sequence[tuple[ObjectKey, torch.Tensor, bytes]]) -> None:
         """Durable locally when it returns (or raises as the local store does); the cluster copy follows later.
 
-        The write-through is queued even when the local store refuses the batch (full): the objects are
-        sound, and other nodes can still use them.
+        The write-through is queued once the local store has decided, even when it refuses the batch (full):
+        the objects are sound, and other nodes can still use them. Each object is queued once: a refused
+        object comes back with every retry of the write-back (and again, in smaller batches, when room is
+        made), and a put of a key the cluster already holds moves the bytes again for nothing, so the chain
+        remembers the keys it queued (the last `_SENT_KEYS`) and queues only the others.
         """
-        through = [it for it in items if self.cfg.write_through.covers(it[0].form)]
         try:
             self.local.store_many(items)
         finally:
-            if through:
-                self._writer.submit("written_through", self.cluster.store_many, through)
+            through = self._sent.first_time(it for it in items if self.cfg.write_through.covers(it[0].form))
+            if through and not self._writer.submit("written_through", self.cluster.store_many, through):
+                self._sent.forget(k for k, _, _ in through)  # dropped (backlog full): a later retry may send it
 
     def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> int:
         """Pins local records only (the cluster cannot pin, ClusterTier.pin), after waiting up to load_timeout_s
@@ -102,6 +139,7 @@ class TierChain:
     def remove(self, keys: Sequence[ObjectKey]) -> int:
         """Removes local records and their cluster copies; returns how many local records existed."""
         n = self.local.remove(keys)
+        self._sent.forget(keys)  # stored again later, they go down again
         try:
             self.cluster.remove(keys)
         except ClusterError as exc:

@@ -22,16 +22,30 @@ T = TypeVar("T")
 
 
 class Breaker:
-    """Shared by a client's lanes: one failure anywhere marks the cluster down for `retry_s`."""
+    """Shared by a client's lanes: what the cluster's last answer said, and the fail-fast window after a failure.
+
+    `up` is the outcome of the last call that got an answer or ran out of time (a call refused at once while
+    the cluster is marked down says nothing new); the link's prober keeps that answer at most `probe_s` old
+    on an idle node. One failure anywhere marks the cluster down: calls fail at once for `retry_s`, then
+    one is let through to probe; it stays down until a call succeeds.
+    """
 
     def __init__(self, retry_s: float) -> None:
         self.retry_s = retry_s
         self._down_until = 0.0
+        self._healthy = True  # set up against a master that answered: up until a call says otherwise
+        self._answered_at = time.monotonic()
+        self.why = ""  # why the last failure failed ("" while up)
         self._lock = threading.Lock()
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._healthy
+
+    @property
+    def quiet_s(self) -> float:
+        """Seconds since a call last got an answer (or ran out of time): how stale `up` is."""
+        return time.monotonic() - self._answered_at
 
     def check(self, what: str) -> None:
         """Raise while down; once the wait is over, let exactly one caller through to probe."""
@@ -42,13 +56,19 @@ class Breaker:
             if self._down_until:
                 self._down_until = now + self.retry_s  # the probe's window: others keep failing fast meanwhile
 
-    def failed(self) -> None:
+    def failed(self, why: str = "a call failed") -> None:
         with self._lock:
-            self._down_until = time.monotonic() + self.retry_s
+            self._answered_at = time.monotonic()
+            self._down_until = self._answered_at + self.retry_s
+            self._healthy = False
+            self.why = why
 
     def succeeded(self) -> None:
         with self._lock:
+            self._answered_at = time.monotonic()
             self._down_until = 0.0
+            self._healthy = True
+            self.why = ""
 
 
 class Lane:
@@ -61,11 +81,14 @@ class Lane:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-cluster-{name}")
 
     @contextlib.contextmanager
-    def hold(self, deadline: float) -> Iterator[Callable[[Callable[[], T]], T]]:
-        """Own the lane (and its buffers) until the block ends; yields `run(fn)` bounded by `deadline` (monotonic)."""
-        self._breaker.check(self.name)
+    def hold(self, deadline: float, probe: bool = False) -> Iterator[Callable[[Callable[[], T]], T]]:
+        """Own the lane (and its buffers) until the block ends; yields `run(fn)` bounded by `deadline` (monotonic).
+
+        A `probe` is let through while the cluster is marked down: it is how the link learns it is back."""
+        if not probe:
+            self._breaker.check(self.name)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._breaker.failed()
+            self._breaker.failed(f"{self.name}: an earlier call still runs past its deadline")
             raise ClusterUnavailable(f"cluster {self.name}: an earlier call is still running past its deadline")
         pending: list[Future] = []
 
@@ -78,7 +101,7 @@ class Lane:
                 result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 pending.append(fut)
-                self._breaker.failed()
+                self._breaker.failed(f"{self.name}: no answer within the deadline")
                 raise ClusterUnavailable(f"cluster {self.name}: no answer within the deadline") from None
             return result
 

@@ -64,7 +64,24 @@ class ClientLink:
             self.last_error = ""
             self._attempted.set()
             log.info("cluster connected at %s", self.cfg.master_address)
+            self._probe_while_open(client)
             return
+
+    def _probe_while_open(self, client: MooncakeClient) -> None:
+        """Keep the link's health at most `probe_s` old: when no call has had an answer for `probe_s` (an idle
+        node, or one whose calls fail at once while it is marked down), one probe. At most one per `probe_s`."""
+        every = self.cfg.probe_s
+        was_up = True
+        while not self._closed.wait(max(0.01, every - client.breaker.quiet_s)):
+            if client.breaker.quiet_s < every:
+                continue  # traffic answered meanwhile: that is the health
+            try:
+                client.probe()
+            except Exception as exc:  # anything the library raises is a failed probe, never a dead prober
+                client.breaker.failed(f"probe raised {type(exc).__name__}: {exc}")
+            if client.breaker.up != was_up:
+                was_up = client.breaker.up
+                log.warning("cluster at %s is %s", self.cfg.master_address, "up" if was_up else f"DOWN: {self.why}")
 
     @property
     def client(self) -> MooncakeClient:
@@ -76,8 +93,25 @@ class ClientLink:
 
     @property
     def up(self) -> bool:
+        """Connected, the last answer a success, and that answer recent: a prober that stopped (it should not)
+        must not leave an old "up" standing."""
         client = self._client
-        return client is not None and client.breaker.up
+        if client is None:
+            return False
+        stale = client.breaker.quiet_s > 2 * (self.cfg.probe_s + self.cfg.lookup_timeout_s) + 1.0
+        return client.breaker.up and not stale
+
+    @property
+    def why(self) -> str:
+        """Why the link is not up ("" when it is)."""
+        client = self._client
+        if client is None:
+            return f"not connected: {self.last_error}"
+        if not client.breaker.up:
+            return client.breaker.why
+        if not self.up:
+            return f"no answer from the cluster for {client.breaker.quiet_s:.1f} s"
+        return ""
 
     def close(self) -> None:
         """Close the client; an attempt still blocked in Mooncake's setup is left to end on its own (daemon thread)."""
@@ -95,20 +129,32 @@ def _endpoints(cfg: ClusterConfig) -> tuple[list[str], str]:
     return [m.strip() for m in masters if m.strip()], (url.netloc if url.scheme in ("http", "etcd") else "")
 
 
-def _accepts(endpoint: str, timeout_s: float) -> bool:
+# connect() fails with EPERM when the host's policy drops the packet: a systemd unit's IPAddressDeny= (the
+# shipped kvtier.service allows localhost only) or a firewall rule. Said in the error, since the link retries.
+_POLICY = (
+    ": connect() refused with EPERM by this host's policy (a systemd unit's IPAddressDeny=: see docs/systemd.md, "
+    "'A cluster node')"
+)
+
+
+def _accepts(endpoint: str, timeout_s: float) -> str | None:
+    """None when the endpoint accepts a TCP connection, else why not ("" or the policy note)."""
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
+            return None
+    except PermissionError:
+        return _POLICY
     except (OSError, ValueError):
-        return False
+        return ""
 
 
 def probe(cfg: ClusterConfig) -> None:
     """ClusterSetupError unless a master (or etcd) endpoint and the metadata server accept a TCP connection."""
     masters, metadata = _endpoints(cfg)
     timeout = min(1.0, cfg.load_timeout_s)
-    if not any(_accepts(m, timeout) for m in masters):
-        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections")
-    if metadata and not _accepts(metadata, timeout):
-        raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections")
+    refused = [_accepts(m, timeout) for m in masters]
+    if None not in refused:
+        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections{max(refused, default='')}")
+    if metadata and (why := _accepts(metadata, timeout)) is not None:
+        raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections{why}")

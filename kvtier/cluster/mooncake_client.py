@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.cluster.errors import ClusterSetupError
+from kvtier.cluster.errors import ClusterSetupError, ClusterUnavailable
 from kvtier.cluster.lane import Breaker, Lane
 from kvtier.core.cluster_config import ClusterConfig
 
@@ -106,8 +106,20 @@ class MooncakeClient:
         with self._lookup.hold(time.monotonic() + self.cfg.lookup_timeout_s) as run:
             codes = run(lambda: self._client.batch_is_exist(list(names)))
         out = [True if c == 1 else False if c == 0 else None for c in codes]
-        self._judge(bool(names) and all(o is None for o in out))
+        self._judge(bool(names) and all(o is None for o in out), f"lookup answered error codes {sorted(set(codes))}")
         return out
+
+    def probe(self) -> bool:
+        """One existence call for a name no writer uses, let through even while the cluster is marked down:
+        the answer (or the lack of one within lookup_timeout_s) is the link's health. True when it answered."""
+        name = f"{self.cfg.key_prefix}/probe"
+        try:
+            with self._lookup.hold(time.monotonic() + self.cfg.lookup_timeout_s, probe=True) as run:
+                (code,) = run(lambda: self._client.batch_is_exist([name]))
+        except ClusterUnavailable:
+            return False  # the lane marked the breaker down with its reason
+        self._judge(code not in (0, 1), f"probe answered error code {code}")
+        return code in (0, 1)
 
     def get(self, names: Sequence[str], sizes: Sequence[int], sink: Callable[[int, memoryview | int], None]) -> None:
         """Fetch objects of at most `sizes[i]` bytes; `sink(i, bytes read or negative code)` runs while staging is ours.
@@ -131,7 +143,10 @@ class MooncakeClient:
                 view = memoryview(staging.buf.numpy())
                 for i, off, code in zip(group, offsets, codes):
                     sink(i, view[off : off + code] if code >= 0 else code)
-            self._judge(all(c < 0 and c not in (NOT_FOUND, BUFFER_TOO_SMALL) for c in codes))
+            self._judge(
+                all(c < 0 and c not in (NOT_FOUND, BUFFER_TOO_SMALL) for c in codes),
+                f"get answered error codes {sorted(set(codes))}",
+            )
 
     def put(self, names: Sequence[str], fill: Callable[[int, memoryview], None], sizes: Sequence[int]) -> list[int]:
         """Put objects of `sizes[i]` bytes, each written by `fill(i, buffer)` into staging; codes per object (0: ok).
@@ -157,7 +172,7 @@ class MooncakeClient:
                 got = run(functools.partial(self._client.batch_put_from, keys, ptrs, lens, self._replicate))
             for i, code in zip(group, got):
                 codes[i] = code
-            self._judge(all(c < 0 for c in got))
+            self._judge(all(c < 0 for c in got), f"put answered error codes {sorted(set(got))}")
         return codes
 
     def remove(self, names: Sequence[str]) -> int:
@@ -166,9 +181,9 @@ class MooncakeClient:
             codes = run(lambda: self._client.batch_remove(list(names), True))
         return sum(1 for c in codes if c == 0)
 
-    def _judge(self, failed: bool) -> None:
+    def _judge(self, failed: bool, why: str) -> None:
         if failed:
-            self.breaker.failed()
+            self.breaker.failed(why)
         else:
             self.breaker.succeeded()
 

@@ -26,7 +26,7 @@ class Histogram(msgspec.Struct, frozen=True):
 class ClusterStats(msgspec.Struct, frozen=True):
     """The cluster tier since start. `misses` counts objects by why they were not served (see docs/cluster.md)."""
 
-    up: bool
+    up: bool  # connected, and the last call or probe (at most probe_s old on an idle node) was answered
     lookups: int  # objects asked about by has()
     found: int  # of those, present in the cluster
     hits: int  # objects loaded and verified
@@ -38,6 +38,7 @@ class ClusterStats(msgspec.Struct, frozen=True):
     removed: int
     lookup_latency: Histogram
     load_latency: Histogram
+    why_down: str = ""  # while not up: what the last failure was (or that it never connected)
 
 
 class ChainStats(msgspec.Struct, frozen=True):

@@ -201,8 +201,10 @@ class ClusterTier:
 
     def stats(self) -> ClusterStats:
         v = self._counters.values()
+        up = self.up
         return ClusterStats(
-            up=self.up,
+            up=up,
+            why_down="" if up else self._link.why,
             misses=self._counters.misses(),
             lookup_latency=self._lookup_latency.snapshot(),
             load_latency=self._load_latency.snapshot(),

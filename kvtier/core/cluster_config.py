@@ -10,18 +10,21 @@ import dataclasses
 import enum
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.forms import CacheForm, GroupKind
+from kvtier.core.forms import CacheForm
 
 
 class WriteThrough(enum.Enum):
-    """Which offloads also go to the cluster (in the background, after the local store has them)."""
+    """Which offloads also go to the cluster (in the background, once the local store has decided on them).
+
+    There is no history-only choice: a hit needs every state group at its boundary, so history without the
+    state objects of a checkpoint gives another node no usable hit at all (docs/cluster.md, "What goes down").
+    """
 
     OFF = "off"
-    HISTORY = "history"  # compressed + indexer: what another node's prefix needs from block 0
-    ALL = "all"  # also tail and swa state objects (large per token, short-lived)
+    ALL = "all"  # every object offloaded: history, and the state objects engines store at their checkpoints
 
     def covers(self, form: CacheForm) -> bool:
-        return self is WriteThrough.ALL or (self is WriteThrough.HISTORY and form.kind is GroupKind.HISTORY)
+        return self is WriteThrough.ALL
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,9 +48,12 @@ class ClusterConfig:
     load_timeout_s: float = 5.0  # one batch of gets
     put_timeout_s: float = 10.0  # one batch of background puts
     retry_s: float = 2.0  # after a failure, how long calls answer "unavailable" at once before one probes again
+    # an idle link is probed (one existence call) this often, so `up` (status, metrics, health) says within
+    # probe_s + lookup_timeout_s that the cluster stopped or started answering, with no traffic to tell
+    probe_s: float = 1.0
     staging_bytes: int = 64 << 20  # registered buffer per direction; the largest object (plus header) must fit
     transfer_buffer_bytes: int = 16 << 20  # the client's own transfer buffer (Mooncake local_buffer_size)
-    write_through: WriteThrough = WriteThrough.HISTORY
+    write_through: WriteThrough = WriteThrough.ALL
     queue_bytes: int = 256 << 20  # write-through / promotion backlog; beyond it offloads are dropped (counted)
     promote: bool = True  # a load from the cluster is also stored on local disk (in the background)
 
@@ -61,7 +67,7 @@ class ClusterConfig:
             raise bad("protocol", f"must be 'tcp' or 'rdma', got {self.protocol!r}")
         if not 1 <= self.replicas <= 16:
             raise bad("replicas", f"must be 1..16, got {self.replicas}")
-        for name in ("lookup_timeout_s", "load_timeout_s", "put_timeout_s", "retry_s"):
+        for name in ("lookup_timeout_s", "load_timeout_s", "put_timeout_s", "retry_s", "probe_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.staging_bytes < 1 << 20:

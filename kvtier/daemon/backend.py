@@ -31,7 +31,7 @@ from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.durability import make_durable
-from kvtier.daemon.lower import build_lower, close_lower, cluster_doc
+from kvtier.daemon.lower import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.room import RoomRequests
@@ -391,11 +391,12 @@ class DaemonBackend:
         return True, ""
 
     def degraded(self) -> str:
-        """Why serving is degraded though alive (write-back blocked for some forms), or ""."""
-        reasons = self.persister.reasons()
-        if not reasons:
-            return ""
-        return f"write-back blocked, {self.persister.queued} objects waiting: " + "; ".join(reasons)
+        """Why serving is degraded though alive (write-back blocked for some forms, a configured cluster down),
+        or ""."""
+        problems = [p] if (p := cluster_problem(self.lower)) else []
+        if reasons := self.persister.reasons():
+            problems.insert(0, f"write-back blocked, {self.persister.queued} objects waiting: " + "; ".join(reasons))
+        return "; ".join(problems)
 
     def verifier_heartbeat_age(self, pid: int) -> float | None:
         """Age of the heartbeat the verifier with `pid` last published in the store (None: it has not yet)."""

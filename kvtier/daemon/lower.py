@@ -47,6 +47,15 @@ def cluster_doc(lower: LowerTier) -> dict[str, Any]:
     return msgspec.to_builtins(lower.stats()) if isinstance(lower, TierChain) else {}
 
 
+def cluster_problem(lower: LowerTier) -> str:
+    """Why the configured cluster is not serving ("" on a single node or while it is up): degraded health,
+    never unhealthy, since the node keeps serving its own pools and disk."""
+    if not isinstance(lower, TierChain) or lower.cluster.up:
+        return ""
+    why = lower.cluster.stats().why_down
+    return f"cluster down ({why}): serving node-local" if why else "cluster down: serving node-local"
+
+
 def close_lower(lower: LowerTier, timeout_s: float) -> None:
     """Finish queued write-through / promotions for up to `timeout_s` and close the cluster client (not the store)."""
     if isinstance(lower, TierChain):

@@ -6,13 +6,14 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
-from kvtier.cluster import ClusterTier, WriteThrough
+from kvtier.cluster import ClusterTier
 from kvtier.cluster.chain import TierChain
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import LoadRequest
-from kvtier.store import DiskStore
+from kvtier.store import DiskStore, StoreFull
 from support.cluster_nodes import cluster_config
 from support.store_helpers import DIGEST, VK, make_key, make_payload
 
@@ -45,19 +46,51 @@ def test_second_node_restores_from_the_cluster_and_promotes(shared_cluster, tmp_
         node1.store_many(items)
         assert disk1.has(keys, digests) == [Reason.OK] * len(items)  # durable locally when store_many returned
         assert node1.drain(10)
-        # write-through "history" (the default): the swa state object stays on node 1
-        assert node2.has(keys, digests) == [Reason.OK] * 5 + [Reason.MISSING]
-        reasons, outs = _load(node2, items[:5])
-        assert reasons == [Reason.OK] * 5 and all(torch.equal(o, p) for o, (_, p, _) in zip(outs, items))
+        # the default write-through: history and the swa state object, so node 2 has a usable hit
+        assert node2.has(keys, digests) == [Reason.OK] * 6
+        reasons, outs = _load(node2, items)
+        assert reasons == [Reason.OK] * 6 and all(torch.equal(o, p) for o, (_, p, _) in zip(outs, items))
         assert node2.drain(10)
-        assert disk2.has(keys[:5], digests[:5]) == [Reason.OK] * 5  # promoted: the next restore is local
+        assert disk2.has(keys, digests) == [Reason.OK] * 6  # promoted: the next restore is local
         s1, s2 = node1.stats(), node2.stats()
-        assert s1.written_through == 5 and s1.cluster.stored == 5
-        assert s2.cluster_hits == 5 and s2.promoted == 5 and s2.dropped == 0
+        assert s1.written_through == 6 and s1.cluster.stored == 6
+        assert s2.cluster_hits == 6 and s2.promoted == 6 and s2.dropped == 0
     finally:
         for chain, disk in ((node1, disk1), (node2, disk2)):
             chain.close()
             disk.close()
+
+
+def test_a_refused_form_goes_down_once_per_object_however_often_it_is_retried(shared_cluster, tmp_path) -> None:
+    """The local store refuses the swa form (its quota); the write-back retries it every pass, in batches and
+    then one by one, as the persister does. The cluster gets one put per distinct object decided (accepted
+    or refused), and the counters count those objects, not the attempts."""
+    disk, chain = _node(tmp_path, "q", shared_cluster)
+    try:
+        disk.set_limits(1 << 30, {CacheForm.SWA: 4096})  # no 8 kB swa object ever fits
+        items = _items("refused", 3)  # 3 compressed, 1 swa
+        swa_items = [*items[3:], *[_items(f"refused-swa{i}", 0)[0] for i in range(2)]]  # 3 distinct swa objects
+        chain.store_many(items[:3])
+        for _ in range(4):  # four passes of the write-back: the whole batch, then each object alone
+            with pytest.raises(StoreFull):
+                chain.store_many(swa_items)
+            for it in swa_items:
+                with pytest.raises(StoreFull):
+                    chain.store_many([it])
+        chain.store_many(items[:3])  # accepted objects stored again (a re-offload): not sent again either
+        assert chain.drain(10)
+        stats = chain.stats()
+        distinct = 3 + len(swa_items)
+        assert stats.queued == stats.written_through == distinct, stats
+        assert stats.cluster.stored + stats.cluster.put_failed == distinct, stats.cluster
+        assert disk.has([k for k, _, _ in swa_items], [DIGEST] * 3) == [Reason.MISSING] * 3
+        assert chain.cluster.has([k for k, _, _ in swa_items], [DIGEST] * 3) == [Reason.OK] * 3  # others can use them
+        chain.remove([k for k, _, _ in items[:1]])  # removed, then stored again: it goes down again
+        chain.store_many(items[:1])
+        assert chain.drain(10) and chain.stats().written_through == distinct + 1
+    finally:
+        chain.close()
+        disk.close()
 
 
 def test_a_loads_later_requests_are_asked_of_the_cluster_too(shared_cluster, tmp_path) -> None:
@@ -87,7 +120,7 @@ def test_a_loads_later_requests_are_asked_of_the_cluster_too(shared_cluster, tmp
 def test_full_backlog_drops_without_blocking(own_cluster, tmp_path) -> None:
     """The master stopped, the first write-through hangs in its put; offloads still return at once, durable
     locally, and what does not fit beside it in the backlog is dropped and counted."""
-    disk, chain = _node(tmp_path, "n", own_cluster, queue_bytes=40_000, write_through=WriteThrough.ALL)
+    disk, chain = _node(tmp_path, "n", own_cluster, queue_bytes=40_000)
     master = own_cluster.masters[0].popen
     try:
         items = _items("drop", 6)  # 6 x 30 kB and one 8 kB: beside the first, only the 8 kB one fits

@@ -89,6 +89,26 @@ def test_a_lane_closed_under_a_running_call_says_so_and_takes_no_more() -> None:
         run(lambda: 7)
 
 
+def test_the_breaker_says_down_until_a_call_is_answered_and_a_probe_passes_it() -> None:
+    """`up` is the last answer, not the end of the fail-fast window (the lie of issue 40: "up" again once
+    retry_s had passed, with nothing asked); a probe is let through while calls fail fast."""
+    breaker = Breaker(retry_s=0.0)
+    assert breaker.up
+    breaker.failed("master gone")
+    breaker.check("lookup")  # the fail-fast window is over: a call may go and ask ...
+    assert not breaker.up and breaker.why == "master gone"  # ... but only an answer brings the cluster back
+    assert breaker.quiet_s < 1.0
+    breaker.succeeded()
+    assert breaker.up and breaker.why == ""
+    lane = Lane("t", Breaker(retry_s=60.0))
+    lane._breaker.failed("gone")
+    with pytest.raises(ClusterUnavailable, match="marked down"), lane.hold(time.monotonic() + 1.0):
+        pass
+    with lane.hold(time.monotonic() + 1.0, probe=True) as run:
+        assert run(lambda: 3) == 3
+    assert lane.close(time.monotonic() + 1.0)
+
+
 def test_chunks_fit_the_staging_buffer() -> None:
     assert chunks([10, 10, 100, 10], 64) == [[0], [1], [2], [3]]  # 64-byte slots
     assert chunks([64, 64, 64], 128) == [[0, 1], [2]]
@@ -100,8 +120,25 @@ def test_config_validation_and_policy() -> None:
     with pytest.raises(ConfigError, match=r"cluster\.backend"):
         ClusterConfig(backend="redis")
     assert ClusterConfig(etcd="127.0.0.1:2379").master_address == "etcd://127.0.0.1:2379"
-    assert WriteThrough.HISTORY.covers(CacheForm.INDEXER) and not WriteThrough.HISTORY.covers(CacheForm.SWA)
-    assert not WriteThrough.OFF.covers(CacheForm.COMPRESSED) and WriteThrough.ALL.covers(CacheForm.TAIL)
+    # the default sends state objects too: without them another node has no usable hit (issue 40)
+    assert ClusterConfig().write_through is WriteThrough.ALL and WriteThrough.ALL.covers(CacheForm.SWA)
+    assert WriteThrough.ALL.covers(CacheForm.TAIL) and WriteThrough.ALL.covers(CacheForm.COMPRESSED)
+    assert not WriteThrough.OFF.covers(CacheForm.COMPRESSED) and not WriteThrough.OFF.covers(CacheForm.TAIL)
+    with pytest.raises(ConfigError, match=r"cluster\.probe_s"):
+        ClusterConfig(probe_s=0)
+
+
+def test_a_history_only_write_through_is_refused_with_the_choices(tmp_path) -> None:
+    """A history-only write-through gave other nodes no usable hit: asking for it is an error naming the choices."""
+    from kvtier.core.config import load_config
+
+    path = tmp_path / "kvtier.toml"
+    path.write_text('[cluster]\nenabled = true\nwrite_through = "history"\n')
+    with pytest.raises(ConfigError, match=r"cluster\.write_through.*must be one of off, all"):
+        load_config(str(path))
+    path.write_text("[cluster]\nenabled = true\nprobe_s = 0.25\n")
+    cfg = load_config(str(path)).cluster
+    assert cfg.probe_s == 0.25 and cfg.write_through is WriteThrough.ALL
 
 
 def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:

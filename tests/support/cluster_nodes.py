@@ -36,7 +36,8 @@ def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
 
 
 def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:
-    """A `[cluster]` table for `cluster`: test-sized buffers, short deadlines, state objects written through too."""
+    """A `[cluster]` table for `cluster`: test-sized buffers and short deadlines; what goes down to the cluster
+    (`write_through`) is the default unless a test sets it."""
     values: dict[str, object] = dict(
         enabled=True,
         master=cluster.master,
@@ -47,7 +48,6 @@ def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:
         load_timeout_s=2.0,
         put_timeout_s=5.0,
         retry_s=0.5,
-        write_through="all",
         admin=cluster.admin,
     )
     if cluster.etcd_endpoint:

@@ -1,0 +1,424 @@
+"""Cross-node restore over a real, rate-shaped link: two network namespaces joined by a veth pair, `tc netem`
+rate limits on both ends; prints one JSON object (also `bench/cluster.py --link`).
+
+Namespace A holds the cluster (a Mooncake master and two holders) and node 1, which puts `--objects` objects
+of `--object-bytes` (kvtier objects: header + payload, as the tier writes them). Namespace B is node 2: a
+ClusterTier whose every byte comes across the veth, verified, against the same objects from a DiskStore on
+node 2's own disk, read cold (page cache dropped) and warm. For each `--rates` entry the link is shaped,
+one TCP stream measures it (`link_gbps`, A to B, in the same run), and node 2 restores:
+`restore_MBps`, `ratio_to_link` = restore bits/s over link bits/s, `ratio_to_disk_cold` / `_warm`.
+
+Needs root, `ip` and `tc` (Debian iproute2), and Mooncake; otherwise it prints {"skipped": why}. The addresses
+(10.233.40.1 and .2) exist only inside the two namespaces this script creates and deletes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # support.mooncake_loopback: where the master binary is
+
+from bench.pagecache import drop_cache_tree  # noqa: E402
+
+A_ADDR, B_ADDR = "10.233.40.1", "10.233.40.2"
+MASTER_PORT, METADATA_PORT, ADMIN_PORT, LINK_PORT = 50051, 8080, 9003, 5201
+DIGEST = b"L" * 16
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
+def why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs ip and tc (Debian iproute2)"
+    try:
+        from mooncake import store  # noqa: F401
+    except ImportError as exc:
+        return f"Mooncake is not installed ({exc}): pip install 'kvtier[cluster]'"
+    return None
+
+
+class Link:
+    """Two namespaces and a veth pair between them; deleted on close (which also ends their processes)."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100000
+        self.a, self.b = f"kvtbench-a-{tag}", f"kvtbench-b-{tag}"
+        self.va, self.vb = f"kvta{tag}", f"kvtb{tag}"
+        _run("ip", "netns", "add", self.a)
+        _run("ip", "netns", "add", self.b)
+        _run("ip", "link", "add", self.va, "netns", self.a, "type", "veth", "peer", "name", self.vb, "netns", self.b)
+        for ns, dev, addr in ((self.a, self.va, A_ADDR), (self.b, self.vb, B_ADDR)):
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+        self.rate = ""
+        self.shaper = ""
+
+    def shape(self, gbit: float | None) -> None:
+        """Rate-limit both ends (None: no qdisc, the veth as fast as the CPUs move it). `tc netem rate` where the
+        kernel has sch_netem, else a token bucket (`tbf`, in every kernel config): `self.shaper` says which."""
+        for ns, dev in ((self.a, self.va), (self.b, self.vb)):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if gbit is None:
+                continue
+            rate = f"{int(gbit * 1000)}mbit"
+            # netem: a queue deep enough for the rate (its default 1000 packets starves fast links)
+            netem = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "rate", rate, "limit", "100000"]
+            if subprocess.run(netem, capture_output=True).returncode == 0:
+                self.shaper = "netem"
+                continue
+            burst = max(256 << 10, int(gbit * 1e9 / 8 / 250))  # 4 ms at the rate: above what one timer tick sends
+            _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                str(burst),
+                "latency",
+                "50ms",
+            )
+            self.shaper = "tbf (no sch_netem in this kernel)"
+        self.rate = "none" if gbit is None else f"{gbit:g} Gbit/s"
+        if gbit is None:
+            self.shaper = "none"
+
+    def qdisc(self) -> str:
+        return subprocess.run(
+            ["tc", "-n", self.a, "qdisc", "show", "dev", self.va], capture_output=True, text=True
+        ).stdout.strip()
+
+    def spawn(self, ns: str, argv: list[str], log: pathlib.Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        with open(log, "wb") as out:
+            return subprocess.Popen(
+                ["ip", "netns", "exec", ns, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})},
+                start_new_session=True,
+            )
+
+    def run(self, ns: str, argv: list[str], env: dict[str, str], timeout: float) -> dict:
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, *argv],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **env},
+            timeout=timeout,
+        )
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if out.returncode or not lines:
+            raise SystemExit(f"bench/cluster_link: {argv[2:4]} in {ns} failed ({out.returncode}): {out.stderr[-2000:]}")
+        return json.loads(lines[-1])
+
+    def close(self) -> None:
+        for ns in (self.a, self.b):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _wait_port(link: Link, ns: str, port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    probe = f"import socket; socket.create_connection(('{A_ADDR}', {port}), timeout=0.5)"
+    while subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], capture_output=True).returncode:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"bench/cluster_link: port {port} in {ns} never opened")
+        time.sleep(0.2)  # polling a real condition (the port)
+
+
+@contextlib.contextmanager
+def cluster_in_a(link: Link, tmp: pathlib.Path, segment_bytes: int) -> Iterator[None]:
+    """A master (serving the metadata too) and two holders, all in namespace A on A_ADDR."""
+    from support.mooncake_loopback import master_binary
+
+    argv = [master_binary(), f"--rpc_address={A_ADDR}", f"--rpc_port={MASTER_PORT}", "--client_ttl=30"]
+    argv += ["--default_kv_lease_ttl=5000", f"--metrics_host={A_ADDR}", f"--metrics_port={ADMIN_PORT}"]
+    argv += ["--enable_http_metadata_server=true", f"--http_metadata_server_host={A_ADDR}"]
+    argv += [f"--http_metadata_server_port={METADATA_PORT}"]
+    procs = [link.spawn(link.a, argv, tmp / "master.log")]
+    _wait_port(link, link.a, MASTER_PORT, procs[0])
+    env = {"MC_TCP_BIND_ADDRESS": A_ADDR}
+    for i in range(2):
+        ready = tmp / f"holder{i}.ready"
+        procs.append(
+            link.spawn(
+                link.a,
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "holder",
+                    "--segment-bytes",
+                    str(segment_bytes),
+                    "--ready",
+                    str(ready),
+                ],
+                tmp / f"holder{i}.log",
+                env,
+            )
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"bench/cluster_link: holder {i} did not start: {(tmp / f'holder{i}.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)  # polling a real condition (its ready file)
+    try:
+        yield
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def link_gbps(link: Link, nbytes: int) -> float:
+    """One TCP stream A -> B across the veth, as shaped now; measured by the receiver."""
+    recv = f"""
+import socket, time, json
+srv = socket.create_server(("{B_ADDR}", {LINK_PORT}))
+print("listening", flush=True)
+c, _ = srv.accept()
+buf, got, t0 = bytearray(4 << 20), 0, None
+while n := c.recv_into(buf):  # until the sender closes
+    if t0 is None: t0 = time.perf_counter()
+    got += n
+print(json.dumps({{"gbps": got * 8 / (time.perf_counter() - t0) / 1e9}}))
+"""
+    send = f"""
+import socket
+s = socket.create_connection(("{B_ADDR}", {LINK_PORT}))
+chunk = bytes(4 << 20)
+for _ in range(max(1, {nbytes} // len(chunk))): s.sendall(chunk)
+s.close()
+"""
+    receiver = subprocess.Popen(
+        ["ip", "netns", "exec", link.b, sys.executable, "-c", recv], stdout=subprocess.PIPE, text=True
+    )
+    assert receiver.stdout is not None
+    receiver.stdout.readline()  # listening
+    subprocess.run(["ip", "netns", "exec", link.a, sys.executable, "-c", send], check=True, timeout=300)
+    out, _ = receiver.communicate(timeout=300)
+    return json.loads(out.strip().splitlines()[-1])["gbps"]
+
+
+# ----------------------------------------------------------------------------- roles (run inside a namespace)
+
+
+def _cfg(local: str):
+    from kvtier.cluster import ClusterConfig
+
+    return ClusterConfig(
+        enabled=True,
+        master=f"{A_ADDR}:{MASTER_PORT}",
+        metadata=f"http://{A_ADDR}:{METADATA_PORT}/metadata",
+        local_hostname=local,
+        staging_bytes=64 << 20,
+        transfer_buffer_bytes=64 << 20,
+        lookup_timeout_s=5.0,
+        load_timeout_s=120.0,
+        put_timeout_s=120.0,
+    )
+
+
+def _objects(n: int, size: int):
+    from kvtier.core import CacheForm, VersionKey
+    from kvtier.core.tier import ObjectKey
+
+    vk = VersionKey("bench-cluster-link", "w0", "abi-1", "comp-1", "idx-1", "fp8")
+    g = torch.Generator().manual_seed(11)
+    keys = [ObjectKey(vk.namespace, i.to_bytes(16, "big"), "c4", CacheForm.COMPRESSED) for i in range(n)]
+    return vk, keys, [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def role_holder(args: argparse.Namespace) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        A_ADDR,
+        f"http://{A_ADDR}:{METADATA_PORT}/metadata",
+        args.segment_bytes,
+        16 << 20,
+        "tcp",
+        "",
+        f"{A_ADDR}:{MASTER_PORT}",
+    )
+    if rc != 0:
+        sys.exit(f"holder: setup failed with code {rc}")
+    pathlib.Path(args.ready).write_text("ready")
+    while True:  # until the orchestrator kills it
+        signal.pause()
+
+
+def role_put(args: argparse.Namespace) -> None:
+    from kvtier.cluster import ClusterTier
+
+    _, keys, payloads = _objects(args.objects, args.object_bytes)
+    tier = ClusterTier(_cfg(A_ADDR))
+    t0 = time.perf_counter()
+    tier.store_many(list(zip(keys, payloads, [DIGEST] * len(keys))))
+    put_s = time.perf_counter() - t0
+    tier.close()
+    print(json.dumps({"put_s": put_s}))
+
+
+def _timed_load(tier, keys, outs) -> float:
+    from kvtier.core.tier import LoadRequest
+
+    t0 = time.perf_counter()
+    reasons = tier.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+    elapsed = time.perf_counter() - t0
+    if any(r.value for r in reasons):
+        raise SystemExit(f"a load failed: {sorted({r.label for r in reasons})}")
+    return elapsed
+
+
+def role_get(args: argparse.Namespace) -> None:
+    """Node 2: restore every object from the cluster (across the link), then from its own disk, cold and warm."""
+    from kvtier.cluster import ClusterTier
+    from kvtier.store import DiskStore
+
+    vk, keys, payloads = _objects(args.objects, args.object_bytes)
+    outs = [torch.empty_like(p) for p in payloads]
+    tier = ClusterTier(_cfg(B_ADDR))
+    cluster_s = min(_timed_load(tier, keys, outs) for _ in range(args.repeat))
+    ok = all(torch.equal(o, p) for o, p in zip(outs, payloads))
+    tier.close()
+    doc = {"cluster_s": cluster_s, "bitwise": ok}
+    if args.disk:
+        disk = DiskStore(args.disk, writer=True)
+        disk.register_namespace(vk)
+        if disk.has(keys[:1], [DIGEST])[0].value != 0:  # not there yet (the first rate's run)
+            disk.store_many(list(zip(keys, payloads, [DIGEST] * len(keys))))
+        cold = []
+        for _ in range(args.repeat):
+            drop_cache_tree(disk.root)
+            cold.append(_timed_load(disk, keys, outs))
+        _timed_load(disk, keys, outs)  # fills the page cache
+        warm = min(_timed_load(disk, keys, outs) for _ in range(args.repeat))
+        disk.close()
+        doc.update(disk_cold_s=min(cold), disk_warm_s=warm)
+    print(json.dumps(doc))
+
+
+# ----------------------------------------------------------------------------- the orchestrator (root namespace)
+
+
+def link_level(args: argparse.Namespace) -> dict:
+    why = why_not()
+    if why:
+        return {"skipped": why}
+    total = args.objects * args.object_bytes
+    link = Link()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-link-", dir="/var/tmp") as tmpdir:
+            tmp = pathlib.Path(tmpdir)
+            with cluster_in_a(link, tmp, total // 2 + (128 << 20)):
+                common = ["--objects", str(args.objects), "--object-bytes", str(args.object_bytes)]
+                put = link.run(
+                    link.a, [sys.executable, __file__, "--role", "put", *common], {"MC_TCP_BIND_ADDRESS": A_ADDR}, 600
+                )
+                runs = []
+                for rate in args.rates:
+                    link.shape(None if rate == 0 else rate)
+                    gbps = link_gbps(link, args.link_bytes)
+                    got = link.run(
+                        link.b,
+                        [
+                            sys.executable,
+                            __file__,
+                            "--role",
+                            "get",
+                            *common,
+                            "--repeat",
+                            str(args.repeat),
+                            "--disk",
+                            str(tmp / "disk"),
+                        ],
+                        {"MC_TCP_BIND_ADDRESS": B_ADDR},
+                        900,
+                    )
+                    if not got["bitwise"]:
+                        raise SystemExit("bench/cluster_link: node 2 restored other bytes than node 1 put")
+                    restore_gbps = total * 8 / got["cluster_s"] / 1e9
+                    runs.append(
+                        {
+                            "shaped": link.rate,
+                            "shaper": link.shaper,
+                            "qdisc": link.qdisc(),
+                            "link_gbps": round(gbps, 3),
+                            "restore_MBps": round(total / got["cluster_s"] / 1e6, 1),
+                            "ratio_to_link": round(restore_gbps / gbps, 3),
+                            "disk_cold_MBps": round(total / got["disk_cold_s"] / 1e6, 1),
+                            "disk_warm_MBps": round(total / got["disk_warm_s"] / 1e6, 1),
+                            "ratio_to_disk_cold": round(got["disk_cold_s"] / got["cluster_s"], 3),
+                            "ratio_to_disk_warm": round(got["disk_warm_s"] / got["cluster_s"], 3),
+                        }
+                    )
+        return {
+            "objects": args.objects,
+            "object_bytes": args.object_bytes,
+            "put_MBps": round(total / put["put_s"] / 1e6, 1),
+            "runs": runs,
+            "note": "two network namespaces joined by a veth pair on one machine: the link is shaped by tc netem, "
+            "but both ends, the master and the holders share this machine's cores",
+        }
+    finally:
+        link.close()
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 0.0], help="Gbit/s to shape (0: unshaped).")
+    ap.add_argument("--link-bytes", type=int, default=256 << 20, help="Bytes of the TCP stream measuring the link.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["holder", "put", "get"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ready", help=argparse.SUPPRESS)
+    ap.add_argument("--disk", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--segment-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--objects", type=int, default=128)
+    ap.add_argument("--object-bytes", type=int, default=1 << 20)
+    ap.add_argument("--repeat", type=int, default=2)
+    add_args(ap)
+    args = ap.parse_args()
+    if args.role:
+        {"holder": role_holder, "put": role_put, "get": role_get}[args.role](args)
+        return
+    print(json.dumps(link_level(args)))
+
+
+if __name__ == "__main__":
+    main()
