@@ -18,7 +18,8 @@ import click
 from kvtier import __version__
 from kvtier.cli import exits
 from kvtier.cli.audit_cmd import audit
-from kvtier.cli.daemon_cmds import config, prewarm, serve, status
+from kvtier.cli.config_cmd import config
+from kvtier.cli.daemon_cmds import prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
 from kvtier.cli.explain_cmd import explain
 from kvtier.cli.namespace_cmd import namespace
