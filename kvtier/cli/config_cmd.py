@@ -17,8 +17,8 @@ from kvtier.core.units import size_setting
 
 # What each part of the file is for, written above it by `config init` (the keys themselves: docs/cli.md).
 _COMMENTS = {
-    "mode": "user: everything under ./.kvtier (cpu, ref-tiny); system: the systemd unit's /run/kvtier and\n"
-    "/var/lib/kvtier. Unset keys below take this mode's defaults.",
+    "mode": "user: a daemon of the folder it starts in (cpu, ref-tiny, its state in that folder); system: the\n"
+    "systemd unit's /run/kvtier and /var/lib/kvtier. Unset keys below take this mode's defaults.",
     "device": "cpu, cuda, cuda:N, or auto (cuda when this host has it, else cpu).",
     "profiles": "the model profiles served: bundled names (`kvtier profile list`) or TOML files.",
     "[server]": "the unix socket engines connect to, and who may (root and the daemon's own uid always may).",
@@ -102,9 +102,11 @@ def config_init(mode: str | None, output: str | None, force: bool) -> None:
 
 def _commented(text: str, mode: str, why: str) -> str:
     out = [f"# kvtier daemon config, {mode} mode (written by `kvtier config init`; chosen by {why}).", ""]
+    top = True  # key comments are for the top-level keys only (a table's `mode` is another key)
     for line in text.splitlines():
-        key = line if line.startswith("[") else line.split(" =", 1)[0]
-        if comment := _COMMENTS.get(key):
+        top = top and not line.startswith("[")
+        key = line if line.startswith("[") else line.split(" =", 1)[0] if top else None
+        if key and (comment := _COMMENTS.get(key)):
             if out and out[-1] != "":
                 out.append("")
             out.extend(f"# {c}" for c in comment.splitlines())

@@ -15,9 +15,11 @@ import msgspec
 
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
+from kvtier.cli.guards import check_device, check_pool_budget, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.cli.reach import daemon_exits
+from kvtier.cli.starting import clear_marker, starting, write_marker
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import MODE_ENV, DaemonConfig, load_config
 from kvtier.core.errors import ConfigError, KvtierError, ProfileError
@@ -72,14 +74,24 @@ def serve(config_path: str | None, mode: str | None) -> None:
 
     Says on stderr what it starts and, once it does, where it listens. Exit 2 for a config or path it cannot use.
     """
-    from kvtier.daemon.backend import build_backend
     from kvtier.daemon.server import claim_socket_path
-    from kvtier.daemon.service import Daemon
 
     cfg = load_config(config_path, mode=mode)
     _check_profiles(cfg)
+    check_pool_budget(cfg, check_device(cfg))  # before a byte is allocated or a folder made: one line, nothing else
     _check_paths(cfg)
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here
+    write_marker(cfg.server.socket)  # `kvtier status` says "starting" until we listen
+    try:
+        _serve(cfg, config_path)
+    finally:
+        clear_marker(cfg.server.socket)
+
+
+def _serve(cfg: DaemonConfig, config_path: str | None) -> None:
+    from kvtier.daemon.backend import build_backend
+    from kvtier.daemon.service import Daemon
+
     # the supervised verifier and a SIGHUP reload read the file in this same mode, whatever chose it
     os.environ[MODE_ENV] = cfg.mode
     click.echo(
@@ -93,7 +105,12 @@ def serve(config_path: str | None, mode: str | None) -> None:
     except BaseException:
         backend.close()
         raise
-    sys.exit(daemon.run(on_ready=lambda line: click.echo(f"kvtier serve: {line}", err=True)))
+
+    def ready(line: str) -> None:
+        clear_marker(cfg.server.socket)
+        click.echo(f"kvtier serve: {line}", err=True)
+
+    sys.exit(daemon.run(on_ready=ready))
 
 
 def _check_profiles(cfg: DaemonConfig) -> None:
@@ -108,6 +125,8 @@ def _check_profiles(cfg: DaemonConfig) -> None:
 def _check_paths(cfg: DaemonConfig) -> None:
     """The socket's folder and the store root must be folders this user can write: else one line naming the key."""
     for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store.root)):
+        if key == "store.root":
+            check_store_parent(cfg)  # after the socket's folder: the user mode's ./.kvtier holds both
         try:
             folder.mkdir(parents=True, exist_ok=True)
             probe_ok = os.access(folder, os.W_OK | os.X_OK)
@@ -213,13 +232,24 @@ def status(config_path: str | None, mode: str | None, socket_path: str | None, a
     """Health, profiles, pool occupancy, store usage and I/O backend, verifier state, per-form rates.
 
     Exit code 0 when healthy, 1 when degraded, 3 when no daemon is there, 4 when one is there but did not
-    answer us (permission denied, busy, timed out).
+    answer us (permission denied, busy, timed out), 5 while one is starting (allocating its pools).
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
     path = socket_path_of(config_path, socket_path, mode)
-    with daemon_exits(), Connection(path, timeout_s=10.0, name="kvtier status") as conn:
-        doc = conn.stats()
+    with daemon_exits():
+        try:
+            with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
+                doc = conn.stats()
+        except DaemonUnavailable:
+            if (st := starting(path)) is None:
+                raise
+            click.echo(
+                f"kvtier: starting: kvtier serve (pid {st.pid}) is allocating its pools for {st.since_s:.0f} s; "
+                f"it serves on {path} once ready (`kvtier status` again)",
+                err=True,
+            )
+            sys.exit(exits.STARTING)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:

@@ -406,6 +406,8 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     value = reader.string("address", default)
     if value and not re.fullmatch(r"[\w.\-\[\]:]*:\d{1,5}", value):
         raise reader.error("address", f"must be HOST:PORT or empty to disable, got {value!r}")
+    if value and int(value.rpartition(":")[2]) > 65535:
+        raise reader.error("address", f"port {value.rpartition(':')[2]} is out of range (0-65535), got {value!r}")
     return value
 
 

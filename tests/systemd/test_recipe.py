@@ -65,7 +65,7 @@ def test_the_block_is_the_whole_recipe() -> None:
     joined = "\n".join(lines)
     assert "python3 -m venv /opt/kvtier" in joined and "/opt/kvtier/bin/pip install" in joined
     assert "sudo pip install" not in joined  # PEP 668: refused on Debian 12
-    assert "config show --system" in joined and "/etc/kvtier/kvtier.toml" in joined
+    assert "config init --system" in joined
     assert all(unit in joined for unit in UNITS)
 
 
@@ -134,8 +134,8 @@ def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
     up = tmp_path / "up"
     assert {p.name for p in (up / "etc/systemd/system").iterdir()} >= set(UNITS)
     config = (up / "etc/kvtier/kvtier.toml").read_text()
-    # the system defaults, not the installing user's (./.kvtier, metrics off)
-    assert 'socket = "/run/kvtier/kvtier.sock"' in config and 'root = "/var/lib/kvtier/store"' in config
+    # the system defaults, not the installing user's (./.kvtier, metrics off), and the file says its mode
+    assert 'mode = "system"' in config and 'socket = "/run/kvtier/kvtier.sock"' in config and 'root = "/var/lib/kvtier/store"' in config
     assert 'address = "127.0.0.1:9641"' in config and ".kvtier" not in config
     assert (up / "opt/kvtier/bin/kvtier").exists() and (up / "etc/passwd").exists()
     assert _host_user() == host_user_before  # the host's accounts were not touched
