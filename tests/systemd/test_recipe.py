@@ -74,6 +74,7 @@ def _host_user() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(700)  # the recipe's own bound is 600 s (below): pytest's default 300 s cut a loaded machine short
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
     host_user_before = _host_user()
