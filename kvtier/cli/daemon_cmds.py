@@ -312,7 +312,9 @@ def prewarm(manifest: Path, config_path: str | None, mode: str | None, socket_pa
             )
             click.echo(_prewarm_line(reports[-1]), err=as_json)
     except KeyboardInterrupt:
-        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes (those stay pinned)", err=True)
+        pinned = sum(r["pinned"] for r in reports)
+        kept = f"{pinned:,} objects stay pinned for their ttl_s" if pinned else "nothing was pinned"
+        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes ({kept})", err=True)
         sys.exit(exits.INTERRUPTED)
     finally:
         for conn, _ in conns.values():

@@ -42,12 +42,25 @@ def stats_cmd(root: str, as_json: bool) -> None:
     from kvtier.store import DiskStore
 
     with DiskStore(root, readonly=True) as s:
-        stats = s.stats()
+        stats = with_published_limits(s.stats(), s.limits())
     if as_json:
         click.echo(json.dumps(stats))
         return
     for line in render_stats(stats):
         click.echo(line)
+
+
+def with_published_limits(stats: dict[str, Any], limits: Any) -> dict[str, Any]:
+    """The budget and quotas the store's writer (the daemon) published and enforces, as `kvtier audit` reports
+    them: a reader's own store config has none, so without this `store stats` said "budget none"."""
+    if limits is None:
+        return stats
+    from kvtier.core.forms import CacheForm
+
+    stats["budget_bytes"] = limits.budget_bytes or None
+    for form, f in stats["forms"].items():
+        f["quota_bytes"] = limits.quota(CacheForm(form)) or None
+    return stats
 
 
 def render_stats(stats: dict[str, Any]) -> list[str]:
