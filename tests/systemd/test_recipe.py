@@ -10,6 +10,7 @@ prints nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -104,6 +105,7 @@ def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
     checks = textwrap.dedent(f"""\
         id kvtier
         /opt/kvtier/bin/kvtier --version
+        /opt/kvtier/bin/kvtier doctor --system --json > {tmp_path}/doctor.json || echo "doctor exit $?"
         cd /etc/systemd/system
         systemd-analyze verify {" ".join(UNITS)} > {tmp_path}/verify.out 2>&1
         """)
@@ -136,7 +138,15 @@ def test_recipe_installs_in_a_throwaway_root(tmp_path: Path) -> None:
     assert {p.name for p in (up / "etc/systemd/system").iterdir()} >= set(UNITS)
     config = (up / "etc/kvtier/kvtier.toml").read_text()
     # the system defaults, not the installing user's (./.kvtier, metrics off), and the file says its mode
-    assert 'mode = "system"' in config and 'socket = "/run/kvtier/kvtier.sock"' in config and 'root = "/var/lib/kvtier/store"' in config
+    assert (
+        'mode = "system"' in config
+        and 'socket = "/run/kvtier/kvtier.sock"' in config
+        and 'root = "/var/lib/kvtier/store"' in config
+    )
     assert 'address = "127.0.0.1:9641"' in config and ".kvtier" not in config
     assert (up / "opt/kvtier/bin/kvtier").exists() and (up / "etc/passwd").exists()
     assert _host_user() == host_user_before  # the host's accounts were not touched
+    # kvtier doctor, installed: the system mode from the file the recipe wrote, and nothing fails there
+    doctor = {c["name"]: c for c in json.loads((tmp_path / "doctor.json").read_text())}
+    assert doctor["config"]["status"] == "ok" and "system mode" in doctor["config"]["detail"], doctor
+    assert "/etc/kvtier/kvtier.toml" in doctor["config"]["detail"] and "doctor exit" not in proc.stdout, doctor
