@@ -89,8 +89,8 @@ def check_huge_pages(path: Path = SHMEM_ENABLED) -> Check:
 
 
 def check_aio(io_threads: int, max_path: Path = AIO_MAX_NR, nr_path: Path = AIO_NR) -> Check:
-    """The store reads with native AIO: a context of `DEPTH` events per reading thread (twice over: readers of
-    lookups and of prewarm). Where fs.aio-max-nr leaves less, io_setup fails and reads fall back to threads."""
+    """The store reads with native AIO, `DEPTH` events per context; asked for room for two contexts per I/O thread
+    (a margin, not a count of the store's contexts). Where io_setup is refused, the store reads with threads."""
     from kvtier.store.aio import DEPTH
 
     try:
