@@ -45,7 +45,7 @@ def test_a_signalled_demo_leaves_nothing_behind(signum: signal.Signals) -> None:
 
 def _signal_the_demo(scratch: Path, signum: signal.Signals) -> None:
     demo = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "4096", "--checkpoint-every", "4"],
+        [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "2048", "--checkpoint-every", "4"],
         env=child_env(TMPDIR=str(scratch)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

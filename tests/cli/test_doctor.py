@@ -48,6 +48,15 @@ def _doctor(cwd: Path, *args: str) -> tuple[int, dict[str, list[dict[str, str]]]
     return proc.returncode, by_name
 
 
+def _checks(*args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
+    """The same checks in this process (the CLI's own run is the first test's): exit code and lines by name."""
+    checks = D.run_checks(args[1] if args and args[0] == "--config" else None, None)
+    by_name: dict[str, list[dict[str, str]]] = {}
+    for c in checks:
+        by_name.setdefault(c.name, []).append(c.to_dict())
+    return (1 if any(c.status == D.FAIL for c in checks) else 0), by_name
+
+
 def _config(tmp_path: Path, extra: str = "", replace: dict[str, str] | None = None) -> Path:
     text = TINY.format(d=tmp_path)
     for old, new in (replace or {}).items():
@@ -85,23 +94,23 @@ def test_a_live_daemon_makes_the_socket_line_ok(tmp_path: Path) -> None:
 
 
 def test_planted_config_memory_disk_and_cluster_problems(tmp_path: Path) -> None:
-    code, c = _doctor(tmp_path, "--config", str(_config(tmp_path, replace={"[server]": "bogus = 1\n[server]"})))
+    code, c = _checks("--config", str(_config(tmp_path, replace={"[server]": "bogus = 1\n[server]"})))
     assert code == 1 and c["config"][0]["status"] == "fail" and "key 'bogus'" in c["config"][0]["detail"]
     assert set(c) == {"config"}  # nothing else can be judged without a config
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     over = {'compressed = "64KiB"': f'compressed = "{ram // 2**30 + 8}GiB"'}
-    code, c = _doctor(tmp_path, "--config", str(_config(tmp_path, replace=over)))
+    code, c = _checks("--config", str(_config(tmp_path, replace=over)))
     assert code == 1 and c["memory"][0]["status"] == "fail" and "lower [pool.budget_bytes]" in c["memory"][0]["fix"]
 
     huge = {"[store]\n": '[store]\nbudget_bytes = "1000TiB"\n'}
-    code, c = _doctor(tmp_path, "--config", str(_config(tmp_path, replace=huge)))
+    code, c = _checks("--config", str(_config(tmp_path, replace=huge)))
     assert c["free space"][0]["status"] == "warn" and "store.budget_bytes" in c["free space"][0]["fix"]
 
     # a store root under a file (a mistyped path): nothing can be opened there, O_DIRECT or not
     (tmp_path / "a-file").write_text("")
     under_file = {f"{tmp_path}/store": f"{tmp_path}/a-file/store"}
-    code, c = _doctor(tmp_path, "--config", str(_config(tmp_path, replace=under_file)))
+    code, c = _checks("--config", str(_config(tmp_path, replace=under_file)))
     assert c["O_DIRECT"][0]["status"] == "fail" and "is not a folder" in c["O_DIRECT"][0]["detail"], c["O_DIRECT"]
 
     closed = socket.socket()
@@ -109,7 +118,7 @@ def test_planted_config_memory_disk_and_cluster_problems(tmp_path: Path) -> None
     port = closed.getsockname()[1]  # bound, never listening: a connect is refused
     try:
         extra = f'[cluster]\nenabled = true\nmaster = "127.0.0.1:{port}"\nmetadata = "http://127.0.0.1:{port}/m"\n'
-        code, c = _doctor(tmp_path, "--config", str(_config(tmp_path, extra)))
+        code, c = _checks("--config", str(_config(tmp_path, extra)))
     finally:
         closed.close()
     assert code == 1 and [x["status"] for x in c["cluster"]] == ["fail", "fail"], c["cluster"]
