@@ -61,6 +61,11 @@ def mode_option(f: Any) -> Any:
     )(f)
 
 
+def store_root_of(root: str | None, config_path: str | None, mode: str | None = None) -> str:
+    """--store, else the store root of the config (--config, or the mode's defaults)."""
+    return root if root else str(load_config(config_path, mode=mode).store.root)
+
+
 def socket_path_of(config_path: str | None, socket_path: str | None, mode: str | None = None) -> Path:
     """--socket, else the socket of the config (--config, or the mode's defaults)."""
     return Path(socket_path) if socket_path else load_config(config_path, mode=mode).server.socket

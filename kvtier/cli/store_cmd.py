@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from kvtier.cli.daemon_cmds import config_option, mode_option, store_root_of
 from kvtier.core.units import format_bytes
 
 
@@ -35,11 +36,17 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
 
 
 @store.command("stats")
-@click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
+@click.option(
+    "--store", "root", type=click.Path(file_okay=False), help="Store root directory (default: the config's store.root)."
+)
+@config_option
+@mode_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (sizes in bytes).")
-def stats_cmd(root: str, as_json: bool) -> None:
+def stats_cmd(root: str | None, config_path: str | None, mode: str | None, as_json: bool) -> None:
     """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""
     from kvtier.store import DiskStore
+
+    root = store_root_of(root, config_path, mode)
 
     with DiskStore(root, readonly=True) as s:
         stats = with_published_limits(s.stats(), s.limits())
