@@ -8,16 +8,36 @@ import sys
 import click
 from tqdm import tqdm
 
+from kvtier.cli.daemon_cmds import mode_option, store_root_of
+
 
 @click.command()
-@click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
+@click.option(
+    "--store", "root", type=click.Path(file_okay=False), help="Store root directory (default: the config's store.root)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.option("--deep", is_flag=True, help="Re-read and checksum every record (progress bar on stderr).")
 @click.option("--fix", is_flag=True, help="Apply the verifier's actions once, then report the store as it is after.")
 @click.option("--cluster", is_flag=True, help="Also audit the cluster tier named by the config's [cluster] table.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Daemon config file (for --cluster).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="KVTIER_CONFIG",
+    help="Daemon config file: its store.root when --store is not given, and its [cluster] for --cluster.",
+)
+@mode_option
 @click.option("--sample", default=32, show_default=True, type=click.IntRange(0), help="Cluster objects to verify.")
-def audit(root: str, as_json: bool, deep: bool, fix: bool, cluster: bool, config_path: str | None, sample: int) -> None:
+def audit(
+    root: str | None,
+    as_json: bool,
+    deep: bool,
+    fix: bool,
+    cluster: bool,
+    config_path: str | None,
+    mode: str | None,
+    sample: int,
+) -> None:
     """Per namespace and form counts, orphaned / reclaimable bytes, budget use.
 
     Exit 0 when clean; 1 when corruption or orphaned bytes were found (with --fix: found before or left after);
@@ -28,6 +48,7 @@ def audit(root: str, as_json: bool, deep: bool, fix: bool, cluster: bool, config
     from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
 
     settings = VerifierSettings()
+    root = store_root_of(root, config_path, mode)
     with open_store(root, readonly=not fix) as store:
         bar = None
         if deep and not as_json:

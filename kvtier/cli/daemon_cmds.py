@@ -1,4 +1,5 @@
-"""`kvtier serve`, `kvtier status`, `kvtier config show`, `kvtier prewarm`: the daemon and its operators' commands."""
+"""`kvtier serve`, `kvtier status`, `kvtier prewarm`: the daemon and its operators' commands (and their shared
+options: --config, --socket, --user/--system)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ from typing import Any
 
 import click
 import msgspec
-import tomli_w
 
 from kvtier.cli import exits
-from kvtier.cli.cluster_status import cluster_lines, unit_warnings
+from kvtier.cli.cluster_status import cluster_lines
+from kvtier.cli.guards import check_device, check_pool_budget, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.cli.reach import daemon_exits
+from kvtier.cli.starting import clear_marker, starting, write_marker
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.config import DaemonConfig, load_config
+from kvtier.core.config import MODE_ENV, DaemonConfig, load_config
 from kvtier.core.errors import ConfigError, KvtierError, ProfileError
 from kvtier.core.hashing import block_hashes
 from kvtier.core.profile import load_profile
-from kvtier.core.units import format_bytes, size_setting
+from kvtier.core.units import format_bytes
 from kvtier.wire import OperatorConnection
 from kvtier.wire.errors import DaemonBusy, DaemonUnavailable, PermissionDenied
 from kvtier.wire.messages import AttachOk
@@ -34,7 +36,7 @@ config_option = click.option(
     "config_path",
     type=click.Path(dir_okay=False),
     envvar="KVTIER_CONFIG",
-    help="Daemon config TOML (default: built-in defaults).",
+    help="Daemon config TOML (default: the mode's defaults; in system mode /etc/kvtier/kvtier.toml if present).",
 )
 socket_option = click.option(
     "--socket",
@@ -45,29 +47,61 @@ socket_option = click.option(
 )
 
 
-def socket_path_of(config_path: str | None, socket_path: str | None) -> Path:
-    """--socket, else the socket of the config (--config, or the defaults)."""
-    return Path(socket_path) if socket_path else load_config(config_path).server.socket
+def mode_option(f: Any) -> Any:
+    """--user / --system: whose defaults apply (kvtier.core.config: never chosen by the uid)."""
+    f = click.option(
+        "--system",
+        "mode",
+        flag_value="system",
+        default=None,
+        help="System mode: the systemd unit's defaults (/run/kvtier, /var/lib/kvtier, /etc/kvtier/kvtier.toml).",
+    )(f)
+    return click.option(
+        "--user", "mode", flag_value="user", default=None, help="User mode: everything under ./.kvtier (the default)."
+    )(f)
+
+
+def store_root_of(root: str | None, config_path: str | None, mode: str | None = None) -> str:
+    """--store, else the store root of the config (--config, or the mode's defaults)."""
+    return root if root else str(load_config(config_path, mode=mode).store.root)
+
+
+def socket_path_of(config_path: str | None, socket_path: str | None, mode: str | None = None) -> Path:
+    """--socket, else the socket of the config (--config, or the mode's defaults)."""
+    return Path(socket_path) if socket_path else load_config(config_path, mode=mode).server.socket
 
 
 @click.command()
 @config_option
-def serve(config_path: str | None) -> None:
+@mode_option
+def serve(config_path: str | None, mode: str | None) -> None:
     """Run the daemon: GPU pools, the disk store writer and the local API (under systemd: Type=notify).
 
     Says on stderr what it starts and, once it does, where it listens. Exit 2 for a config or path it cannot use.
     """
-    from kvtier.daemon.backend import build_backend
     from kvtier.daemon.server import claim_socket_path
-    from kvtier.daemon.service import Daemon
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, mode=mode)
     _check_profiles(cfg)
+    check_pool_budget(cfg, check_device(cfg))  # before a byte is allocated or a folder made: one line, nothing else
     _check_paths(cfg)
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here
+    write_marker(cfg.server.socket)  # `kvtier status` says "starting" until we listen
+    try:
+        _serve(cfg, config_path)
+    finally:
+        clear_marker(cfg.server.socket)
+
+
+def _serve(cfg: DaemonConfig, config_path: str | None) -> None:
+    from kvtier.daemon.backend import build_backend
+    from kvtier.daemon.service import Daemon
+
+    # the supervised verifier and a SIGHUP reload read the file in this same mode, whatever chose it
+    os.environ[MODE_ENV] = cfg.mode
     click.echo(
-        f"kvtier serve: config {cfg.source}; profiles {', '.join(cfg.profiles)} on {cfg.device}; "
-        f"store {cfg.store.root}; allocating pools",
+        f"kvtier serve: {cfg.mode} mode ({cfg.mode_why}); config {cfg.source}; "
+        f"profiles {', '.join(cfg.profiles)} on {cfg.device}; store {cfg.store.root}; allocating pools",
         err=True,
     )
     backend = build_backend(cfg)
@@ -76,7 +110,12 @@ def serve(config_path: str | None) -> None:
     except BaseException:
         backend.close()
         raise
-    sys.exit(daemon.run(on_ready=lambda line: click.echo(f"kvtier serve: {line}", err=True)))
+
+    def ready(line: str) -> None:
+        clear_marker(cfg.server.socket)
+        click.echo(f"kvtier serve: {line}", err=True)
+
+    sys.exit(daemon.run(on_ready=ready))
 
 
 def _check_profiles(cfg: DaemonConfig) -> None:
@@ -91,6 +130,8 @@ def _check_profiles(cfg: DaemonConfig) -> None:
 def _check_paths(cfg: DaemonConfig) -> None:
     """The socket's folder and the store root must be folders this user can write: else one line naming the key."""
     for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store.root)):
+        if key == "store.root":
+            check_store_parent(cfg)  # after the socket's folder: the user mode's ./.kvtier holds both
         try:
             folder.mkdir(parents=True, exist_ok=True)
             probe_ok = os.access(folder, os.W_OK | os.X_OK)
@@ -106,44 +147,6 @@ def _check_paths(cfg: DaemonConfig) -> None:
             key=key,
             source=cfg.source,
         )
-
-
-@click.group()
-def config() -> None:
-    """The daemon's configuration."""
-
-
-@config.command("show")
-@config_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option(
-    "--system",
-    is_flag=True,
-    help="The config the systemd units run with (their defaults, /etc/kvtier/kvtier.toml if present), whoever asks.",
-)
-def config_show(config_path: str | None, as_json: bool, system: bool) -> None:
-    """Print the effective config (defaults with the file laid over them)."""
-    # --system: the defaults of a daemon under systemd (root, /run/kvtier, /var/lib/kvtier), not this user's
-    cfg = load_config(config_path, env={}, uid=0) if system else load_config(config_path)
-    _check_profiles(cfg)
-    for line in unit_warnings(cfg.cluster):  # on stderr: stdout stays the config, parseable
-        click.echo(line, err=True)
-    doc = cfg.to_dict()
-    if as_json:
-        click.echo(json.dumps(doc, indent=2))
-        return
-    source = doc.pop("source")
-    click.echo(f"# effective kvtier config (from: {source})")
-    click.echo(tomli_w.dumps(_sizes_readable(doc)), nl=False)
-
-
-def _sizes_readable(value: Any, key: str = "") -> Any:
-    """Byte counts (keys naming bytes, and the per-form tables under them) as `512MiB`; JSON keeps bytes."""
-    if isinstance(value, dict):
-        return {k: _sizes_readable(v, k if "bytes" in k else key) for k, v in value.items()}
-    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
-        return size_setting(value)
-    return value
 
 
 def _share(share: float | None) -> str:
@@ -227,19 +230,31 @@ def _render_status(doc: StatsDoc) -> None:
 
 @click.command()
 @config_option
+@mode_option
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's stats document).")
-def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
+def status(config_path: str | None, mode: str | None, socket_path: str | None, as_json: bool) -> None:
     """Health, profiles, pool occupancy, store usage and I/O backend, verifier state, per-form rates.
 
     Exit code 0 when healthy, 1 when degraded, 3 when no daemon is there, 4 when one is there but did not
-    answer us (permission denied, busy, timed out).
+    answer us (permission denied, busy, timed out), 5 while one is starting (allocating its pools).
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
-    path = socket_path_of(config_path, socket_path)
-    with daemon_exits(), Connection(path, timeout_s=10.0, name="kvtier status") as conn:
-        doc = conn.stats()
+    path = socket_path_of(config_path, socket_path, mode)
+    with daemon_exits():
+        try:
+            with Connection(path, timeout_s=10.0, name="kvtier status") as conn:
+                doc = conn.stats()
+        except DaemonUnavailable:
+            if (st := starting(path)) is None:
+                raise
+            click.echo(
+                f"kvtier: starting: kvtier serve (pid {st.pid}) is allocating its pools for {st.since_s:.0f} s; "
+                f"it serves on {path} once ready (`kvtier status` again)",
+                err=True,
+            )
+            sys.exit(exits.STARTING)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
@@ -257,16 +272,17 @@ def _prewarm_line(r: dict[str, Any]) -> str:
 @click.command()
 @click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
 @config_option
+@mode_option
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON report on stdout (per-prefix lines go to stderr).")
-def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as_json: bool) -> None:
+def prewarm(manifest: Path, config_path: str | None, mode: str | None, socket_path: str | None, as_json: bool) -> None:
     """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL.
 
     A line per prefix as it finishes (on stderr with --json). Exit 2 for a bad manifest, 3 with no daemon,
     130 when interrupted (after reporting the prefixes done).
     """
     prompts = read_manifest(manifest)
-    path = socket_path_of(config_path, socket_path)
+    path = socket_path_of(config_path, socket_path, mode)
     conns: dict[str, tuple[OperatorConnection, AttachOk]] = {}
     reports: list[dict[str, Any]] = []
     try:
@@ -301,7 +317,9 @@ def prewarm(manifest: Path, config_path: str | None, socket_path: str | None, as
             )
             click.echo(_prewarm_line(reports[-1]), err=as_json)
     except KeyboardInterrupt:
-        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes (those stay pinned)", err=True)
+        pinned = sum(r["pinned"] for r in reports)
+        kept = f"{pinned:,} objects stay pinned for their ttl_s" if pinned else "nothing was pinned"
+        click.echo(f"kvtier: interrupted after {len(reports)} of {len(prompts)} prefixes ({kept})", err=True)
         sys.exit(exits.INTERRUPTED)
     finally:
         for conn, _ in conns.values():

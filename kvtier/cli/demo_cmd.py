@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,22 @@ if TYPE_CHECKING:
     from kvtier.refmodel.demo import DemoReport
 
 FAILED_EXIT = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the demo: unwinds it like Ctrl-C does, so that what it started is stopped
+    (the daemon, and with it its verifier) and its temporary folder removed. A BaseException: nothing on the
+    way may catch it as an ordinary error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame: object) -> None:
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # the clean-up runs once, whatever comes next
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
 
 
 @click.command()
@@ -78,10 +95,18 @@ def demo(
     def progress(stage: str) -> None:  # on stderr, so --json keeps stdout one JSON object
         click.echo(f"[{time.perf_counter() - started:6.1f} s] {stage}", err=True)
 
+    previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         report = run_demo(DemoParams(tokens, decode_steps, checkpoint_every, seed, profile_name, workdir), progress)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    except Terminated as exc:
+        name = signal.Signals(exc.signum).name
+        click.echo(f"kvtier demo: {name}: stopped the daemon it started and removed its temporary folder", err=True)
+        sys.exit(128 + exc.signum)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -5,5 +5,6 @@ PROBLEMS = 1  # the command ran and found problems: audit, a degraded status, a 
 USAGE = 2  # a bad option, file, value or path
 NO_DAEMON = 3
 NOT_ANSWERING = 4  # a daemon is there but did not answer us: permission denied, busy, timed out
+STARTING = 5  # a daemon is starting on that socket (allocating its pools): `status` again shortly
 INTERNAL = 70  # a bug: rerun with -v for the traceback
 INTERRUPTED = 130

@@ -18,8 +18,10 @@ import click
 from kvtier import __version__
 from kvtier.cli import exits
 from kvtier.cli.audit_cmd import audit
-from kvtier.cli.daemon_cmds import config, prewarm, serve, status
+from kvtier.cli.config_cmd import config
+from kvtier.cli.daemon_cmds import prewarm, serve, status
 from kvtier.cli.demo_cmd import demo
+from kvtier.cli.doctor_cmd import doctor
 from kvtier.cli.explain_cmd import explain
 from kvtier.cli.namespace_cmd import namespace
 from kvtier.cli.profile_cmd import profile
@@ -48,6 +50,7 @@ cli.add_command(verifier)
 cli.add_command(audit)
 cli.add_command(namespace)
 cli.add_command(explain)
+cli.add_command(doctor)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from kvtier.cli.daemon_cmds import config_option, mode_option, store_root_of
 from kvtier.core.units import format_bytes
 
 
@@ -35,19 +36,38 @@ def rebuild_index_cmd(root: str, dry_run: bool, as_json: bool) -> None:
 
 
 @store.command("stats")
-@click.option("--store", "root", required=True, type=click.Path(file_okay=False), help="Store root directory.")
+@click.option(
+    "--store", "root", type=click.Path(file_okay=False), help="Store root directory (default: the config's store.root)."
+)
+@config_option
+@mode_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (sizes in bytes).")
-def stats_cmd(root: str, as_json: bool) -> None:
+def stats_cmd(root: str | None, config_path: str | None, mode: str | None, as_json: bool) -> None:
     """Records and bytes per form, codec ratios, segments, namespaces, I/O backend, eviction tombstones."""
     from kvtier.store import DiskStore
 
+    root = store_root_of(root, config_path, mode)
+
     with DiskStore(root, readonly=True) as s:
-        stats = s.stats()
+        stats = with_published_limits(s.stats(), s.limits())
     if as_json:
         click.echo(json.dumps(stats))
         return
     for line in render_stats(stats):
         click.echo(line)
+
+
+def with_published_limits(stats: dict[str, Any], limits: Any) -> dict[str, Any]:
+    """The budget and quotas the store's writer (the daemon) published and enforces, as `kvtier audit` reports
+    them: a reader's own store config has none, so without this `store stats` said "budget none"."""
+    if limits is None:
+        return stats
+    from kvtier.core.forms import CacheForm
+
+    stats["budget_bytes"] = limits.budget_bytes or None
+    for form, f in stats["forms"].items():
+        f["quota_bytes"] = limits.quota(CacheForm(form)) or None
+    return stats
 
 
 def render_stats(stats: dict[str, Any]) -> list[str]:

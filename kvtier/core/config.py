@@ -1,4 +1,10 @@
-"""The daemon's TOML config: typed dataclasses, the embedded and systemd defaults, one-line errors naming the key.
+"""The daemon's TOML config: typed dataclasses, the two modes' defaults, one-line errors naming the key.
+
+Two modes, always chosen explicitly, never by the uid that runs us: `user` (everything under ./.kvtier/, cpu,
+ref-tiny, small pools, a supervised verifier) and `system` (the systemd unit's /run/kvtier and /var/lib/kvtier,
+the bundled DSV4 profile, large pools, an external verifier, metrics on 127.0.0.1:9641). The mode comes from,
+in order: `--user` / `--system`, the file's top-level `mode` key, `$KVTIER_MODE`, the directories systemd
+sets for the unit (RUNTIME_DIRECTORY / STATE_DIRECTORY); else `user`. A partial file fills from that mode.
 
 In `core` because two processes read the one file: the daemon (everything) and the verifier (rates, store
 limits, profiles).
@@ -26,6 +32,8 @@ SOCKET_NAME = "kvtier.sock"
 FORMS = tuple(f.value for f in CacheForm)
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 VERIFIER_MODES = ("supervise", "external", "off")
+MODES = ("user", "system")
+MODE_ENV = "KVTIER_MODE"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1,
@@ -72,6 +80,7 @@ class StoreSection:
     quota_bytes: Mapping[str, int]
     io_threads: int = 4
     codec: str = "none"
+    create: bool = False  # make the root's parent folders too; off, a mistyped root fails instead of starting empty
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,12 +138,21 @@ class DaemonConfig:
     canary: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # off (single node) unless a `[cluster]` table enables it
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    mode: str = "user"  # whose defaults the file was laid over (MODES)
     source: str = "embedded default"
+    mode_why: str = "the default"  # what chose the mode, for `config show` and `doctor`
+
+    @property
+    def file(self) -> str:
+        """The config file read, or 'none' (only the mode's defaults)."""
+        return "none" if self.source in ("embedded default", "systemd default") else self.source
 
     def to_dict(self) -> dict[str, Any]:
-        """The effective config as TOML-able plain data (sizes in bytes, mode as an octal string)."""
+        """The effective config as TOML-able plain data (sizes in bytes, the socket mode as an octal string);
+        `mode` is a key (the file says its own mode when read back), `mode_why` is not."""
         out = _plain(dataclasses.asdict(self))
         out["server"]["socket_mode"] = f"{self.server.socket_mode:04o}"
+        del out["mode_why"]
         return out
 
 
@@ -151,7 +169,7 @@ def _plain(value: Any) -> Any:
 
 
 def embedded_default(cwd: Path | None = None) -> DaemonConfig:
-    """No config, not root: everything under ./.kvtier/, cpu, the ref-tiny profile, small budgets."""
+    """The user mode's defaults: everything under ./.kvtier/, cpu, the ref-tiny profile, small budgets."""
     base = (cwd or Path.cwd()) / ".kvtier"
     return DaemonConfig(
         device="cpu",
@@ -161,12 +179,13 @@ def embedded_default(cwd: Path | None = None) -> DaemonConfig:
         store=StoreSection(root=base / "store", budget_bytes=1 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="supervise"),
         metrics=MetricsConfig(),
+        mode="user",
         source="embedded default",
     )
 
 
 def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
-    """Under systemd (or as root): the socket in the runtime directory, the store in the state directory."""
+    """The system mode's defaults: the socket in the runtime directory, the store in the state directory."""
     runtime = Path(env.get("RUNTIME_DIRECTORY", str(SYSTEMD_RUNTIME_DIR)).split(":")[0])
     state = Path(env.get("STATE_DIRECTORY", str(SYSTEMD_STATE_DIR)).split(":")[0])
     return DaemonConfig(
@@ -179,42 +198,81 @@ def systemd_default(env: Mapping[str, str]) -> DaemonConfig:
         store=StoreSection(root=state / "store", budget_bytes=100 * 2**30, quota_bytes={}),
         verifier=VerifierConfig(mode="external"),
         metrics=MetricsConfig(address="127.0.0.1:9641"),
+        mode="system",
         source="systemd default",
     )
 
 
-def base_config(env: Mapping[str, str] | None = None, uid: int | None = None, cwd: Path | None = None) -> DaemonConfig:
-    """The defaults a config file is laid over: systemd's when systemd set our directories or we are root."""
-    env = os.environ if env is None else env
-    uid = os.geteuid() if uid is None else uid
-    if "RUNTIME_DIRECTORY" in env or "STATE_DIRECTORY" in env or uid == 0:
-        return systemd_default(env)
-    return embedded_default(cwd)
+def mode_defaults(mode: str, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> DaemonConfig:
+    """The defaults of a mode (MODES), before any file."""
+    return systemd_default(os.environ if env is None else env) if mode == "system" else embedded_default(cwd)
+
+
+def choose_mode(flag: str | None, file_mode: Any, env: Mapping[str, str], source: str | None = None) -> tuple[str, str]:
+    """(mode, why): `--user`/`--system`, else the file's `mode` key, else $KVTIER_MODE, else the directories
+    systemd sets for a unit, else user. Never the uid. A flag that contradicts the file is an error: which
+    one was meant cannot be guessed."""
+    if file_mode is not None and file_mode not in MODES:
+        raise ConfigError(f"must be one of {', '.join(MODES)}; got {file_mode!r}", key="mode", source=source)
+    if flag is not None:
+        if file_mode is not None and file_mode != flag:
+            raise ConfigError(
+                f"says {file_mode!r} but --{flag} was given; drop the flag or change the key", key="mode", source=source
+            )
+        return flag, f"--{flag}"
+    if file_mode is not None:
+        return file_mode, f"the mode key of {source}"
+    if value := env.get(MODE_ENV):
+        if value not in MODES:
+            raise ConfigError(f"${MODE_ENV} must be one of {', '.join(MODES)}; got {value!r}")
+        return value, f"${MODE_ENV}={value}"
+    for var in ("RUNTIME_DIRECTORY", "STATE_DIRECTORY"):
+        if var in env:
+            return "system", f"systemd set ${var} for this unit"
+    return "user", "the default: no --user/--system, no mode key, no $KVTIER_MODE"
 
 
 def load_config(
     path: str | Path | None = None,
     *,
+    mode: str | None = None,
     env: Mapping[str, str] | None = None,
-    uid: int | None = None,
+    uid: int | None = None,  # accepted from older callers and ignored: the mode never follows the uid
     cwd: Path | None = None,
 ) -> DaemonConfig:
-    """The effective config: `path` (or /etc/kvtier/kvtier.toml under the systemd defaults, if present) over them."""
-    base = base_config(env, uid, cwd)
-    if path is None and base.source == "systemd default" and SYSTEM_CONFIG.exists():
-        path = SYSTEM_CONFIG
+    """The effective config: `path` (in system mode, /etc/kvtier/kvtier.toml when no path is given and it
+    exists) laid over the chosen mode's defaults. `mode` is the command line's --user/--system."""
+    del uid
+    env = os.environ if env is None else env
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"the mode must be one of {', '.join(MODES)}; got {mode!r}")
+    data: dict[str, Any] | None = None
     if path is None:
+        chosen, _ = choose_mode(mode, None, env)
+        if chosen == "system" and SYSTEM_CONFIG.exists():
+            path = SYSTEM_CONFIG
+    source = str(path) if path is not None else None
+    if path is not None:
+        data = _read_toml(Path(path))
+    file_mode = data.pop("mode", None) if data is not None else None
+    chosen, why = choose_mode(mode, file_mode, env, source)
+    base = mode_defaults(chosen, env, cwd)
+    base = dataclasses.replace(base, mode_why=why)
+    if data is None:
         return base
+    return config_from_dict(data, base, str(path))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     source = str(path)
     try:
-        data = tomllib.loads(Path(path).read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError("no such config file; pass --config with an existing TOML file", source=source) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read: {exc}", source=source) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}", source=source) from None
-    return config_from_dict(data, base, source)
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
@@ -348,6 +406,8 @@ def _metrics_address(reader: _Reader, default: str) -> str:
     value = reader.string("address", default)
     if value and not re.fullmatch(r"[\w.\-\[\]:]*:\d{1,5}", value):
         raise reader.error("address", f"must be HOST:PORT or empty to disable, got {value!r}")
+    if value and int(value.rpartition(":")[2]) > 65535:
+        raise reader.error("address", f"port {value.rpartition(':')[2]} is out of range (0-65535), got {value!r}")
     return value
 
 
@@ -436,6 +496,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         quota_bytes=st.form_sizes("quota_bytes", b2.quota_bytes, complete=False),
         io_threads=st.number("io_threads", b2.io_threads, integer=True, minimum=1),
         codec=st.string("codec", b2.codec, choices=("none", "zstd")),
+        create=st.boolean("create", b2.create),
     )
     st.finish()
 
@@ -485,7 +546,9 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         versions=_versions(top.sub("versions"), tuple(profiles)),
         canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),
+        mode=base.mode,
         source=source,
+        mode_why=base.mode_why,
     )
     top.finish()
     return cfg

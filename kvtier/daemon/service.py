@@ -162,7 +162,7 @@ class Daemon:
         """SIGHUP: re-read the config; apply the store's budget and quotas, and the verifier's rates (by SIGHUP)."""
         self.notifier.reloading()
         try:
-            fresh = load_config(self.config_path)
+            fresh = load_config(self.config_path, mode=self.cfg.mode)  # the mode it started in, whatever chose it
             self.cfg = apply_reloadable(self.cfg, fresh)
             self.backend.reload(self.cfg)
         except KvtierError as exc:

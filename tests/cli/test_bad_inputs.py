@@ -127,7 +127,8 @@ CASES = [
     ("audit-no-store", ["audit", "--store", "{d}/nostore"], USAGE, r"no kvtier store at .*nostore"),
     ("audit-not-a-store", ["audit", "--store", "{d}"], USAGE, r"no kvtier store at .*index.lmdb"),
     ("audit-store-is-a-file", ["audit", "--store", "{d}/a-file"], USAGE, r"'--store'.*is a file"),
-    ("audit-missing-store-option", ["audit"], USAGE, r"Missing option '--store'"),
+    # no --store: the config's (here the user mode's ./.kvtier/store), which does not exist
+    ("audit-default-store-missing", ["audit"], USAGE, r"no kvtier store at .*\.kvtier/store"),
     # verifier
     (
         "verifier-store-never-appears",

@@ -18,4 +18,5 @@ def test_system_defaults_whoever_asks(tmp_path, monkeypatch) -> None:
     assert doc["store"]["root"] == "/var/lib/kvtier/store" and doc["metrics"]["address"] == "127.0.0.1:9641"
     assert doc["verifier"]["mode"] == "external" and str(tmp_path) not in json.dumps(doc)
     text = CliRunner().invoke(cli, ["config", "show", "--system"]).stdout
-    assert text.startswith("# effective kvtier config (from: systemd default)") and ".kvtier" not in text
+    assert text.startswith("# effective kvtier config: system mode (--system); file: none") and ".kvtier" not in text
+    assert 'mode = "system"' in text  # read back from /etc, the file keeps the system defaults for unset keys

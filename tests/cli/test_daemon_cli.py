@@ -87,7 +87,8 @@ def test_operator_commands_start_without_torch(daemon: DaemonProc, tmp_path: Pat
 
 def test_serve_says_what_it_starts_and_where_it_listens(daemon: DaemonProc) -> None:
     log = daemon.read_log()
-    assert f"kvtier serve: config {daemon.config}; profiles ref-tiny on cpu; store " in log
+    assert "kvtier serve: user mode (the default: no --user/--system, no mode key, no $KVTIER_MODE); " in log
+    assert f"; config {daemon.config}; profiles ref-tiny on cpu; store " in log
     line = next(ln for ln in log.splitlines() if "kvtier serve: listening on" in ln)
     assert f"listening on {daemon.socket} (pid {daemon.proc.pid}); metrics http://127.0.0.1:" in line
 

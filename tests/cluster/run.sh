@@ -1,34 +1,41 @@
 #!/usr/bin/env bash
 # Cluster-tier tests against a real loopback Mooncake Store (master + holder processes, etcd for HA).
-# Installs what they need: Debian libibverbs1 (and etcd-server, optional: without it the HA test skips),
-# then kvtier's `cluster` extra into the project's venv. Exits 0 with one SKIP line only where those
-# cannot be installed.
+# Installs what they need: kvtier's `cluster` extra into the project's venv, then Debian libibverbs1 (Mooncake
+# loads it) and etcd-server (the HA failover test). Where one cannot be installed: a SKIP line and exit 0 (without
+# etcd only the HA test skips), or with CI=true a FAIL line naming the step and exit 1 (tests/support/require.sh);
+# with CI=true a skipped test fails too.
 #   KVTIER_CLUSTER_PYTHON   the Python to use (default .venv/bin/python, the venv CI builds)
+#   KVTIER_CLUSTER_PIP      what pip installs for Mooncake (default: -e .[cluster])
 #   extra arguments         passed to pytest
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${KVTIER_CLUSTER_PYTHON:-.venv/bin/python}
+REQUIRE_LABEL=tests/cluster
+# shellcheck source=tests/support/require.sh
+. tests/support/require.sh
 [[ -x $PY ]] || { echo "tests/cluster: $PY not found: build the project venv first (python3 -m venv .venv; pip install -e '.[test]')"; exit 1; }
 
-if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
-    if ! { apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; } >/tmp/kvtier-cluster-apt.log 2>&1; then
-        echo "SKIP tests/cluster: Debian libibverbs1 cannot be installed here: $(tail -n 1 /tmp/kvtier-cluster-apt.log)"
-        exit 0
-    fi
-fi
-command -v etcd >/dev/null || apt-get install -y -q --no-install-recommends etcd-server >/dev/null 2>&1 \
-    || echo "tests/cluster: etcd-server not installable: the HA failover test will skip"
-
-if ! "$PY" -c "import mooncake.store" >/dev/null 2>&1; then
+# Installed, not imported: `import mooncake.store` also needs libibverbs1, which comes next.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mooncake') is None)" 2>/dev/null; then
     log=$(mktemp)
-    if ! "$PY" -m pip install -q -e ".[cluster]" >"$log" 2>&1; then
-        echo "SKIP tests/cluster: kvtier[cluster] (Mooncake) cannot be installed here; pip said: $(tail -n 1 "$log")"
+    # shellcheck disable=SC2086  # KVTIER_CLUSTER_PIP is pip's argument list
+    if ! "$PY" -m pip install -q ${KVTIER_CLUSTER_PIP:--e .[cluster]} >"$log" 2>&1; then
+        said=$(pip_said "$log")
         rm -f "$log"
-        exit 0
+        unavailable "pip install ${KVTIER_CLUSTER_PIP:--e .[cluster]} (Mooncake)" "pip said: $said"
     fi
     rm -f "$log"
 fi
 
+apt_log=$(mktemp)
+if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    { apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; } >"$apt_log" 2>&1 \
+        || unavailable "apt-get install libibverbs1" "$(tail -n 1 "$apt_log")"
+fi
+command -v etcd >/dev/null || apt-get install -y -q --no-install-recommends etcd-server >"$apt_log" 2>&1 \
+    || lacking "apt-get install etcd-server (the HA failover test)" "$(tail -n 1 "$apt_log")"
+rm -f "$apt_log"
+
 export KVTIER_CLUSTER_REQUIRED=1 MC_TCP_BIND_ADDRESS=127.0.0.1
 # One process: each test starts its own loopback cluster on free ports.
-exec "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/cluster "$@"
+required_pytest "$PY" -q -n 0 -p no:cacheprovider tests/cluster "$@"

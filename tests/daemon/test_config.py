@@ -27,9 +27,12 @@ def test_embedded_default_when_not_root(tmp_path: Path) -> None:
     assert max(cfg.pool.budget_bytes.values()) <= 64 * 2**20
 
 
-def test_systemd_defaults_as_root_and_from_systemd_directories() -> None:
-    root = load_config(None, env={}, uid=0)
-    assert root.server.socket == Path("/run/kvtier/kvtier.sock") and root.store.root == Path("/var/lib/kvtier/store")
+def test_systemd_defaults_in_system_mode_and_from_systemd_directories(tmp_path: Path) -> None:
+    system = load_config(None, mode="system", env={})
+    assert system.server.socket == Path("/run/kvtier/kvtier.sock")
+    assert system.store.root == Path("/var/lib/kvtier/store")
+    # never by uid alone: root with nothing else said gets the user mode (issue 41)
+    assert load_config(None, env={}, uid=0, cwd=tmp_path).store.root == tmp_path / ".kvtier" / "store"
     unit = load_config(None, env={"RUNTIME_DIRECTORY": "/run/x", "STATE_DIRECTORY": "/srv/y"}, uid=999)
     assert unit.server.socket == Path("/run/x/kvtier.sock") and unit.store.root == Path("/srv/y/store")
     assert unit.source == "systemd default" and unit.verifier.mode == "external"
@@ -110,7 +113,8 @@ def test_config_show_round_trips(tmp_path: Path) -> None:
     as_json = json.loads(_cli("config", "show", "--config", str(again), "--json").stdout)
     assert as_json["store"]["root"] == "/data/kv"
     original = json.loads(_cli("config", "show", "--config", str(f), "--json").stdout)
-    original.pop("source"), as_json.pop("source")
+    for doc in (original, as_json):
+        doc.pop("source"), doc.pop("mode_why")  # the file read back names its mode itself
     assert as_json == original
 
 

@@ -1,0 +1,148 @@
+"""Start-up phases of a restarted `kvtier serve` (issue 41); prints one JSON object.
+
+A store of `--records` records of the ref-tiny profile (its namespace, groups, object sizes and layout digests,
+written by the store's own writer) lies under a daemon with ref-tiny pools. The daemon is started once, killed
+with SIGKILL (a crash), and started again `--repeat` times, each timed from the spawn of the process to:
+
+- `config_s`: its first stderr line (`kvtier serve: ... allocating pools`): interpreter, imports, config, guards;
+- `ready_s`: READY=1 on the notify socket (pools allocated, store opened, socket listening);
+- `first_lookup_s`: the first lookup answered through `kvtier.client` (attach + lookup of a cached prefix).
+
+The bound the issue sets is `first_lookup_s` <= 2 s on a quiet machine; `load_avg_1m` says how quiet it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.client import Client
+from kvtier.core import load_profile
+from kvtier.core.hashing import block_hashes
+from kvtier.core.tier import ObjectKey
+from kvtier.store import DiskStore
+
+CONFIG = """device = "cpu"
+profiles = ["ref-tiny"]
+[server]
+socket = "{d}/k.sock"
+[store]
+root = "{d}/store"
+[verifier]
+mode = "off"
+[metrics]
+address = ""
+"""
+
+
+def populate(root: Path, records: int) -> np.ndarray:
+    """`records` objects of ref-tiny, spread over its groups, as consecutive blocks of one long prompt; the
+    prompt's tokens (the first lookup asks for its start)."""
+    profile = load_profile("ref-tiny")
+    h = profile.hash_block_tokens
+    groups = profile.groups
+    blocks = -(-records // len(groups))
+    tokens = np.random.default_rng(0).integers(0, 1000, blocks * h)
+    hashes = block_hashes(profile.namespace, tokens, h)
+    with DiskStore(str(root), writer=True) as store:
+        store.register_namespace(profile.version)
+        written = 0
+        batch = []
+        for b, hb in enumerate(hashes):
+            for g in groups:
+                if written == records:
+                    break
+                payload = torch.full((g.object_bytes(h),), b % 251, dtype=torch.uint8)
+                batch.append((ObjectKey(profile.namespace, hb, g.name, g.form), payload, profile.layout(g).digest))
+                written += 1
+            if len(batch) >= 1024:
+                store.store_many(batch)
+                batch = []
+        if batch:
+            store.store_many(batch)
+    return tokens
+
+
+def start(d: Path) -> tuple[subprocess.Popen[str], socket.socket, float]:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    (d / "n.sock").unlink(missing_ok=True)
+    notify.bind(str(d / "n.sock"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "WATCHDOG_"))}
+    env["NOTIFY_SOCKET"] = str(d / "n.sock")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(d / "k.toml")],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    return proc, notify, t0
+
+
+def one_start(d: Path, tokens: np.ndarray) -> dict[str, float]:
+    proc, notify, t0 = start(d)
+    assert proc.stderr is not None
+    proc.stderr.readline()  # "kvtier serve: ... allocating pools"
+    config_s = time.perf_counter() - t0
+    notify.settimeout(300)
+    while b"READY=1" not in notify.recv(4096).split(b"\n"):
+        pass
+    ready_s = time.perf_counter() - t0
+    with Client(d / "k.sock", name="bench startup") as c:
+        c.attach("ref-tiny")
+        c.release(c.lookup(tokens[: 4 * load_profile("ref-tiny").hash_block_tokens]))
+    first = time.perf_counter() - t0
+    proc.send_signal(signal.SIGKILL)  # the crash the next start recovers from
+    proc.wait()
+    notify.close()
+    return {"config_s": config_s, "ready_s": ready_s, "first_lookup_s": first}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="kvt-start-"))  # short: the socket path must fit AF_UNIX
+    try:
+        (d / "k.toml").write_text(CONFIG.format(d=d))
+        t = time.perf_counter()
+        tokens = populate(d / "store", args.records)
+        populate_s = time.perf_counter() - t
+        one_start(d, tokens)  # the first start, then a crash: every timed start is a restart after one
+        runs = [one_start(d, tokens) for _ in range(args.repeat)]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    out = {
+        "bench": "startup",
+        "records": args.records,
+        "populate_s": round(populate_s, 2),
+        "load_avg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        **{
+            f"{k}_median": round(statistics.median(r[k] for r in runs), 3)
+            for k in ("config_s", "ready_s", "first_lookup_s")
+        },
+        "first_lookup_s_max": round(max(r["first_lookup_s"] for r in runs), 3),
+        "bound_s": 2.0,
+        "runs": [{k: round(v, 3) for k, v in r.items()} for r in runs],
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""`kvtier demo` stopped by a signal (issue 41): SIGTERM and SIGHUP used to leave its `kvtier serve`, the
+verifier and /tmp/kvtier-demo-* behind. Whatever stops it now, what it started is stopped and its folder removed.
+
+Each case runs the real command, waits until its daemon serves (the demo's own progress line), signals the
+demo's process alone (not its group: a terminal's Ctrl-C would reach the daemon too, which proves less), and
+then looks for any process naming the demo's folder and for the folder itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from support.daemon import child_env
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signalled_demo_leaves_nothing_behind(signum: signal.Signals) -> None:
+    # a short folder of its own for the demo's TMPDIR: its socket path must fit AF_UNIX's 108 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="kvt-sig-"))
+    try:
+        _signal_the_demo(scratch, signum)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _signal_the_demo(scratch: Path, signum: signal.Signals) -> None:
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "2048", "--checkpoint-every", "4"],
+        env=child_env(TMPDIR=str(scratch)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert demo.stderr is not None
+    root = None
+    seen: list[str] = []
+    try:
+        for line in demo.stderr:  # the demo's progress lines, as it announces each stage
+            seen.append(line)
+            if "starting kvtier serve in " in line:
+                root = line.rsplit(" in ", 1)[1].strip()
+            if "engine A:" in line:  # its daemon is ready and serving
+                break
+        assert root is not None and root.startswith(str(scratch)) and "engine A:" in seen[-1], "".join(seen)
+        assert _processes_naming(root), "the demo's daemon is not running: " + "".join(seen) + demo.stderr.read()
+        demo.send_signal(signum)
+        rest = demo.stderr.read()
+        code = demo.wait(120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    want = 130 if signum == signal.SIGINT else 128 + signum
+    assert code == want, "".join(seen) + rest
+    assert "Traceback" not in rest, rest
+    assert not Path(root).exists(), f"{root} was left behind"
+    deadline = time.monotonic() + 30
+    while left := _processes_naming(root):
+        assert time.monotonic() < deadline, f"processes {left} outlived the demo"
+        time.sleep(0.05)  # polling a real condition (the verifier's exit after its daemon's)

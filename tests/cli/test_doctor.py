@@ -1,0 +1,182 @@
+"""`kvtier doctor` (issue 41): on this machine every line says what is true, and each kind of problem, planted,
+turns its line to warn or fail with a fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.cli import doctor as D
+from kvtier.core.config import load_config
+from support.daemon import DaemonProc, child_env
+
+TINY = """device = "cpu"
+[server]
+socket = "{d}/k.sock"
+[store]
+root = "{d}/store"
+[verifier]
+mode = "off"
+[pool.budget_bytes]
+compressed = "64KiB"
+indexer = "16KiB"
+tail = "64KiB"
+swa = "128KiB"
+"""
+
+
+def _doctor(cwd: Path, *args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "doctor", "--json", *args],
+        env=child_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.stdout, proc.stderr
+    by_name: dict[str, list[dict[str, str]]] = {}
+    for c in json.loads(proc.stdout):
+        by_name.setdefault(c["name"], []).append(c)
+    return proc.returncode, by_name
+
+
+def _checks(*args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
+    """The same checks in this process (the CLI's own run is the first test's): exit code and lines by name."""
+    checks = D.run_checks(args[1] if args and args[0] == "--config" else None, None)
+    by_name: dict[str, list[dict[str, str]]] = {}
+    for c in checks:
+        by_name.setdefault(c.name, []).append(c.to_dict())
+    return (1 if any(c.status == D.FAIL for c in checks) else 0), by_name
+
+
+def _config(tmp_path: Path, extra: str = "", replace: dict[str, str] | None = None) -> Path:
+    text = TINY.format(d=tmp_path)
+    for old, new in (replace or {}).items():
+        text = text.replace(old, new)
+    f = tmp_path / "k.toml"
+    f.write_text(text + extra)
+    return f
+
+
+def test_on_this_machine_every_line_is_true(tmp_path: Path) -> None:
+    code, c = _doctor(tmp_path, "--config", str(_config(tmp_path)))
+    assert code == 0, c
+    assert c["config"][0]["status"] == "ok" and "user mode" in c["config"][0]["detail"]
+    assert c["memory"][0]["status"] == "ok" and "pools need 272.0 KiB" in c["memory"][0]["detail"]
+    shmem = D.SHMEM_ENABLED.read_text()
+    chosen = next(w.strip("[]") for w in shmem.split() if w.startswith("["))
+    assert c["huge pages"][0]["detail"] == f"shmem_enabled = {chosen}"
+    assert c["huge pages"][0]["status"] == ("warn" if chosen in ("never", "deny") else "ok")
+    assert f"fs.aio-max-nr {int(D.AIO_MAX_NR.read_text()):,}" in c["aio-max-nr"][0]["detail"]
+    assert c["O_DIRECT"][0]["status"] == "ok"  # pytest's tmp folder is on a disk filesystem here
+    assert c["socket"][0]["status"] == "warn" and "no daemon" in c["socket"][0]["detail"]
+    assert c["cluster"][0]["status"] == "ok" and "off" in c["cluster"][0]["detail"]
+    assert {"vllm", "sglang", "gpu", "gds"} <= set(c)
+    assert c["gpu"][0]["status"] == "ok" and ("CUDA device" in c["gpu"][0]["detail"])
+    assert not list(tmp_path.glob("store/.kvtier-doctor-*")) and not list(tmp_path.glob(".kvtier-doctor-*"))
+
+
+def test_a_live_daemon_makes_the_socket_line_ok(tmp_path: Path) -> None:
+    daemon = DaemonProc(tmp_path)  # returns once the daemon serves
+    try:
+        _, c = _doctor(tmp_path, "--config", str(daemon.config))
+    finally:
+        daemon.close()
+    assert c["socket"][0]["status"] == "ok" and "a daemon answers" in c["socket"][0]["detail"], c["socket"]
+
+
+def test_planted_config_memory_disk_and_cluster_problems(tmp_path: Path) -> None:
+    code, c = _checks("--config", str(_config(tmp_path, replace={"[server]": "bogus = 1\n[server]"})))
+    assert code == 1 and c["config"][0]["status"] == "fail" and "key 'bogus'" in c["config"][0]["detail"]
+    assert set(c) == {"config"}  # nothing else can be judged without a config
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    over = {'compressed = "64KiB"': f'compressed = "{ram // 2**30 + 8}GiB"'}
+    code, c = _checks("--config", str(_config(tmp_path, replace=over)))
+    assert code == 1 and c["memory"][0]["status"] == "fail" and "lower [pool.budget_bytes]" in c["memory"][0]["fix"]
+
+    huge = {"[store]\n": '[store]\nbudget_bytes = "1000TiB"\n'}
+    code, c = _checks("--config", str(_config(tmp_path, replace=huge)))
+    assert c["free space"][0]["status"] == "warn" and "store.budget_bytes" in c["free space"][0]["fix"]
+
+    # a store root under a file (a mistyped path): nothing can be opened there, O_DIRECT or not
+    (tmp_path / "a-file").write_text("")
+    under_file = {f"{tmp_path}/store": f"{tmp_path}/a-file/store"}
+    code, c = _checks("--config", str(_config(tmp_path, replace=under_file)))
+    assert c["O_DIRECT"][0]["status"] == "fail" and "is not a folder" in c["O_DIRECT"][0]["detail"], c["O_DIRECT"]
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]  # bound, never listening: a connect is refused
+    try:
+        extra = f'[cluster]\nenabled = true\nmaster = "127.0.0.1:{port}"\nmetadata = "http://127.0.0.1:{port}/m"\n'
+        code, c = _checks("--config", str(_config(tmp_path, extra)))
+    finally:
+        closed.close()
+    assert code == 1 and [x["status"] for x in c["cluster"]] == ["fail", "fail"], c["cluster"]
+    assert f"master 127.0.0.1:{port} unreachable" in c["cluster"][0]["detail"]
+    assert c["cluster unit"][0]["status"] == "ok"  # no kvtier.service installed on this machine
+
+
+def test_planted_unit_that_blocks_the_cluster(tmp_path: Path) -> None:
+    """The project's kvtier.service (localhost only) blocks a remote master; its cluster drop-in lets it through."""
+    cfg = load_config(str(_config(tmp_path, '[cluster]\nenabled = true\nmaster = "10.1.2.3:50051"\n')))
+    units = tmp_path / "root" / "etc" / "systemd" / "system"
+    units.mkdir(parents=True)
+    repo = Path(__file__).resolve().parents[2]
+    shutil.copy(repo / "systemd" / "kvtier.service", units)
+    blocked = D.check_unit_blocks_cluster(cfg, tmp_path / "root")
+    assert blocked.status == "fail" and "10.1.2.3:50051" in blocked.detail and "drop-in" in blocked.fix
+    (units / "kvtier.service.d").mkdir()
+    shutil.copy(repo / "systemd" / "drop-ins" / "kvtier-cluster.conf", units / "kvtier.service.d")
+    assert D.check_unit_blocks_cluster(cfg, tmp_path / "root").status == "ok"
+
+
+def test_planted_kernel_knobs(tmp_path: Path) -> None:
+    shmem = tmp_path / "shmem_enabled"
+    shmem.write_text("always within_size advise [never] deny force\n")
+    assert D.check_huge_pages(shmem).status == "warn"
+    shmem.write_text("always within_size [advise] never deny force\n")
+    assert D.check_huge_pages(shmem).status == "ok"
+    most, nr = tmp_path / "aio-max-nr", tmp_path / "aio-nr"
+    most.write_text("65536\n")
+    nr.write_text("65000\n")
+    bad = D.check_aio(4, most, nr)
+    assert bad.status == "warn" and "fs.aio-max-nr=1048576" in bad.fix
+    nr.write_text("0\n")
+    assert D.check_aio(4, most, nr).status == "ok"
+
+
+def test_planted_engine_venvs(tmp_path: Path) -> None:
+    """An engine that does not import, and one of a version kvtier does not implement, in a python of their own."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm-0.1.0.dist-info").mkdir()
+    (site / "vllm-0.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.1.0\n")
+    (site / "sglang").mkdir()
+    (site / "sglang" / "__init__.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    python = tmp_path / "engine-python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    vllm, sglang = D.check_engine("vllm", str(python)), D.check_engine("sglang", str(python))
+    assert vllm.status == "warn" and "vllm 0.1.0" in vllm.detail and "0.32." in vllm.fix
+    assert sglang.status == "fail" and "libcuda.so.1" in sglang.detail
+    absent = D.check_engine("vllm", sys.executable)
+    assert absent.status in ("ok", "warn")  # not installed (ok) here, or installed in this venv
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the missing-GPU case cannot arise")
+def test_planted_gpu_device(tmp_path: Path) -> None:
+    cfg = load_config(_config(tmp_path, replace={'device = "cpu"': 'device = "cuda"'}), env={}, cwd=tmp_path)
+    gpu, gds = D.check_gpu(cfg)
+    assert gpu.status == "fail" and 'device = "cpu"' in gpu.fix and gds.status == "ok"
