@@ -209,14 +209,14 @@ def spec_layer_kind(layer_name: str, spec: LayerSpec) -> LayerKind:
     A spec that keeps a block for every token span (full attention, MLA, compressed caches of any ratio,
     indexer keys) is history. A sliding-window spec is a state form with the spec's window: `tail` for a
     compressor's running state (a `*.state_cache` module), `swa` otherwise. A spec vLLM does not key by
-    prefix (a per-request ring) has no bytes a hash could name: refused. Anything else (chunked-local,
+    prefix, or a per-request ring, has no bytes a prefix hash could name: refused. Anything else (chunked-local,
     Mamba, a spec newer than this code) is served as "all blocks" history: a hit then needs every block up
     to it stored, which vLLM asks for only where it needs the block, so a hit never lacks what the group needs.
     """
-    if not spec.prefix_cacheable:
+    if not spec.prefix_cacheable or spec.family == "ring":  # a ring's slots follow no token position
         raise VllmTierError(
             f"KV layer '{layer_name}' has a {spec.spec_class} cache ({spec.family}) that vLLM does not key by "
-            "prefix: kvtier cannot store it; run this model without the kvtier tier"
+            "token prefix: kvtier cannot store it; run this model without the kvtier tier"
         )
     if spec.family == "sliding_window":
         if spec.sliding_window <= 0:

@@ -100,6 +100,10 @@ def test_a_group_vllm_does_not_key_by_prefix_is_refused_naming_its_layer() -> No
     group = EngineGroup(3, 8, ("model.layers.2.attn.compressor.state_cache",), (ring,))
     with pytest.raises(VllmTierError, match=r"'model\.layers\.2\.attn\.compressor\.state_cache'.*CircularBufferSpec"):
         plan_groups([group], {}, 1)
+    # A ring vLLM did key by prefix would still name no token positions: refused too.
+    keyed = dataclasses.replace(group, layer_specs=(dataclasses.replace(ring, prefix_cacheable=True),))
+    with pytest.raises(VllmTierError, match="does not key by token prefix"):
+        plan_groups([keyed], {}, 1)
 
 
 @pytest.mark.parametrize(
