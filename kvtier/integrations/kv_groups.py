@@ -1,9 +1,16 @@
 """vLLM KV cache groups as kvtier groups: history forms (every chunk from 0) or state forms (a trailing window).
 
-vLLM's offloading config names each group's layers but not their attention type; the checkpoint's
-`config.json` does, so the two are matched by layer index: `layer_types` + `sliding_window` for full /
-sliding-window models, and for DeepSeek-V4 (`compress_ratios`) the cache module's name suffix with that
-layer's compression ratio. A layer that fits neither is refused, naming the layer.
+The rule is read off each group's cache spec where the caller has vLLM's `KVCacheConfig`
+(`integrations/vllm_specs.py` turns its specs into `LayerSpec`s): a spec that keeps a block for every
+token is history, whatever its compression ratio or sharing; a sliding-window spec is a state form with
+the spec's window; a spec vLLM does not key by prefix is refused, naming the layer; any other spec is
+served as a plain "all blocks" history group. So a model vLLM groups in a new way (DeepSeek-V4.1's ratio
+1 and 2 caches) is classified by what vLLM allocates, not by a list of known ratios.
+
+Without specs (a caller that has only the offloading config), the checkpoint's `config.json` is matched to
+the layers by index: `layer_types` + `sliding_window` for full / sliding-window models, and for
+DeepSeek-V4 (`compress_ratios`) the cache module's name suffix with that layer's compression ratio. A
+layer that fits neither is refused, naming the layer.
 """
 
 from __future__ import annotations
@@ -21,12 +28,45 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What vLLM's KV cache spec says of one layer's cache, as plain data (vllm_specs.layer_spec builds it)."""
+
+    family: str  # "attention" (a block per token span), "sliding_window", "chunked_local", "ring", "mamba", "other"
+    spec_class: str  # vLLM's spec class, e.g. "MLAAttentionSpec"
+    block_size: int  # tokens per block
+    sliding_window: int = 0  # tokens; 0: none
+    tokens_per_state: str = "1"  # tokens per stored row: the compression ratio ("2"), or a fraction ("1/4")
+    page_bytes: int = 0
+    dtype: str = ""
+    cache_dtype: str = ""
+    prefix_cacheable: bool = True  # False: vLLM does not key the blocks by prefix (a per-request ring)
+
+    def describe(self) -> str:
+        return f"{self.spec_class}:r{self.tokens_per_state}:{self.page_bytes}B"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineGroup:
-    """What vLLM's offloading config says of one KV cache group."""
+    """What vLLM says of one KV cache group: the offloading config's block span and layers, and the cache specs.
+
+    `layer_specs` holds one spec per layer name, in order, or one spec for every layer of the group (vLLM's
+    scheduler-side `KVCacheConfig` keeps a group's merged spec only); empty when the caller has no specs.
+    """
 
     group_id: int
     tokens_per_block: int
     layer_names: tuple[str, ...]
+    layer_specs: tuple[LayerSpec, ...] = ()
+
+    def specs_by_layer(self) -> dict[str, LayerSpec]:
+        if len(self.layer_specs) == len(self.layer_names):
+            return dict(zip(self.layer_names, self.layer_specs))
+        if len(self.layer_specs) == 1:
+            return dict.fromkeys(self.layer_names, self.layer_specs[0])
+        raise VllmTierError(
+            f"KV group {self.group_id} has {len(self.layer_specs)} specs for {len(self.layer_names)} layers: "
+            "give one spec per layer or one for the whole group"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,6 +203,34 @@ def dsv4_layer_kind(cfg: Mapping[str, Any], layer_name: str) -> LayerKind:
     return LayerKind(CacheForm.TAIL, window, f"{prefix}c{ratio}-state")
 
 
+def spec_layer_kind(layer_name: str, spec: LayerSpec) -> LayerKind:
+    """Classify one KV layer by its cache spec.
+
+    A spec that keeps a block for every token span (full attention, MLA, compressed caches of any ratio,
+    indexer keys) is history. A sliding-window spec is a state form with the spec's window: `tail` for a
+    compressor's running state (a `*.state_cache` module), `swa` otherwise. A spec vLLM does not key by
+    prefix, or a per-request ring, has no bytes a prefix hash could name: refused. Anything else (chunked-local,
+    Mamba, a spec newer than this code) is served as "all blocks" history: a hit then needs every block up
+    to it stored, which vLLM asks for only where it needs the block, so a hit never lacks what the group needs.
+    """
+    if not spec.prefix_cacheable or spec.family == "ring":  # a ring's slots follow no token position
+        raise VllmTierError(
+            f"KV layer '{layer_name}' has a {spec.spec_class} cache ({spec.family}) that vLLM does not key by "
+            "token prefix: kvtier cannot store it; run this model without the kvtier tier"
+        )
+    if spec.family == "sliding_window":
+        if spec.sliding_window <= 0:
+            raise VllmTierError(
+                f"KV layer '{layer_name}' has a sliding-window spec with window {spec.sliding_window}: "
+                "cannot tell which blocks a continuation needs"
+            )
+        form = CacheForm.TAIL if layer_name.endswith("state_cache") else CacheForm.SWA
+        return LayerKind(form, spec.sliding_window, spec.describe())
+    if spec.family == "attention":
+        return LayerKind(CacheForm.COMPRESSED, 0, spec.describe())
+    return LayerKind(CacheForm.COMPRESSED, 0, f"all-blocks:{spec.describe()}")
+
+
 def layer_kind(cfg: Mapping[str, Any], layer_name: str) -> LayerKind:
     """Classify one KV layer of any supported model (DSV4 by cache module, others by attention type)."""
     if is_dsv4(cfg):
@@ -186,14 +254,19 @@ def plan_groups(
     A history group is `compressed` (its chunks are valid as a prefix from chunk 0); a DSV4 history group
     holding C4 / C128 attention and indexer keys in one packed row keeps them in one record (the indexer's
     keys ride with the compressed KV they route over, see docs/vllm.md). State groups (`swa`, `tail`) are
-    valid only as a whole window ending at the resume boundary.
+    valid only as a whole window ending at the resume boundary. Groups that carry their cache specs are
+    classified by them (`spec_layer_kind`), `hf_config` unused; otherwise by `config.json` (`layer_kind`).
     """
     cfg = text_config(hf_config)
     dsv4 = is_dsv4(cfg)
+    by_spec = any(g.layer_specs for g in groups)  # then every group must carry its specs
     plans: dict[int, GroupPlan] = {}
     for g in groups:
         if not g.layer_names:
             raise VllmTierError(f"KV group {g.group_id} names no layers: the kvtier vLLM tier cannot classify it")
+        if by_spec:
+            plans[g.group_id] = _plan_by_spec(g, blocks_per_chunk)
+            continue
         kinds = {n: layer_kind(cfg, n) for n in g.layer_names}
         first = kinds[g.layer_names[0]]
         odd = next((n for n, k in kinds.items() if (k.form, k.window) != (first.form, first.window)), None)
@@ -216,6 +289,30 @@ def plan_groups(
             g.group_id, name, form, g.tokens_per_block * blocks_per_chunk, window, layers, kind_set
         )
     return plans
+
+
+def _plan_by_spec(g: EngineGroup, blocks_per_chunk: int) -> GroupPlan:
+    """One group's plan from its layers' specs; every layer must land in one form with one window."""
+    specs = g.specs_by_layer()
+    kinds = {n: spec_layer_kind(n, s) for n, s in specs.items()}
+    first_name = g.layer_names[0]
+    first = kinds[first_name]
+    odd = next((n for n, k in kinds.items() if (k.form, k.window) != (first.form, first.window)), None)
+    if odd is not None:
+        raise VllmTierError(
+            f"KV group {g.group_id} mixes forms or windows ({first_name}: {first.form.value}/{first.window}, "
+            f"{odd}: {kinds[odd].form.value}/{kinds[odd].window}): the kvtier vLLM tier needs one per group"
+        )
+    form, window = first.form, first.window
+    if form is not CacheForm.COMPRESSED:
+        name = f"vllm.g{g.group_id}.{form.value}{window}"
+    elif all(s.family == "attention" and s.tokens_per_state == "1" for s in specs.values()):
+        name = f"vllm.g{g.group_id}.full"
+    else:
+        name = f"vllm.g{g.group_id}.history"
+    layers = hashlib.blake2b("\n".join(g.layer_names).encode(), digest_size=4).hexdigest()
+    kind_set = "+".join(sorted({k.kind for k in kinds.values()}))
+    return GroupPlan(g.group_id, name, form, g.tokens_per_block * blocks_per_chunk, window, layers, kind_set)
 
 
 def in_complete_window(end: int, plan: GroupPlan, servable: Callable[[int], bool]) -> bool:

@@ -142,9 +142,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
             )
         self.locality = Locality(locality) if locality is not None else None
         # What the engine resolved (launch-time overrides included), found on the connector constructing this tier.
-        engine, _ = engine_configs(offloading_spec.config, vllm_config, kv_cache_config)
+        engine, kv = engine_configs(offloading_spec.config, vllm_config, kv_cache_config)
         self.identity, identity_doc = engine_identity(
-            offloading_spec.config, engine, self.block_size_bytes, model_dir, weights_digest, attention_backend
+            offloading_spec.config, engine, self.block_size_bytes, model_dir, weights_digest, attention_backend, kv
         )
         self._namespace = self.identity.namespace
         self._plans: Mapping[int, GroupPlan] = self.identity.plans

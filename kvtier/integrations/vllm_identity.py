@@ -24,6 +24,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.core.errors import KvtierError
+from kvtier.integrations import vllm_specs
 from kvtier.integrations.engine_identity import (
     ChunkLayout,
     EngineIdentity,
@@ -95,8 +96,12 @@ def engine_identity(
     model_dir: str | None,
     weights_digest: str | None,
     attention_backend: str | None,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> tuple[EngineIdentity, dict[str, Any]]:
-    """Namespace, group plans and the identity document of one engine, from what it resolved."""
+    """Namespace, group plans and the identity document of one engine, from what it resolved.
+
+    With the engine's `kv_cache_config` each group carries its layers' cache specs and is classified by them
+    (vllm_specs.py); without one, by the checkpoint's config as resolved (kv_groups.layer_kind)."""
     if vllm_config.weight_transfer_config is not None:
         raise VllmTierError(
             "this engine accepts weight updates while it runs (weight_transfer_config): its KV would outlive the "
@@ -105,7 +110,11 @@ def engine_identity(
     resolved = resolved_vllm_config(vllm_config)
     model = vllm_config.model_config
     ckpt = Path(model_dir or model.model_weights or model.model)
-    groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups]
+    groups = (
+        vllm_specs.engine_groups(config, kv_cache_config)
+        if kv_cache_config is not None
+        else [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups]
+    )
     p = config.parallel
     parallel = (
         "agnostic"

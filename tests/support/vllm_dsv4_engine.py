@@ -1,6 +1,7 @@
-"""vLLM's own `Scheduler` for a DeepSeek-V4 checkpoint with the OffloadingConnector over kvtier, minus the model.
+"""vLLM's own `Scheduler` for a DeepSeek-V4 (or V4.1) checkpoint with the OffloadingConnector over kvtier, minus
+the model.
 
-Everything above the GPU is vLLM's: the five KV groups its DSV4 cache modules form, the scheduler, the
+Everything above the GPU is vLLM's: the KV groups its DSV4 / V4.1 cache modules form, the scheduler, the
 connector's lookups and store filters, `TieringOffloadingSpec` with its CPU primary tier and the secondary
 tiers named in the config. What stands in for the GPU is `PatternWorker`: it runs each store and load job of
 the connector's metadata at once, writing into (store) or checking in (load) the primary tier's rows a byte
@@ -18,6 +19,7 @@ import itertools
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -126,11 +128,12 @@ class PatternWorker:
 
 
 class Dsv4Engine:
-    """One engine: vLLM's Scheduler and OffloadingConnector for the DSV4 checkpoint, kvtier below its CPU tier.
+    """One engine: vLLM's Scheduler and OffloadingConnector for a DSV4-family checkpoint, tiers below its CPU tier.
 
-    `row_bytes` shrinks the packed block the tiers see (vLLM's is 1,002,240 B; the groups stay vLLM's);
-    `dense`: `prefix_cache_retention_interval=None` (a window kept at every block boundary) else 0 (only at
-    the prompt's end and shared-prefix junctions).
+    `layer_specs` builds vLLM's config and each KV layer's spec from the checkpoint (`dsv4_layer_specs`, or
+    support/vllm_dsv41.py's `dsv41_layer_specs`); `row_bytes` shrinks the packed block the tiers see (vLLM's
+    DSV4 one is 1,002,240 B; the groups stay vLLM's); `dense`: `prefix_cache_retention_interval=None` (a
+    window kept at every block boundary) else 0 (only at the prompt's end and shared-prefix junctions).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Dsv4Engine:
         dense: bool,
         row_bytes: int = 4096,
         cpu_chunks: int = 1024,
+        layer_specs: Callable[..., tuple] = dsv4_layer_specs,
     ) -> None:
         # A unique engine id per engine: a stale /dev/shm/vllm_offload_<id>.mmap of an earlier run hangs start-up.
         self.engine_id = f"kvtier-dsv4-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -155,7 +159,7 @@ class Dsv4Engine:
                 "secondary_tiers": secondary_tiers,
             },
         )
-        config, specs = dsv4_layer_specs(model_dir, kv_transfer_config=transfer)
+        config, specs = layer_specs(model_dir, kv_transfer_config=transfer)
         config.cache_config.enable_prefix_caching = True
         config.cache_config.prefix_caching_hash_algo = "sha256"
         config.cache_config.prefix_cache_retention_interval = None if dense else 0
