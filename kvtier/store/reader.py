@@ -65,9 +65,11 @@ class Reader:
 
     @property
     def _packed_reads(self) -> bool:
-        """Whether a load reads through native AIO, the packed path first: O_DIRECT and no GDS reads."""
-        backend = self._ctx.backend
-        return backend.direct and not backend.gpu_direct
+        """Whether a load reads through native AIO, the packed path first: wherever segments are read with O_DIRECT,
+        a GDS store included. The backend is chosen per target, not per store: the packed path serves only host
+        (cpu) targets, and what it leaves (a device target among them) goes to the general path, which reads
+        device targets with GDS (`read`)."""
+        return self._ctx.backend.direct
 
     def take_load_resources(self) -> None:
         """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
@@ -282,10 +284,13 @@ class Reader:
         if device:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
-        aio_ctx = aio.acquire() if backend.direct and not device else None
+        # Host targets read through native AIO wherever segments are O_DIRECT, GDS store or not; device targets
+        # read with GDS on the read pool meanwhile.
+        aio_ctx = aio.acquire() if backend.direct and (jobs or more is not None) else None
         if aio_ctx is not None:
+            on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers), device)
             try:
-                return WaveRead(
+                host = WaveRead(
                     aio_ctx,
                     _runs(jobs, AIO_RUN_GAP),
                     self._ctx.buffers,
@@ -296,6 +301,7 @@ class Reader:
                 ).run()
             finally:
                 aio.release(aio_ctx)
+            return [*host, *(r for rs in on_device for r in rs)]
         if more is not None:  # the thread path (no native AIO here, or a buffered backend) reads them all at once
             jobs = [*jobs, *more()]
         # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
