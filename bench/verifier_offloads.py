@@ -10,11 +10,13 @@ CPUs busy. Windows alternate ABBA between two sides:
 - `control`: the verifier is stopped for the whole window, once every thread of it has stopped (a verifier
   stopped between two of its transactions).
 
-Reported per side: p50 / p99 / max of the offloads' latency, and the stopping side's over the control's
-(`all_durable`: the same over the calls all of whose objects were stored; the rest were refused while the store
-was over its budget, which the verifier being stopped makes more likely). After
-the windows the daemon is killed with SIGKILL and the store reopened: every object acknowledged durable must be
-there, as a record or, if the cleaner evicted it, as its eviction tombstone (`acknowledged_lost`, must be 0).
+Windows are added (up to three times `--windows`) until the verifier has relocated records, since it compacts
+at its maintenance passes, 30 s apart. Reported per side: p50 / p99 / max of the offloads' latency, and the
+stopping side's over the control's (`all_durable`: the same over the calls all of whose objects were stored; the
+rest were refused while the store was over its budget, which the verifier being stopped makes more likely).
+After the windows the daemon is killed with SIGKILL and the store reopened: every object acknowledged durable
+must be there, as a record or, if the cleaner evicted it, as its eviction tombstone (`acknowledged_lost`, must
+be 0).
 
     python bench/verifier_offloads.py [--quick] [--windows W] [--window-s S] [--records N] [--size BYTES]
 """
@@ -54,14 +56,19 @@ HOG = "while True: pass"
 
 
 def build(root: str, n: int, size: int, segment_bytes: int) -> int:
-    """n records in sealed segments of `segment_bytes`; returns their record bytes."""
+    """n records in sealed segments of `segment_bytes`, every third pinned (eviction leaves the segments mostly
+    dead, so the cleaner compacts them, relocating the pinned records); returns their record bytes."""
     with DiskStore(root, StoreConfig(segment_bytes=segment_bytes), writer=True) as s:
         ns = s.register_namespace(VK)
         forms = (CacheForm.COMPRESSED, CacheForm.SWA, CacheForm.INDEXER)
+        pinned = []
         for i in range(n):
             form = forms[i % 3]
             k = ObjectKey(ns, xxhash.xxh3_128_digest(f"r{i}".encode()), form.value[:8], form)
             s.store(k, torch.from_numpy(np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)), b"B" * 16)
+            if i % 3 == 1:
+                pinned.append(k)
+        s.pin(pinned, 3600.0)
         return int(s.stats()["record_bytes"])
 
 
@@ -98,12 +105,25 @@ def _start_daemon(tmp: Path, budget: int) -> tuple[subprocess.Popen[bytes], Path
     return proc, sock_path, notify
 
 
+def _signal(pid: int, signum: int) -> bool:
+    """Signal the verifier; False if it is gone (the supervisor restarted it since its pid was read)."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
     """Until every thread of `pid` is stopped (a thread in a disk I/O stops once it is done)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # it was killed meanwhile
+            return
+        for tid in tids:
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
@@ -167,11 +187,12 @@ def _stopper(pid_of, stop: threading.Event, active: threading.Event, rng: random
         pid = pid_of()
         if not active.is_set() or pid is None:
             continue
-        os.kill(pid, signal.SIGSTOP)
+        if not _signal(pid, signal.SIGSTOP):
+            continue
         counts[0] += 1
         time.sleep(rng.uniform(0.02, 0.5))  # the span of the stop
         if active.is_set():
-            os.kill(pid, signal.SIGCONT)
+            _signal(pid, signal.SIGCONT)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -236,30 +257,33 @@ def run(args: argparse.Namespace) -> dict:
             stopper.start()
             windows = 0
             try:
-                while windows < args.windows:
+                compacted = False
+                # more ABBA groups (up to 3x the windows) until the verifier has compacted: it compacts at its
+                # maintenance passes, 30 s apart, so it may not have by the windows' end
+                while windows < args.windows or (not compacted and windows < 3 * args.windows):
                     for label in ("control", "stopping", "stopping", "control"):
                         off.label = None
                         pid = verifier_pid()
                         if label == "stopping":
                             if pid is not None:
-                                os.kill(pid, signal.SIGCONT)
+                                _signal(pid, signal.SIGCONT)
                             active.set()
                         else:
                             active.clear()
                             time.sleep(0.55)  # the stopper's last stop has ended (it lasts at most 0.5 s)
-                            if pid is not None:
-                                os.kill(pid, signal.SIGSTOP)
+                            if pid is not None and _signal(pid, signal.SIGSTOP):
                                 _wait_stopped(pid)
                         off.label = label
                         time.sleep(args.window_s)
                         windows += 1
+                    compacted = watch.stats().verifier.actions.get("relocated", 0) > 0
                 off.label = None
             finally:
                 active.clear()
                 stop_stopper.set()
                 stopper.join()
                 if (pid := verifier_pid()) is not None:
-                    os.kill(pid, signal.SIGCONT)
+                    _signal(pid, signal.SIGCONT)
                 off.stop()
             doc = watch.stats()
         for h in hogs:
