@@ -159,12 +159,17 @@ class DecisionServer:
             while self._posted:
                 self._apply_one(self._posted.popleft())
                 worked = True
-            for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".req")):
-                self._serve(name)
-                worked = True
-            if time.monotonic() - last_clean > 60.0:
-                self._clean()
-                last_clean = time.monotonic()
+            try:
+                for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".req")):
+                    self._serve(name)
+                    worked = True
+                if time.monotonic() - last_clean > 60.0:
+                    self._clean()
+                    last_clean = time.monotonic()
+            except OSError as exc:  # a full disk, the directory removed: the senders time out; try again soon
+                log.error("cannot serve the verifier's decisions in %s: %s", self.dir, exc)
+                worked = False
+                self._stop.wait(1.0)
             if not worked:
                 self._wake.wait(POLL_S)
                 self._wake.clear()
