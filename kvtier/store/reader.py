@@ -65,10 +65,8 @@ class Reader:
 
     @property
     def _packed_reads(self) -> bool:
-        """Whether a load reads through native AIO, the packed path first: wherever segments are read with O_DIRECT,
-        a GDS store included. The backend is chosen per target, not per store: the packed path serves only host
-        (cpu) targets, and what it leaves (a device target among them) goes to the general path, which reads
-        device targets with GDS (`read`)."""
+        """Whether a load reads through native AIO, the packed path first: wherever segments are O_DIRECT, a GDS
+        store too. Per target, not per store: device targets are left to the general path, which reads them by GDS."""
         return self._ctx.backend.direct
 
     def take_load_resources(self) -> None:
@@ -284,8 +282,7 @@ class Reader:
         if device:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
-        # Host targets read through native AIO wherever segments are O_DIRECT, GDS store or not; device targets
-        # read with GDS on the read pool meanwhile.
+        # Host targets through native AIO wherever segments are O_DIRECT; device targets by GDS on the read pool.
         aio_ctx = aio.acquire() if backend.direct and (jobs or more is not None) else None
         if aio_ctx is not None:
             on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers), device)
