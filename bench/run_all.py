@@ -7,7 +7,8 @@ after another, and collects them:
   store     bench/store.py     disk store write / cold read vs raw dd O_DIRECT
   lookup    bench/lookup.py    lookup + validation vs a bare dict, 4K-1M tokens
   daemon    bench/daemon.py    socket lookup vs in-process, load via the daemon vs the store directly
-  verifier  bench/verifier.py  reads with the verifier running vs not
+  verifier  bench/verifier.py  reads with the verifier running vs not; durable offloads via the daemon with
+                               the verifier stopped at random vs stopped between transactions
   peers     bench/peers.py     kvtier vs python-diskcache and LMCache's LocalDiskBackend on the same objects
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
@@ -322,8 +323,40 @@ def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
                     _speed(1 / v[f"{q}_ratio"]),
                 )
             )
+        if v.get("writing_windows_p99_ratio") is not None:
+            out.append(
+                (
+                    "store load p99 in the windows in which the verifier wrote",
+                    f"{v['writing_windows_p99_ratio'] * v['without']['p99_us']:,.0f} µs",
+                    "verifier stopped",
+                    f"{v['without']['p99_us']:,.0f} µs",
+                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99",
+                )
+            )
         bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
         out.append(("loads during verifier work: wrong / missing / errors", f"{bad} of {v['loads']:,}", "", "", ""))
+    d = v.get("durable_offloads")
+    if d and d.get("control", {}).get("n"):
+        for q in ("p99", "max"):
+            out.append(
+                (
+                    f"durable offload {q} via the daemon, verifier evicting and stopped at random, "
+                    f"{d['cpu_hogs']} CPU hogs",
+                    f"{d['stopping'][f'{q}_ms']:,.0f} ms",
+                    "verifier stopped between transactions",
+                    f"{d['control'][f'{q}_ms']:,.0f} ms",
+                    f"{d[f'{q}_ratio']:.2f}x",
+                )
+            )
+        out.append(
+            (
+                "objects acknowledged durable, lost after kill -9 of the daemon",
+                f"{d['acknowledged_lost']} of {d['acknowledged_objects']:,}",
+                "",
+                "",
+                "",
+            )
+        )
     p = sections.get("peers", {})
     ks = p.get("stores", {}).get("kvtier", {})
     for peer, ps in p.get("stores", {}).items():

@@ -41,8 +41,11 @@ import xxhash
 
 from kvtier.core import CacheForm, Reason, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
-from kvtier.store import DiskStore, StoreConfig
+from kvtier.store import DecisionServer, DiskStore, StoreConfig
 from kvtier.verifier import VerifierSettings, verifier_status
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import verifier_offloads
 
 DIGEST = b"B" * 16
 VK = VersionKey("bench-verifier", "w0", "abi", "comp", "idx", "fp8")
@@ -58,19 +61,28 @@ class Activity:
     cpu_s: float = 0.0
     read_bytes: int = 0
     write_bytes: int = 0
+    decisions: int = 0  # index changes of its that the applier (the daemon's part, here) committed
 
     @classmethod
-    def of(cls, pid: int) -> Activity:
+    def of(cls, pid: int, decisions: int = 0) -> Activity:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         with open(f"/proc/{pid}/io") as f:
             io = {k: int(v) for k, v in (line.split(":") for line in f)}
-        return cls((int(fields[11]) + int(fields[12])) / CLOCK_TICK, io["read_bytes"], io["write_bytes"])
+        return cls((int(fields[11]) + int(fields[12])) / CLOCK_TICK, io["read_bytes"], io["write_bytes"], decisions)
 
     def __sub__(self, other: Activity) -> Activity:
         return Activity(
-            self.cpu_s - other.cpu_s, self.read_bytes - other.read_bytes, self.write_bytes - other.write_bytes
+            self.cpu_s - other.cpu_s,
+            self.read_bytes - other.read_bytes,
+            self.write_bytes - other.write_bytes,
+            self.decisions - other.decisions,
         )
+
+    @property
+    def wrote(self) -> bool:
+        """Whether the window saw the verifier write: its own bytes (compaction copies) or its index changes."""
+        return self.write_bytes > 0 or self.decisions > 0
 
 
 def _payload(i: int, size: int) -> torch.Tensor:
@@ -199,18 +211,30 @@ def _worked(actions: dict[str, int], records: int) -> bool:
     )
 
 
+def writing_windows_p99_ratio(
+    with_: list[list[float]], without: list[list[float]], activity: list[Activity]
+) -> float | None:
+    """The p99 of every load in the 'with' windows in which the verifier wrote, over the p99 of every 'without'
+    load: what the readers feel while it writes, not averaged with the windows in which it only reads."""
+    w = [x for xs, a in zip(with_, activity) if a.wrote for x in xs]
+    wo = [x for xs in without for x in xs]
+    return round(_pct(w, 99) / _pct(wo, 99), 3) if w and wo else None
+
+
 def breakdown(windows: list[list[float]], activity: list[Activity], without_p99_us: float, window_s: float) -> dict:
     """Where the verifier's cost lands: its CPU and disk I/O over the 'with' windows, and the median per-window
     p99 (over the frozen windows' median) of the windows in which it wrote (index commits, compaction copies,
     each with an fsync) against those in which it only read."""
-    total = Activity(*(sum(getattr(a, f) for a in activity) for f in ("cpu_s", "read_bytes", "write_bytes")))
+    fields = ("cpu_s", "read_bytes", "write_bytes", "decisions")
+    total = Activity(*(sum(getattr(a, f) for a in activity) for f in fields))
     out: dict[str, object] = {
         "verifier_cpu_s": round(total.cpu_s, 2),
         "verifier_read_MB": round(total.read_bytes / 1e6, 1),
         "verifier_read_MBps": round(total.read_bytes / 1e6 / (len(activity) * window_s), 1) if activity else 0.0,
         "verifier_write_MB": round(total.write_bytes / 1e6, 1),
+        "index_changes_applied": total.decisions,
     }
-    for name, keep in (("writing", lambda a: a.write_bytes > 0), ("reading_only", lambda a: a.write_bytes == 0)):
+    for name, keep in (("writing", lambda a: a.wrote), ("reading_only", lambda a: not a.wrote)):
         p99s = [_pct(x, 99) for x, a in zip(windows, activity) if x and keep(a)]
         out[f"windows_{name}"] = len(p99s)
         out[f"window_p99_ratio_{name}"] = round(float(np.median(p99s)) / without_p99_us, 3) if p99s else None
@@ -220,10 +244,13 @@ def breakdown(windows: list[list[float]], activity: list[Activity], without_p99_
 def run(args: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvtier-bench-verifier-", dir=args.root)
     root = os.path.join(work, "store")
-    proc = None
+    proc = server = None
     try:
         keys, payloads = build(root, args.records, args.size, args.segment_bytes)
         readers = Readers(root, keys, payloads, args.readers, args.batch)
+        if not args.verifier_writes:  # as beside a daemon: this process commits the verifier's index changes
+            server = DecisionServer(root, readers.store.apply_decision)
+            server.start()
         cmd = [
             sys.executable,
             "-m",
@@ -266,11 +293,12 @@ def run(args: argparse.Namespace) -> dict:
                 time.sleep(SETTLE_S)
                 readers.samples[label].append([])
                 readers.window += 1
-                before = Activity.of(proc.pid)
+                applied = lambda: server.applied if server is not None else 0  # noqa: E731
+                before = Activity.of(proc.pid, applied())
                 readers.label = label
                 time.sleep(args.window_s)
                 readers.label = None
-                activity[label].append(Activity.of(proc.pid) - before)
+                activity[label].append(Activity.of(proc.pid, applied()) - before)
                 windows += 1
             actions = verifier_status(readers.store)["actions"]
             if windows >= args.windows and (
@@ -278,6 +306,11 @@ def run(args: argparse.Namespace) -> dict:
             ):
                 break
         os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()  # first: its last decisions (its status, sealing its segment) still find the applier
+        proc.wait(timeout=60)
+        if server is not None:
+            server.stop()
+            server = None
         readers.stop()
         w, wo = ([x for window in readers.samples[k] for x in window] for k in ("with", "without"))
         wp99, wop99 = (float(np.median([_pct(x, 99) for x in readers.samples[k] if x])) for k in ("with", "without"))
@@ -300,6 +333,10 @@ def run(args: argparse.Namespace) -> dict:
             "wrong_bytes": readers.wrong,
             "pinned_misses": readers.misses,
             "errors": readers.errors,
+            "writing_windows_p99_ratio": writing_windows_p99_ratio(
+                readers.samples["with"], readers.samples["without"], activity["with"]
+            ),
+            "index_writer": "verifier" if args.verifier_writes else "applier (as the daemon)",
             "verifier_actions": actions,
             "breakdown": breakdown(readers.samples["with"], activity["with"], wop99, args.window_s),
         }
@@ -310,6 +347,8 @@ def run(args: argparse.Namespace) -> dict:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.terminate()
             proc.wait(timeout=30)
+        if server is not None:
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -345,11 +384,28 @@ def main() -> None:
     p.add_argument(
         "--verifier-arg", action="append", default=[], help="extra argument for `kvtier verifier run` (repeat)"
     )
-    if "--quick" in sys.argv[1:]:  # its sizes are defaults: options given beside it still win
+    p.add_argument(
+        "--verifier-writes",
+        action="store_true",
+        help="no applier: the verifier commits its own index changes (as `kvtier verifier run` with no daemon)",
+    )
+    p.add_argument(
+        "--only", choices=("reads", "offloads"), default=None, help="run one part (default: reads, then offloads)"
+    )
+    verifier_offloads.add_arguments(p, prefix="offload-")
+    quick = "--quick" in sys.argv[1:]
+    if quick:  # its sizes are defaults: options given beside it still win
         p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
+        p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200)
     args = p.parse_args()
     args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
-    print(json.dumps(run(args)))
+    out = run(args) if args.only != "offloads" else {}
+    if args.only != "reads" and not args.control:
+        off = argparse.Namespace(
+            root=args.root, **{k[len("offload_") :]: v for k, v in vars(args).items() if k.startswith("offload_")}
+        )
+        out["durable_offloads"] = verifier_offloads.run(off)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

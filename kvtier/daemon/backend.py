@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +43,7 @@ from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
-from kvtier.store import DiskStore, StoreConfig
+from kvtier.store import DecisionServer, DiskStore, PutDoc, StoreConfig
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
 from kvtier.wire.stats import PinStats, StatsDoc
@@ -97,7 +99,11 @@ class DaemonBackend:
             self.close()
             raise
         self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
-        self.room = RoomRequests(self.store, self.persister)
+        # The index's changes the verifier decides, and the main loop's documents, are applied on this thread:
+        # the daemon is the index's only writer while it runs (kvtier.store.decisions).
+        self.decisions = DecisionServer(self.store.root, self.store.apply_decision)
+        self.decisions.start()
+        self.room = RoomRequests(self.store, self.persister, publish=self._post_doc)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -385,7 +391,12 @@ class DaemonBackend:
         self.store.reader_check()
         self.room.tick()
 
+    def _post_doc(self, name: str, doc: dict[str, Any]) -> None:
+        self.decisions.post(PutDoc(name, json.dumps(doc, sort_keys=True).encode()))
+
     def health(self) -> tuple[bool, str]:
+        if not self.decisions.alive:
+            return False, "the thread that applies the verifier's decisions died"
         if not self.persister.alive:
             return False, "the persist thread died; acknowledged writes are not reaching the store"
         return True, ""
@@ -434,6 +445,9 @@ class DaemonBackend:
         persister = getattr(self, "persister", None)
         if persister is not None:
             persister.stop(self.cfg.shutdown_timeout_s)
+        decisions = getattr(self, "decisions", None)
+        if decisions is not None:
+            decisions.stop(self.cfg.shutdown_timeout_s)
         rollout = getattr(self, "rollout", None)  # absent when a profile failed to load
         for rt in rollout.all if rollout is not None else getattr(self, "runtimes", {}).values():
             rt.manager.close()

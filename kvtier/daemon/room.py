@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kvtier.core.forms import CacheForm
 from kvtier.daemon.persister import Persister
@@ -21,18 +23,25 @@ RETRY_S = 5.0  # how often a blocked write-back is tried again without a seal or
 
 
 class RoomRequests:
-    """Publishes the blocked forms' needs (only when they change) and retries blocked write-back."""
+    """Publishes the blocked forms' needs (only when they change) and retries blocked write-back.
 
-    def __init__(self, store: DiskStore, persister: Persister) -> None:
+    `tick` runs on the daemon's main loop, which must never wait for the index's write lock: `publish` hands the
+    document to the thread that applies index changes (`kvtier.store.DecisionServer.post`) and returns at once.
+    Without one (a test, a tool), the document is written here."""
+
+    def __init__(
+        self, store: DiskStore, persister: Persister, publish: Callable[[str, dict[str, Any]], None] | None = None
+    ) -> None:
         self._store = store
         self._persister = persister
+        self._publish = publish or store.put_meta_doc
         self._published: dict[str, int] | None = None
         self._retry_at = 0.0
 
     def tick(self) -> None:
         need = self.need_bytes()
         if need != self._published:
-            self._store.put_meta_doc(DOC, {"room_bytes": need, "at": time.time()})
+            self._publish(DOC, {"room_bytes": need, "at": time.time()})
             if need:
                 log.info("write-back blocked: asking the cleaner for room: %s", need)
             self._published = need

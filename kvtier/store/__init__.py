@@ -6,7 +6,9 @@ the index and the segments are (`INDEX_DIR`, `SEGMENTS_DIR`, `segment_name`, `pa
 is spelled in the index (`encode_key` / `decode_key`) and which forms a record can carry (`RECORD_FORMS`).
 """
 
+from kvtier.store.channel import DaemonUnavailable, DecisionClient, DecisionServer, applier_pid
 from kvtier.store.context import StoreConfig, StoreLimits
+from kvtier.store.decisions import DropIf, PutDoc
 from kvtier.store.errors import (
     CorruptRecord,
     FormatVersionError,
@@ -33,13 +35,18 @@ __all__ = [
     "RECORD_FORMS",
     "SEGMENTS_DIR",
     "CorruptRecord",
+    "DaemonUnavailable",
+    "DecisionClient",
+    "DecisionServer",
     "DiskStore",
+    "DropIf",
     "FormatVersionError",
     "IndexEntry",
     "NamespaceEntry",
     "NamespaceError",
     "NamespaceRetired",
     "NamespaceUsage",
+    "PutDoc",
     "QuarantineReason",
     "RebuildReport",
     "RecordInfo",
@@ -54,6 +61,7 @@ __all__ = [
     "StoreReadOnly",
     "StoreRequestError",
     "VerifyResult",
+    "applier_pid",
     "decode_key",
     "encode_key",
     "namespace_usage",

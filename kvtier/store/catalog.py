@@ -13,6 +13,7 @@ import lmdb
 from kvtier.core.forms import CacheForm
 from kvtier.core.versions import VersionKey
 from kvtier.store.context import StoreConfig, StoreContext, StoreLimits
+from kvtier.store.decisions import PutDoc
 from kvtier.store.errors import NamespaceError
 from kvtier.store.index import NamespaceEntry, seal, unseal
 from kvtier.store.record import MAX_VERSION_KEY_BYTES, Codec
@@ -105,9 +106,14 @@ class Catalog:
     def put_meta_doc(self, name: str, doc: Mapping[str, Any]) -> None:
         if name not in _META_DOCS:
             raise KeyError(name)
+        self._ctx.decide(PutDoc(name, json.dumps(doc, sort_keys=True).encode()))
+
+    def apply_put_doc(self, d: PutDoc) -> None:
+        if d.name not in _META_DOCS:
+            raise KeyError(d.name)
         index = self._ctx.index
-        body = seal(json.dumps(doc, sort_keys=True).encode())
-        index.update(lambda txn: txn.put(f"doc:{name}".encode(), body, db=index.meta))
+        body = seal(bytes(d.body))
+        index.update(lambda txn: txn.put(f"doc:{d.name}".encode(), body, db=index.meta))
 
     # ----------------------------------------------------------------- stats
 

@@ -14,6 +14,7 @@ from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, entry_or_none
+from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
 from kvtier.store.extent import ExtentPlan, write_extent
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
@@ -21,7 +22,7 @@ from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.maintenance import Maintenance
 from kvtier.store.reader import AnyHeader, Reader, ReadJob
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
-from kvtier.store.segments import Appender, seal_segment, segment_name
+from kvtier.store.segments import Appender, allocate_segment, seal_segment, segment_name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,7 +148,14 @@ class Compaction:
         if ctx.readonly:
             raise StoreReadOnly("relocate() needs a store opened for maintenance (not read-only)")
         if self._relocator is None:
-            self._relocator = Appender(ctx.root, ctx.index, ctx.backend, ctx.config.segment_bytes)
+            self._relocator = Appender(
+                ctx.root,
+                ctx.index,
+                ctx.backend,
+                ctx.config.segment_bytes,
+                allocate=lambda: int(ctx.decide(AllocateSegment())),
+                seal=lambda seg_id: ctx.decide(SealSegment(seg_id)),
+            )
         app = self._relocator
         written: list[list[_Moved]] = []
         failures: list[tuple[ObjectKey, QuarantineReason]] = []
@@ -163,7 +171,7 @@ class Compaction:
                 if any(written):
                     app.sync_batch()
                     synced = True
-                    moved = ctx.index.update(lambda txn: self._repoint(txn, written))
+                    moved = [int(n) for n in ctx.decide(Repoint([[_move(w) for w in batch] for batch in written]))]
             except BaseException:
                 app.rewind(abandon=not synced)
                 raise
@@ -219,28 +227,37 @@ class Compaction:
         seg_id, offsets = write_extent(self._relocator, ctx.backend, ctx.buffers, records, None)
         return [_Moved(c, seg_id, at) for c, at in zip(copies, offsets[len(ns_records) :])]
 
-    def _repoint(self, txn: lmdb.Transaction, written: list[list[_Moved]]) -> list[int]:
+    def apply_allocate(self) -> int:
+        return self._ctx.index.update(lambda txn: allocate_segment(self._ctx.index, txn))
+
+    def apply_seal(self, d: SealSegment) -> None:
+        self._ctx.index.update(lambda txn: seal_segment(self._ctx.index, txn, d.seg_id))
+
+    def apply_repoint(self, d: Repoint) -> list[int]:
+        """Repoint every moved record that still lies where it was read, in one commit; how many per batch."""
+        return self._ctx.index.update(lambda txn: self._repoint(txn, d.batches))
+
+    def _repoint(self, txn: lmdb.Transaction, batches: list[list[Move]]) -> list[int]:
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
-        moved = [0] * len(written)
-        for i, batch in enumerate(written):
-            for w in batch:
-                old, new_len = w.copy.entry, w.copy.header.record_len
-                raw = txn.get(w.copy.raw_key, db=obj_db)
+        moved = [0] * len(batches)
+        for i, batch in enumerate(batches):
+            for m in batch:
+                raw = txn.get(m.key, db=obj_db)
                 cur = entry_or_none(raw) if raw is not None else None
                 if (
                     cur is None
                     or cur.state is not RecordState.LIVE
-                    or (cur.segment, cur.offset, cur.seq) != (old.segment, old.offset, old.seq)
+                    or (cur.segment, cur.offset, cur.seq) != (m.old_segment, m.old_offset, m.old_seq)
                 ):
                     continue
                 entry = dataclasses.replace(
-                    cur, segment=w.seg_id, offset=w.offset, record_len=new_len, record_version=FORMAT_VERSION
+                    cur, segment=m.segment, offset=m.offset, record_len=m.record_len, record_version=FORMAT_VERSION
                 )
-                txn.put(w.copy.raw_key, entry.pack(), db=obj_db)
-                ledger.release(old.segment, old.record_len)
-                ledger.add(w.seg_id, w.offset, new_len)
-                ledger.usage[cur.form].record_bytes += new_len - old.record_len  # a v1 record shrinks as it moves
+                txn.put(m.key, entry.pack(), db=obj_db)
+                ledger.release(cur.segment, cur.record_len)
+                ledger.add(m.segment, m.offset, m.record_len)
+                ledger.usage[cur.form].record_bytes += m.record_len - cur.record_len  # a v1 record shrinks as it moves
                 moved[i] += 1
         ledger.save()
         return moved
@@ -249,6 +266,11 @@ class Compaction:
         if self._relocator is not None:
             self._relocator.close()
             self._relocator = None
+
+
+def _move(w: _Moved) -> Move:
+    old = w.copy.entry
+    return Move(w.copy.raw_key, old.segment, old.offset, old.seq, w.seg_id, w.offset, w.copy.header.record_len)
 
 
 def _lock_segment(path: str) -> SegmentFile | bool | None:

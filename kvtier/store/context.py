@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -70,6 +71,9 @@ class StoreContext:
         self.write_lock = threading.Lock()  # one batch (a store or a relocation) appends at a time
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pid = os.getpid()
+        # Where the index changes that maintenance decides go (a `kvtier.store.decisions.Decision`): applied here,
+        # or sent to the daemon that serves the store (DiskStore sets it).
+        self.decide: Callable[[Any], Any] = _no_decisions
 
     @property
     def quotas(self) -> dict[CacheForm, int]:
@@ -104,6 +108,10 @@ class StoreContext:
     def check_pid(self) -> None:
         if self.forked:
             raise StoreForkError("this DiskStore was opened before fork(): open the store again in the child process")
+
+
+def _no_decisions(decision: Any) -> Any:
+    raise RuntimeError(f"no one applies {type(decision).__name__}: DiskStore sets StoreContext.decide")
 
 
 def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:

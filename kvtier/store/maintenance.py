@@ -13,6 +13,7 @@ from kvtier.core.forms import Reason
 from kvtier.core.tier import ObjectKey
 from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
+from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.index import (
     IndexEntry,
@@ -105,11 +106,34 @@ class Maintenance:
 
         return index.update(put)
 
+    def drop_if(self, items: Sequence[DropIf], *, tombstone: bool = False) -> int:
+        """Decide to drop records that are still what the caller saw (see `DropIf`); returns how many went."""
+        return int(self._ctx.decide(Drop(list(items), tombstone)))
+
+    def apply_drop(self, d: Drop) -> int:
+        conds = {bytes(i.key): i for i in d.items}
+        now = time.time()
+
+        def when(key: ObjectKey, e: IndexEntry | None) -> bool:
+            c = conds[encode_key(key)]
+            if c.seq >= 0 and (e is None or e.seq != c.seq):
+                return False
+            if c.state >= 0 and (e is None or int(e.state) != c.state):
+                return False
+            return c.pinned_ok or (e is not None and e.pin_until <= now)
+
+        return self.drop([decode_key(k) for k in conds], when=when, tombstone=d.tombstone)
+
     def prune_tombstones(self, older_than: float, *, start: bytes = b"", scan: int = 4096) -> tuple[int, bytes]:
         """Forget eviction tombstones written before `older_than` (unix time; a corrupt one goes too): those
         keys read as missing again. Looks at most `scan` tombstones from key `start` in one short transaction;
         returns (how many went, the key to resume from: b"" once the end was reached)."""
+        n, cursor = self._ctx.decide(PruneTombstones(older_than, start, scan))
+        return int(n), bytes(cursor)
+
+    def apply_prune(self, d: PruneTombstones) -> tuple[int, bytes]:
         index = self._ctx.index
+        older_than, start, scan = d.older_than, bytes(d.start), d.scan
 
         def put(txn: lmdb.Transaction) -> tuple[int, bytes]:
             n = 0
@@ -136,8 +160,13 @@ class Maintenance:
 
     def quarantine(self, key: ObjectKey, reason: QuarantineReason) -> bool:
         """Take a record out of service with reason and time (readers get a miss); False if it is not indexed."""
+        return bool(self._ctx.decide(Quarantine(encode_key(key), int(reason))))
+
+    def apply_quarantine(self, d: Quarantine) -> bool:
         index = self._ctx.index
-        raw_key = encode_key(key)
+        raw_key = bytes(d.key)
+        key = decode_key(raw_key)
+        reason = QuarantineReason(d.reason)
         now = time.time()
 
         def put(txn: lmdb.Transaction) -> bool:
@@ -199,18 +228,23 @@ class Maintenance:
         if not apply:
             return results
         self.quarantine_faults(failures)
-        now = time.time()
+        if good:
+            self._ctx.decide(Stamp([(raw_key, raw) for raw_key, raw, _ in good], time.time()))
+        return results
+
+    def apply_stamp(self, d: Stamp) -> None:
+        """Stamp verified_at and clear the dirty row of each record whose value is unchanged since its check."""
+        index = self._ctx.index
 
         def stamp(txn: lmdb.Transaction) -> None:
-            for raw_key, raw, entry in good:
+            for raw_key, raw in d.rows:
                 cur = txn.get(raw_key, db=index.obj)
                 if cur is not None and bytes(cur) == raw:  # unchanged since the read
-                    txn.put(raw_key, dataclasses.replace(entry, verified_at=now).pack(), db=index.obj)
+                    entry = IndexEntry.unpack(raw)
+                    txn.put(raw_key, dataclasses.replace(entry, verified_at=d.at).pack(), db=index.obj)
                     txn.delete(u64_key(entry.seq), db=index.dirty)
 
-        if good:
-            index.update(stamp)
-        return results
+        index.update(stamp)
 
     # ----------------------------------------------------------------- scans
 

@@ -138,11 +138,14 @@ class PackedLoad:
         self._failed: list[int] = []
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
-        align, alone = self._ctx.backend.direct_align, first == 0  # (a first batch of large records: not ours)
+        backend = self._ctx.backend
+        align, alone = backend.direct_align, first == 0  # (a first batch of large records: not ours)
+        # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
+        device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, align, alone)
+            wanted, rest = _batch_wanted(requests, first, align, alone, device)
         else:
-            wanted, rest = _wanted(requests, first, align, alone)
+            wanted, rest = _wanted(requests, first, align, alone, device)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -403,14 +406,16 @@ def take_buffers(ctx: StoreContext) -> None:
         ctx.buffers.release(buf)
 
 
-def _wanted(requests: Sequence[LoadRequest], first: int, align: int, alone: bool) -> tuple[_Wanted, list[int]]:
+def _wanted(
+    requests: Sequence[LoadRequest], first: int, align: int, alone: bool, device: Callable[[torch.Tensor], bool] | None
+) -> tuple[_Wanted, list[int]]:
     """The requests this path may serve (`_taken`: a cpu target, small or up to DIRECT_MAX at an `align`ed
     address), and the numbers of the others; StoreRequestError for a target that is not a non-empty contiguous
     uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
     n = np.fromiter((out.numel() for out in outs), np.int64, len(outs))
     addr = np.fromiter((out.data_ptr() for out in outs), np.int64, len(outs))
-    cpu = np.fromiter((out.is_cpu for out in outs), bool, len(outs))
+    cpu = np.fromiter((out.is_cpu and not (device and device(out)) for out in outs), bool, len(outs))
     taken = _taken(cpu, n, addr, align, alone)
     mine = np.flatnonzero(taken).tolist()
     reqs = [requests[i] for i in mine]
@@ -425,13 +430,15 @@ def _wanted(requests: Sequence[LoadRequest], first: int, align: int, alone: bool
     return wanted, (np.flatnonzero(~taken) + first).tolist()
 
 
-def _batch_wanted(batch: LoadBatch, first: int, align: int, alone: bool) -> tuple[_Wanted, list[int]]:
+def _batch_wanted(
+    batch: LoadBatch, first: int, align: int, alone: bool, device: Callable[[torch.Tensor], bool] | None
+) -> tuple[_Wanted, list[int]]:
     """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
     group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and `_taken`. Any other
     object's request is built and its target checked as `_wanted` checks it."""
     groups = batch.groups
     whole = np.array([_flat_pool(g) for g in groups], bool)
-    cpu = np.array([g.tensor.is_cpu for g in groups], bool)
+    cpu = np.array([g.tensor.is_cpu and not (device and device(g.tensor)) for g in groups], bool)
     nbytes = np.array([g.nbytes for g in groups], np.int64)
     stride = np.array([g.stride for g in groups], np.int64)
     size = np.array([g.tensor.numel() for g in groups], np.int64)

@@ -65,9 +65,9 @@ class Reader:
 
     @property
     def _packed_reads(self) -> bool:
-        """Whether a load reads through native AIO, the packed path first: O_DIRECT and no GDS reads."""
-        backend = self._ctx.backend
-        return backend.direct and not backend.gpu_direct
+        """Whether a load reads through native AIO, the packed path first: wherever segments are O_DIRECT, a GDS
+        store too. Per target, not per store: device targets are left to the general path, which reads them by GDS."""
+        return self._ctx.backend.direct
 
     def take_load_resources(self) -> None:
         """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
@@ -282,10 +282,12 @@ class Reader:
         if device:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
-        aio_ctx = aio.acquire() if backend.direct and not device else None
+        # Host targets through native AIO wherever segments are O_DIRECT; device targets by GDS on the read pool.
+        aio_ctx = aio.acquire() if backend.direct and (jobs or more is not None) else None
         if aio_ctx is not None:
+            on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers), device)
             try:
-                return WaveRead(
+                host = WaveRead(
                     aio_ctx,
                     _runs(jobs, AIO_RUN_GAP),
                     self._ctx.buffers,
@@ -296,6 +298,7 @@ class Reader:
                 ).run()
             finally:
                 aio.release(aio_ctx)
+            return [*host, *(r for rs in on_device for r in rs)]
         if more is not None:  # the thread path (no native AIO here, or a buffered backend) reads them all at once
             jobs = [*jobs, *more()]
         # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a

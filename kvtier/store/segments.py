@@ -10,6 +10,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import lmdb
 
@@ -78,9 +79,22 @@ class Placement:
 class Appender:
     """Appends records to segments it alone writes (flock held on each); rolls at `segment_bytes`."""
 
-    def __init__(self, root: str, index: Index, backend: PosixBackend, segment_bytes: int) -> None:
+    def __init__(
+        self,
+        root: str,
+        index: Index,
+        backend: PosixBackend,
+        segment_bytes: int,
+        *,
+        allocate: Callable[[], int] | None = None,
+        seal: Callable[[int], None] | None = None,
+    ) -> None:
+        """`allocate` / `seal`: how a segment id is registered and sealed in the index (default: in a write
+        transaction of this process; the verifier's relocator asks the daemon, `kvtier.store.decisions`)."""
         self.seg_dir = os.path.join(root, SEGMENTS_DIR)
         self.index = index
+        self._allocate_id = allocate or (lambda: self.index.update(lambda txn: allocate_segment(self.index, txn)))
+        self._seal_id = seal or (lambda seg_id: self.index.update(lambda txn: seal_segment(self.index, txn, seg_id)))
         self.backend = backend
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
@@ -141,7 +155,7 @@ class Appender:
         if self._file is not None:
             self._rolled.append(self._seal_current(close=False))
         while True:
-            seg_id = self.index.update(self._allocate)
+            seg_id = self._allocate_id()
             path = os.path.join(self.seg_dir, segment_name(seg_id))
             file = self.backend.open(path, create=True, write=True)
             if not file.try_lock():
@@ -157,17 +171,11 @@ class Appender:
         self._file, self._seg_id, self._tail = file, seg_id, 0
         log.info("appending to segment %s", path)
 
-    def _allocate(self, txn: lmdb.Transaction) -> int:
-        seg_id = self.index.get_meta_u64(txn, b"next_segment", 1)
-        self.index.put_meta_u64(txn, b"next_segment", seg_id + 1)
-        txn.put(u64_key(seg_id), SegmentEntry(sealed=False, created=time.time()).pack(), db=self.index.seg)
-        return seg_id
-
     def _seal_current(self, *, close: bool = True) -> SegmentFile:
         seg_id, file = self._seg_id, self._file
         assert file is not None
         self._file, self._seg_id, self._tail = None, 0, 0
-        self.index.update(lambda txn: seal_segment(self.index, txn, seg_id))
+        self._seal_id(seg_id)
         if close:
             file.close()
         return file
@@ -176,6 +184,14 @@ class Appender:
         with self._lock:
             if self._file is not None:
                 self._seal_current()
+
+
+def allocate_segment(index: Index, txn: lmdb.Transaction) -> int:
+    """Register the next segment id, unsealed, for an appender to create and flock."""
+    seg_id = index.get_meta_u64(txn, b"next_segment", 1)
+    index.put_meta_u64(txn, b"next_segment", seg_id + 1)
+    txn.put(u64_key(seg_id), SegmentEntry(sealed=False, created=time.time()).pack(), db=index.seg)
+    return seg_id
 
 
 def seal_segment(index: Index, txn: lmdb.Transaction, seg_id: int) -> None:

@@ -19,8 +19,23 @@ from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
+from kvtier.store.channel import DecisionClient
 from kvtier.store.compaction import Compaction
 from kvtier.store.context import StoreConfig, StoreContext, StoreLimits, flat_uint8, key_str
+from kvtier.store.decisions import (
+    AllocateSegment,
+    Decision,
+    Drop,
+    DropIf,
+    PruneTombstones,
+    PutDoc,
+    Quarantine,
+    Repoint,
+    SealAbandoned,
+    SealSegment,
+    Stamp,
+    UnlinkSegment,
+)
 from kvtier.store.errors import QuarantineReason, StoreReadOnly, StoreRequestError
 from kvtier.store.index import Index, NamespaceEntry, SegmentEntry
 from kvtier.store.io import PosixBackend, select_backend
@@ -32,14 +47,26 @@ from kvtier.store.writer import Writer
 
 
 class DiskStore:
-    """The disk tier. Open one per process (after any fork); `writer=True` only in the daemon."""
+    """The disk tier. Open one per process (after any fork); `writer=True` only in the daemon.
+
+    `decisions`: a maintenance process beside a daemon (the verifier) passes the channel to it. Its index is then
+    opened read-only (it cannot take LMDB's write lock at all), and every index change it decides is sent to the
+    daemon, which applies it (`kvtier.store.decisions`). Without one, its changes are applied here."""
 
     def __init__(
-        self, root: str, config: StoreConfig | None = None, *, writer: bool = False, readonly: bool = False
+        self,
+        root: str,
+        config: StoreConfig | None = None,
+        *,
+        writer: bool = False,
+        readonly: bool = False,
+        decisions: DecisionClient | None = None,
     ) -> None:
         config = config or StoreConfig()
         if writer and readonly:
             raise ValueError("a store cannot be both writer and read-only")
+        if decisions is not None and (writer or readonly):
+            raise ValueError("only a maintenance store (neither writer nor read-only) sends decisions to a daemon")
         self.root = os.path.abspath(root)
         self.readonly = readonly
         seg_dir = os.path.join(self.root, SEGMENTS_DIR)
@@ -47,7 +74,7 @@ class DiskStore:
             os.makedirs(seg_dir, exist_ok=True)
         self._writer_lock = WriterLock(self.root) if writer else None
         try:
-            self.index = Index(self.root, readonly=readonly)
+            self.index = Index(self.root, readonly=readonly or decisions is not None)
             self.backend: PosixBackend = select_backend(seg_dir, config.io_backend, readonly=readonly)
         except BaseException:
             if self._writer_lock:
@@ -55,6 +82,8 @@ class DiskStore:
             raise
         self._ctx = StoreContext(self.root, seg_dir, config, self.index, self.backend, readonly=readonly)
         self._write_lock: threading.Lock = self._ctx.write_lock
+        self.decisions = decisions
+        self._ctx.decide = decisions.send if decisions is not None else self.apply_decision
         self._reader = Reader(self._ctx)
         self._atimes = AccessTimes(self._ctx)
         self._maintenance = Maintenance(self._ctx, self._reader)
@@ -66,7 +95,7 @@ class DiskStore:
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
             self._reader.take_load_resources()  # the daemon's, now, not inside its first restore
-        if not readonly:
+        if not readonly and decisions is None:
             self._atimes.start()  # last: a store that failed to open leaves no thread behind
 
     # ----------------------------------------------------------------- properties
@@ -136,7 +165,7 @@ class DiskStore:
         self._check_pid()
         outcome = self._reader.load(requests, more)
         self._maintenance.quarantine_faults(outcome.faults)
-        if not self.readonly:
+        if not self.readonly and self.decisions is None:
             self._atimes.touch(outcome.hits)
         return outcome.reasons
 
@@ -180,6 +209,12 @@ class DiskStore:
         """
         self._check_pid()
         return self._maintenance.drop(keys, when=when, tombstone=tombstone)
+
+    def drop_if(self, items: Sequence[DropIf], *, tombstone: bool = False) -> int:
+        """Drop the records that are still what the caller saw (`DropIf`: sequence, state, pins); `tombstone`:
+        an eviction. The cleaner's form of `drop` / `evict`: a record, it can be sent to the daemon."""
+        self._check_pid()
+        return self._maintenance.drop_if(items, tombstone=tombstone)
 
     # ----------------------------------------------------------------- verifier / cleaner primitives
 
@@ -227,13 +262,12 @@ class DiskStore:
     def seal_abandoned_segments(self) -> int:
         """Seal unsealed segments whose appender is gone (its flock is free); returns how many."""
         self._check_pid()
-        owned = self._writer.appender.owned_segment if self._writer else 0
-        return self._compaction.seal_abandoned_segments(owned)
+        return int(self._ctx.decide(SealAbandoned()))
 
     def try_unlink_segment(self, seg_id: int) -> bool:
         """Unlink a sealed segment that no record references, once no reader can still see a dropped record in it."""
         self._check_pid()
-        return self._compaction.try_unlink_segment(seg_id)
+        return bool(self._ctx.decide(UnlinkSegment(seg_id)))
 
     def trim_segment(self, seg_id: int) -> int:
         """Cut a sealed segment's uncommitted tail (bytes a crashed batch left past `tail`); returns bytes freed."""
@@ -251,6 +285,37 @@ class DiskStore:
         self._check_pid()
         self._reader.close_unlinked()
         return self.index.reader_check()
+
+    def apply_decision(self, decision: Decision) -> object:
+        """Apply one maintenance decision to the index in this process, in its own short write transaction(s):
+        the daemon does so for the verifier's (`kvtier.store.channel.DecisionServer`), a store with no daemon
+        for its own."""
+        self._check_pid()
+        if self.index.readonly:
+            raise StoreReadOnly("this store's index is read-only here: its decisions go to the daemon")
+        m, c = self._maintenance, self._compaction
+        match decision:
+            case Drop():
+                return m.apply_drop(decision)
+            case Quarantine():
+                return m.apply_quarantine(decision)
+            case PruneTombstones():
+                return list(m.apply_prune(decision))
+            case Stamp():
+                return m.apply_stamp(decision)
+            case PutDoc():
+                return self._catalog.apply_put_doc(decision)
+            case AllocateSegment():
+                return c.apply_allocate()
+            case SealSegment():
+                return c.apply_seal(decision)
+            case SealAbandoned():
+                return c.seal_abandoned_segments(self._writer.appender.owned_segment if self._writer else 0)
+            case Repoint():
+                return c.apply_repoint(decision)
+            case UnlinkSegment():
+                return c.try_unlink_segment(decision.seg_id)
+        raise StoreRequestError(f"unknown maintenance decision {type(decision).__name__}")
 
     # ----------------------------------------------------------------- limits, documents, stats
 

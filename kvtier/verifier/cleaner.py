@@ -11,11 +11,11 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
-from kvtier.store import DiskStore, IndexEntry, RecordState, StoreLimits, parse_segment_name
+from kvtier.store import DiskStore, DropIf, RecordState, StoreLimits, encode_key, parse_segment_name
 from kvtier.verifier.checks import NamespaceView
 from kvtier.verifier.inventory import Inventory
 from kvtier.verifier.policy import Candidate, plan_eviction
@@ -75,14 +75,17 @@ class Cleaner:
             return
         namespaces.refresh()
         gone = [(k, seq) for k, seq in stale if (ns := namespaces.entries.get(k.namespace)) is None or not ns.live]
-        self.actions["retired"] += self._drop(gone, lambda e, seq: e is not None and e.seq == seq)
+        self.actions["retired"] += self._drop([DropIf(encode_key(k), seq) for k, seq in gone])
 
     def drop_expired_quarantine(self, candidates: list[Candidate], now: float) -> list[Candidate]:
         """Drop quarantined records older than the retention; returns the candidates still indexed."""
         cutoff = now - self.settings.quarantine_retention_s
         expired = [c for c in candidates if c.quarantined and c.quarantined_at <= cutoff]
         if expired:
-            self.actions["quarantine_dropped"] += self._drop([(c.key, c.seq) for c in expired], _still_quarantined)
+            quarantined = int(RecordState.QUARANTINED)
+            self.actions["quarantine_dropped"] += self._drop(
+                [DropIf(encode_key(c.key), c.seq, quarantined) for c in expired]
+            )
         gone = {id(c) for c in expired}
         return [c for c in candidates if id(c) not in gone]
 
@@ -103,20 +106,9 @@ class Cleaner:
         )
         if not victims:
             return
-        planned = {c.key: c for c in victims}
-
-        def accept(key: ObjectKey, e: IndexEntry | None) -> bool:
-            """Still the record that was planned, and not pinned since unless it was planned as a pinned victim."""
-            c = planned[key]
-            if e is None or e.seq != c.seq:
-                return False
-            if c.quarantined:
-                return e.state is RecordState.QUARANTINED
-            return e.state is RecordState.LIVE and (e.pin_until <= time.time() or c.pinned(now))
-
         for start in range(0, len(victims), self.settings.batch_records):
             batch = victims[start : start + self.settings.batch_records]
-            dropped = self.store.evict([c.key for c in batch], when=accept)
+            dropped = self.store.drop_if([_evict_if(c, now) for c in batch], tombstone=True)
             self.actions["evicted"] += dropped
         log.info(
             "evicted up to %d records (%d bytes) to stay within %s",
@@ -133,14 +125,10 @@ class Cleaner:
         if n:
             self.actions["tombstones_pruned"] += n
 
-    def _drop(self, keyed: Sequence[tuple[ObjectKey, int]], accept: Callable[[IndexEntry | None, int], bool]) -> int:
-        seqs = dict(keyed)
-        n = 0
+    def _drop(self, items: Sequence[DropIf]) -> int:
+        """Drop in bounded batches (each one short write transaction, here or in the daemon)."""
         step = self.settings.batch_records
-        for start in range(0, len(keyed), step):
-            batch = [k for k, _ in keyed[start : start + step]]
-            n += self.store.drop(batch, when=lambda key, e: accept(e, seqs[key]))
-        return n
+        return sum(self.store.drop_if(items[start : start + step]) for start in range(0, len(items), step))
 
     # -- bytes ----------------------------------------------------------------------------------------
 
@@ -214,8 +202,11 @@ class Cleaner:
                 self.actions["segments_unlinked"] += 1
 
 
-def _still_quarantined(e: IndexEntry | None, seq: int) -> bool:
-    return e is not None and e.state is RecordState.QUARANTINED and e.seq == seq
+def _evict_if(c: Candidate, now: float) -> DropIf:
+    """Evict the record the plan chose only if it is still that record in the state planned, and not pinned since
+    (unless it was planned as a pinned victim)."""
+    state = RecordState.QUARANTINED if c.quarantined else RecordState.LIVE
+    return DropIf(encode_key(c.key), c.seq, int(state), pinned_ok=c.quarantined or c.pinned(now))
 
 
 class _CompactionWork:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from kvtier.core.errors import KvtierError
 from kvtier.core.verifier_status import PARENT_PID_ENV
-from kvtier.store import INDEX_DIR, DiskStore, StoreConfig, StoreError
+from kvtier.store import INDEX_DIR, DecisionClient, DiskStore, StoreConfig, StoreError, applier_pid
 from kvtier.verifier.errors import StoreNotFound
 from kvtier.verifier.priority import lower_priority
 from kvtier.verifier.settings import VerifierSettings, settings_from_config
@@ -34,15 +34,25 @@ def store_exists(root: str | Path) -> bool:
 
 
 def open_store(root: str | Path, *, readonly: bool = False) -> DiskStore:
-    """A non-writer store for maintenance or audit: O_DIRECT reads where the filesystem allows, else buffered."""
+    """A non-writer store for maintenance or audit: O_DIRECT reads where the filesystem allows, else buffered.
+
+    For maintenance beside a running daemon (its decision applier is live), the index is opened read-only and
+    every change is sent to the daemon (`kvtier.store.decisions`): this process never holds the index's write
+    lock, so stopping it at any moment delays no write of the daemon's. With no daemon it writes itself."""
     if not store_exists(root):
         raise StoreNotFound(f"no kvtier store at {root} (no {INDEX_DIR}/): pass the --store the daemon uses")
+    daemon = None if readonly else applier_pid(str(root))
+    decisions = DecisionClient(str(root)) if daemon is not None else None
+    if decisions is not None:
+        log.info("the daemon (pid %d) applies this process's index changes", daemon)
     try:
-        return DiskStore(str(root), StoreConfig(io_backend="odirect", io_threads=1), readonly=readonly)
+        config = StoreConfig(io_backend="odirect", io_threads=1)
+        return DiskStore(str(root), config, readonly=readonly, decisions=decisions)
     except StoreError as exc:
         if "O_DIRECT" not in str(exc):
             raise
-        return DiskStore(str(root), StoreConfig(io_backend="buffered", io_threads=1), readonly=readonly)
+        config = StoreConfig(io_backend="buffered", io_threads=1)
+        return DiskStore(str(root), config, readonly=readonly, decisions=decisions)
 
 
 def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> VerifierSettings:

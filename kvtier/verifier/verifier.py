@@ -100,6 +100,7 @@ class Verifier:
         """Until request_stop(): verify new records, sweep, maintain; sleep on hints or the poll interval."""
         hints = SegmentHints(self._seg_dir, self.wake)
         hints.start()
+        self._save(force=True)  # a first heartbeat before the first step, which may be long (a maintenance pass)
         try:
             while not self.stop_event.is_set():
                 try:

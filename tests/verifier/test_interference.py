@@ -19,7 +19,11 @@ from support.verifier_helpers import REPO
 @pytest.mark.alone  # its p99 ratio is a latency another worker's test would move
 def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None:
     res = subprocess.run(
-        [sys.executable, "bench/verifier.py", "--quick"], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "bench/verifier.py", "--quick", "--only", "reads"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -31,3 +35,20 @@ def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None
     assert doc["windows"] >= 24 and actions["verified"] >= doc["records"] // 2 and actions["evicted"] > 0
     assert actions["relocated"] > 0 and actions["segments_unlinked"] > 0 and actions.get("quarantined", 0) == 0
     assert doc["window_p99_median_ratio"] <= 1.5, doc
+    assert doc["index_writer"].startswith("applier") and doc["breakdown"]["index_changes_applied"] > 0, doc
+
+
+@pytest.mark.alone  # latencies another worker's test would move
+def test_durable_offloads_through_the_daemon_while_its_verifier_is_stopped_at_random() -> None:
+    """bench/verifier_offloads.py --quick: a real daemon, its verifier evicting and stopped at random, two CPU hogs;
+    nothing acknowledged is lost, and no offload waits anywhere near a stop's length of 1 s (a sanity bound: the
+    bench measures the ratio to the control)."""
+    res = subprocess.run(
+        [sys.executable, "bench/verifier_offloads.py", "--quick"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["errors"] == 0 and doc["acknowledged_objects"] > 0 and doc["acknowledged_lost"] == 0, doc
+    assert doc["random_stops"] > 0 and doc["verifier_actions"].get("evicted", 0) > 0, doc
+    assert doc["stopping"]["n"] > 0 and doc["control"]["n"] > 0, doc
+    assert doc["stopping"]["max_ms"] < 2000, doc

@@ -1,0 +1,349 @@
+"""Durable offloads through a real daemon while its supervised verifier evicts and compacts (bench/verifier.py's
+`durable_offloads` section; run alone it prints the same JSON object).
+
+The store is built first with more records than the daemon's budget allows, in small sealed segments, so the
+verifier has eviction and compaction to do once the daemon starts it. An engine stand-in offloads new prefixes
+with `durable=True` in a loop and times each call at the client, while two CPU hogs at normal priority keep the
+CPUs busy. Windows alternate ABBA between two sides:
+
+- `stopping`: the verifier runs, and is SIGSTOPped at random moments for random spans (whatever it is doing);
+- `control`: the verifier is stopped for the whole window, once every thread of it has stopped (a verifier
+  stopped between two of its transactions).
+
+Windows are added (up to three times `--windows`) until the verifier has relocated records, since it compacts
+at its maintenance passes, 30 s apart. Reported per side: p50 / p99 / max of the offloads' latency, and the
+stopping side's over the control's (`all_durable`: the same over the calls all of whose objects were stored; the
+rest were refused while the store was over its budget, which the verifier being stopped makes more likely).
+After the windows the daemon is killed with SIGKILL and the store reopened: every object acknowledged durable
+must be there, as a record or, if the cleaner evicted it, as its eviction tombstone (`acknowledged_lost`, must
+be 0).
+
+    python bench/verifier_offloads.py [--quick] [--windows W] [--window-s S] [--records N] [--size BYTES]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvtier.client import Client  # noqa: E402
+from kvtier.core import CacheForm, VersionKey  # noqa: E402
+from kvtier.core.forms import GroupKind  # noqa: E402
+from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
+from kvtier.core.tier import ObjectKey  # noqa: E402
+from kvtier.store import DiskStore, StoreConfig  # noqa: E402
+
+VK = VersionKey("bench-verifier-offloads", "w0", "abi", "comp", "idx", "fp8")
+HOG = "while True: pass"
+
+
+def build(root: str, n: int, size: int, segment_bytes: int) -> int:
+    """n records in sealed segments of `segment_bytes`, every third pinned (eviction leaves the segments mostly
+    dead, so the cleaner compacts them, relocating the pinned records); returns their record bytes."""
+    with DiskStore(root, StoreConfig(segment_bytes=segment_bytes), writer=True) as s:
+        ns = s.register_namespace(VK)
+        forms = (CacheForm.COMPRESSED, CacheForm.SWA, CacheForm.INDEXER)
+        pinned = []
+        for i in range(n):
+            form = forms[i % 3]
+            k = ObjectKey(ns, xxhash.xxh3_128_digest(f"r{i}".encode()), form.value[:8], form)
+            s.store(k, torch.from_numpy(np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)), b"B" * 16)
+            if i % 3 == 1:
+                pinned.append(k)
+        s.pin(pinned, 3600.0)
+        return int(s.stats()["record_bytes"])
+
+
+def _caches(profile: ModelProfile, n_blocks: int, fill: int) -> dict[str, dict[int, torch.Tensor]]:
+    h = profile.hash_block_tokens
+    out = {}
+    for g in profile.groups:
+        obj = torch.full((g.object_bytes(h),), fill % 251, dtype=torch.uint8)
+        first = 0 if g.kind is GroupKind.HISTORY else max(0, n_blocks - g.blocks_needed(h))
+        out[g.name] = {b: obj for b in range(first, n_blocks)}
+    return out
+
+
+def _start_daemon(tmp: Path, budget: int) -> tuple[subprocess.Popen[bytes], Path, socket.socket]:
+    sock_path, cfg = tmp / "kvtier.sock", tmp / "kvtier.toml"
+    cfg.write_text(
+        'device = "cpu"\nprofiles = ["ref-tiny"]\npersist_queue_depth = 100000\n'
+        f'[server]\nsocket = "{sock_path}"\n[store]\nroot = "{tmp / "store"}"\nbudget_bytes = {budget}\n'
+        '[pool.budget_bytes]\ncompressed = "8MiB"\nindexer = "4MiB"\ntail = "8MiB"\nswa = "8MiB"\n'
+        '[verifier]\nmode = "supervise"\nsweep_interval_s = 1\nhung_after_s = 20\nrate_bytes_per_s = 33554432\n'
+        '[metrics]\naddress = ""\n'
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = tmp / "notify.sock"
+    notify.bind(str(notify_path))
+    notify.settimeout(120)
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONPATH=str(ROOT))
+    log = open(tmp / "daemon.log", "wb")  # noqa: SIM115  (the daemon writes it until it exits)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(cfg)], env=env, stdout=log, stderr=log
+    )
+    while b"READY=1" not in notify.recv(4096):
+        pass
+    return proc, sock_path, notify
+
+
+def _signal(pid: int, signum: int) -> bool:
+    """Signal the verifier; False if it is gone (the supervisor restarted it since its pid was read)."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of `pid` is stopped (a thread in a disk I/O stops once it is done)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # it was killed meanwhile
+            return
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if all(s in "tT" for s in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"verifier pid {pid} did not stop within {timeout_s}s")
+
+
+class Offloader:
+    """One engine stand-in: durable offloads of new prefixes in a loop, each timed and labelled by window."""
+
+    def __init__(self, sock: Path, profile: ModelProfile, blocks: int) -> None:
+        self.client = Client(sock)
+        self.client.attach(profile.name)
+        self.profile, self.blocks = profile, blocks
+        self.label: str | None = None
+        self.samples: dict[str, list[float]] = {"stopping": [], "control": []}
+        self.persisted: dict[str, list[float]] = {"stopping": [], "control": []}  # calls whose objects all were
+        self.acked_objects = self.not_durable = self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        h = self.profile.hash_block_tokens
+        seed = 0
+        while not self._stop.is_set():
+            seed += 1
+            tokens = np.random.default_rng(10_000 + seed).integers(0, 50_000, size=self.blocks * h, dtype=np.int64)
+            caches = _caches(self.profile, self.blocks, seed)
+            label = self.label
+            t0 = time.perf_counter()
+            try:
+                rep = self.client.offload(tokens, caches, durable=True)
+            except Exception:
+                self.errors += 1
+                continue
+            dt = time.perf_counter() - t0
+            self.acked_objects += rep.durable
+            self.not_durable += rep.not_durable
+            if label is not None and label == self.label:
+                self.samples[label].append(dt)
+                if rep.persisted:
+                    self.persisted[label].append(dt)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+
+def _stopper(pid_of, stop: threading.Event, active: threading.Event, rng: random.Random, counts: list[int]) -> None:
+    """While `active`: SIGSTOP the verifier at a random moment for a random span, again and again."""
+    while not stop.is_set():
+        time.sleep(rng.uniform(0.02, 0.4))
+        pid = pid_of()
+        if not active.is_set() or pid is None:
+            continue
+        if not _signal(pid, signal.SIGSTOP):
+            continue
+        counts[0] += 1
+        time.sleep(rng.uniform(0.02, 0.5))  # the span of the stop
+        if active.is_set():
+            _signal(pid, signal.SIGCONT)
+
+
+def _stats(xs: list[float]) -> dict:
+    a = np.asarray(xs) * 1e3
+    if not len(a):
+        return {"n": 0}
+    return {
+        "n": len(a),
+        "p50_ms": round(float(np.percentile(a, 50)), 2),
+        "p99_ms": round(float(np.percentile(a, 99)), 2),
+        "max_ms": round(float(a.max()), 2),
+    }
+
+
+def _present_or_tombstoned(root: str, namespace: bytes) -> int:
+    """Keys of `namespace` that are records or eviction tombstones in the store's index."""
+    with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
+        index = s.index
+        with index.read() as txn:
+            n = 0
+            for db in (index.obj, index.gone):
+                if db is None:
+                    continue
+                cur = txn.cursor(db=db)
+                more = cur.set_range(namespace)
+                while more and bytes(cur.key()).startswith(namespace):
+                    n += 1
+                    more = cur.next()
+        return n
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-offloads-", dir=args.root))
+    root = str(work / "store")
+    profile = load_profile("ref-tiny")
+    hogs: list[subprocess.Popen[bytes]] = []
+    proc = notify = None
+    try:
+        record_bytes = build(root, args.records, args.size, args.segment_bytes)
+        budget = int(record_bytes * 0.6)  # the verifier evicts, then compacts the half-dead segments, at once
+        proc, sock, notify = _start_daemon(work, budget)
+        with Client(sock) as watch:
+            deadline = time.monotonic() + 120
+            while not ((v := watch.stats().verifier).running and v.pid == v.verifier_pid):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the supervised verifier did not start")
+                time.sleep(0.05)
+            with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
+                ns = next(n for n, e in s.namespaces().items() if e.version_key != VK)
+
+            def verifier_pid() -> int | None:
+                v = watch.stats().verifier
+                return v.pid if v.state == "running" else None
+
+            hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
+            off = Offloader(sock, profile, args.blocks)
+            off.start()
+            stop_stopper, active, counts = threading.Event(), threading.Event(), [0]
+            stopper = threading.Thread(
+                target=_stopper, args=(verifier_pid, stop_stopper, active, random.Random(43), counts), daemon=True
+            )
+            stopper.start()
+            windows = 0
+            try:
+                compacted = False
+                # more ABBA groups (up to 3x the windows) until the verifier has compacted: it compacts at its
+                # maintenance passes, 30 s apart, so it may not have by the windows' end
+                while windows < args.windows or (not compacted and windows < 3 * args.windows):
+                    for label in ("control", "stopping", "stopping", "control"):
+                        off.label = None
+                        pid = verifier_pid()
+                        if label == "stopping":
+                            if pid is not None:
+                                _signal(pid, signal.SIGCONT)
+                            active.set()
+                        else:
+                            active.clear()
+                            time.sleep(0.55)  # the stopper's last stop has ended (it lasts at most 0.5 s)
+                            if pid is not None and _signal(pid, signal.SIGSTOP):
+                                _wait_stopped(pid)
+                        off.label = label
+                        time.sleep(args.window_s)
+                        windows += 1
+                    compacted = watch.stats().verifier.actions.get("relocated", 0) > 0
+                off.label = None
+            finally:
+                active.clear()
+                stop_stopper.set()
+                stopper.join()
+                if (pid := verifier_pid()) is not None:
+                    _signal(pid, signal.SIGCONT)
+                off.stop()
+            doc = watch.stats()
+        for h in hogs:
+            h.kill()
+        proc.kill()  # kill -9: what was acknowledged durable must be in the store
+        proc.wait()
+        kept = _present_or_tombstoned(root, ns)
+        stopping, control = _stats(off.samples["stopping"]), _stats(off.samples["control"])
+        stopping["all_durable"], control["all_durable"] = (_stats(off.persisted[k]) for k in ("stopping", "control"))
+        ratio = {
+            k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")
+        }
+        return {
+            "windows": windows,
+            "window_s": args.window_s,
+            "cpu_hogs": args.hogs,
+            "blocks_per_offload": args.blocks,
+            "random_stops": counts[0],
+            "stopping": stopping,
+            "control": control,
+            "p50_ratio": ratio["p50_ms"],
+            "p99_ratio": ratio["p99_ms"],
+            "max_ratio": ratio["max_ms"],
+            "acknowledged_objects": off.acked_objects,
+            "acknowledged_lost": max(0, off.acked_objects - kept),
+            "not_durable_objects": off.not_durable,
+            "errors": off.errors,
+            "verifier_restarts": doc.verifier.restarts,
+            "verifier_actions": doc.verifier.actions,
+        }
+    finally:
+        for h in hogs:
+            h.kill()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if notify is not None:
+            notify.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}windows", type=int, default=24, help="windows, in ABBA groups of 4")
+    p.add_argument(f"--{prefix}window-s", type=float, default=1.5)
+    p.add_argument(f"--{prefix}records", type=int, default=3000, help="records built before the daemon starts")
+    p.add_argument(f"--{prefix}size", type=int, default=60_000)
+    p.add_argument(f"--{prefix}segment-bytes", type=int, default=4 << 20)
+    p.add_argument(f"--{prefix}blocks", type=int, default=2, help="blocks per durable offload")
+    p.add_argument(f"--{prefix}hogs", type=int, default=2, help="CPU hogs at normal priority")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--root", default=None)
+    if "--quick" in sys.argv[1:]:
+        p.set_defaults(windows=8, window_s=1.0, records=1200)
+    print(json.dumps(run(p.parse_args())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The channel the verifier's decisions take to the daemon (kvtier.store.channel), on a real store: applied in the
+applier's own transactions, conditional on what the sender saw, answered with why when they cannot be, and
+never waited on by the sender once no applier holds the lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier.core import Reason
+from kvtier.store import (
+    DaemonUnavailable,
+    DecisionClient,
+    DecisionServer,
+    DiskStore,
+    DropIf,
+    RecordState,
+    StoreError,
+    encode_key,
+)
+from kvtier.store.channel import applier_pid, spool_dir
+from kvtier.store.decisions import Drop, Quarantine
+from kvtier.store.errors import QuarantineReason
+from support.store_helpers import DIGEST, VK, make_key, make_payload
+
+
+@pytest.fixture
+def served(tmp_path):
+    root = str(tmp_path / "store")
+    store = DiskStore(root, writer=True)
+    ns = store.register_namespace(VK)
+    keys = [make_key(ns, f"d{i}") for i in range(4)]
+    store.store_many([(k, make_payload(f"d{i}", 1000), DIGEST) for i, k in enumerate(keys)])
+    server = DecisionServer(root, store.apply_decision)
+    server.start()
+    yield root, store, server, keys
+    server.stop()
+    store.close()
+
+
+def test_decisions_are_applied_only_to_the_records_the_sender_saw(served) -> None:
+    root, store, server, keys = served
+    client = DecisionClient(root)
+    seq = {r.key: r.entry.seq for r in store.records(keys)}
+    stale = DropIf(encode_key(keys[0]), seq[keys[0]] + 1)  # a record that changed since it was seen
+    live = int(RecordState.LIVE)
+    assert client.send(Drop([stale, DropIf(encode_key(keys[1]), seq[keys[1]], live)], tombstone=True)) == 1
+    assert client.send(Quarantine(encode_key(keys[2]), int(QuarantineReason.PAYLOAD))) is True
+    assert store.has(keys, [DIGEST] * 4) == [Reason.OK, Reason.EVICTED, Reason.CORRUPT, Reason.OK]
+    assert server.applied == 2 and server.failed == 0
+    assert not [n for n in os.listdir(spool_dir(root)) if n != "applier.lock"]  # request and reply both gone
+
+
+def test_an_unreadable_request_is_answered_and_the_applier_goes_on(served) -> None:
+    root, _, _, keys = served
+    client = DecisionClient(root)
+    name = f"{os.getpid()}-999999999999"
+    with open(os.path.join(spool_dir(root), name + ".req"), "wb") as f:
+        f.write(b"\xc1 not msgpack")
+    deadline = time.monotonic() + 10
+    while not os.path.exists(os.path.join(spool_dir(root), name + ".rep")):
+        assert time.monotonic() < deadline, "the applier never answered"
+        time.sleep(0.01)  # polling a condition with a deadline
+    os.unlink(os.path.join(spool_dir(root), name + ".rep"))
+    with pytest.raises(StoreError, match="could not apply"):
+        client.send(Quarantine(b"\0" * 3, 1))  # a key that does not decode: answered with why, not applied
+    assert client.send(Quarantine(encode_key(keys[3]), int(QuarantineReason.PAYLOAD))) is True
+
+
+def test_what_a_dead_sender_left_is_removed_at_start(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    DiskStore(root, writer=True).close()
+    os.makedirs(spool_dir(root))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = [f".{dead.stdout.strip()}-000000000001", f"{dead.stdout.strip()}-000000000002.rep"]
+    for name in left:
+        open(os.path.join(spool_dir(root), name), "wb").close()
+    with DiskStore(root, writer=True) as store:
+        server = DecisionServer(root, store.apply_decision)
+        server.start()
+        try:
+            assert not set(left) & set(os.listdir(spool_dir(root)))
+        finally:
+            server.stop()
+
+
+def test_a_sender_with_no_applier_is_told_so_not_left_waiting(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    DiskStore(root, writer=True).close()
+    os.makedirs(spool_dir(root))
+    assert applier_pid(root) is None
+    client = DecisionClient(root, timeout_s=30.0)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable):
+        client.send(Quarantine(b"k", 1))
+    assert time.monotonic() - t0 < 5.0  # the applier's lock is probed, not the deadline waited out
+    assert not [n for n in os.listdir(spool_dir(root)) if n.endswith(".req")]  # its request taken back
+
+
+def test_another_process_sees_the_applier_by_its_lock(served) -> None:
+    root, *_ = served
+    code = f"from kvtier.store.channel import applier_pid; print(applier_pid({root!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) == os.getpid()
