@@ -23,7 +23,6 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvtier.core.errors import KvtierError
 from kvtier.integrations import vllm_specs
 from kvtier.integrations.engine_identity import (
     ChunkLayout,
@@ -180,7 +179,9 @@ def _selected(
     """vLLM's platform selector's backend per attention kind (full / sliding), or None where it cannot answer.
 
     DeepSeek-V4-style models pick their MLA kernels per platform and cache module, past what the selector
-    answers, so for them this is None."""
+    answers, so for them this is None; so it is for layers the config alone cannot sort into full or sliding
+    attention (Mamba, linear attention): their groups are classified by their specs, and whether they can be
+    served is decided there."""
     if is_dsv4(hf):
         return None
     model = vllm_config.model_config
@@ -199,8 +200,6 @@ def _selected(
             )
             path = current_platform.get_attn_backend_cls(forced, attn_selector_config=selector, num_heads=heads)
             names.append(f"{'swa' if sliding else 'full'}:{path.rsplit('.', 1)[-1]}")
-    except KvtierError:
-        raise
     except Exception:  # vLLM's selectors differ by platform and version: then what the engine forces decides
         return None
     return ",".join(names)
