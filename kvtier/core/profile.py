@@ -254,10 +254,10 @@ def profile_from_dict(data: dict[str, Any], source: str | None = None) -> ModelP
     version_raw = _require(data, "version", "", source)
     if not isinstance(version_raw, dict):
         raise ProfileError("must be a table", field="version", source=source)
-    for name in REQUIRED_FIELDS:
-        value = _require(version_raw, name, "version.", source)
+    for field in REQUIRED_FIELDS:
+        value = _require(version_raw, field, "version.", source)
         if not isinstance(value, str) or not value:
-            raise ProfileError("must be a non-empty string", field=f"version.{name}", source=source)
+            raise ProfileError("must be a non-empty string", field=f"version.{field}", source=source)
     version = VersionKey.from_dict(version_raw)
     groups_raw = _require(data, "groups", "", source)
     if not isinstance(groups_raw, list) or not groups_raw:

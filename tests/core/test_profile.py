@@ -105,3 +105,10 @@ def test_forms_have_fixed_kinds() -> None:
     assert "on_disk" not in {f.value for f in CacheForm}  # a residence, not a form
     with pytest.raises(ProfileError):
         profile_from_dict(_mutated("ref-tiny", lambda d: d["groups"][1].update(form="on_disk")))
+
+
+@pytest.mark.parametrize("name", ["ref-tiny", "deepseek-v4-flash"])
+def test_a_bundled_profile_keeps_its_name_and_version_key(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.name == name
+    assert profile.version.engine_config == "" and "engine_config" not in profile.version.to_dict()
