@@ -305,13 +305,15 @@ def run(args: argparse.Namespace) -> dict:
                 not args.until_worked or _worked(actions, args.records) or windows >= 4 * args.windows
             ):
                 break
+        # The readers first: the idle-priority verifier cannot run its exit while they hold the CPUs. Then the
+        # verifier, before the applier: its last decisions (its status, sealing its segment) still find it.
+        readers.stop()
         os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()  # first: its last decisions (its status, sealing its segment) still find the applier
+        proc.terminate()
         proc.wait(timeout=60)
         if server is not None:
             server.stop()
             server = None
-        readers.stop()
         w, wo = ([x for window in readers.samples[k] for x in window] for k in ("with", "without"))
         wp99, wop99 = (float(np.median([_pct(x, 99) for x in readers.samples[k] if x])) for k in ("with", "without"))
         out = {
