@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -109,14 +108,6 @@ VLLM_EXCLUDED: dict[str, str] = {
     "load_config.safetensors_prefetch_block_size": "how weight files are read: their bytes are digested",
     "load_config.safetensors_prefetch_num_threads": "how weight files are read: their bytes are digested",
 }
-
-
-def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / CONFIG_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise VllmTierError(f"cannot read {path} ({exc}): point model_dir at the checkpoint vLLM loads") from None
 
 
 def resolved_vllm_config(vllm_config: Any) -> dict[str, Any]:
