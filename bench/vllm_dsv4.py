@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the DSV4 groups and the connector's calls
 
-from kvtier.integrations.vllm import KvtierSecondaryTier
+from kvtier.integrations.vllm.tier import KvtierSecondaryTier
 from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, run_job, scan
 from support.vllm_dsv4_model import write_dsv4_checkpoint
 

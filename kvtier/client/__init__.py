@@ -12,8 +12,8 @@ from kvtier.client.client import (
 )
 from kvtier.client.errors import TierFull
 from kvtier.client.tier import TierClient
-from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.errors import NotDurable, StaleHandle
+from kvtier.core.not_durable import NotDurableCause, NotDurableCount
 from kvtier.wire import (
     BadRange,
     DaemonBusy,

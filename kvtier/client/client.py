@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from kvtier.client.pools import MappedPool, map_generations, map_pool
-from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.errors import NotDurable, StaleHandle
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES, block_hashes
+from kvtier.core.not_durable import NotDurableCause, NotDurableCount
 from kvtier.wire import Connection
 from kvtier.wire import errors as E
 from kvtier.wire import messages as P

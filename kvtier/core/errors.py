@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtier.core.acks import NotDurableCount
+    from kvtier.core.not_durable import NotDurableCount
 
 
 class KvtierError(Exception):

@@ -22,26 +22,26 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core.acks import NotDurableCause as Cause
-from kvtier.core.acks import NotDurableCount
 from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import ProfileError
 from kvtier.core.forms import CacheForm, Route
 from kvtier.core.hashing import HASH_BYTES
+from kvtier.core.not_durable import NotDurableCause as Cause
+from kvtier.core.not_durable import NotDurableCount
 from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
+from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.durability import make_durable
-from kvtier.daemon.lower import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
-from kvtier.daemon.room import RoomRequests
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
+from kvtier.daemon.writeback_room import RoomRequests
 from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DecisionServer, DiskStore, PutDoc, StoreConfig
 from kvtier.wire import messages as P

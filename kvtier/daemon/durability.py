@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.core.acks import NotDurableCause as Cause
-from kvtier.core.acks import NotDurableCount
 from kvtier.core.forms import Reason
+from kvtier.core.not_durable import NotDurableCause as Cause
+from kvtier.core.not_durable import NotDurableCount
 from kvtier.core.tier import ObjectKey
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime

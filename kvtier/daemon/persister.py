@@ -12,8 +12,8 @@ import logging
 import threading
 import time
 
-from kvtier.core.acks import NotDurableCause, NotDurableCount
 from kvtier.core.forms import CacheForm
+from kvtier.core.not_durable import NotDurableCause, NotDurableCount
 from kvtier.daemon.runtime import Runtime
 
 log = logging.getLogger(__name__)

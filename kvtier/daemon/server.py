@@ -1,16 +1,15 @@
 """The unix-socket server: a thread per speaking connection, peer credentials, request order, error frames.
 
-A connection never blocks another: until it sends its first bytes the main loop watches it (`kvtier.daemon.lobby`),
-then a thread serves it alone while it lasts (`kvtier.daemon.workers`: threads are kept for later connections,
-not started per connection), the backend is thread-safe, and no lock is held while waiting on a socket (the
-main loop only peeks). What a client can hold is bounded: its first frame must come within
-`hello_timeout_s`, it may idle `idle_timeout_s` between frames, a begun frame must arrive whole (and its
-reply be taken) within `frame_timeout_s`, and the receive buffer grows with the bytes that arrived (never
-the length a header announces) under `max_frame_bytes` per frame and `max_buffered_bytes` over all
-connections. At `max_connections` the oldest connection that has sent nothing yet (no byte waiting) makes
-room, else the new one is answered `busy`. Each connection is an *owner*: when it goes away, for any reason,
-`backend.release_owner(owner)` drops every lease it held. Every reply carries its request's id.
-"""
+A connection never blocks another: until it sends its first bytes the main loop watches it
+(`kvtier.daemon.silent_connections`), then a thread serves it alone while it lasts (`kvtier.daemon.workers`: threads
+are kept for later connections, not started per connection), the backend is thread-safe, and no lock is held while
+waiting on a socket (the main loop only peeks). What a client can hold is bounded: its first frame must come within
+`hello_timeout_s`, it may idle `idle_timeout_s` between frames, a begun frame must arrive whole (and its reply be
+taken) within `frame_timeout_s`, and the receive buffer grows with the bytes that arrived (never the length a header
+announces) under `max_frame_bytes` per frame and `max_buffered_bytes` over all connections. At `max_connections` the
+oldest connection that has sent nothing yet (no byte waiting) makes room, else the new one is answered `busy`. Each
+connection is an *owner*: when it goes away, for any reason, `backend.release_owner(owner)` drops every lease it
+held. Every reply carries its request's id."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ from pathlib import Path
 from kvtier import __version__
 from kvtier.core.config import ServerConfig
 from kvtier.core.errors import KvtierError
-from kvtier.daemon.lobby import Lobby, Waiting
 from kvtier.daemon.session import Backend, Peer, Session
+from kvtier.daemon.silent_connections import Lobby, Waiting
 from kvtier.daemon.workers import Workers
 from kvtier.wire import framing as F
 from kvtier.wire import messages as P

@@ -10,7 +10,7 @@ Contract (`Workers(target, name)`):
 
 Why not a thread per connection: `Thread.start()` returns only once the new thread has run, and under load that
 waits for it to win the GIL from the busy connection threads; the accept loop waited so for every connection
-(see `kvtier.daemon.lobby` for what that cost under a flood of connects). A worker reused for the next
+(see `kvtier.daemon.silent_connections` for what that cost under a flood of connects). A worker reused for the next
 connection starts nothing.
 """
 

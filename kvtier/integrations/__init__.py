@@ -1,2 +1,3 @@
-"""Engine plug-ins. `kvtier.integrations.vllm` is imported only by vLLM's tier factory (it and `vllm_specs` import
-vLLM); `engine_identity` and `kv_groups` are plain Python and import anywhere."""
+"""Engine plug-ins. `vllm` and `sglang` are the two engines' subpackages: their `tier`/`backend` modules import
+the engine and are imported only by the engine's own factory; the rest (identity, groups, pools) is plain Python
+and imports anywhere. The modules here are shared by both."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvtier.core.acks import NotDurableCount
+from kvtier.core.not_durable import NotDurableCount
 from kvtier.wire.errors import ProtocolError, UnknownOp, WrongType
 from kvtier.wire.stats import NamespaceStats, StatsDoc
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvtier.client import Client, NotDurable, StaleHandle
-from kvtier.core.acks import NotDurableCause
 from kvtier.core.forms import Route
+from kvtier.core.not_durable import NotDurableCause
 from kvtier.core.profile import load_profile
 from kvtier.wire import messages as P
 from support.boundary import fill_until_stale, start_reserver, write_into_sealed_slot

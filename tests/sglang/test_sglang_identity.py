@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.integrations.sglang_identity import EXCLUDED
-from kvtier.integrations.sglang_pools import SglangStorageError
+from kvtier.integrations.sglang.identity import EXCLUDED
+from kvtier.integrations.sglang.pools import SglangStorageError
 from support.daemon import DaemonProc
 from support.sglang_pools import (  # first: it skips this module unless SGLang imports
     FakePagedPool,
@@ -222,7 +222,7 @@ def test_audit_json_shows_the_resolved_identity(tmp_path: Path, qwen: Path) -> N
 def test_every_exclusion_names_a_field_sglang_resolves(qwen: Path) -> None:
     """The exclusion table is about SGLang 0.5.23's real fields: a stale name would exclude nothing."""
     from kvtier.integrations.resolved_config import canonical
-    from kvtier.integrations.sglang import _resolved_engine
+    from kvtier.integrations.sglang.backend import _resolved_engine
 
     launch(qwen)
     server_args, model_config = _resolved_engine()

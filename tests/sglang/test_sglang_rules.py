@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.forms import CacheForm
-from kvtier.integrations.sglang_pools import PoolPlan, PoolQuery, SglangStorageError, hit_pages, pool_form
+from kvtier.integrations.sglang.pools import PoolPlan, PoolQuery, SglangStorageError, hit_pages, pool_form
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_docs_list_every_exclusion() -> None:
     """docs/sglang.md's table of left-out fields is the code's: every excluded path is named there."""
     from pathlib import Path
 
-    from kvtier.integrations.sglang_identity import EXCLUDED
+    from kvtier.integrations.sglang.identity import EXCLUDED
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
     missing = [path for path in EXCLUDED if f"`{path}`" not in doc]

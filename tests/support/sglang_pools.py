@@ -85,7 +85,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.utils.hf_transformers.config import get_config  # noqa: E402
 
 # re-exported for the tests: it imports SGLang, so it comes after the skip above
-from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402, F401
+from kvtier.integrations.sglang.backend import KvtierHiCacheStorage  # noqa: E402, F401
 
 PAGE = 256
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES

@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
-from kvtier.integrations.vllm import KvtierSecondaryTier
+from kvtier.integrations.vllm.tier import KvtierSecondaryTier
 from support.vllm_dsv4_model import LAYERS, RATIOS
 
 INDEXER_ROW = 132  # fp8 indexer key: 128 B + 4 B scale

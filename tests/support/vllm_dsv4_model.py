@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvtier.integrations.kv_groups import EngineGroup
+from kvtier.integrations.vllm.groups import EngineGroup
 
 LAYERS = 43
 RATIOS = [0, 0] + [4, 128] * 20 + [4]  # 21 C4 + 20 C128 layers; the first two are SWA only

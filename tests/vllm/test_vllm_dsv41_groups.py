@@ -1,4 +1,4 @@
-"""vLLM's KV cache groups classified by their cache specs (kvtier.integrations.vllm_specs + kv_groups).
+"""vLLM's KV cache groups classified by their cache specs (kvtier.integrations.vllm.specs + groups).
 
 The specs are vLLM's own: built by its DeepSeek-V4 and V4.1 cache classes (support/vllm_dsv4.py,
 support/vllm_dsv41.py), grouped by `get_kv_cache_groups`, laid out by `get_kv_cache_config_from_groups`, the
@@ -34,8 +34,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvtier.core.forms import CacheForm  # noqa: E402
 from kvtier.integrations.errors import VllmTierError  # noqa: E402
-from kvtier.integrations.kv_groups import EngineGroup, LayerSpec, plan_groups  # noqa: E402
-from kvtier.integrations.vllm_specs import engine_groups, layer_spec  # noqa: E402
+from kvtier.integrations.vllm.groups import EngineGroup, LayerSpec, plan_groups  # noqa: E402
+from kvtier.integrations.vllm.specs import engine_groups, layer_spec  # noqa: E402
 from support.vllm_dsv4 import dsv4_layer_specs  # noqa: E402
 from support.vllm_dsv4_model import dsv4_config, write_dsv4_checkpoint  # noqa: E402
 from support.vllm_dsv41 import dsv41_layer_specs  # noqa: E402

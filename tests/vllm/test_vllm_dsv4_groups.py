@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.forms import CacheForm
-from kvtier.integrations.engine_identity import IN_ENGINE_CONFIG, ChunkLayout, derive_identity
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, dsv4_layer_kind, plan_groups
 from kvtier.integrations.resolved_config import digest
+from kvtier.integrations.vllm.groups import EngineGroup, dsv4_layer_kind, plan_groups
+from kvtier.integrations.vllm.identity import IN_ENGINE_CONFIG, ChunkLayout, derive_identity
 from support.vllm_dsv4_model import LAYERS, dsv4_config, dsv4_groups, write_dsv4_checkpoint
 
 LAYOUT = ChunkLayout("fp8_ds_mla", "BLHNC", 1003520, 1003520, 1, 4, "agnostic;replicated=1;canonical=0")

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from kvtier.core.checkvector import usable_hit
 from kvtier.core.forms import CacheForm
-from kvtier.integrations.engine_identity import VLLM_EXCLUDED, ChunkLayout, derive_identity, weights_digest
+from kvtier.integrations.checkpoint import weights_digest
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, in_complete_window, plan_groups
+from kvtier.integrations.vllm.groups import EngineGroup, GroupPlan, in_complete_window, plan_groups
+from kvtier.integrations.vllm.identity import VLLM_EXCLUDED, ChunkLayout, derive_identity
 from kvtier.store import DiskStore
 
 GEMMA2 = {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}

@@ -37,8 +37,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
 from kvtier.core.forms import Reason  # noqa: E402
 from kvtier.integrations.errors import VllmTierError  # noqa: E402
-from kvtier.integrations.vllm import KvtierSecondaryTier  # noqa: E402
-from kvtier.integrations.vllm import log as tier_log  # noqa: E402
+from kvtier.integrations.vllm.tier import KvtierSecondaryTier  # noqa: E402
+from kvtier.integrations.vllm.tier import log as tier_log  # noqa: E402
 from kvtier.store import QuarantineReason  # noqa: E402
 from support.vllm_engine_run import engine_kwargs  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402

@@ -33,12 +33,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.integrations.checkpoint import weights_digest
 from kvtier.integrations.daemon_store import DaemonStore
-from kvtier.integrations.engine_identity import weights_digest
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.sglang_identity import identity_document, server_args_tree, version_key
-from kvtier.integrations.sglang_pools import ANCHOR, PoolPlan, PoolQuery, SglangStorageError, hit_pages, pool_form
-from kvtier.integrations.sglang_writer import BoundedWriter, Item
+from kvtier.integrations.sglang.identity import identity_document, server_args_tree, version_key
+from kvtier.integrations.sglang.pools import ANCHOR, PoolPlan, PoolQuery, SglangStorageError, hit_pages, pool_form
+from kvtier.integrations.sglang.writer import BoundedWriter, Item
 from kvtier.store import DiskStore, StoreConfig, StoreLocked
 
 log = logging.getLogger("sglang.kvtier")

@@ -1,7 +1,7 @@
 """vLLM KV cache groups as kvtier groups: history forms (every chunk from 0) or state forms (a trailing window).
 
 The rule is read off each group's cache spec where the caller has vLLM's `KVCacheConfig`
-(`integrations/vllm_specs.py` turns its specs into `LayerSpec`s): a spec that keeps a block for every
+(`integrations/vllm/specs.py` turns its specs into `LayerSpec`s): a spec that keeps a block for every
 token is history, whatever its compression ratio or sharing; a sliding-window spec is a state form with
 the spec's window; a spec vLLM does not key by prefix is refused, naming the layer; any other spec is
 served as a plain "all blocks" history group. So a model vLLM groups in a new way (DeepSeek-V4.1's ratio
@@ -29,7 +29,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """What vLLM's KV cache spec says of one layer's cache, as plain data (vllm_specs.layer_spec builds it)."""
+    """What vLLM's KV cache spec says of one layer's cache, as plain data (specs.layer_spec builds it)."""
 
     family: str  # "attention" (a block per token span), "sliding_window", "chunked_local", "ring", "mamba", "other"
     spec_class: str  # vLLM's spec class, e.g. "MLAAttentionSpec"

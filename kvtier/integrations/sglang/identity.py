@@ -20,7 +20,7 @@ from typing import Any
 from kvtier.core.versions import VersionKey
 from kvtier.integrations.errors import UnrenderableConfig
 from kvtier.integrations.resolved_config import canonical, digest
-from kvtier.integrations.sglang_pools import SglangStorageError
+from kvtier.integrations.sglang.pools import SglangStorageError
 
 # config keys that change what the compressor (and the windows around it) or the indexer write: named
 # apart in the version key for audits; the whole resolved config is in `engine_config` as well.

@@ -3,7 +3,7 @@
 vLLM's offloading config names the groups a secondary tier receives and their layers; its `KVCacheConfig`
 says what each group's layers cache (block size, sliding window, tokens per stored row, page bytes). This
 module copies those spec fields into plain `LayerSpec`s; the rules that turn them into kvtier forms live
-in kv_groups.py, which stays free of vLLM.
+in groups.py, which stays free of vLLM.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, LayerSpec
+from kvtier.integrations.vllm.groups import EngineGroup, LayerSpec
 
 
 def _family(spec: KVCacheSpec) -> str:

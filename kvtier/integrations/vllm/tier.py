@@ -43,8 +43,8 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.key_set import KeySet, ReadPage
-from kvtier.integrations.kv_groups import GroupPlan, in_complete_window
-from kvtier.integrations.vllm_identity import engine_configs, engine_identity
+from kvtier.integrations.vllm.groups import GroupPlan, in_complete_window
+from kvtier.integrations.vllm.resolve import engine_configs, engine_identity
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
 if TYPE_CHECKING:

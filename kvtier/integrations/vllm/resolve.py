@@ -23,16 +23,16 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvtier.integrations import vllm_specs
-from kvtier.integrations.engine_identity import (
+from kvtier.integrations.errors import VllmTierError
+from kvtier.integrations.vllm import specs as vllm_specs
+from kvtier.integrations.vllm.groups import EngineGroup, is_dsv4, layer_kind
+from kvtier.integrations.vllm.identity import (
     ChunkLayout,
     EngineIdentity,
     derive_identity,
     resolved_hf_config,
     resolved_vllm_config,
 )
-from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, is_dsv4, layer_kind
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -100,7 +100,7 @@ def engine_identity(
     """Namespace, group plans and the identity document of one engine, from what it resolved.
 
     With the engine's `kv_cache_config` each group carries its layers' cache specs and is classified by them
-    (vllm_specs.py); without one, by the checkpoint's config as resolved (kv_groups.layer_kind)."""
+    (specs.py); without one, by the checkpoint's config as resolved (groups.layer_kind)."""
     if vllm_config.weight_transfer_config is not None:
         raise VllmTierError(
             "this engine accepts weight updates while it runs (weight_transfer_config): its KV would outlive the "

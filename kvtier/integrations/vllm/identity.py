@@ -13,23 +13,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from kvtier.core.versions import VersionKey
+from kvtier.integrations.checkpoint import weights_digest
 from kvtier.integrations.errors import VllmTierError
-from kvtier.integrations.kv_groups import EngineGroup, GroupPlan, plan_groups
 from kvtier.integrations.resolved_config import canonical, digest
+from kvtier.integrations.vllm.groups import EngineGroup, GroupPlan, plan_groups
 
 log = logging.getLogger("vllm.kvtier")
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-CONFIG_FILE = "config.json"
-_READ_BYTES = 16 << 20
 # The compressor's and indexer's settings are part of the resolved model config, so `engine_config` covers them.
 IN_ENGINE_CONFIG = "in engine_config"
 
@@ -113,37 +108,6 @@ VLLM_EXCLUDED: dict[str, str] = {
 def resolved_vllm_config(vllm_config: Any) -> dict[str, Any]:
     """The identity document of a `VllmConfig`: every field as vLLM resolved it, but `VLLM_EXCLUDED`."""
     return canonical(vllm_config, VLLM_EXCLUDED)
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The files whose bytes fix what the model computes: config.json and the top-level weight files, by name."""
-    files = sorted(
-        p for p in model_dir.iterdir() if p.is_file() and (p.name == CONFIG_FILE or p.name.endswith(WEIGHT_SUFFIXES))
-    )
-    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
-        raise VllmTierError(
-            f"{model_dir} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): "
-            "point model_dir at the checkpoint vLLM loads"
-        )
-    return files
-
-
-def weights_digest(model_dir: Path) -> str:
-    """xxh3-128 over (name, size, bytes) of every checkpoint file, in name order."""
-    started = time.monotonic()
-    h = xxhash.xxh3_128()
-    total = 0
-    buf = bytearray(_READ_BYTES)
-    view = memoryview(buf)
-    for path in checkpoint_files(model_dir):
-        size = path.stat().st_size
-        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-                total += n
-    log.info("kvtier: digested %d checkpoint bytes of %s in %.2f s", total, model_dir, time.monotonic() - started)
-    return f"xxh3_128:{h.hexdigest()}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

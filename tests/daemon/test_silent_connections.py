@@ -8,8 +8,8 @@ import socket
 import time
 from pathlib import Path
 
-from kvtier.daemon.lobby import Lobby
 from kvtier.daemon.session import Peer, Session
+from kvtier.daemon.silent_connections import Lobby
 from kvtier.wire import Connection
 from support.daemon import DaemonProc
 
