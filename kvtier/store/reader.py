@@ -429,12 +429,6 @@ class Reader:
         if device_checksum(out) != entry.device_checksum:
             raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
 
-    def read_record(self, key: ObjectKey, entry: IndexEntry) -> None:
-        """Read and check one record without loading it anywhere (the verifier's check); CorruptRecord if bad."""
-        ((_, exc),) = self.read([ReadJob(0, key, entry, None)], _fill_out)
-        if exc is not None:
-            raise exc
-
     # ----------------------------------------------------------------- segment files
 
     def segment(self, seg_id: int) -> SegmentFile:

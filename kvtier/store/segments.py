@@ -135,9 +135,6 @@ class Appender:
         for file, _ in self._batch.values():
             file.sync()
 
-    def batch_segments(self) -> list[int]:
-        return list(self._batch)
-
     def rewind(self, *, abandon: bool) -> None:
         """Undo the batch's unacknowledged appends; abandon the segment if its sync state is unknown."""
         with self._lock:
