@@ -17,10 +17,11 @@ from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
 from kvtier.store.extent import ExtentPlan, write_extent
+from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.maintenance import Maintenance
-from kvtier.store.reader import AnyHeader, Reader, ReadJob
+from kvtier.store.reader import Reader, ReadJob
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
 from kvtier.store.segments import Appender, allocate_segment, seal_segment, segment_name
 

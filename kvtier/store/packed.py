@@ -12,9 +12,9 @@ Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, 
   into pieces read in parallel). A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError
   before anything is read, as the general path does. From a `LoadBatch` it reads the columns (keys encoded from
   them, targets as pool addresses) and builds a request only for an object it does not serve.
-- `finish()` waits for every read, checks every record as the general path does (not cut short, its header bytes
-  exactly those its key and index entry imply, the header's checksum, the payload's xxh3_128: a large one's over
-  its target, after its tail is copied there) and copies each good small one into its target; returns the encoded
+- `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
+  `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
+  there) and copies each good small one into its target; returns the encoded
   keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
   holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
 - What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
@@ -22,18 +22,17 @@ Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, 
   fails: this path only ever accepts a record, so quarantine and every miss reason stay in one place.
 - `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
 
-Why: a load of small records costs Python steps per record, not disk time. 1,024 random 1 KB records of 20,000,
-cold, on the 2-core VM, eight rounds alternated in one process with the store's buffers warm: 28 µs of the thread's
-CPU a record and 33,400 records/s through the general path, 16-17 µs and 47,200-48,300 records/s here (lookups 6 µs
-a record, planning 1.8, io_submit 2.6, checks and copies 4.5). Runs are planned as the general path's native-AIO
-runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of CHUNK_BYTES so no read is
-longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: the 2-core VM's disk returns what it holds
-together, so the next chunk reads while this thread checks the last. A load holds at most IN_FLIGHT + 1 chunks'
-bounce buffers (those read and the one checked), however many records it asks for. A run ends with each large
-record (its read is bounce bytes, the payload's aligned bulk into the target, the tail into the bounce buffer), so
-no read needs more than three buffers. Large records ride along because the general path after this one is a
-second round of lookups, planning and reads: in a ref-tiny restore (a few 8-16 KB SWA records among hundreds of
-small ones) it cost a daemon's load 0.8-1.25 ms.
+Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups,
+planning, submission, checks and copies of random small records take a fraction of the thread's CPU per record
+that stepping through them does (bench/store.py's small loads measure the objects/s). Runs are planned as the
+general path's native-AIO runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of
+CHUNK_BYTES so no read is longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: a disk that
+returns what it holds together (as virtual disks do) reads the next chunk while this thread checks the last. A load
+holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked), however many records it asks
+for. A run ends with each large record (its read is bounce bytes, the payload's aligned bulk into the target, the
+tail into the bounce buffer), so no read needs more than three buffers. Large records ride along because the general
+path after this one is a second round of lookups, planning and reads, which a ref-tiny restore (a few 8-16 KB SWA
+records among hundreds of small ones) would otherwise pay for a handful of records.
 """
 
 from __future__ import annotations
@@ -56,14 +55,13 @@ from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
-from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, RecordState, encode_key, key_suffix
+from kvtier.store.header_check import expected_headers, headers_good
+from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, encode_key, key_suffix
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
     HEADER_BYTES,
-    HEADER_DTYPE,
     LARGE_PAYLOAD,
-    MAGIC,
     RECORD_ALIGNMENT,
     Codec,
     Flags,
@@ -75,18 +73,9 @@ EARLY_KEYS = 128  # a load's first keys are looked up and their reads sent befor
 RUN_GAP = AIO_RUN_GAP  # records at most this far apart are read together
 DIRECT_MAX = 1 << 20  # the largest payload this path reads straight into its target (larger: the general path's)
 
-_FIXED = HEADER_BYTES - 8  # the header's bytes before its checksum
-_FIXED_WORDS = _FIXED // 8
-_ROW = np.dtype(f"V{RECORD_ALIGNMENT}")
-_HEADER_ROWS = np.arange(HEADER_BYTES // RECORD_ALIGNMENT)
-assert HEADER_BYTES % RECORD_ALIGNMENT == 0 and _FIXED % 8 == 0
 _h64 = xxhash.xxh3_64_intdigest
 _h128 = xxhash.xxh3_128_digest
 _memmove = ctypes.memmove
-
-
-_KEY_PREFIX = np.dtype([("namespace", "V16"), ("block_hash", "V16"), ("form", "u1")])  # encode_key's first bytes
-assert _KEY_PREFIX.itemsize == KEY_PREFIX_BYTES
 
 
 @dataclasses.dataclass(slots=True)
@@ -219,7 +208,7 @@ class PackedLoad:
         """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours`; the numbers of
         records whose segment is gone."""
         files: dict[int, SegmentFile | None] = {}
-        for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma, 15 ms)
+        for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma)
             try:
                 files[seg_id] = self._segment(seg_id)
             except CorruptRecord:  # the general path reads it again and faults it
@@ -264,7 +253,7 @@ class PackedLoad:
             (int(p), targets[i], int(n)) if n else None
             for i, p, n in zip(last.tolist(), payload_at.tolist(), run_bulk.tolist())
         ]
-        expected = _expected_headers(e, raw)
+        expected = expected_headers(e, raw)
         # Chunks: consecutive runs up to CHUNK_BYTES of file (at least one) and a share of the AIO queue.
         sizes = run_size.tolist()
         lo = 0
@@ -337,18 +326,9 @@ class PackedLoad:
             mv = buf.mv
             at_a = chunk.at
             at = at_a.tolist()
-            # Headers start 32-aligned in the buffer (runs start 4096-aligned, records 32-aligned in their file):
-            # gathered as 32-byte rows, five index entries a header where a byte gather takes 160.
-            rows = (at_a // RECORD_ALIGNMENT)[:, None] + _HEADER_ROWS
-            headers = np.frombuffer(mv, _ROW)[rows].view(np.uint8).reshape(-1, HEADER_BYTES)
-            expected = chunk.expected.view(np.uint64).reshape(len(at), -1)
-            good = (
-                (np.asarray(chunk.got)[chunk.run_of] >= chunk.need)
-                & (at_a % RECORD_ALIGNMENT == 0)
-                & (headers.view(np.uint64)[:, :_FIXED_WORDS] == expected[:, :_FIXED_WORDS]).all(axis=1)
-            )
-            sums = np.fromiter((_h64(mv[p : p + _FIXED]) for p in at), np.uint64, len(at))
-            good &= sums == headers.view(HEADER_DTYPE)[:, 0]["checksum"]
+            good = (np.asarray(chunk.got)[chunk.run_of] >= chunk.need) & (at_a % RECORD_ALIGNMENT == 0)
+            whole = np.flatnonzero(good)
+            good[whole] = headers_good(mv, at_a[whole], chunk.expected[whole])
             cand = np.flatnonzero(good)
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
@@ -398,8 +378,8 @@ class _Wanted:
 
 def take_buffers(ctx: StoreContext) -> None:
     """Fault in the bounce buffers a load of this path holds at most (IN_FLIGHT + 1 of CHUNK_BYTES) and leave them
-    in the store's pool, so a long-lived process's first restore does not pay their pages: on the 2-core VM a fresh
-    512 KiB buffer cost 0.5-0.7 ms to touch, and each power-of-two size once sized by the load paid it anew."""
+    in the store's pool, so a long-lived process's first restore does not pay their pages: touching a fresh buffer costs
+    about as much as reading it, and each power-of-two size, once sized by the load, paid it anew."""
     buffers = [ctx.buffers.acquire(CHUNK_BYTES) for _ in range(IN_FLIGHT + 1)]
     for buf in buffers:
         buf.tensor.zero_()
@@ -487,29 +467,6 @@ def _flat_pool(g: TargetGroup) -> bool:
     """Whether slices of the group's pool are the flat, contiguous, non-empty uint8 targets this path needs."""
     t = g.tensor
     return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
-
-
-def _expected_headers(e: np.ndarray, raw: list[bytes]) -> np.ndarray:
-    """Per record, the v2 header its encoded key and index entry imply (as `record.header_bytes` packs it; the
-    checksum field left 0: the check hashes the bytes read)."""
-    n = len(e)
-    h = np.zeros(n, HEADER_DTYPE)
-    prefix = np.frombuffer(b"".join([k[:KEY_PREFIX_BYTES] for k in raw]), _KEY_PREFIX)
-    groups = [k[KEY_PREFIX_BYTES:] for k in raw]
-    h["magic"] = np.void(MAGIC)
-    h["version"] = FORMAT_VERSION
-    h["form"] = prefix["form"]
-    h["codec"] = e["codec"]
-    h["group_len"] = np.fromiter(map(len, groups), np.uint8, n)
-    h["flags"] = e["flags"]
-    h["header_bytes"] = HEADER_BYTES
-    h["namespace"] = prefix["namespace"]
-    h["block_hash"] = prefix["block_hash"]
-    h["layout_digest"] = e["layout_digest"]
-    h["group"] = groups
-    for field in ("payload_len", "stored_len", "created", "payload_checksum", "device_checksum"):
-        h[field] = e[field]
-    return h
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT

@@ -11,34 +11,34 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import lmdb
+import numpy as np
 import torch
 
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey
 from kvtier.store import aio
+from kvtier.store.aio_runs import BounceShare, RunRead, WaveRead
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
+from kvtier.store.header_check import AnyHeader, check_v1, entry_columns, expected_headers, fault, headers_good
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.packed import PackedLoad, take_buffers
 from kvtier.store.record import (
-    FORM_CODES,
     FORMAT_VERSION,
     HEADER_BYTES,
     LARGE_PAYLOAD,
     Codec,
     Flags,
     RecordHeader,
-    header_bytes,
     payload_checksum,
     zstd_decompress_into,
 )
-from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
+from kvtier.store.record_v1 import V1_HEADER_BYTES
 from kvtier.store.segments import segment_name
-from kvtier.store.waves import BounceShare, RunRead, WaveRead
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Reader:
 
     def take_load_resources(self) -> None:
         """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
-        now (`packed.take_buffers`): a daemon's first restore otherwise pays both (io_setup about 0.2 ms)."""
+        now (`packed.take_buffers`): a daemon's first restore otherwise pays both."""
         if self._packed_reads:
             ctx = aio.acquire()
             if ctx is not None:
@@ -362,24 +362,37 @@ class Reader:
         jobs, where_at, direct = run.jobs, plan.where, plan.direct
         if first or (stop is not None and stop < len(jobs)):  # part of the run (no copies for a whole one)
             jobs, where_at, direct = jobs[first:stop], where_at[first:stop], direct[first:stop]
-        for (offset, length, job), where, took in zip(jobs, where_at, direct):
-            e, at = job.entry, base + where
+        # Every v2 header read whole is checked at once; the per-record step below only names a failure.
+        ats = [base + where for where in where_at]
+        v2 = [
+            k
+            for k, ((offset, length, job), at) in enumerate(zip(jobs, ats))
+            if got >= offset + length and job.entry.record_version == FORMAT_VERSION
+        ]
+        good = set()
+        if v2:
+            v2_jobs = [jobs[k][2] for k in v2]
+            passed = headers_good(
+                mv,
+                np.array([ats[k] for k in v2], np.int64),
+                expected_headers(entry_columns([j.entry for j in v2_jobs]), [encode_key(j.key) for j in v2_jobs]),
+            )
+            good = {v2[k] for k in np.flatnonzero(passed).tolist()}
+        for k, ((offset, length, job), at, took) in enumerate(zip(jobs, ats, direct)):
+            e = job.entry
             try:
                 if got < offset + length:
                     raise CorruptRecord(
                         QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
                     )
                 if e.record_version == FORMAT_VERSION:
+                    if k not in good:
+                        raise fault(e, job.key, mv, at)
                     payload_at = at + HEADER_BYTES
-                    # The fast check: the header's bytes are exactly those its key and index entry imply.
-                    header = (
-                        None
-                        if not headers and mv[at:payload_at].tobytes() == _expected_header(job.key, e)
-                        else _checked_header(job, mv, at)
-                    )
+                    header: AnyHeader | None = RecordHeader.unpack(mv, at) if headers else None
                 else:
                     payload_at = at + V1_HEADER_BYTES
-                    header = _checked_header(job, mv, at)
+                    header = check_v1(e, job.key, mv, at)
                 if took:
                     _finish_direct(job, buf, payload_at, took)
                     visit(job, header, None, 0)
@@ -421,7 +434,10 @@ class Reader:
         try:
             if seg.pread_into(buf.mv[: end - start], start) < entry.payload_offset - start:
                 raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the header")
-            check_header(_parse_header(entry, buf.mv, entry.offset - start), job.key, entry)
+            at = entry.offset - start
+            expected = expected_headers(entry_columns([entry]), [encode_key(job.key)])
+            if not headers_good(buf.mv, np.array([at], np.int64), expected)[0]:
+                raise fault(entry, job.key, buf.mv, at)
         finally:
             self._ctx.buffers.release(buf)
         if self._ctx.backend.read_device(seg, out, entry.payload_offset) < entry.payload_len:
@@ -465,7 +481,6 @@ class ReadJob(NamedTuple):
     out: torch.Tensor | None
 
 
-AnyHeader = RecordHeader | RecordHeaderV1
 _XXH3 = int(Flags.XXH3)
 
 
@@ -484,10 +499,8 @@ def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShar
 
 
 # A load looks up keys until their records hold this many bytes and sends those reads before looking up the rest
-# (a 32-object DSV4 batch: two or three objects first). On the 2-core VM the disk starts on a read as it is
-# submitted and returns everything in flight together, so the 0.1-0.2 ms of the other lookups no longer come before
-# the batch's read: the 780 DSV4 objects in batches of 32, cold, read 3,008 against 2,877 MB/s (medians of eight
-# alternated rounds in one process); 256 KiB to 2 MiB first made no difference beyond the noise.
+# (a 32-object DSV4 batch: two or three objects first). A disk that starts on a read as it is submitted then reads
+# while the other lookups run, instead of after them; how much is sent first matters little within a few MiB.
 EARLY_READ_BYTES = 1 << 20
 _ALL = 1 << 62
 _NO_DIRECT = (0, 0)
@@ -507,39 +520,6 @@ def _runs(jobs: Sequence[ReadJob], max_gap: int) -> list[Run[ReadJob]]:
 def _gds_ready(entry: IndexEntry) -> bool:
     """A record a GDS read can check on the device: v2, stored as is, with a device checksum."""
     return entry.record_version == FORMAT_VERSION and entry.codec is Codec.NONE and bool(entry.flags & Flags.DEVSUM)
-
-
-def _parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:
-    if entry.record_version == 1:
-        return RecordHeaderV1.unpack(mv[at : at + V1_HEADER_BYTES])
-    return RecordHeader.unpack(mv, at)
-
-
-def _expected_header(key: ObjectKey, e: IndexEntry) -> bytes:
-    """The v2 header bytes the record of this key and index entry must begin with (the entry keeps its header's
-    creation time), checksum included."""
-    return header_bytes(
-        key.namespace,
-        key.block_hash,
-        key.group,
-        FORM_CODES[key.form],
-        e.layout_digest,
-        e.codec,
-        e.flags,
-        e.payload_len,
-        e.stored_len,
-        e.created,
-        e.payload_checksum,
-        e.device_checksum,
-    )
-
-
-def _checked_header(job: ReadJob, mv: memoryview, at: int) -> AnyHeader:
-    """The record's header parsed and checked against its key and index entry: the parse says what is wrong
-    (a damaged header, or one of another record) and raises."""
-    header = _parse_header(job.entry, mv, at)
-    check_header(header, job.key, job.entry)
-    return header
 
 
 def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
@@ -587,21 +567,3 @@ def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None,
         _memmove(out.data_ptr(), buf.addr + at, entry.payload_len)
     else:
         copy_out(out, buf, at, entry.payload_len)
-
-
-def check_header(h: AnyHeader, key: ObjectKey, e: IndexEntry) -> None:
-    if (
-        h.namespace != key.namespace
-        or h.block_hash != key.block_hash
-        or h.group != key.group
-        or h.form is not key.form
-        or h.layout_digest != e.layout_digest
-        or h.codec is not e.codec
-        or h.payload_len != e.payload_len
-        or h.stored_len != e.stored_len
-        or h.payload_checksum != e.payload_checksum
-        or h.record_version != e.record_version
-        or int(h.flags) != e.flags
-        or h.device_checksum != e.device_checksum
-    ):
-        raise CorruptRecord(QuarantineReason.HEADER_MISMATCH, "record header does not match its index entry")

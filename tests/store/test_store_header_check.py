@@ -1,6 +1,6 @@
 """The load path's header check: one bytes comparison with the header a record's key and index entry imply,
-and the full parse only where the bytes differ (which then names what is wrong, or accepts a header that
-differs only in what the check need not compare)."""
+and the full parse only where the bytes differ, which then names what is wrong: it never accepts a record the
+comparison refused."""
 
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ def store_keys(tmp_path):
 
 @pytest.fixture
 def parses(monkeypatch) -> list[int]:
-    """Counts the full header parses the load path falls back to."""
+    """Counts the full header parses the load path falls back to (to name a failure)."""
     calls: list[int] = []
-    real = reader_mod._checked_header
+    real = reader_mod.fault
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(reader_mod, "_checked_header", counting)
+    monkeypatch.setattr(reader_mod, "fault", counting)
     return calls
 
 
@@ -59,8 +59,9 @@ def test_intact_records_pass_the_byte_check_without_a_parse(store_keys, parses) 
     assert parses == []
 
 
-def test_an_entry_whose_creation_time_differs_loads_through_the_full_parse(store_keys, parses) -> None:
-    """The creation time is not one of the checked fields: a header that differs only there is accepted."""
+def test_an_entry_whose_creation_time_differs_is_refused_and_named(store_keys, parses) -> None:
+    """Every writer (store, compaction, rebuild) gives an entry its header's creation time, so a header that
+    differs from its entry only there is not this key's record: refused, and named `header_mismatch`."""
     root, keys = store_keys
     with DiskStore(root, writer=True) as s:
         raw_key = encode_key(keys[3])
@@ -71,8 +72,10 @@ def test_an_entry_whose_creation_time_differs_loads_through_the_full_parse(store
 
         s.index.update(bump)
         reasons, outs = _load(s, keys)
-    assert reasons == [Reason.OK] * N
-    assert torch.equal(outs[3], make_payload("h3", SIZE))
+        (info,) = [r for r in s.iter_records() if r.key == keys[3]]
+    assert reasons == [Reason.OK] * 3 + [Reason.CORRUPT] + [Reason.OK] * (N - 4)
+    assert all(torch.equal(outs[i], make_payload(f"h{i}", SIZE)) for i in range(N) if i != 3)
+    assert info.entry.quarantine is QuarantineReason.HEADER_MISMATCH
     assert len(parses) == 1
 
 
