@@ -57,11 +57,9 @@ sys.path.insert(0, str(ROOT))
 from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
 from slots import slot_targets  # noqa: E402
 
-from kvtier.core.forms import GroupKind, Reason  # noqa: E402
-from kvtier.core.hashing import block_hashes  # noqa: E402
-from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
+from kvtier.core import GroupKind, ModelProfile, Reason, block_hashes, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
-from kvtier.store.index import IndexEntry  # noqa: E402
+from kvtier.store import IndexEntry  # noqa: E402
 
 MB = 1e6
 BATCH = 32  # objects per write / read call, for every store
@@ -246,20 +244,16 @@ class KvtierStore:
 
     def locate(self, i: int) -> tuple[str, int, int]:
         """(file, offset of the payload in it, payload bytes)."""
-        from kvtier.store.record import HEADER_BYTES
-        from kvtier.store.segments import SEGMENTS_DIR, segment_name
+        from kvtier.store import SEGMENTS_DIR, segment_name
 
         e = self._entry(i)
-        return str(self.root / SEGMENTS_DIR / segment_name(e.segment)), e.offset + HEADER_BYTES, e.payload_len
+        return str(self.root / SEGMENTS_DIR / segment_name(e.segment)), e.payload_offset, e.payload_len
 
     def layout_read_s(self, batches: Sequence[list[int]]) -> float | None:
         """Seconds to read every batch's span of each segment its records lie in (4 KiB-aligned), cold, in
         reads of kvtier's piece size all in flight at once, a batch after the previous one is in; nothing checked
-        or copied. None where native AIO is not to be had."""
-        from kvtier.store import aio
-        from kvtier.store.io import SegmentFile
-        from kvtier.store.segments import SEGMENTS_DIR, segment_name
-        from kvtier.store.waves import AIO_PIECE_BYTES
+        or copied (`kvtier.store.SpanReader`). None where native AIO is not to be had."""
+        from kvtier.store import SpanReader
 
         entries = self._entries()
         spans: list[dict[int, tuple[int, int]]] = []
@@ -270,14 +264,10 @@ class KvtierStore:
                 lo, hi = per.get(e.segment, (e.offset, e.offset + e.record_len))
                 per[e.segment] = (min(lo, e.offset), max(hi, e.offset + e.record_len))
             spans.append({seg: (lo - lo % 4096, -(-hi // 4096) * 4096) for seg, (lo, hi) in per.items()})
-        ctx = aio.acquire()
-        if ctx is None:
+        reader = SpanReader.open(str(self.root), {seg for per in spans for seg in per})
+        if reader is None:
             return None
-        files: dict[int, SegmentFile] = {}
         try:
-            for seg in {seg for per in spans for seg in per}:
-                path = str(self.root / SEGMENTS_DIR / segment_name(seg))
-                files[seg] = SegmentFile(path, os.open(path, os.O_RDONLY | os.O_DIRECT))
             target = memoryview(
                 slot_targets([max(sum(hi - lo for lo, hi in per.values()) for per in spans)])[0].numpy()
             )
@@ -285,22 +275,11 @@ class KvtierStore:
             took = 0.0
             for per in spans:
                 t0 = time.perf_counter()
-                ops, at = [], 0
-                for seg, (lo, hi) in per.items():
-                    for off in range(lo, hi, AIO_PIECE_BYTES):
-                        n = min(AIO_PIECE_BYTES, hi - off)
-                        ops.append(aio.ReadOp(files[seg], aio.iov_of([target[at : at + n]]), off, None, 0))
-                        at += n
-                ctx.submit(ops)
-                while ctx.pending:
-                    ctx.complete()
+                reader.read(per, target)
                 took += time.perf_counter() - t0
             return took
         finally:
-            ctx.drain()
-            aio.release(ctx)
-            for f in files.values():
-                f.close()
+            reader.close()
 
     def close(self) -> None:
         self.store.close()

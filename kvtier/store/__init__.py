@@ -3,7 +3,8 @@
 These exports are the package's public interface; other packages import nothing from its submodules. Besides
 `DiskStore` and its records and errors, the store layout other processes need to read a store's files: where
 the index and the segments are (`INDEX_DIR`, `SEGMENTS_DIR`, `segment_name`, `parse_segment_name`), how a key
-is spelled in the index (`encode_key` / `decode_key`) and which forms a record can carry (`RECORD_FORMS`).
+is spelled in the index (`encode_key` / `decode_key`), which forms a record can carry (`RECORD_FORMS`), and
+`SpanReader`: segment bytes read as they lie, a benchmark's bound on a cold load.
 """
 
 from kvtier.store.channel import DaemonUnavailable, DecisionClient, DecisionServer, applier_pid
@@ -28,6 +29,7 @@ from kvtier.store.ns_usage import NamespaceUsage, namespace_usage
 from kvtier.store.rebuild import RebuildReport, rebuild_index
 from kvtier.store.record import RECORD_FORMS
 from kvtier.store.segments import SEGMENTS_DIR, parse_segment_name, segment_name
+from kvtier.store.span_read import SpanReader
 from kvtier.store.store import DiskStore
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "RecordInfo",
     "RecordState",
     "SegmentEntry",
+    "SpanReader",
     "StoreConfig",
     "StoreError",
     "StoreForkError",

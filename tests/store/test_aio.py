@@ -15,8 +15,8 @@ import torch
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, StoreConfig, aio
+from kvtier.store import aio_runs as waves_mod
 from kvtier.store import reader as reader_mod
-from kvtier.store import waves as waves_mod
 from kvtier.store.io import AlignedBuffer, PosixBackend
 from support.corrupt import flip_payload_bit, segment_path
 from support.store_helpers import DIGEST, VK, make_key, make_payload

@@ -1,4 +1,4 @@
-"""The AIO wave scheduler (kvtier.store.waves) as a state machine over a real O_DIRECT file: for any runs, window,
+"""The AIO wave scheduler (kvtier.store.aio_runs) as a state machine over a real O_DIRECT file: for any runs, window,
 piece, queue depth, group and bounce budget, with or without runs handed over later (`more`), every job is checked
 exactly once, in file order within its run,
 with exactly the file's bytes; records past end of file come back as cut short; nothing is in flight and every
@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.core.layout import DISK_ALIGNMENT
-from kvtier.store import aio, waves
+from kvtier.store import aio
+from kvtier.store import aio_runs as waves
 from kvtier.store.extent import Run, scatter
 from kvtier.store.io import BufferPool, PosixBackend, readable
 
