@@ -15,9 +15,9 @@ Contract:
 - Only O_DIRECT files: on a buffered file io_submit does the read synchronously, which is no better than a thread.
 
 Why not a thread per read: one pread per thread keeps as many reads in flight as there are threads, each costing a
-thread switch; the small records of a random restore want a hundred or more in flight. On the 2-core VM this was
-measured on, 1,024 random 4 KiB O_DIRECT reads took 9-10 ms with all in flight through io_submit against 14-16 ms
-with 8-16 threads, for a fifth to a third of the CPU. io_uring would do the same with fewer system calls, but a ctypes
+thread switch; the small records of a random restore want a hundred or more in flight. Random small O_DIRECT reads
+all in flight through io_submit finish sooner than the same reads spread over a pool of threads, for a fraction of
+the CPU (bench/store.py's small loads measure it). io_uring would do the same with fewer system calls, but a ctypes
 binding of it needs ring memory shared with the kernel and ordered by barriers; of the bindings on PyPI,
 python-libaio needs the system's libaio.so, caio reads into buffers it allocates itself (not the caller's pool
 slot), and liburing returned completions other than documented when tried with 48 or more reads in flight.
@@ -48,8 +48,8 @@ _IOCB_CMD_PREADV = 7
 
 
 # struct iocb and struct io_event of linux/aio_abi.h on a little-endian machine (aio_key before aio_rw_flags), and
-# struct iovec. Packed with struct, not built as ctypes objects: a ctypes iocb and iovec array cost about 6 µs a read
-# to build on the 2-core VM, a read of every random small record. The kernel copies iocbs and iovecs in io_submit
+# struct iovec. Packed with struct, not built as ctypes objects: building a ctypes iocb and iovec array costs several
+# times more per read, and a random small record is a read of its own. The kernel copies iocbs and iovecs in io_submit
 # (the iocb's address only comes back in its event's `obj`, which is not read here), so they live through the call.
 _IOCB = struct.Struct("<QIiHhIQQqQII")
 _IOVEC = struct.Struct("<QQ")

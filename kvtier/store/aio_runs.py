@@ -18,10 +18,10 @@ Contract (`WaveRead(ctx, runs, buffers, plan, place, check, more=None).run()`):
   before them is in.
 - On return or exception nothing is in flight and every bounce buffer is given back.
 
-Why waves: the 2-core VM's virtual disk completes everything it holds at once (64 MiB read as 32 pieces: all 32
-came back from one io_getevents call). With a whole batch in flight, the disk then sat idle while this thread
-checked the batch (0.35 ms of xxh3 and header checks on a 10.7 MB, 32-object DSV4 batch, about a tenth of its
-read). Held back, the last pieces keep it reading while the rest is checked. A disk that completes reads one by
+Why waves: some disks (virtual ones among them) complete everything they hold at once: every piece of a batch comes
+back from one io_getevents call. With a whole batch in flight, the disk then sits idle while this thread checks the
+batch (its checksums and header checks, a noticeable share of its read). Held back, the last pieces keep it reading
+while the rest is checked. A disk that completes reads one by
 one gets the same from the refill: the window is topped up as each read comes back.
 """
 
@@ -46,10 +46,9 @@ AIO_BOUNCE_BYTES = 64 << 20
 # Runs planned together, their bounce bytes in one buffer.
 AIO_GROUP = 16
 # Bytes in flight at once, and the piece a run's read is cut into (into huge-page pool memory a piece goes to the
-# disk in requests of up to max_sectors_kb: kvtier.core.hugepages). Measured on the 2-core VM with this loop (at
-# 7bf98d1), 780 DSV4 objects (310 MB) read cold, five settings alternated in one process: in batches of 32 objects
-# (six rounds), 32 MiB in 2 MiB pieces read 3,040 MB/s against 2,870 for 64 MiB in 8 MiB pieces; in one load (four
-# rounds), 3,466 against 3,492.
+# disk in requests of up to max_sectors_kb: kvtier.core.hugepages). Smaller pieces in a smaller window keep more
+# requests in flight for the same bytes: DSV4 restores in batches read faster so, and one large load no slower
+# (bench/restore.py and bench/peers.py measure both).
 AIO_WINDOW_BYTES = 32 << 20
 AIO_PIECE_BYTES = 2 << 20
 
@@ -122,7 +121,7 @@ class WaveRead(Generic[J, R]):
             total = self.total
             # Only loads of large runs hold back: where runs are small, the window is refilled run by run as reads
             # come back, which already overlaps checking and reading, and a held-back wave would drain the queue
-            # first (about 5% fewer objects/s on 1,024 random 1 KB records, in one A/B). A load of less than two
+            # first (fewer objects/s on random small records). A load of less than two
             # pieces is checked sooner than a second wave would come back.
             large = total >= 2 * AIO_PIECE_BYTES and total >= self.runs * AIO_PIECE_BYTES // 2
             self.last_wave_from = total - min(total, AIO_WINDOW_BYTES) // 8 if large else total
@@ -142,8 +141,7 @@ class WaveRead(Generic[J, R]):
                     done += n
                 # Refill first where the checks are worth overlapping (hashing a piece or more). Small reads are
                 # checked first: their bounce buffers go back before the next reads take theirs (refilled first, a
-                # load of small runs held twice the buffers: a cold load of 1,024 random 1 KB records took about
-                # 950 minor page faults against 650).
+                # load of small runs holds twice the buffers, and faults in their fresh pages).
                 large = done >= AIO_PIECE_BYTES
                 if large:
                     self._refill()

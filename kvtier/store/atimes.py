@@ -27,8 +27,8 @@ class AccessTimes:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the writing thread; the store does this when it opens, not inside its first load (a thread
-        start costs 0.1-3 ms on a busy 2-core host, as much as a hundred small records take to read)."""
+        """Start the writing thread; the store does this when it opens, not inside its first load (on a
+        busy host a thread start costs as much as a hundred small records take to read)."""
         with self._lock:
             if self._thread is None and not self._stop:
                 self._thread = threading.Thread(target=self._run, name="kvtier-store-atime", daemon=True)

@@ -22,17 +22,14 @@ from kvtier.store.segments import Appender
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
 MAX_RUN_BYTES = 16 << 20  # one read covers at most this much (a larger record is a run of its own)
-# Reading this many unwanted bytes costs less than another I/O: on the 2-core VM an O_DIRECT read costs 30-45 us
-# of CPU (syscall, interrupt, wakeup) whatever its size up to 256 KiB, and 64 KiB more takes ~40 us of the disk.
-# 1,024 random 1 KB records of 20,000: 32 KiB made ~240 reads (12 MB), 64 KiB 50-65 (19 MB), ~25% faster.
+# Reading this many unwanted bytes costs less than another I/O: an O_DIRECT read costs the CPU a syscall, an
+# interrupt and a wakeup whatever its size up to a few hundred KiB, about what the disk takes for this many more
+# bytes; a wider gap makes fewer, larger reads of random small records (bench/store.py's small loads).
 MAX_RUN_GAP = 64 << 10
-# With every read in flight at once (native AIO from one thread) a read costs the disk ~9 us (1,024 random 4 KiB
-# reads in 9-10 ms), but the loading thread ~20 us of Python per run (plan, place, submit, complete, check), and
-# that is what a load of small records waits on: the disk sits idle between completions. 1,024 random 1 KB records
-# of 20,000 (2-core VM, 16 alternated rounds, twice): 12 KiB gaps made ~590 runs (5.9 MB) and 19,250-21,166
-# objects/s, 48 KiB ~115 runs (16 MB) and 23,048-26,032 (medians): 10 MB more is 3-7 ms of the disk (3 GB/s NVMe,
-# this VM's 1.4 GB/s), against ~9 ms of CPU saved. Not all of it overlaps: at 48 KiB the thread waited in io_submit
-# for the disk's queue, 7.9 ms of wall a load against 2.4 ms of CPU (the same VM, a later day).
+# With every read in flight at once (native AIO from one thread) a read costs the disk little, but the loading
+# thread a run's worth of Python (plan, place, submit, complete, check), and that is what a load of small records
+# waits on: the disk sits idle between completions. A gap this wide makes several times fewer runs of random small
+# records for a few more MB read, which the disk reads in less time than the CPU those runs would have cost.
 AIO_RUN_GAP = 48 << 10
 
 

@@ -25,9 +25,9 @@ _MIN_BUFFER = 64 * 1024
 _SMALL_ALIGN = 512  # the smallest logical block size
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 # A read larger than twice this is cut into pieces of about this size, read concurrently: one multi-megabyte read
-# keeps a single request in flight, which leaves an SSD (or a virtual disk) idle between its parts. On DSV4 objects
-# (bench/peers.py's batches of 32, one 12 MiB run each) 1-4 MiB pieces read about 20-30% faster than one read, in
-# side-by-side runs on a 2-core VM; a disk already busy with many runs (a large restore's) gains little.
+# keeps a single request in flight, which leaves an SSD (or a virtual disk) idle between its parts. DSV4 objects
+# (bench/peers.py's batches of 32, one multi-megabyte run each) read faster in pieces of a few MiB than in one read;
+# a disk already busy with many runs (a large restore's) gains little.
 SPLIT_BYTES = 2 << 20
 SPLIT_THREADS = 4  # pieces in flight beside the caller's own, per process (shared by every open segment)
 
