@@ -6,9 +6,13 @@ Contract:
   `entries` holds at least the fields of ENTRY_FIELDS per record (ENTRY_V2_DTYPE rows as they lie in the index,
   or `entry_columns` of IndexEntry objects), `keys` the records' encoded index keys. The checksum field is left 0:
   the check hashes the bytes read.
-- `headers_good(mv, at, expected)` says per record whether the HEADER_BYTES at offset `at[i]` of `mv` equal
-  `expected[i]` in every byte before the checksum and the checksum there is xxh3_64 of those bytes. It is the only
-  check that accepts a v2 header; every load path (the packed path, the general path, a GDS read) runs it.
+- `headers_good(mv, at, expected)` (`expected`: HEADER_DTYPE rows, or their bytes as rows of a uint8 array) says
+  per record whether the HEADER_BYTES at offset `at[i]` of `mv` equal `expected[i]` in every byte before the
+  checksum and the checksum there is xxh3_64 of those bytes. It is the only check that accepts a v2 header; every
+  load path (the packed path, the general path, a GDS read) runs it.
+- `ExpectedHeaders(jobs)` holds `expected_headers` of a load's jobs (anything with `.entry` and `.key`: the
+  reader's ReadJob), built once for them and once more for each `add`; `of(jobs)` gives their rows, found by the
+  job's identity (a job must stay alive while its rows are asked for).
 - `fault(entry, key, mv, at)` names why a record is bad, as the quarantine reason a `CorruptRecord` carries: a
   header that does not parse (damaged: `header`, or its bytes cut short: `segment_truncated`), one that parses but
   names another key or entry (`header_mismatch`). It runs only for a record `headers_good` refused (or a v1 record,
@@ -24,13 +28,14 @@ one Python step per record.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 import xxhash
 
 from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, IndexEntry
+from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, IndexEntry, encode_key
 from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, HEADER_DTYPE, MAGIC, RECORD_ALIGNMENT, RecordHeader
 from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 
@@ -61,6 +66,7 @@ _HEADER_ROWS = np.arange(HEADER_BYTES // RECORD_ALIGNMENT)
 _HEADER_SPAN = np.arange(HEADER_BYTES)
 assert HEADER_BYTES % RECORD_ALIGNMENT == 0 and _FIXED % 8 == 0
 _h64 = xxhash.xxh3_64_intdigest
+_FEW = 4  # up to this many records are compared one by one
 
 
 def entry_columns(entries: Sequence[IndexEntry]) -> np.ndarray:
@@ -81,6 +87,42 @@ def entry_columns(entries: Sequence[IndexEntry]) -> np.ndarray:
         ],
         ENTRY_FIELDS,
     )
+
+
+class _Job(Protocol):
+    @property
+    def entry(self) -> IndexEntry: ...
+    @property
+    def key(self) -> ObjectKey: ...
+
+
+J = TypeVar("J", bound=_Job)
+
+
+class ExpectedHeaders:
+    """The header each v2 job's record must begin with, built for a load's jobs at once, not per run or piece read
+    (the module docstring states the contract)."""
+
+    __slots__ = ("headers", "rows")
+
+    def __init__(self, jobs: Sequence[_Job]) -> None:
+        self.headers = np.zeros((0, HEADER_BYTES), np.uint8)  # as bytes: rows gather faster than records
+        self.rows: dict[int, int] = {}
+        self.add(jobs)
+
+    def add(self, jobs: Sequence[J]) -> Sequence[J]:
+        v2 = [j for j in jobs if j.entry.record_version == FORMAT_VERSION]
+        if v2:
+            at = len(self.headers)
+            new = expected_headers(entry_columns([j.entry for j in v2]), [encode_key(j.key) for j in v2])
+            new = new.view(np.uint8).reshape(len(v2), HEADER_BYTES)
+            self.headers = new if not at else np.concatenate((self.headers, new))
+            self.rows.update((id(j), at + k) for k, j in enumerate(v2))
+        return jobs
+
+    def of(self, jobs: Sequence[_Job]) -> np.ndarray:
+        rows = self.rows
+        return self.headers[[rows[id(j)] for j in jobs]]
 
 
 def expected_headers(entries: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
@@ -108,8 +150,19 @@ def expected_headers(entries: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
 def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """Whether each record's header bytes in `mv` (from `at`) are exactly `expected`'s and carry a good checksum.
     Every header must lie wholly inside `mv` (the caller has checked the record was read whole)."""
-    if not len(at):
-        return np.zeros(0, bool)
+    n = len(at)
+    if n <= _FEW:
+        # A few records (a run of large ones, a GDS header): the same comparison byte for byte costs less than
+        # setting up the arrays.
+        want = expected.tobytes()
+        out = np.zeros(n, bool)
+        for i, p in enumerate(at.tolist()):
+            fixed = mv[p : p + _FIXED]
+            w = i * HEADER_BYTES
+            out[i] = fixed == want[w : w + _FIXED] and _h64(fixed) == int.from_bytes(
+                mv[p + _FIXED : p + HEADER_BYTES], "little"
+            )
+        return out
     buf = np.frombuffer(mv, np.uint8)
     if not (at % RECORD_ALIGNMENT).any():
         # Headers 32-aligned (runs start 4096-aligned, records 32-aligned in their file): gathered as 32-byte rows,

@@ -23,7 +23,7 @@ from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
-from kvtier.store.header_check import AnyHeader, check_v1, entry_columns, expected_headers, fault, headers_good
+from kvtier.store.header_check import AnyHeader, ExpectedHeaders, check_v1, fault, headers_good
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.packed import PackedLoad, take_buffers
@@ -270,12 +270,13 @@ class Reader:
         """Read and check every job's record; `visit(job, header, buf, payload_at)` gets each good one while its
         bytes are in `buf`; buf is None where the payload went straight into `job.out` (a large record read
         into its target, or a GDS read). `header` is the parsed header with `headers=True`, else None where the
-        record's header bytes matched its index entry exactly (the fast check). Runs of nearby records are one
+        record's header passed the header check (`header_check`). Runs of nearby records are one
         scattered read each; runs and GDS reads are spread over the read pool. `more`, if given, is called once
         for the rest of the jobs: through native AIO once the first jobs' reads are on their way, else first."""
         backend = self._ctx.backend
         if more is not None and backend.gpu_direct:  # the device jobs are chosen from all of them
             jobs, more = [*jobs, *more()], None
+        expect = ExpectedHeaders(jobs)
         device: list[ReadJob] = []
         if backend.gpu_direct:
             device = [j for j in jobs if j.out is not None and _gds_ready(j.entry) and backend.device_io(j.out)]
@@ -285,7 +286,7 @@ class Reader:
         # Host targets through native AIO wherever segments are O_DIRECT; device targets by GDS on the read pool.
         aio_ctx = aio.acquire() if backend.direct and (jobs or more is not None) else None
         if aio_ctx is not None:
-            on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers), device)
+            on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers, expect), device)
             try:
                 host = WaveRead(
                     aio_ctx,
@@ -293,34 +294,34 @@ class Reader:
                     self._ctx.buffers,
                     self._plan_run,
                     _place,
-                    lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, first, stop),
-                    more=None if more is None else lambda: _runs(more(), AIO_RUN_GAP),
+                    lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, expect, first, stop),
+                    more=None if more is None else lambda: _runs(expect.add(more()), AIO_RUN_GAP),
                 ).run()
             finally:
                 aio.release(aio_ctx)
             return [*host, *(r for rs in on_device for r in rs)]
         if more is not None:  # the thread path (no native AIO here, or a buffered backend) reads them all at once
-            jobs = [*jobs, *more()]
+            jobs = [*jobs, *expect.add(more())]
         # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
         # few threads, reading across gaps is what keeps the disk busy.
         units: list[Run[ReadJob] | ReadJob] = [*_runs(jobs, MAX_RUN_GAP), *device]
         lanes = min(len(units), max(1, self._ctx.config.read_threads))
         if lanes <= 1:
-            return [r for u in units for r in self._read_unit(u, visit, headers)]
+            return [r for u in units for r in self._read_unit(u, visit, headers, expect)]
         # Each lane takes the next unit as it finishes one (a list iterator's next is atomic under the GIL), so a
         # slow read holds up only its own lane, and the reads reach the disk in file order.
         pending = iter(units)
         done = self._ctx.executor("read").map(
-            lambda _: [r for u in pending for r in self._read_unit(u, visit, headers)], range(lanes)
+            lambda _: [r for u in pending for r in self._read_unit(u, visit, headers, expect)], range(lanes)
         )
         return [r for lane in done for r in lane]
 
     def _read_unit(
-        self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool
+        self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool, expect: ExpectedHeaders
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         if isinstance(unit, ReadJob):
             try:
-                self._read_device(unit)
+                self._read_device(unit, expect)
                 visit(unit, None, None, 0)
                 return [(unit, None)]
             except CorruptRecord as exc:
@@ -331,7 +332,8 @@ class Reader:
         share = BounceShare(self._ctx.buffers.acquire(planned[2].bounce_bytes), 1)
         try:
             rr = _place(*planned, share, 0)
-            return self._check_run(rr, unit.start + rr.seg.preadv_into(rr.views, unit.start), visit, headers)
+            got = unit.start + rr.seg.preadv_into(rr.views, unit.start)
+            return self._check_run(rr, got, visit, headers, expect)
         finally:
             self._ctx.buffers.release(share.buf)
 
@@ -352,7 +354,14 @@ class Reader:
         )
 
     def _check_run(
-        self, rr: RunRead[ReadJob], got: int, visit: Visit, headers: bool, first: int = 0, stop: int | None = None
+        self,
+        rr: RunRead[ReadJob],
+        got: int,
+        visit: Visit,
+        headers: bool,
+        expect: ExpectedHeaders,
+        first: int = 0,
+        stop: int | None = None,
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
         """Each record of a run read up to file offset `got` (of its jobs[first:stop]) checked on its own: one bad
         record fails alone."""
@@ -371,12 +380,7 @@ class Reader:
         ]
         good = set()
         if v2:
-            v2_jobs = [jobs[k][2] for k in v2]
-            passed = headers_good(
-                mv,
-                np.array([ats[k] for k in v2], np.int64),
-                expected_headers(entry_columns([j.entry for j in v2_jobs]), [encode_key(j.key) for j in v2_jobs]),
-            )
+            passed = headers_good(mv, np.array([ats[k] for k in v2], np.int64), expect.of([jobs[k][2] for k in v2]))
             good = {v2[k] for k in np.flatnonzero(passed).tolist()}
         for k, ((offset, length, job), at, took) in enumerate(zip(jobs, ats, direct)):
             e = job.entry
@@ -421,7 +425,7 @@ class Reader:
             return _NO_DIRECT
         return payload_at, e.payload_len - e.payload_len % align
 
-    def _read_device(self, job: ReadJob) -> None:
+    def _read_device(self, job: ReadJob, expect: ExpectedHeaders) -> None:
         """GDS: the header through a small host read, the payload straight into the device slot, checked there
         with the device checksum (never copied back to host). On a failed check the slot holds the bad bytes:
         the load reports the record corrupt and the caller must not use the slot."""
@@ -435,8 +439,7 @@ class Reader:
             if seg.pread_into(buf.mv[: end - start], start) < entry.payload_offset - start:
                 raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the header")
             at = entry.offset - start
-            expected = expected_headers(entry_columns([entry]), [encode_key(job.key)])
-            if not headers_good(buf.mv, np.array([at], np.int64), expected)[0]:
+            if not headers_good(buf.mv, np.array([at], np.int64), expect.of([job]))[0]:
                 raise fault(entry, job.key, buf.mv, at)
         finally:
             self._ctx.buffers.release(buf)

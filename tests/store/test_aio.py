@@ -189,8 +189,8 @@ def waves(monkeypatch):
         log.append(("complete", len(done)))
         return done
 
-    def check_run(self, rr, got, visit, headers, first=0, stop=None):
-        checked = real_check(self, rr, got, visit, headers, first, stop)
+    def check_run(self, rr, got, visit, headers, expect, first=0, stop=None):
+        checked = real_check(self, rr, got, visit, headers, expect, first, stop)
         log.append(("check", len(checked), contexts[0].pending))
         return checked
 
