@@ -363,8 +363,8 @@ class Reader:
         first: int = 0,
         stop: int | None = None,
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """Each record of a run read up to file offset `got` (of its jobs[first:stop]) checked on its own: one bad
-        record fails alone."""
+        """The records of a run read up to file offset `got` (its jobs[first:stop]) checked: their v2 headers at once
+        (`header_check`), then each payload on its own; a record that fails is named by `fault` and fails alone."""
         run, buf, base, plan = rr.run, rr.share.buf, rr.base, rr.plan
         mv = buf.mv
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
