@@ -10,9 +10,10 @@ Contract:
   per record whether the HEADER_BYTES at offset `at[i]` of `mv` equal `expected[i]` in every byte before the
   checksum and the checksum there is xxh3_64 of those bytes. It is the only check that accepts a v2 header; every
   load path (the packed path, the general path, a GDS read) runs it.
-- `ExpectedHeaders(jobs)` holds `expected_headers` of a load's jobs (anything with `.entry` and `.key`: the
-  reader's ReadJob), built once for them and once more for each `add`; `of(jobs)` gives their rows, found by the
-  job's identity (a job must stay alive while its rows are asked for).
+- `header_good(mv, at, expected)` is the same check for one record (`expected`: its bytes before the checksum).
+- `ExpectedHeaders(jobs)` holds `expected_headers` of a load's jobs (anything with `.entry`, `.key` and `.raw_key`,
+  the encoded key or b"": the reader's ReadJob), built at once for them and again for each `add`; `of(job)` gives
+  a job's as bytes, found by the job's identity (a job must stay alive while it is asked for).
 - `fault(entry, key, mv, at)` names why a record is bad, as the quarantine reason a `CorruptRecord` carries: a
   header that does not parse (damaged: `header`, or its bytes cut short: `segment_truncated`), one that parses but
   names another key or entry (`header_mismatch`). It runs only for a record `headers_good` refused (or a v1 record,
@@ -94,6 +95,8 @@ class _Job(Protocol):
     def entry(self) -> IndexEntry: ...
     @property
     def key(self) -> ObjectKey: ...
+    @property
+    def raw_key(self) -> bytes: ...
 
 
 J = TypeVar("J", bound=_Job)
@@ -103,26 +106,24 @@ class ExpectedHeaders:
     """The header each v2 job's record must begin with, built for a load's jobs at once, not per run or piece read
     (the module docstring states the contract)."""
 
-    __slots__ = ("headers", "rows")
+    __slots__ = ("rows",)
 
     def __init__(self, jobs: Sequence[_Job]) -> None:
-        self.headers = np.zeros((0, HEADER_BYTES), np.uint8)  # as bytes: rows gather faster than records
-        self.rows: dict[int, int] = {}
+        self.rows: dict[int, bytes] = {}
         self.add(jobs)
 
     def add(self, jobs: Sequence[J]) -> Sequence[J]:
         v2 = [j for j in jobs if j.entry.record_version == FORMAT_VERSION]
         if v2:
-            at = len(self.headers)
-            new = expected_headers(entry_columns([j.entry for j in v2]), [encode_key(j.key) for j in v2])
-            new = new.view(np.uint8).reshape(len(v2), HEADER_BYTES)
-            self.headers = new if not at else np.concatenate((self.headers, new))
-            self.rows.update((id(j), at + k) for k, j in enumerate(v2))
+            raw = expected_headers(
+                entry_columns([j.entry for j in v2]), [j.raw_key or encode_key(j.key) for j in v2]
+            ).tobytes()
+            self.rows.update((id(j), raw[k * HEADER_BYTES : k * HEADER_BYTES + _FIXED]) for k, j in enumerate(v2))
         return jobs
 
-    def of(self, jobs: Sequence[_Job]) -> np.ndarray:
-        rows = self.rows
-        return self.headers[[rows[id(j)] for j in jobs]]
+    def of(self, job: _Job) -> bytes:
+        """The job's expected header's bytes before its checksum (for `header_good`)."""
+        return self.rows[id(job)]
 
 
 def expected_headers(entries: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
@@ -151,18 +152,13 @@ def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.nda
     """Whether each record's header bytes in `mv` (from `at`) are exactly `expected`'s and carry a good checksum.
     Every header must lie wholly inside `mv` (the caller has checked the record was read whole)."""
     n = len(at)
-    if n <= _FEW:
-        # A few records (a run of large ones, a GDS header): the same comparison byte for byte costs less than
-        # setting up the arrays.
+    if n <= _FEW:  # a few records: the same comparison one by one costs less than setting up the arrays
         want = expected.tobytes()
-        out = np.zeros(n, bool)
-        for i, p in enumerate(at.tolist()):
-            fixed = mv[p : p + _FIXED]
-            w = i * HEADER_BYTES
-            out[i] = fixed == want[w : w + _FIXED] and _h64(fixed) == int.from_bytes(
-                mv[p + _FIXED : p + HEADER_BYTES], "little"
-            )
-        return out
+        return np.fromiter(
+            (header_good(mv, p, want[i * HEADER_BYTES : i * HEADER_BYTES + _FIXED]) for i, p in enumerate(at.tolist())),
+            bool,
+            n,
+        )
     buf = np.frombuffer(mv, np.uint8)
     if not (at % RECORD_ALIGNMENT).any():
         # Headers 32-aligned (runs start 4096-aligned, records 32-aligned in their file): gathered as 32-byte rows,
@@ -175,6 +171,13 @@ def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.nda
     good = (got.view(np.uint64)[:, :_FIXED_WORDS] == want[:, :_FIXED_WORDS]).all(axis=1)
     sums = np.fromiter((_h64(mv[p : p + _FIXED]) for p in at.tolist()), np.uint64, len(at))
     return good & (sums == got.view(HEADER_DTYPE)[:, 0]["checksum"])
+
+
+def header_good(mv: memoryview, at: int, expected: bytes) -> bool:
+    """`headers_good` for one record, `expected` its expected header's bytes before the checksum
+    (`ExpectedHeaders.of`): the general path's runs hold a record or a few, too few to gather."""
+    fixed = mv[at : at + _FIXED]
+    return fixed == expected and _h64(fixed) == int.from_bytes(mv[at + _FIXED : at + HEADER_BYTES], "little")
 
 
 def parse_header(entry: IndexEntry, mv: memoryview, at: int) -> AnyHeader:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import lmdb
-import numpy as np
 import torch
 
 from kvtier.core.forms import Reason
@@ -23,7 +22,7 @@ from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
-from kvtier.store.header_check import AnyHeader, ExpectedHeaders, check_v1, fault, headers_good
+from kvtier.store.header_check import AnyHeader, ExpectedHeaders, check_v1, fault, header_good
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.packed import PackedLoad, take_buffers
@@ -229,7 +228,7 @@ class Reader:
                     if entry.payload_len != out.numel():
                         reason = Reason.ABI_MISMATCH
                     else:
-                        jobs.append(ReadJob(i, keys[i], entry, out))
+                        jobs.append(ReadJob(i, keys[i], entry, out, raw_keys[i]))
                         nbytes += entry.record_len
                 reasons[i] = reason
                 if nbytes >= upto and i + 1 < len(reasons):
@@ -363,34 +362,23 @@ class Reader:
         first: int = 0,
         stop: int | None = None,
     ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        """The records of a run read up to file offset `got` (its jobs[first:stop]) checked: their v2 headers at once
-        (`header_check`), then each payload on its own; a record that fails is named by `fault` and fails alone."""
+        """Each record of a run read up to file offset `got` (of its jobs[first:stop]) checked on its own, its v2
+        header against the one `expect` built for the load: one bad record fails alone, named by `fault`."""
         run, buf, base, plan = rr.run, rr.share.buf, rr.base, rr.plan
         mv = buf.mv
         results: list[tuple[ReadJob, CorruptRecord | None]] = []
         jobs, where_at, direct = run.jobs, plan.where, plan.direct
         if first or (stop is not None and stop < len(jobs)):  # part of the run (no copies for a whole one)
             jobs, where_at, direct = jobs[first:stop], where_at[first:stop], direct[first:stop]
-        # Every v2 header read whole is checked at once; the per-record step below only names a failure.
-        ats = [base + where for where in where_at]
-        v2 = [
-            k
-            for k, ((offset, length, job), at) in enumerate(zip(jobs, ats))
-            if got >= offset + length and job.entry.record_version == FORMAT_VERSION
-        ]
-        good = set()
-        if v2:
-            passed = headers_good(mv, np.array([ats[k] for k in v2], np.int64), expect.of([jobs[k][2] for k in v2]))
-            good = {v2[k] for k in np.flatnonzero(passed).tolist()}
-        for k, ((offset, length, job), at, took) in enumerate(zip(jobs, ats, direct)):
-            e = job.entry
+        for (offset, length, job), where, took in zip(jobs, where_at, direct):
+            e, at = job.entry, base + where
             try:
                 if got < offset + length:
                     raise CorruptRecord(
                         QuarantineReason.SEGMENT_TRUNCATED, f"segment {run.seg_id:016x} ends inside the record"
                     )
                 if e.record_version == FORMAT_VERSION:
-                    if k not in good:
+                    if not header_good(mv, at, expect.of(job)):  # `fault` only names what is wrong
                         raise fault(e, job.key, mv, at)
                     payload_at = at + HEADER_BYTES
                     header: AnyHeader | None = RecordHeader.unpack(mv, at) if headers else None
@@ -439,7 +427,7 @@ class Reader:
             if seg.pread_into(buf.mv[: end - start], start) < entry.payload_offset - start:
                 raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the header")
             at = entry.offset - start
-            if not headers_good(buf.mv, np.array([at], np.int64), expect.of([job]))[0]:
+            if not header_good(buf.mv, at, expect.of(job)):
                 raise fault(entry, job.key, buf.mv, at)
         finally:
             self._ctx.buffers.release(buf)
@@ -475,13 +463,15 @@ class Reader:
 
 
 class ReadJob(NamedTuple):
-    """One record to read: the request's index, its key and entry, and where its payload goes (None: nowhere).
-    A tuple: one is made per object of every load."""
+    """One record to read: the request's index, its key and entry, where its payload goes (None: nowhere), and its
+    key as the index spells it where the caller has it (b"": encoded when needed). A tuple: one is made per object
+    of every load."""
 
     index: int
     key: ObjectKey
     entry: IndexEntry
     out: torch.Tensor | None
+    raw_key: bytes = b""
 
 
 _XXH3 = int(Flags.XXH3)
