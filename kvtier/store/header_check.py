@@ -8,16 +8,18 @@ Contract:
   the check hashes the bytes read.
 - `headers_good(mv, at, expected)` (`expected`: HEADER_DTYPE rows, or their bytes as rows of a uint8 array) says
   per record whether the HEADER_BYTES at offset `at[i]` of `mv` equal `expected[i]` in every byte before the
-  checksum and the checksum there is xxh3_64 of those bytes. It is the only check that accepts a v2 header; every
-  load path (the packed path, the general path, a GDS read) runs it.
-- `header_good(mv, at, expected)` is the same check for one record (`expected`: its bytes before the checksum).
+  checksum and the checksum there is xxh3_64 of those bytes. `header_good(mv, at, expected)` is the same check for
+  one record (`expected`: its expected header's bytes before the checksum), for runs of one record or a few. These
+  are the only checks that accept a v2 header; every load path (the packed path, the general path's runs, a GDS
+  read) runs one of them against headers built here.
 - `ExpectedHeaders(jobs)` holds `expected_headers` of a load's jobs (anything with `.entry`, `.key` and `.raw_key`,
   the encoded key or b"": the reader's ReadJob), built at once for them and again for each `add`; `of(job)` gives
-  a job's as bytes, found by the job's identity (a job must stay alive while it is asked for).
+  a job's bytes before the checksum, found by the job's identity (a job must stay alive while it is asked for).
 - `fault(entry, key, mv, at)` names why a record is bad, as the quarantine reason a `CorruptRecord` carries: a
   header that does not parse (damaged: `header`, or its bytes cut short: `segment_truncated`), one that parses but
-  names another key or entry (`header_mismatch`). It runs only for a record `headers_good` refused (or a v1 record,
-  whose 4 KiB header block has its own layout): it never accepts one.
+  names another key or entry, or differs in any byte (`header_mismatch`). It runs only for a record the check
+  refused: it never accepts one. A v1 record's 4 KiB header block (its own layout) is parsed and compared field by
+  field by `check_v1`.
 - A v2 header of a version newer than this kvtier reads raises FormatVersionError from `fault`, as the store does
   on open: the record is not guessed at.
 
