@@ -327,8 +327,11 @@ class PackedLoad:
             at_a = chunk.at
             at = at_a.tolist()
             good = (np.asarray(chunk.got)[chunk.run_of] >= chunk.need) & (at_a % RECORD_ALIGNMENT == 0)
-            whole = np.flatnonzero(good)
-            good[whole] = headers_good(mv, at_a[whole], chunk.expected[whole])
+            if good.all():  # (the common case: every record read whole, no gather of the expected headers)
+                good = headers_good(mv, at_a, chunk.expected)
+            else:
+                whole = np.flatnonzero(good)
+                good[whole] = headers_good(mv, at_a[whole], chunk.expected[whole])
             cand = np.flatnonzero(good)
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
