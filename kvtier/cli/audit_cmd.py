@@ -8,6 +8,7 @@ import sys
 import click
 from tqdm import tqdm
 
+from kvtier.cli import exits
 from kvtier.cli.daemon_cmds import mode_option, store_root_of
 
 
@@ -75,4 +76,4 @@ def audit(
         if remote:
             click.echo("\n" + render_cluster(remote))
     found = before.problems or report.problems or actions.get("quarantined", 0) > 0 or (remote and remote.problems)
-    sys.exit(1 if found else 0)
+    sys.exit(exits.PROBLEMS if found else exits.OK)

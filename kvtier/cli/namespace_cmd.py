@@ -12,8 +12,8 @@ import click
 import msgspec
 
 from kvtier.cli.daemon_cmds import config_option, socket_option, socket_path_of
+from kvtier.cli.daemon_exits import daemon_exits
 from kvtier.cli.namespace_table import namespace_lines
-from kvtier.cli.reach import daemon_exits
 from kvtier.wire import messages as P
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from kvtier.cli import exits
+
 _OVERRIDES = {
     "rate": ("rate_bytes_per_s", int, "Payload bytes per second to read (verify) and copy (compaction); 0: unlimited."),
     "busy_rate": (
@@ -97,4 +99,4 @@ def status_cmd(root: str, as_json: bool) -> None:
             )
         for action, n in sorted(doc["actions"].items()):
             click.echo(f"  {action:<22} {n}")
-    sys.exit(0 if doc["running"] else 1)
+    sys.exit(exits.OK if doc["running"] else exits.PROBLEMS)
