@@ -171,7 +171,7 @@ def test_a_planted_cycle_is_found(tmp_path: Path) -> None:
     ("source", "expected"),
     [
         ("from kvtier.daemon import server\n", "core may not import daemon"),
-        ("from ..verifier import audit\n", "core may not import verifier"),
+        ("from ..verifier import store_report\n", "core may not import verifier"),
     ],
 )
 def test_a_planted_upward_edge_is_found(tmp_path: Path, source: str, expected: str) -> None:
@@ -184,7 +184,7 @@ def test_a_planted_upward_edge_is_found(tmp_path: Path, source: str, expected: s
             "daemon/__init__.py": "",
             "daemon/server.py": "",
             "verifier/__init__.py": "",
-            "verifier/audit.py": "",
+            "verifier/store_report.py": "",
         },
     )
     assert any(expected in v for v in edge_violations(module_graph(root)))

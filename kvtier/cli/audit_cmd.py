@@ -45,7 +45,7 @@ def audit(
     2 for usage errors (a missing store included). With --cluster, a sampled cluster object that fails its
     checks is corruption too; a cluster that cannot be reached is exit 2.
     """
-    from kvtier.cli.cluster_audit import render_cluster, run_cluster_audit
+    from kvtier.cli.cluster_census import render_cluster, run_cluster_audit
     from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
 
     settings = VerifierSettings()

@@ -1,4 +1,4 @@
-"""`kvtier audit`: per namespace and form counts, orphaned and reclaimable bytes, budget use; `--fix` acts once."""
+"""`kvtier audit`: the disk store's report: counts per namespace and form, orphaned and reclaimable bytes, budget."""
 
 from __future__ import annotations
 
