@@ -107,14 +107,6 @@ class RefModel:
         """Logits (vocab,) after appending one token."""
         return self.forward(state, self._tokens([token]))[0]
 
-    def export(self, state: RefState) -> dict[ObjectId, torch.Tensor]:
-        """Every history object of the blocks seen, plus the state objects when the position is a boundary."""
-        h = self.hash_block_tokens
-        out = export_history(self.profile, state, range(state.pos // h))
-        if state.pos and state.pos % h == 0:
-            out.update(export_checkpoint(self.profile, state))
-        return out
-
     def restore(
         self, objects: Mapping[ObjectId, Payload], boundary_blocks: int, *, allow_missing: bool = False
     ) -> RefState:

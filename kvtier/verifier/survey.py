@@ -50,10 +50,6 @@ class SegmentSurvey:
         """Bytes on disk nothing references: uncommitted tails and stray files, older than the grace period."""
         return sum(self.orphan_tail(s) for s in self.files) + sum(s.size for s in self.old_strays())
 
-    @property
-    def file_bytes(self) -> int:
-        return sum(size for size, _ in self.files.values()) + sum(s.size for s in self.strays)
-
 
 def survey_segments(store: DiskStore, grace_s: float) -> SegmentSurvey:
     seg_dir = store.segment_dir
