@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -44,7 +46,7 @@ def verifier() -> None:
     """The disk store's verifier and cleaner (its own process; never blocks the daemon's readers)."""
 
 
-def _override_options(fn):  # type: ignore[no-untyped-def]
+def _override_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for name, (_, kind, text) in reversed(_OVERRIDES.items()):
         fn = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=None, help=text)(fn)
     return fn

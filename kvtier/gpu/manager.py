@@ -98,7 +98,8 @@ class CacheManager:
                 lease.reserved = 0  # (a recovery in flight gives its places back when it ends: none are left)
             self._c.book.clear()
             self._c.queued = 0
-            self._c.build(budgets_bytes).close()
+            if (old := self._c.build(budgets_bytes)) is not None:  # a resize always replaces a slot space
+                old.close()
             self._c.topology_epoch += 1
             self._c.cond.notify_all()
 

@@ -81,9 +81,10 @@ class BlockTable:
 
     def drop_row_if_dead(self, row: int) -> bool:
         """Unindex a row that holds no slot and no lease (its hash becomes a plain miss)."""
-        if row == self.sentinel or self.r_live[row] or self.r_leases[row] or self.r_hash[row] is None:
+        h = self.r_hash[row]
+        if row == self.sentinel or self.r_live[row] or self.r_leases[row] or h is None:
             return False
-        del self.index[self.r_hash[row]]
+        del self.index[h]
         self.r_hash[row] = None
         self.e_slot[:, row] = -1
         self.e_gen[:, row] = -1

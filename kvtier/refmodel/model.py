@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from kvtier.refmodel.errors import BoundaryError, TokenError
 from kvtier.refmodel.objects import Payload, export_checkpoint, export_history, restore_state
 from kvtier.refmodel.state import ObjectId, RefState
 from kvtier.refmodel.swa import SwaLayer
-from kvtier.refmodel.weights import build_weights
+from kvtier.refmodel.weights import CompressedWeights, SwaWeights, build_weights
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -55,9 +56,9 @@ class RefModel:
             )
         self.weights = build_weights(self.config, self.version)
         self.layers = tuple(
-            SwaLayer(self.config, spec, bw.attn)
+            SwaLayer(self.config, spec, cast(SwaWeights, bw.attn))  # build_weights pairs each spec with its kind
             if isinstance(spec, SwaSpec)
-            else CompressedLayer(self.config, spec, bw.attn)  # type: ignore[arg-type]
+            else CompressedLayer(self.config, spec, cast(CompressedWeights, bw.attn))
             for spec, bw in zip(self.config.layers, self.weights.blocks)
         )
 
