@@ -81,8 +81,10 @@ class BlockTable:
 
     def drop_row_if_dead(self, row: int) -> bool:
         """Unindex a row that holds no slot and no lease (its hash becomes a plain miss)."""
-        h = self.r_hash[row]
-        if row == self.sentinel or self.r_live[row] or self.r_leases[row] or h is None:
+        if row == self.sentinel or self.r_live[row] or self.r_leases[row]:
+            return False
+        h = self.r_hash[row]  # read only past the sentinel check: the sentinel row is past the list's end
+        if h is None:
             return False
         del self.index[h]
         self.r_hash[row] = None
