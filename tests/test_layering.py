@@ -1,8 +1,9 @@
-"""The dependency direction between kvtier's packages, held by a test (the table is docs/DESIGN.md "Layout").
+"""The shape of the code, held by tests (the table is docs/DESIGN.md "Layout").
 
 Walks every import statement of every module under `kvtier/` with `ast` (relative imports resolved, imports
 inside functions and `TYPE_CHECKING` blocks included: a lazy import is still a dependency) and fails on any
-edge outside the table and on any cycle between modules.
+edge outside the table and on any cycle between modules. Also: no module under `kvtier/` over 600 lines, and
+`bench/` imports only kvtier's public interface (what a package's `__init__` exports, or PUBLIC_MODULES).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
-KVTIER = Path(__file__).resolve().parents[1] / "kvtier"
+ROOT = Path(__file__).resolve().parents[1]
+KVTIER = ROOT / "kvtier"
+BENCH = ROOT / "bench"
+MAX_LINES = 600
 
 # package -> the kvtier packages its modules may import (besides its own). "store" here means the store
 # package's public interface unless the importer is listed in FULL_STORE: `import kvtier.store`, not its modules.
-ALLOWED: dict[str, frozenset[str]] = {
+ALLOWED: dict[str, frozenset[str] | None] = {
     "core": frozenset(),
     "gpu": frozenset({"core"}),
     "store": frozenset({"core"}),
@@ -29,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "daemon": frozenset({"core", "wire", "gpu", "store", "cluster"}),
     "integrations": frozenset({"core", "client", "store"}),
     "refmodel": frozenset({"core", "client", "store"}),
-    "cli": None,  # type: ignore[dict-item]  # the entry point may import anything
+    "cli": None,  # the entry point may import anything
 }
 # Single modules allowed one more edge than their package, with the reason.
 EXTRA: dict[str, frozenset[str]] = {
@@ -171,7 +175,7 @@ def test_a_planted_cycle_is_found(tmp_path: Path) -> None:
     ("source", "expected"),
     [
         ("from kvtier.daemon import server\n", "core may not import daemon"),
-        ("from ..verifier import audit\n", "core may not import verifier"),
+        ("from ..verifier import store_report\n", "core may not import verifier"),
     ],
 )
 def test_a_planted_upward_edge_is_found(tmp_path: Path, source: str, expected: str) -> None:
@@ -184,7 +188,7 @@ def test_a_planted_upward_edge_is_found(tmp_path: Path, source: str, expected: s
             "daemon/__init__.py": "",
             "daemon/server.py": "",
             "verifier/__init__.py": "",
-            "verifier/audit.py": "",
+            "verifier/store_report.py": "",
         },
     )
     assert any(expected in v for v in edge_violations(module_graph(root)))
@@ -202,3 +206,136 @@ def test_a_reach_into_store_modules_is_found(tmp_path: Path) -> None:
         },
     )
     assert any("public interface" in v for v in edge_violations(module_graph(root)))
+
+
+# --- module size --------------------------------------------------------------------------------------------------
+
+# Modules over the limit whose split is another change's work, with that work; an entry that no longer applies
+# fails test_pending_splits_are_still_pending, so this list only shrinks.
+PENDING_SPLITS: dict[str, str] = {
+    "kvtier/store/reader.py": "the one columnar read pipeline (issue 42, deliverable 1) replaces it",
+}
+
+
+def lines_over(root: Path, limit: int) -> dict[str, int]:
+    """Each module under `root` longer than `limit` lines, as a path relative to root's parent."""
+    counts = {p.relative_to(root.parent).as_posix(): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    return {path: n for path, n in sorted(counts.items()) if n > limit}
+
+
+def test_no_module_over_the_limit() -> None:
+    over = {p: n for p, n in lines_over(KVTIER, MAX_LINES).items() if p not in PENDING_SPLITS}
+    assert over == {}, f"split these modules (one job each, at most {MAX_LINES} lines): {over}"
+
+
+def test_pending_splits_are_still_pending() -> None:
+    over = lines_over(KVTIER, MAX_LINES)
+    done = sorted(set(PENDING_SPLITS) - set(over))
+    assert done == [], f"remove {done} from PENDING_SPLITS: they are within {MAX_LINES} lines now"
+
+
+def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
+    root = _plant(tmp_path, {"__init__.py": "", "core/__init__.py": "", "core/long.py": "x = 1\n" * (MAX_LINES + 1)})
+    assert lines_over(root, MAX_LINES) == {"kvtier/core/long.py": MAX_LINES + 1}
+    assert lines_over(root, MAX_LINES + 1) == {}
+
+
+# --- bench/ imports the public interface only -------------------------------------------------------------------
+
+# Modules bench/ may import although their package does not export them, each with why it is public. Every other
+# kvtier import in bench/ names a package (`from kvtier.store import DiskStore`) and what its __init__ exports.
+PUBLIC_MODULES: dict[str, str] = {
+    "kvtier.core.forms": "core is the shared vocabulary, module by module (docs/DESIGN.md, Layout)",
+    "kvtier.core.hashing": "core: block hashing",
+    "kvtier.core.hugepages": "core: huge-page advice",
+    "kvtier.core.layout": "core: layouts and slot strides",
+    "kvtier.core.profile": "core: model profiles",
+    "kvtier.core.tier": "core: the LowerTier interface and its requests (a contract module)",
+    "kvtier.gpu.pools": "the pools' one-time allocation, which the slot benchmark measures",
+    "kvtier.integrations.vllm.tier": "the class vLLM's tier factory loads",
+    "kvtier.refmodel.demo": "the demo daemon the benchmarks run against",
+    "kvtier.refmodel.engine": "the reference engine: the benchmark workload",
+    "kvtier.store.record": "the record format that store/FORMAT.md documents",
+    "kvtier.testing": "test doubles shared by tests and benchmarks (MemoryTier)",
+}
+# bench scripts that still reach past the public interface, and the change that fixes each; an entry that no
+# longer applies fails test_pending_bench_reaches_are_still_pending.
+PENDING_BENCH: dict[str, str] = {
+    "peers.py": "reaches into store internals (index, segments, io, waves, aio): the read-path rewrite fixes it",
+}
+
+
+def exports_of(init: Path) -> set[str]:
+    """What a package's __init__ exports: its `__all__` when it has one, else every name it binds at top level."""
+    tree = ast.parse(init.read_text(), filename=str(init))
+    bound: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return (
+                {ast.literal_eval(e) for e in node.value.elts}
+                if isinstance(node.value, ast.List | ast.Tuple)
+                else set()
+            )
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Assign):
+            bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return bound
+
+
+def bench_reaches(script: Path, kvtier_root: Path, public: set[str]) -> list[str]:
+    """Each kvtier import of a bench script past the public interface, as 'line: what'."""
+    bad = []
+    for node in ast.walk(ast.parse(script.read_text(), filename=str(script))):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, None) for a in node.names if a.name.split(".")[0] == "kvtier"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kvtier" and not node.level:
+            pairs = [(node.module or "", a.name) for a in node.names]
+        else:
+            continue
+        for module, name in pairs:
+            rel = kvtier_root.parent / module.replace(".", "/")
+            if (rel / "__init__.py").exists():  # a package: its exports, or one of its modules that is public
+                if name is None or name in exports_of(rel / "__init__.py") or f"{module}.{name}" in public:
+                    continue
+                what = f"{module}.{name}"
+            elif module in public:
+                continue
+            else:
+                what = module
+            bad.append(f"{node.lineno}: {what}")
+    return bad
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_bench_imports_the_public_interface(script: str) -> None:
+    bad = bench_reaches(BENCH / script, KVTIER, set(PUBLIC_MODULES))
+    if script in PENDING_BENCH:
+        assert bad, f"remove {script} from PENDING_BENCH: it imports only the public interface now"
+        return
+    assert bad == [], f"bench/{script} reaches past kvtier's public interface: {bad} (export it, or import what is)"
+
+
+def test_public_modules_exist() -> None:
+    missing = [m for m in PUBLIC_MODULES if not (ROOT / (m.replace(".", "/") + ".py")).exists()]
+    assert missing == []
+
+
+def test_a_planted_bench_reach_is_found(tmp_path: Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "store/__init__.py": "from kvtier.store.store import DiskStore\n__all__ = ['DiskStore']\n",
+            "store/store.py": "",
+            "store/index.py": "",
+        },
+    )
+    script = tmp_path / "b.py"
+    script.write_text("from kvtier.store import DiskStore\nfrom kvtier.store.index import Index\n")
+    assert bench_reaches(script, root, set()) == ["2: kvtier.store.index"]
+    script.write_text("from kvtier.store import index\n")
+    assert bench_reaches(script, root, set()) == ["1: kvtier.store.index"]
+    assert bench_reaches(script, root, {"kvtier.store.index"}) == []

@@ -8,6 +8,7 @@ import sys
 import click
 from tqdm import tqdm
 
+from kvtier.cli import exits
 from kvtier.cli.daemon_cmds import mode_option, store_root_of
 
 
@@ -44,7 +45,7 @@ def audit(
     2 for usage errors (a missing store included). With --cluster, a sampled cluster object that fails its
     checks is corruption too; a cluster that cannot be reached is exit 2.
     """
-    from kvtier.cli.cluster_audit import render_cluster, run_cluster_audit
+    from kvtier.cli.cluster_census import render_cluster, run_cluster_audit
     from kvtier.verifier import Verifier, VerifierSettings, audit_store, open_store, render_table
 
     settings = VerifierSettings()
@@ -75,4 +76,4 @@ def audit(
         if remote:
             click.echo("\n" + render_cluster(remote))
     found = before.problems or report.problems or actions.get("quarantined", 0) > 0 or (remote and remote.problems)
-    sys.exit(1 if found else 0)
+    sys.exit(exits.PROBLEMS if found else exits.OK)

@@ -15,10 +15,10 @@ import msgspec
 
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
+from kvtier.cli.daemon_exits import daemon_exits
 from kvtier.cli.guards import check_device, check_pool_budget, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
-from kvtier.cli.reach import daemon_exits
 from kvtier.cli.starting import clear_marker, starting, write_marker
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import MODE_ENV, DaemonConfig, load_config
@@ -259,7 +259,7 @@ def status(config_path: str | None, mode: str | None, socket_path: str | None, a
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
         _render_status(doc)
-    sys.exit(0 if doc.daemon is not None and doc.daemon.health == "ok" else 1)
+    sys.exit(exits.OK if doc.daemon is not None and doc.daemon.health == "ok" else exits.PROBLEMS)
 
 
 def _prewarm_line(r: dict[str, Any]) -> str:

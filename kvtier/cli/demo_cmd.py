@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtier.cli import exits
 from kvtier.core.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtier.refmodel.demo import DemoReport
-
-FAILED_EXIT = 1
 
 
 class Terminated(BaseException):
@@ -103,7 +102,7 @@ def demo(
     except Terminated as exc:
         name = signal.Signals(exc.signum).name
         click.echo(f"kvtier demo: {name}: stopped the daemon it started and removed its temporary folder", err=True)
-        sys.exit(128 + exc.signum)
+        sys.exit(exits.signalled(exc.signum))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -112,7 +111,7 @@ def demo(
     else:
         _print(report)
     if not report.ok:
-        sys.exit(FAILED_EXIT)
+        sys.exit(exits.PROBLEMS)
 
 
 def _ms(seconds: float) -> str:

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from kvtier.cli import exits
 from kvtier.cli.daemon_cmds import config_option, mode_option
 
 
@@ -35,4 +36,4 @@ def doctor(config_path: str | None, mode: str | None, engine_pythons: tuple[str,
             click.echo(f"{c.status:<5} {c.name:<13} {c.detail}")
             if c.fix:
                 click.echo(f"{'':<5} {'':<13} fix: {c.fix}")
-    sys.exit(1 if any(c.status == FAIL for c in checks) else 0)
+    sys.exit(exits.PROBLEMS if any(c.status == FAIL for c in checks) else exits.OK)

@@ -101,11 +101,11 @@ def explain(prompt_tokens: int, raw: CheckVector, final: CheckVector, windows: S
         history = n_state == 0
         if not servable[history, k].all():
             # history must be whole from block 0: block k of some history group is what ends it
-            cells = [(g, k) for g in np.flatnonzero(history & ~servable[:, k])]
+            cells: list[tuple[int, int]] = [(int(g), k) for g in np.flatnonzero(history & ~servable[:, k])]
         else:
             # history goes on: the boundary k+1 lacks a state group's window [k+1-n_s, k]
             cells = []
-            for g in np.flatnonzero(~history):
+            for g in map(int, np.flatnonzero(~history)):
                 lo = max(0, k + 1 - int(n_state[g]))
                 bad = np.flatnonzero(~servable[g, lo : k + 1])
                 if bad.size:

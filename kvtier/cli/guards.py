@@ -59,7 +59,9 @@ def _read_int(path: Path) -> int | None:
     return None if text == "max" or not text.isdigit() else int(text)
 
 
-def cgroup_room(cgroup_root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")):  # type: ignore[no-untyped-def]
+def cgroup_room(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
+) -> tuple[int, str] | tuple[None, None]:
     """(bytes left, cgroup) of the tightest memory limit on this process's cgroup and its ancestors (v2's
     memory.max - memory.current, or v1's limit_in_bytes - usage_in_bytes); (None, None) when none is set."""
     try:

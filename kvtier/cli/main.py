@@ -1,9 +1,6 @@
 """`kvtier` entry point: groups the subcommands and maps every error to one line on stderr and an exit code.
 
-Exit codes: 0 ok; 1 problems found (audit, status degraded, demo failed); 2 usage or config error (a
-bad option, file, value or path); 3 no daemon answers; 4 a daemon refused or did not answer us; 70 an
-internal error (a bug: rerun with -v for the traceback and report it); 130 interrupted. `-v` adds the
-traceback to any of these.
+The exit codes are kvtier.cli.exits' table (docs/cli.md shows it); `-v` adds the traceback to any of them.
 """
 
 from __future__ import annotations
@@ -64,8 +61,8 @@ def main() -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except KvtierError as exc:
-        # a typed error says what is wrong and what to do; subclasses may name their own exit code
-        _fail(str(exc), getattr(exc, "exit_code", exits.USAGE))
+        # a typed error says what is wrong and what to do; its code picks the exit (exits.WIRE_EXITS)
+        _fail(str(exc), exits.for_error(exc))
     except OSError as exc:
         # a path the user gave (or a default one) that cannot be used: name it and the usual fix
         where = f": {exc.filename}" if exc.filename else ""

@@ -12,19 +12,24 @@ import click
 import msgspec
 
 from kvtier.cli.daemon_cmds import config_option, socket_option, socket_path_of
+from kvtier.cli.daemon_exits import daemon_exits
 from kvtier.cli.namespace_table import namespace_lines
-from kvtier.cli.reach import daemon_exits
 from kvtier.wire import messages as P
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-def _ask(config_path: str | None, socket_path: str | None, req: P.Msg, as_json: bool) -> None:
+def _ask(
+    config_path: str | None,
+    socket_path: str | None,
+    req: P.Namespaces | P.NamespaceRetire | P.NamespacePromote,
+    as_json: bool,
+) -> None:
     from kvtier.wire import Connection  # not kvtier.client: no torch needed
 
     path = socket_path_of(config_path, socket_path)
     with daemon_exits(), Connection(path, timeout_s=30.0, name="kvtier namespace") as conn:
-        reply = conn.namespaces(req)  # type: ignore[arg-type]
+        reply = conn.namespaces(req)
     if as_json:
         click.echo(json.dumps({"done": reply.done, "namespaces": msgspec.to_builtins(reply.namespaces)}))
         return

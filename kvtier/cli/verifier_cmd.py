@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
+
+from kvtier.cli import exits
 
 _OVERRIDES = {
     "rate": ("rate_bytes_per_s", int, "Payload bytes per second to read (verify) and copy (compaction); 0: unlimited."),
@@ -42,7 +46,7 @@ def verifier() -> None:
     """The disk store's verifier and cleaner (its own process; never blocks the daemon's readers)."""
 
 
-def _override_options(fn):  # type: ignore[no-untyped-def]
+def _override_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for name, (_, kind, text) in reversed(_OVERRIDES.items()):
         fn = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=None, help=text)(fn)
     return fn
@@ -97,4 +101,4 @@ def status_cmd(root: str, as_json: bool) -> None:
             )
         for action, n in sorted(doc["actions"].items()):
             click.echo(f"  {action:<22} {n}")
-    sys.exit(0 if doc["running"] else 1)
+    sys.exit(exits.OK if doc["running"] else exits.PROBLEMS)

@@ -174,7 +174,7 @@ def _stage(tensors: list[torch.Tensor]) -> tuple[int, list[int]]:
         offset = 0
         written: list[int] = []
         for t in tensors:
-            view = memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+            view = t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], offset + done)
@@ -218,7 +218,7 @@ class Client(Connection):
             raise E.OutOfOrder("attach(profile) first")
         return self.attachment
 
-    def hashes(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    def hashes(self, tokens: Sequence[int] | np.ndarray | torch.Tensor | None) -> bytes:
         """The chained block hashes of every whole block of `tokens`, concatenated (what lookups send)."""
         att = self._attached()
         return b"".join(block_hashes(att.namespace, _token_ids(tokens), att.hash_block_tokens))
@@ -258,8 +258,10 @@ class Client(Connection):
         return reply.held
 
     def _mapped(self, reply: P.AttachOk, fds: list[int]) -> None:
-        gens = map_generations(reply.pools[0], fds) if reply.pools else None
-        pools = {info.group: map_pool(info, fds, gens) for info in reply.pools}
+        pools = {}
+        if reply.pools:
+            gens = map_generations(reply.pools[0], fds)
+            pools = {info.group: map_pool(info, fds, gens) for info in reply.pools}
         old, self.attachment = (
             self.attachment,
             Attachment(reply.profile, reply.namespace, reply.hash_block_tokens, reply.device, reply.lease_ttl_s, pools),

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import struct
 import urllib.parse
+from typing import Any
 
 import xxhash
 
@@ -81,7 +82,7 @@ class ObjectHeader:
     def pack_into(self, buf: memoryview) -> None:
         """Write the header into buf[:HEADER_BYTES]."""
         group = self.key.group.encode()
-        fields = (MAGIC, FORMAT_VERSION, HEADER_BYTES, FORM_CODES[self.key.form], len(group), 0)
+        fields: tuple[Any, ...] = (MAGIC, FORMAT_VERSION, HEADER_BYTES, FORM_CODES[self.key.form], len(group), 0)
         fields += (self.key.namespace, self.key.block_hash, self.layout_digest, group)
         buf[: _FIXED.size] = _FIXED.pack(*fields, self.payload_len, self.payload_checksum)
         buf[_FIXED.size : _SEAL_AT] = bytes(_SEAL_AT - _FIXED.size)

@@ -155,6 +155,7 @@ def probe(cfg: ClusterConfig) -> None:
     timeout = min(1.0, cfg.load_timeout_s)
     refused = [_accepts(m, timeout) for m in masters]
     if None not in refused:
-        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections{max(refused, default='')}")
+        first = max((r for r in refused if r is not None), default="")
+        raise ClusterSetupError(f"no master at {cfg.master_address} accepts connections{first}")
     if metadata and (why := _accepts(metadata, timeout)) is not None:
         raise ClusterSetupError(f"the metadata server {cfg.metadata} does not accept connections{why}")

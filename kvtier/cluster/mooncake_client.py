@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ def _import_store():  # the extension module has no stubs
 class _Staging:
     """A CPU buffer registered with the transfer engine, handed out in consecutive chunks."""
 
-    def __init__(self, client: object, nbytes: int) -> None:
+    def __init__(self, client: Any, nbytes: int) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8)
         self.ptr = self.buf.data_ptr()
         if client.register_buffer(self.ptr, nbytes) != 0:
@@ -140,7 +141,7 @@ class MooncakeClient:
                     [sizes[i] for i in group],
                 )
                 codes = run(functools.partial(self._client.batch_get_into, keys, ptrs, lens))
-                view = memoryview(staging.buf.numpy())
+                view = staging.buf.numpy().data
                 for i, off, code in zip(group, offsets, codes):
                     sink(i, view[off : off + code] if code >= 0 else code)
             self._judge(
@@ -161,7 +162,7 @@ class MooncakeClient:
                 continue
             offsets = _offsets([sizes[i] for i in group])
             with self._put.hold(deadline) as run:
-                view = memoryview(staging.buf.numpy())
+                view = staging.buf.numpy().data
                 for i, off in zip(group, offsets):
                     fill(i, view[off : off + sizes[i]])
                 keys, ptrs, lens = (

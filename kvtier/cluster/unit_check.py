@@ -129,7 +129,7 @@ def cluster_endpoints(cfg: ClusterConfig) -> list[tuple[str, str]]:
 
 def _resolve(host: str) -> list[str]:
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
     except OSError:
         return []
 

@@ -70,7 +70,7 @@ class HitGeometry:
         ok: np.ndarray | None = None  # ok[k-1]: every state group servable at boundary k
         for n, mask, _ in self.state_windows:
             # every state group with this window servable at each block, then a window-wide AND
-            m = servable[mask, :k_hist].all(axis=0)
+            m = np.asarray(servable[mask, :k_hist].all(axis=0))
             if n > 1:
                 bad = np.concatenate(([0], np.cumsum(~m)))
                 ks = np.arange(1, k_hist + 1)

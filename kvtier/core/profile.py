@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.resources
 import math
 import tomllib
@@ -182,7 +183,7 @@ def _positive_int(value: Any, field: str, source: str | None, *, allow_zero: boo
     return value
 
 
-def _parse_enum(enum_cls: type, value: Any, field: str, source: str | None):
+def _parse_enum(enum_cls: type[enum.Enum], value: Any, field: str, source: str | None):
     try:
         return enum_cls(value)
     except ValueError:

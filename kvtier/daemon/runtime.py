@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ class Runtime:
         infos: list[P.PoolInfo] = []
         for group, pool, base in zip(self.profile.groups, self.manager.pools(), bases):
             layout = self.profile.layout(group)
-            common = dict(
+            common: dict[str, Any] = dict(
                 group=pool.group,
                 form=pool.form.value,
                 slots=pool.n_slots,

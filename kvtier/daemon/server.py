@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvtier import __version__
 from kvtier.core.config import ServerConfig
@@ -141,7 +142,7 @@ class SocketServer:
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closing = False
-        self._dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
+        self._dispatch: dict[type, Callable[[Session, Any], P.Msg]] = {
             P.Lookup: backend.lookup,
             P.Release: backend.release,
             P.Load: backend.load,
@@ -150,7 +151,7 @@ class SocketServer:
             P.Prewarm: backend.prewarm,
             P.Explain: backend.explain,
         }
-        self._tier_dispatch: dict[type, Callable[[Session, P.Msg], P.Msg]] = {
+        self._tier_dispatch: dict[type, Callable[[Session, Any], P.Msg]] = {
             P.TierHas: backend.tier.has,
             P.TierKeys: backend.tier.keys,
             P.TierStore: backend.tier.store_many,
@@ -329,7 +330,7 @@ class SocketServer:
             except ProtocolError as exc:
                 log.info("connection %d (pid %d): %s", session.owner, session.peer.pid, exc)
                 raise
-            op, rid = type(req).__struct_config__.tag, req.id  # type: ignore[attr-defined]
+            op, rid = str(type(req).__struct_config__.tag), req.id
             reply, fds = self._route(session, req, received)
         except KvtierError as exc:
             reply, fds = P.Error(exc.code, str(exc)), []
@@ -374,16 +375,16 @@ class SocketServer:
                 raise OutOfOrder(
                     "tier_open was already sent on this connection; open another connection for another namespace"
                 )
-            reply = self.backend.tier.open(session, req, received)
+            opened = self.backend.tier.open(session, req, received)
             session.tier_open = True
-            return reply, []
+            return opened, []
         if type(req) in self._tier_dispatch:
             if not session.tier_open:
-                op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
+                op = type(req).__struct_config__.tag
                 raise OutOfOrder(f"{op} before tier_open: open the namespace and staging region first")
             return self._tier_dispatch[type(req)](session, req), []
         if session.attached is None:
-            op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
+            op = type(req).__struct_config__.tag
             raise OutOfOrder(f"{op} before attach: attach to a profile first")
         stale = self.backend.stale_reply(session, req)  # attached to a namespace retired since (a rollout)
         if stale is not None:

@@ -40,7 +40,7 @@ def freeze(fd: int) -> int:
 
 def copy_in(fd: int, offset: int, slot: torch.Tensor) -> int:
     """Read the staged bytes at `offset` into a cpu slot view; returns how many the region held (<= slot size)."""
-    view = memoryview(slot.numpy()).cast("B")
+    view = slot.numpy().data.cast("B")  # ndarray.data: the array as a memoryview
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)

@@ -85,7 +85,7 @@ class ManagerContext:
         self.ns_id = self.ns_ids.setdefault(self.ns, len(self.ns_ids))
         self.digests = tuple(self.profile.layout(g).digest for g in self.profile.groups)
 
-    def build(self, budgets_bytes: Mapping[CacheForm | str, int]) -> SlotSpace:
+    def build(self, budgets_bytes: Mapping[CacheForm | str, int]) -> SlotSpace | None:
         """Allocate the slot space of a topology from byte budgets; returns the one it replaces (or None)."""
         old = getattr(self, "space", None)
         budgets = {CacheForm(k): int(v) for k, v in budgets_bytes.items()}

@@ -118,4 +118,11 @@ class Counters:
                     count=int(self._lat_counts[fi].sum()),
                 ),
             )
-        return CounterSnapshot(**self.totals, forms=forms)
+        t = self.totals
+        return CounterSnapshot(
+            lookups=t["lookups"],
+            leases_expired=t["leases_expired"],
+            writes_expired=t["writes_expired"],
+            leases_released=t["leases_released"],
+            forms=forms,
+        )

@@ -7,7 +7,7 @@ pinned, so no one else can touch them. Pools are allocated once; `resize` is ref
 
 The manager is the facade: the slot space (pools, table, allocation) is `slots.SlotSpace`, the
 per-form rules are the coordinator's, the offload path is `writes.Writes`, recovery and
-write-back are `recovery.Recovery`, the invariant audit is `audit.audit`.
+write-back are `recovery.Recovery`, the invariant check is `invariants.invariant_violations`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from kvtier.core.profile import ModelProfile
 from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.gpu.admission import AdmissionConfig
-from kvtier.gpu.audit import audit
 from kvtier.gpu.context import NO_ROWS, ManagerContext, PoolLookup
 from kvtier.gpu.counters import CounterSnapshot
 from kvtier.gpu.errors import BadKey, StaleHandle, TopologyError
 from kvtier.gpu.gentable import GenerationTable
+from kvtier.gpu.invariants import invariant_violations
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
 from kvtier.gpu.pools import Pool
 from kvtier.gpu.recovery import PersistOutcome, Recovery
@@ -98,7 +98,8 @@ class CacheManager:
                 lease.reserved = 0  # (a recovery in flight gives its places back when it ends: none are left)
             self._c.book.clear()
             self._c.queued = 0
-            self._c.build(budgets_bytes).close()
+            if (old := self._c.build(budgets_bytes)) is not None:  # a resize always replaces a slot space
+                old.close()
             self._c.topology_epoch += 1
             self._c.cond.notify_all()
 
@@ -561,10 +562,10 @@ class CacheManager:
                 int(t.s_leases[s]),
             )
 
-    def audit(self) -> list[str]:
+    def invariant_violations(self) -> list[str]:
         """Cross-check every invariant of the slot table, index, quotas and leases; returns the violations."""
         with self._c.lock:
-            return audit(self._c.space, self._c.book.leases.values(), self._c.ns_id, self._c.queued)
+            return invariant_violations(self._c.space, self._c.book.leases.values(), self._c.ns_id, self._c.queued)
 
     def close(self) -> None:
         """Release the pools' file descriptors (the tensors stay valid while referenced)."""

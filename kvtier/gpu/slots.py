@@ -231,7 +231,7 @@ class SlotSpace:
     def locals(self, groups: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Layer 4 for a batch: each slot's index within its pool, and whether its bytes pass `local`'s check."""
         local = slots - self.table.base[groups]
-        return local, self._whole_and_aligned(groups, local)
+        return local, np.asarray(self._whole_and_aligned(groups, local))
 
     def _whole_and_aligned(self, g: int | np.ndarray, local: int | np.ndarray) -> bool | np.ndarray:
         """The slot view's address is aligned and it lies whole inside its (contiguous) pool: `slot_view`'s

@@ -81,9 +81,12 @@ class BlockTable:
 
     def drop_row_if_dead(self, row: int) -> bool:
         """Unindex a row that holds no slot and no lease (its hash becomes a plain miss)."""
-        if row == self.sentinel or self.r_live[row] or self.r_leases[row] or self.r_hash[row] is None:
+        if row == self.sentinel or self.r_live[row] or self.r_leases[row]:
             return False
-        del self.index[self.r_hash[row]]
+        h = self.r_hash[row]  # read only past the sentinel check: the sentinel row is past the list's end
+        if h is None:
+            return False
+        del self.index[h]
         self.r_hash[row] = None
         self.e_slot[:, row] = -1
         self.e_gen[:, row] = -1

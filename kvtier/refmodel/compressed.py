@@ -76,6 +76,7 @@ class CompressedLayer:
         rows = torch.cat((state.rows, new_rows))
         if self.w.indexer is None:
             return rows, None
+        assert state.index_keys is not None  # a layer with an indexer keeps its keys
         return rows, torch.cat((state.index_keys, new_rows @ self.w.indexer.wk))
 
     def _attend(
@@ -98,6 +99,7 @@ class CompressedLayer:
             probs = torch.softmax(torch.cat((row_scores, local_scores), dim=-1), dim=-1)
             out = torch.einsum("thr,rd->thd", probs[..., :n_rows], rows)
         else:
+            assert state.index_keys is not None  # a layer with an indexer keeps its keys
             relevance = (x @ self.w.indexer.wq) @ state.index_keys.T
             picked_scores, picked = relevance.masked_fill_(hidden, _NEG_INF).topk(min(self.topk, n_rows), dim=-1)
             chosen = rows[picked]  # (T, k, latent)

@@ -260,7 +260,7 @@ def run_demo(params: DemoParams, progress: Callable[[str], None] = lambda stage:
     prompt_b = np.concatenate((prompt_a[:shared], rng.integers(0, vocab, params.tokens - shared)))
 
     scratch = params.workdir is None
-    root = Path(tempfile.mkdtemp(prefix="kvtier-demo-")) if scratch else Path(params.workdir).resolve()  # type: ignore[arg-type]
+    root = Path(tempfile.mkdtemp(prefix="kvtier-demo-")) if params.workdir is None else Path(params.workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     daemon = DemoDaemon(root, profile, pool_budgets(profile, params.tokens, params.checkpoint_every))
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from kvtier.refmodel.errors import BoundaryError, TokenError
 from kvtier.refmodel.objects import Payload, export_checkpoint, export_history, restore_state
 from kvtier.refmodel.state import ObjectId, RefState
 from kvtier.refmodel.swa import SwaLayer
-from kvtier.refmodel.weights import build_weights
+from kvtier.refmodel.weights import CompressedWeights, SwaWeights, build_weights
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -55,9 +56,9 @@ class RefModel:
             )
         self.weights = build_weights(self.config, self.version)
         self.layers = tuple(
-            SwaLayer(self.config, spec, bw.attn)
+            SwaLayer(self.config, spec, cast(SwaWeights, bw.attn))  # build_weights pairs each spec with its kind
             if isinstance(spec, SwaSpec)
-            else CompressedLayer(self.config, spec, bw.attn)  # type: ignore[arg-type]
+            else CompressedLayer(self.config, spec, cast(CompressedWeights, bw.attn))
             for spec, bw in zip(self.config.layers, self.weights.blocks)
         )
 
@@ -106,14 +107,6 @@ class RefModel:
     def decode(self, state: RefState, token: int) -> torch.Tensor:
         """Logits (vocab,) after appending one token."""
         return self.forward(state, self._tokens([token]))[0]
-
-    def export(self, state: RefState) -> dict[ObjectId, torch.Tensor]:
-        """Every history object of the blocks seen, plus the state objects when the position is a boundary."""
-        h = self.hash_block_tokens
-        out = export_history(self.profile, state, range(state.pos // h))
-        if state.pos and state.pos % h == 0:
-            out.update(export_checkpoint(self.profile, state))
-        return out
 
     def restore(
         self, objects: Mapping[ObjectId, Payload], boundary_blocks: int, *, allow_missing: bool = False

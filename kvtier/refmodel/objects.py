@@ -144,7 +144,9 @@ def _unpack(profile: ModelProfile, group: CacheGroup, oid: ObjectId, value: Payl
 
 def _history(state: RefState, group: CacheGroup, layer: int) -> torch.Tensor:
     cs = _compressed(state, layer)
-    return cs.rows if group.form is CacheForm.COMPRESSED else cs.index_keys
+    out = cs.rows if group.form is CacheForm.COMPRESSED else cs.index_keys
+    assert out is not None  # an indexer group exists only over layers that have an indexer
+    return out
 
 
 def _swa(state: RefState, layer: int) -> SwaState:

@@ -54,7 +54,7 @@ class Ledger:
             last_drop_txn=self._txn.id(),
         )
 
-    def forget(self, raw: bytes) -> None:
+    def forget(self, raw: bytes | memoryview) -> None:
         """Take an indexed record (its raw `obj` value) out of usage, the dirty list and its segment's counts;
         nothing to do when the value is corrupt (its bytes are unknown)."""
         try:

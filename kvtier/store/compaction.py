@@ -6,6 +6,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import lmdb
 import torch
@@ -75,7 +76,12 @@ class Compaction:
             finally:
                 probe.close()
         if stale:
-            ctx.index.update(lambda txn: [seal_segment(ctx.index, txn, s) for s in stale])
+
+            def seal_all(txn: lmdb.Transaction) -> None:
+                for s in stale:
+                    seal_segment(ctx.index, txn, s)
+
+            ctx.index.update(seal_all)
         return len(stale)
 
     def try_unlink_segment(self, seg_id: int) -> bool:
@@ -274,7 +280,7 @@ def _move(w: _Moved) -> Move:
     return Move(w.copy.raw_key, old.segment, old.offset, old.seq, w.seg_id, w.offset, w.copy.header.record_len)
 
 
-def _lock_segment(path: str) -> SegmentFile | bool | None:
+def _lock_segment(path: str) -> SegmentFile | Literal[False] | None:
     """The segment opened with its flock taken; None if the file is gone; False if another holder has it."""
     try:
         probe = SegmentFile(path, os.open(path, os.O_RDWR | os.O_CLOEXEC))

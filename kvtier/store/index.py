@@ -192,7 +192,7 @@ class IndexEntry:
                 if f[0] != 2:
                     raise ValueError(f"entry version {f[0]}")
                 # Fields by position (see _V2): table lookups for the enums, not enum calls.
-                return cls(_STATES[f[1]], FORMS_BY_CODE[f[2]], _CODECS[f[3]], *f[6:17], f[4], f[17], 2, f[5], f[18])
+                return cls(*(_STATES[f[1]], FORMS_BY_CODE[f[2]], _CODECS[f[3]], *f[6:17], f[4], f[17], 2, f[5], f[18]))
             (version, state, form, codec, qr, seg, off, rlen, plen, slen, psum, ld, seq, created, ver, pin, qat) = (
                 cls._V1.unpack(unseal(value))
             )
@@ -318,7 +318,7 @@ def pack_usage(usage: Usage) -> bytes:
     return seal(json.dumps(rows, sort_keys=True).encode())
 
 
-def unpack_usage(value: bytes | None) -> Usage:
+def unpack_usage(value: bytes | memoryview | None) -> Usage:
     usage = {f: FormUsage() for f in FORM_CODES}
     if value is not None:
         for name, row in json.loads(unseal(value)).items():

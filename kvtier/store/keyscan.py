@@ -4,6 +4,9 @@ read): a record this reports live that is not is caught by the load, which verif
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 from kvtier.core.tier import KeyPage
 from kvtier.store.errors import StoreRequestError
 from kvtier.store.index import Index, RecordState
@@ -20,7 +23,7 @@ def live_keys(index: Index, namespace: bytes, after: bytes, limit: int) -> KeyPa
     with index.read() as txn:
         cursor = txn.cursor(db=index.obj)
         if limit and cursor.set_range(after + b"\0" if after else namespace):  # b"\0": the first key past `after`
-            for raw, value in cursor.iternext():
+            for raw, value in cast("Iterator[tuple[bytes, bytes]]", cursor.iternext()):  # buffers=False: bytes
                 if raw[:16] != namespace:
                     break
                 if value[_STATE_AT] == RecordState.LIVE:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import cast
 
 import lmdb
 
@@ -275,7 +276,7 @@ class Maintenance:
                 return out
             if after is not None and cur.key() == start and not cur.next():
                 return out
-            for raw_key, raw in cur:
+            for raw_key, raw in cast("Iterator[tuple[bytes, bytes]]", cur):  # buffers=False: bytes
                 if namespace is not None and not raw_key.startswith(namespace):
                     break
                 key = decode_key(bytes(raw_key))

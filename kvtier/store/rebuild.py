@@ -275,6 +275,7 @@ def _write_index(
     for rec in found.values():
         h = rec.header
         if h.codec is Codec.ZSTD:
+            assert h.form is not None  # `found` holds object records: each names its form
             codecs.setdefault(h.namespace, {})[h.form.value] = "zstd"
         if h.namespace not in namespaces:
             namespaces[h.namespace] = NamespaceEntry(VersionKey.from_dict(json.loads(versions[h.namespace])), True, now)

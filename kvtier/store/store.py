@@ -302,13 +302,16 @@ class DiskStore:
             case PruneTombstones():
                 return list(m.apply_prune(decision))
             case Stamp():
-                return m.apply_stamp(decision)
+                m.apply_stamp(decision)
+                return None
             case PutDoc():
-                return self._catalog.apply_put_doc(decision)
+                self._catalog.apply_put_doc(decision)
+                return None
             case AllocateSegment():
                 return c.apply_allocate()
             case SealSegment():
-                return c.apply_seal(decision)
+                c.apply_seal(decision)
+                return None
             case SealAbandoned():
                 return c.seal_abandoned_segments(self._writer.appender.owned_segment if self._writer else 0)
             case Repoint():

@@ -200,6 +200,7 @@ class Writer:
             ns = index.namespace(txn, h.namespace)
             if ns is None or not ns.live:
                 raise NamespaceRetired(f"namespace {h.namespace.hex()} was retired during the write: nothing stored")
+            assert h.form is not None  # a written object's header names its form (only namespace records do not)
             entry = IndexEntry(
                 RecordState.LIVE,
                 h.form,
@@ -252,7 +253,7 @@ class Writer:
         self.appender.close()
 
 
-def _is_live(raw: bytes) -> bool:
+def _is_live(raw: bytes | memoryview) -> bool:
     entry = entry_or_none(raw)
     return entry is not None and entry.state is RecordState.LIVE
 
@@ -288,4 +289,4 @@ def _compressed(flat: torch.Tensor) -> torch.Tensor:
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as host memory, without a copy when it already lives there."""
-    return memoryview(t.numpy() if t.device.type == "cpu" else t.cpu().numpy())
+    return (t.numpy() if t.device.type == "cpu" else t.cpu().numpy()).data  # ndarray.data: a memoryview

@@ -7,6 +7,7 @@ import threading
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class SegmentHints:
     def __init__(self, seg_dir: str, wake: threading.Event) -> None:
         self._seg_dir = seg_dir
         self._wake = wake
-        self._observer: Observer | None = None
+        self._observer: BaseObserver | None = None  # Observer is a per-platform alias, not a type
 
     def start(self) -> bool:
         try:

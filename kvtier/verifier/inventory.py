@@ -54,7 +54,7 @@ class Inventory:
         return sum(getattr(c, field) for per in self.counts.values() for c in per.values())
 
 
-Progress = Callable[[int], None]
+Progress = Callable[[int], object]  # what it returns is ignored (tqdm.update returns a bool)
 
 
 def take_inventory(

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from kvtier.core.errors import KvtierError, NotDurable, StaleHandle
 from kvtier.wire import errors as E
@@ -151,7 +151,7 @@ class Connection:
         req.id = rid = next(self._ids)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        op = type(req).__struct_config__.tag  # type: ignore[attr-defined]
+        op = type(req).__struct_config__.tag
         try:
             try:
                 F.send_frame(sock, req, send_fds, deadline)
@@ -195,7 +195,7 @@ class Connection:
             self._closed = True
             self._drop()
 
-    def __enter__(self) -> Connection:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,9 @@ import pwd
 import socket
 import stat
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier.wire import errors as E
 
@@ -22,9 +24,9 @@ _DENIED = (errno.EACCES, errno.EPERM)
 _RETRY_S = (0.001, 0.01)  # first and longest pause between connect attempts on a full backlog
 
 
-def _name(lookup: object, ident: int) -> str:
+def _name(lookup: Callable[[int], Sequence[Any]], ident: int) -> str:
     try:
-        return lookup(ident)[0]  # type: ignore[operator]
+        return lookup(ident)[0]
     except KeyError:
         return str(ident)
 

@@ -44,21 +44,18 @@ class PermissionDenied(KvtierError):
     the message names the group to join."""
 
     code = "permission_denied"
-    exit_code = 4  # the CLI's: a daemon is there but did not answer us
 
 
 class DaemonUnavailable(KvtierError):
     """No daemon on the socket (ENOENT / ECONNREFUSED), or it went away mid-request."""
 
     code = "daemon_unavailable"
-    exit_code = 3  # what every CLI command exits with when no daemon answers
 
 
 class DaemonTimeout(DaemonUnavailable):
     """The daemon did not answer within the call's deadline; the connection was closed (the next call reconnects)."""
 
     code = "daemon_timeout"
-    exit_code = 4  # the CLI's: a daemon is there but did not answer us
 
 
 class DaemonBusy(KvtierError):
@@ -66,7 +63,6 @@ class DaemonBusy(KvtierError):
     connection or receive-buffer cap, or it is shutting down. Retrying later is the remedy."""
 
     code = "busy"
-    exit_code = 4  # the CLI's: a daemon is there but did not answer us
 
 
 class RemoteError(KvtierError):

@@ -28,7 +28,7 @@ def encode(msg: Msg, version: int = PROTOCOL_VERSION) -> bytes:
     return HEADER.pack(MAGIC, version, 0, len(body)) + body
 
 
-def parse_header(header: bytes, max_frame: int) -> int:
+def parse_header(header: bytes | bytearray, max_frame: int) -> int:
     """Body length of a frame; a bad magic, version or size is a ProtocolError (the stream cannot be resynced)."""
     magic, version, _flags, length = HEADER.unpack(header)
     if magic != MAGIC:

@@ -181,7 +181,7 @@ Request = (
     | TierStore
     | TierLoad
 )
-REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type: ignore[attr-defined]
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ def encode_body(msg: Msg) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(body: bytes) -> Request:
+def decode_request(body: bytes | bytearray) -> Request:
     """A request struct; a typed ProtocolError (unknown op, wrong type, undecodable) otherwise."""
     try:
         return _request_decoder.decode(body)
@@ -395,7 +395,7 @@ def _why(exc: BaseException) -> str:
     return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 
-def _classify(body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+def _classify(body: bytes | bytearray, exc: msgspec.ValidationError) -> ProtocolError:
     try:
         raw = msgspec.msgpack.decode(body)
     except (msgspec.DecodeError, RecursionError) as inner:
@@ -408,7 +408,7 @@ def _classify(body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     return WrongType(f"bad {op} request: {exc}")
 
 
-def decode_reply(body: bytes) -> Reply:
+def decode_reply(body: bytes | bytearray) -> Reply:
     try:
         return _reply_decoder.decode(body)
     except (msgspec.MsgspecError, RecursionError) as exc:

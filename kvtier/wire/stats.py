@@ -46,12 +46,6 @@ class FormStats(msgspec.Struct):
         count = getattr(self, route) - (self.recompute_reasons.get("outside_window", 0) if route == "recompute" else 0)
         return count / needed
 
-    @property
-    def hit_rate(self) -> float:
-        """Share of the needed objects that were served (REUSE or RECOVER); 0 before any lookup."""
-        needed = self.needed
-        return (self.reuse + self.recover) / needed if needed else 0.0
-
 
 class PoolStats(msgspec.Struct):
     slots: int = 0

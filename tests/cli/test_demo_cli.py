@@ -11,7 +11,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvtier.cli import demo_cmd
+from kvtier.cli import exits
 from kvtier.cli.main import cli
 from kvtier.core import load_profile
 from kvtier.refmodel import demo as demo_mod
@@ -104,7 +104,7 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
 
     monkeypatch.setattr(demo_mod, "run_demo", spy)
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096", "--decode", "2", "--checkpoint-every", "8"])
-    assert result.exit_code == (0 if reports[0].restore_faster else demo_cmd.FAILED_EXIT), result.output
+    assert result.exit_code == (0 if reports[0].restore_faster else exits.PROBLEMS), result.output
     out = result.stdout
     assert (
         "bitwise    yes" in out and "usable hit" in out and "killed (SIGKILL) and restarted" in out and "audit" in out
@@ -117,12 +117,12 @@ def test_demo_text_report_and_failure_exit(monkeypatch, tmp_path: Path) -> None:
 
     monkeypatch.setattr(demo_mod, "run_demo", lambda p, progress: dataclasses.replace(reports[0], bitwise_match=False))
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
-    assert result.exit_code == demo_cmd.FAILED_EXIT and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
+    assert result.exit_code == exits.PROBLEMS and "bitwise    NO" in result.stdout and "FAILED" in result.stdout
     monkeypatch.setattr(
         demo_mod, "run_demo", lambda p, progress: dataclasses.replace(reports[0], recompute_s=reports[0].restore_s / 2)
     )
     result = CliRunner().invoke(cli, ["demo", "--tokens", "4096"])
-    assert result.exit_code == demo_cmd.FAILED_EXIT and "SLOWER" in result.stdout
+    assert result.exit_code == exits.PROBLEMS and "SLOWER" in result.stdout
 
 
 def test_demo_refuses_prompts_too_short_to_resume() -> None:

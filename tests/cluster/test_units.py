@@ -161,8 +161,8 @@ def test_verify_stored_needs_no_layout_but_catches_every_fault() -> None:
 
 
 def test_cluster_audit_report_renders_and_flags_corruption() -> None:
-    from kvtier.cli.cluster_audit import render_cluster
-    from kvtier.cluster.audit import ClusterAuditReport, FormTally
+    from kvtier.cli.cluster_census import render_cluster
+    from kvtier.cluster.census import ClusterAuditReport, FormTally
 
     counts = {b"n" * 16: {CacheForm.COMPRESSED: FormTally(objects=5), CacheForm.TAIL: FormTally(objects=1, absent=2)}}
     clean = ClusterAuditReport("local index", counts, other_keys=3, sampled=4, verdicts={"ok": 3, "missing": 1})

@@ -34,8 +34,8 @@ VERIFIER = [sys.executable, "-m", "kvtier.cli", "verifier", "run", "--poll", "0.
 
 def _namespace_entries(store_root: Path) -> dict[str, tuple[bool, int]]:
     """namespace hex -> (live, records) as the store's index has them now."""
-    from kvtier.verifier.audit import audit_store
     from kvtier.verifier.settings import VerifierSettings
+    from kvtier.verifier.store_report import audit_store
 
     with DiskStore(str(store_root), StoreConfig(io_backend="buffered"), readonly=True) as s:
         report = audit_store(s, VerifierSettings())

@@ -111,7 +111,7 @@ def test_recovering_cap_turns_a_burst_into_a_queue() -> None:
     c = m.counters().forms
     assert c["compressed"].recovers_ok == 8 and c["compressed"].recovery_latency_s.count == 8
     m.release(*done)
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_entry_cap_and_quota_rebalancing() -> None:
@@ -124,7 +124,7 @@ def test_entry_cap_and_quota_rebalancing() -> None:
     assert after.quota_slots["compressed"] > start["compressed"]
     assert after.quota_slots["tail"] < start["tail"]
     assert sum(after.used_slots.values()) <= 40
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_state_forms_are_evicted_before_history_lru_within_form() -> None:
@@ -148,7 +148,7 @@ def test_state_forms_are_evicted_before_history_lru_within_form() -> None:
     )
     # LRU within the tail form: the block-0 tail objects (written first) went first
     assert cv_old.reason("c4_tail", 0) is Reason.EVICTED or cv_old.reason("c16_tail", 0) is Reason.EVICTED
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_a_pool_full_of_leased_objects_refuses_with_a_typed_error() -> None:
@@ -208,4 +208,4 @@ def test_a_write_back_in_flight_leaves_room_for_a_recovery() -> None:
     finally:
         held.gate.set()
         writer.join()
-    assert m.audit() == []
+    assert m.invariant_violations() == []

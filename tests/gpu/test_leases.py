@@ -50,7 +50,7 @@ def test_ttl_expiry_is_counted_and_frees_protection() -> None:
     assert m.counters().leases_expired == 1
     assert m.release(result) == 0  # already gone: release is idempotent
     write(m, fresh, range(4))  # the expired lease no longer protects anything
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_release_is_idempotent_and_owner_release_covers_writes() -> None:
@@ -65,7 +65,7 @@ def test_release_is_idempotent_and_owner_release_covers_writes() -> None:
     assert m.release_owner("client-1") == 2  # r2 and the open write
     with pytest.raises(StaleHandle):
         m.seal(w, written_bytes=w.nbytes)
-    assert m.counters().live_leases == 0 and m.audit() == []
+    assert m.counters().live_leases == 0 and m.invariant_violations() == []
     assert not r2.leases.live
 
 
@@ -114,7 +114,7 @@ def test_recovery_keeps_rows_that_only_another_released_lease_kept_indexed() -> 
     for blk, group, _form, route, _reason in b.check_vector.entries():
         if route is Route.REUSE:
             assert torch.equal(m.read(m.handle(b, group, blk)), payload(PROFILE, group, hs[blk], m.namespace))
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_recovery_after_a_version_bump_loads_nothing_of_the_old_namespace() -> None:

@@ -108,4 +108,4 @@ def test_resize_only_inside_a_recompile_window() -> None:
     with pytest.raises(StaleHandle):
         m.read(handle)
     assert m.lookup(hs).check_vector.hit_blocks == 0  # the new pools start empty
-    assert m.audit() == []
+    assert m.invariant_violations() == []

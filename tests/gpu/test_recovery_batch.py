@@ -34,9 +34,9 @@ def test_a_hash_named_twice_in_one_lookup_is_loaded_once_and_reused_by_both_bloc
     reused = {(int(g), named[b]) for g, b in np.argwhere(result.check_vector.routes == Route.REUSE)}
     assert len(reused) < int((result.check_vector.routes == Route.REUSE).sum())  # the repeat was reused
     assert tier.loads - loads_before == len(reused)
-    assert m.audit() == []
+    assert m.invariant_violations() == []
     m.release(result)
-    assert m.audit() == [] and m.counters().recovering == 0
+    assert m.invariant_violations() == [] and m.counters().recovering == 0
 
 
 def _space(blocks: int, **adm: object) -> SlotSpace:

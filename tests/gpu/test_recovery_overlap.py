@@ -82,7 +82,7 @@ def test_the_rest_is_claimed_while_the_tier_reads_the_first(monkeypatch) -> None
     assert after_more == pending  # the rest were claimed when the tier asked for them
     assert _restored(m, hs, result) == pending  # every one loaded, bitwise
     m.release(result)
-    assert m.audit() == [] and m.counters().recovering == 0
+    assert m.invariant_violations() == [] and m.counters().recovering == 0
 
 
 @pytest.mark.parametrize(("first_bytes", "first_objects"), [(1 << 30, 64), (4096, 2)])
@@ -105,7 +105,7 @@ def test_a_tier_that_never_asks_for_more_still_gets_everything_loaded(monkeypatc
     assert len(tier.seen) > 1 and sum(first for first, _, _ in tier.seen) == pending
     assert _restored(m, hs, result) == pending
     m.release(result)
-    assert m.audit() == [] and m.counters().recovering == 0
+    assert m.invariant_violations() == [] and m.counters().recovering == 0
 
 
 def test_a_tier_that_fails_after_asking_for_more_settles_every_claimed_slot(monkeypatch) -> None:
@@ -117,7 +117,7 @@ def test_a_tier_that_fails_after_asking_for_more_settles_every_claimed_slot(monk
     routes, reasons = result.check_vector.routes, result.check_vector.reasons
     assert (routes[:, :BLOCKS] != Route.REUSE).all() and (reasons == Reason.CORRUPT).sum() >= 1
     m.release(result)
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 @pytest.mark.parametrize("moved", ["lease released", "pools resized"])
@@ -137,7 +137,7 @@ def test_nothing_is_claimed_later_once_the_lease_or_the_topology_moved_on(monkey
     ((first, at_entry, after_more),) = tier.seen
     assert at_entry == first and after_more == (first if moved == "lease released" else 0)
     assert m.counters().recovering == 0
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_every_request_asks_for_more_at_once() -> None:

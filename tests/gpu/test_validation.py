@@ -31,7 +31,7 @@ def test_partial_block_is_never_sealed() -> None:
     cv = m.lookup(hs).check_vector
     assert cv.route("c4", 0) is Route.RECOMPUTE and cv.reason("c4", 0) is Reason.PARTIAL_BLOCK
     assert m.abort(h2) and not m.abort(h2)
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_layout_digest_form_and_namespace_are_checked_at_write() -> None:
@@ -72,7 +72,7 @@ def test_version_bump_makes_old_objects_stale_and_first_to_go() -> None:
     assert new != old and m.lookup(new).check_vector.hit_blocks == 0
     write(m, new, range(3), state_at=state_blocks_for(PROFILE, 3))
     assert m.lookup(new).check_vector.hit_blocks == 3  # stale objects made room first
-    assert m.audit() == []
+    assert m.invariant_violations() == []
 
 
 def test_illegal_transitions_are_refused() -> None:

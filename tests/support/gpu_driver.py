@@ -170,6 +170,6 @@ class Driver:
 
     def invariants(self) -> None:
         """When no operation is running: the table is consistent, nothing is left RECOVERING, pools never moved."""
-        assert self.m.audit() == []
+        assert self.m.invariant_violations() == []
         assert self.m.counters().recovering == 0
         assert self.m.pool_addresses() == self.addresses

@@ -73,7 +73,7 @@ class Options:
             if f.name not in extra or extra[f.name] is None:
                 continue
             raw = extra[f.name]
-            kind = type(f.default) if f.default is not None else str
+            kind: Any = type(f.default) if f.default is not None else str
             try:
                 values[f.name] = kind(raw) if not isinstance(raw, bool) else None
             except (TypeError, ValueError):

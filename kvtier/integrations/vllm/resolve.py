@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -57,7 +58,7 @@ def engine_configs(
 
 def _from_caller(config: OffloadingConfig) -> tuple[VllmConfig | None, KVCacheConfig | None]:
     """The nearest caller frame holding a `vllm_config` this offloading config was built from."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break

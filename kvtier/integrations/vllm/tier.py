@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -429,6 +429,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         """Read, verify and copy each chunk into its primary slot; a chunk that fails verification is never written."""
         started = time.monotonic()
         keys = list(job.keys)
+        reasons: Sequence[Reason | None]  # None: the job failed before the store answered
         try:
             requests = []
             for key, chunk in zip(keys, job.chunk_ids):

@@ -1,4 +1,4 @@
-"""`kvtier audit`: per namespace and form counts, orphaned and reclaimable bytes, budget use; `--fix` acts once."""
+"""`kvtier audit`: the disk store's report: counts per namespace and form, orphaned and reclaimable bytes, budget."""
 
 from __future__ import annotations
 
@@ -172,8 +172,8 @@ def render_table(report: AuditReport) -> str:
     rows = [header]
     for n in report.namespaces:
         model = (n.version_key or {}).get("model_id", "?")
-        shown = [(f, c) for f, c in n.forms.items() if c.entries] or [(RECORD_FORMS[0], n.forms[RECORD_FORMS[0]])]
-        for form, c in shown:
+        listed = [(f, c) for f, c in n.forms.items() if c.entries] or [(RECORD_FORMS[0], n.forms[RECORD_FORMS[0]])]
+        for form, c in listed:
             counts = [format_bytes(c.bytes) if k == "bytes" else str(getattr(c, k)) for k in COUNT_FIELDS]
             rows.append((n.namespace.hex()[:16], n.state, model[:24], form.value, *counts))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

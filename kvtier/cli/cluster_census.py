@@ -1,8 +1,8 @@
-"""The cluster part of `kvtier audit --cluster` (kvtier.cluster.audit): run it from the daemon's config, render it."""
+"""The cluster part of `kvtier audit --cluster` (kvtier.cluster.census): run it from the daemon's config, render it."""
 
 from __future__ import annotations
 
-from kvtier.cluster.audit import ClusterAuditReport, audit_cluster
+from kvtier.cluster.census import ClusterAuditReport, audit_cluster
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.store import DiskStore

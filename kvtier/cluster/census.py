@@ -1,4 +1,4 @@
-"""`kvtier audit --cluster`: kvtier's objects in the cluster per namespace and form, and sampled deep checks.
+"""`kvtier audit --cluster`: a census of kvtier's objects in the cluster per namespace and form, sampled checks.
 
 Mooncake's client API cannot list keys (it has existence, get, put and remove); its master's HTTP admin server
 can (`/get_all_keys`). With `[cluster] admin` set the audit counts what a master lists. Without it, it counts

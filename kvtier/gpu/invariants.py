@@ -1,4 +1,4 @@
-"""The invariant audit of a CacheManager's slot space: slot table, index, quotas, leases and pools."""
+"""The invariant check of a CacheManager's slot space: slot table, index, quotas, leases and pools."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import IN_FLIGHT
 
 
-def audit(space: SlotSpace, leases: Iterable[LeaseSet], live_ns: int, queued: int) -> list[str]:
+def invariant_violations(space: SlotSpace, leases: Iterable[LeaseSet], live_ns: int, queued: int) -> list[str]:
     """Cross-check every invariant; returns the violations (empty when all hold)."""
     t = space.table
     leases = list(leases)
