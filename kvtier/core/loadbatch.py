@@ -14,8 +14,8 @@ Contract (`LoadBatch(namespace, groups, group_of, hashes, slots)`):
   view past the end of its pool is as short as torch slicing makes it, as `Pool.slot_view`'s would be).
 
 Why: a recovery builds one request per object it claims, and a `LoadRequest` (a validated key tuple, a tensor view
-of the slot, the frozen record) cost about 6 µs an object on the 2-core VM, 8-9 µs with the claim's other steps:
-a third of a daemon's load of a 4K-token ref-tiny prefix (388 objects of about 1 KB).
+of the slot, the frozen record) is several interpreter steps per object, and with the claim's other steps it was a
+large share of a daemon's load of a short ref-tiny prefix (hundreds of objects of about a kilobyte each).
 """
 
 from __future__ import annotations
