@@ -82,3 +82,18 @@ def test_a_page_names_where_and_when_it_ran() -> None:
 def test_a_readme_without_its_block_is_refused() -> None:
     with pytest.raises(ValueError, match="key-results block"):
         report.readme_with("# kvtier\n", report.key_results(report.load_reports()))
+
+
+def test_the_readme_takes_the_newest_full_run_and_the_page_shows_every_report(tmp_path: Path) -> None:
+    (_, latest), *_ = report.load_reports()
+    older, quick = copy.deepcopy(latest), copy.deepcopy(latest)
+    older.update(date="2000-01-01", commit="1111111")
+    quick.update(date="2100-01-01", commit="2222222", quick=True)
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    (tmp_path / "quick.json").write_text(json.dumps(quick))
+    (tmp_path / "notes.json").write_text(json.dumps({"not": "a report"}))  # ignored: not what run_all writes
+    reports = report.load_reports(tmp_path)
+    assert [name for name, _ in reports] == ["quick.json", "older.json"]  # newest first
+    assert "commit `1111111`" in report.key_results(reports)  # a --quick run never stands for the results
+    text = report.page(reports, tmp_path)
+    assert text.index("commit `2222222` with `--quick`") < text.index("commit `1111111`")
