@@ -13,7 +13,8 @@ after another, and collects them:
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
 script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch); never in
-the project's dependencies. Writes bench/results/latest.json and bench/results/restore_vs_recompute.png.
+the project's dependencies. Writes bench/results/latest.json and bench/results/restore_vs_recompute.png, then
+docs/benchmarks.md and the README's key results from them (bench/report.py).
 
 Usage: python bench/run_all.py [--quick] [--only SECTION ...] [--skip SECTION ...] [--dir DIR]
 """
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import report as report_page  # bench/report.py, beside this script
 
 from kvtier.core import hugepages
 
@@ -213,217 +216,6 @@ def git_commit() -> str:
     return res.stdout.strip() or "unknown"
 
 
-# ----------------------------------------------------------------------------------------------- table
-
-
-def _fmt(v: float | None, unit: str = "") -> str:
-    if v is None:
-        return "-"
-    if unit == "s":
-        return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
-    if unit == "ms":
-        return f"{v:.3g} ms"
-    return f"{v:,.0f} {unit}".strip()
-
-
-def _speed(ratio: float) -> str:
-    """kvtier's speed over the baseline's, as words."""
-    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-
-
-def rows(sections: dict) -> list[tuple[str, str, str, str, str]]:
-    """(benchmark, kvtier, compared with, its value, ratio) per line of the table."""
-    out: list[tuple[str, str, str, str, str]] = []
-    r = sections.get("restore", {})
-    for c in r.get("cases", []):
-        hit = "" if c["hit_tokens"] == c["tokens"] else f" (hit {c['hit_tokens'] // 1024}K)"
-        out.append(
-            (
-                f"restore {c['tokens'] // 1024}K-token prefix from disk via the daemon ({r['profile']}){hit}",
-                _fmt(c["restore_s"], "s"),
-                "recompute",
-                _fmt(c["recompute_s"], "s"),
-                f"{_speed(c['ratio'])}; whole request {_speed(c['request_ratio'])}",
-            )
-        )
-    s = sections.get("store", {})
-    if "write_MBps" in s:
-        out.append(
-            (
-                "store write (durable), MB/s",
-                _fmt(s["write_MBps"]),
-                "dd oflag=direct",
-                _fmt(s["raw_write_MBps"]),
-                f"{s['write_ratio']:.2f} of raw",
-            )
-        )
-        out.append(
-            (
-                "store cold read, MB/s",
-                _fmt(s["read_MBps"]),
-                "dd iflag=direct",
-                _fmt(s["raw_read_MBps"]),
-                f"{s['read_ratio']:.2f} of raw",
-            )
-        )
-    for c in sections.get("lookup", {}).get("cases", []):
-        out.append(
-            (
-                f"lookup {c['tokens'] // 1024}K tokens ({c['mix']})",
-                _fmt(c["lookup_ms"], "ms"),
-                "bare dict",
-                _fmt(c["bare_ms"], "ms"),
-                _speed(1 / c["ratio"]),
-            )
-        )
-    dm = sections.get("daemon", {})
-    if "lookup" in dm:
-        lk, ld = dm["lookup"], dm["load"]
-        out.append(
-            (
-                f"lookup over the socket p50, {lk['tokens'] // 1024}K tokens",
-                _fmt(lk["p50_ms"], "ms"),
-                "in process",
-                _fmt(lk["inproc_p50_ms"], "ms"),
-                _speed(1 / lk["ratio_p50"]),
-            )
-        )
-        out.append(
-            (
-                "load via the daemon, MB/s",
-                _fmt(ld["daemon_MBps"]),
-                "store direct",
-                _fmt(ld["direct_MBps"]),
-                _speed(ld["ratio"]),
-            )
-        )
-    rs = dm.get("dsv4_restore")
-    if rs:
-        out.append(
-            (
-                f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool via the daemon, MB/s "
-                f"(a daemon just started: {_fmt(rs['fresh_daemon_MBps'])})",
-                _fmt(rs["MBps"]),
-                "dd iflag=direct, same bytes",
-                _fmt(rs["dd_MBps"]),
-                f"{rs['ratio']:.2f} of raw",
-            )
-        )
-    v = sections.get("verifier", {})
-    if "pending" in v:
-        out.append(("verifier interference", "pending", "", "", v["pending"]))
-    elif "with" in v:
-        for q in ("p50", "p99"):
-            out.append(
-                (
-                    f"store load {q}, verifier sweeping/evicting/compacting",
-                    f"{v['with'][f'{q}_us']:,.0f} µs",
-                    "verifier stopped",
-                    f"{v['without'][f'{q}_us']:,.0f} µs",
-                    _speed(1 / v[f"{q}_ratio"]),
-                )
-            )
-        if v.get("writing_windows_p99_ratio") is not None:
-            out.append(
-                (
-                    "store load p99 in the windows in which the verifier wrote",
-                    f"{v['writing_windows_p99_ratio'] * v['without']['p99_us']:,.0f} µs",
-                    "verifier stopped",
-                    f"{v['without']['p99_us']:,.0f} µs",
-                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99",
-                )
-            )
-        bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
-        out.append(("loads during verifier work: wrong / missing / errors", f"{bad} of {v['loads']:,}", "", "", ""))
-    d = v.get("durable_offloads")
-    if d and d.get("control", {}).get("n"):
-        for q in ("p99", "max"):
-            out.append(
-                (
-                    f"durable offload {q} via the daemon, verifier evicting and stopped at random, "
-                    f"{d['cpu_hogs']} CPU hogs",
-                    f"{d['stopping'][f'{q}_ms']:,.0f} ms",
-                    "verifier stopped between transactions",
-                    f"{d['control'][f'{q}_ms']:,.0f} ms",
-                    f"{d[f'{q}_ratio']:.2f}x",
-                )
-            )
-        out.append(
-            (
-                "objects acknowledged durable, lost after kill -9 of the daemon",
-                f"{d['acknowledged_lost']} of {d['acknowledged_objects']:,}",
-                "",
-                "",
-                "",
-            )
-        )
-    p = sections.get("peers", {})
-    ks = p.get("stores", {}).get("kvtier", {})
-    for peer, ps in p.get("stores", {}).items():
-        if peer == "kvtier" or "error" in ks:
-            continue
-        if "error" in ps:
-            out.append((f"vs {peer}", "", peer, "error", ps["error"][:80]))
-            continue
-        ratio = p["kvtier_over_peer"][peer]
-        for label, key in (
-            ("same objects: write, acknowledged, MB/s", "write_ack_MBps"),
-            ("same objects: write + fsync of its files, MB/s", "write_durable_MBps"),
-            ("same objects: cold read, MB/s", "cold_read_MBps"),
-        ):
-            out.append((label, _fmt(ks[key]), peer, _fmt(ps[key]), _speed(ratio[key])))
-        if "raw_device" in p:
-            out.append(
-                (
-                    f"same objects: cold read over dd iflag=direct ({_fmt(p['raw_device']['dd_MBps'])} MB/s)",
-                    f"{ks['cold_read_of_dd']:.2f}",
-                    peer,
-                    f"{ps['cold_read_of_dd']:.2f}",
-                    "",
-                )
-            )
-        out.append(("one byte of an object flipped", ks["flipped_byte"], peer, ps["flipped_byte"], ""))
-        out.append(("object's file truncated", ks["truncated_file"], peer, ps["truncated_file"], ""))
-        restart = (  # noqa: E731
-            lambda x: (
-                f"{x['correct']}/{x['untouched']} back, {x['found'] - x['correct']} wrong"
-                if "error" not in x
-                else x["error"]
-            )
-        )
-        out.append(("new process on the same directory", restart(ks["restart"]), peer, restart(ps["restart"]), ""))
-    for name, sec in sections.items():
-        if "error" in sec:
-            out.append((name, "error", "", "", sec["error"][:120]))
-    return out
-
-
-def markdown(report: dict) -> str:
-    m = report["machine"]
-    head = (
-        f"kvtier benchmarks, {report['date']}, commit {report['commit']}: {m['cpus']}-core {m['arch']} VM, "
-        f"{m['memory_GiB']:.0f} GiB, {m['filesystem']} under {m['bench_dir']}, "
-        f"transparent huge pages: shmem_enabled={m.get('thp_shmem', '?')}, enabled={m.get('thp_anon', '?')}"
-        f"{' (--quick)' if report['quick'] else ''}\n\n"
-    )
-    cal = m.get("calibration")
-    if cal:
-        head += (
-            f"CPU: {m.get('cpu_model', '?')}; a Python loop takes {cal['python_loop_ns']} ns per iteration, xxh3 "
-            f"hashes {cal['xxh3_GBps']} GB/s (compare objects/s and µs per object across reports beside these)\n\n"
-        )
-    workload = report["sections"].get("peers", {}).get("workload")
-    if workload:
-        head += (
-            f"Peers hold the same objects: {workload['profile']} history of a "
-            f"{workload['tokens'] // 1024}K-token prefix plus "
-            f"state checkpoints, {workload['objects']} objects, {workload['bytes'] / 1e6:.0f} MB.\n\n"
-        )
-    lines = ["| benchmark | kvtier | compared with | its value | kvtier vs it |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {' | '.join(r)} |" for r in rows(report["sections"])]
-    return head + "\n".join(lines) + "\n"
-
-
 # ----------------------------------------------------------------------------------------------- main
 
 
@@ -497,7 +289,10 @@ def main() -> None:
         save(report, out_dir / "latest.json")
     print(json.dumps(report))
     print()
-    print(markdown(report))
+    print(report_page.markdown(report))
+    if out_dir.resolve() == RESULTS:  # the committed results: the pages generated from them follow
+        for path in report_page.write():
+            print(f"run_all: wrote {path.relative_to(ROOT)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def audit_cluster(
     cfg: ClusterConfig, store: DiskStore, sample: int = 32, seed: int | None = None
 ) -> ClusterAuditReport:
     """Count and sample the cluster's kvtier objects; raises ClusterUnavailable / ClusterSetupError if unreachable."""
-    probe(cfg)  # a master that does not answer would hold Mooncake's setup (and the GIL) for about 90 s
+    # a master that does not answer would hold Mooncake's setup (and the GIL) for longer than any of our deadlines
+    probe(cfg)
     client = MooncakeClient(cfg)
     try:
         counts: dict[bytes, dict[CacheForm, FormTally]] = collections.defaultdict(

@@ -23,10 +23,10 @@ log = logging.getLogger(__name__)
 class ClientLink:
     """Holds the MooncakeClient once one is set up; connects in a background thread, retrying until it is.
 
-    Mooncake's setup against a master that does not answer retries for about 90 s before failing, and holds
-    the GIL meanwhile (the whole daemon would stop): so the master (or etcd) and the metadata server are first
-    probed with a plain TCP connect, and setup is called only once they accept. The constructor waits at most
-    `load_timeout_s` for the first attempt.
+    Mooncake's setup against a master that does not answer retries for longer than any of kvtier's deadlines
+    before failing, and holds the GIL meanwhile (the whole daemon would stop): so the master (or etcd) and the
+    metadata server are first probed with a plain TCP connect, and setup is called only once they accept.
+    The constructor waits at most `load_timeout_s` for the first attempt.
     """
 
     def __init__(self, cfg: ClusterConfig, connect: Callable[[ClusterConfig], MooncakeClient] = MooncakeClient) -> None:

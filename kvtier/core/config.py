@@ -89,7 +89,7 @@ class VerifierConfig:
 
     mode: str = "off"
     rate_bytes_per_s: int = 64 * 2**20
-    busy_rate_bytes_per_s: int = 4 * 2**20  # while others use the disk (the verifier's settings say why 4 MiB/s)
+    busy_rate_bytes_per_s: int = 4 * 2**20  # while others use the disk (kvtier.verifier.settings says why this floor)
     sweep_interval_s: float = 300.0
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 60.0

@@ -3,9 +3,9 @@
 Why: a block device takes at most `max_segments` physically contiguous ranges per request (254 on a virtio
 disk; NVMe drivers have similar limits), so a read into 4 KiB pages that lie apart is cut into requests of
 about 1 MiB, while a read into 2 MiB pages goes as one request of up to `max_sectors_kb`. On a disk that
-charges per request that is the difference: 4 MiB reads one at a time on this project's 2-core VM (virtio,
-`max_sectors_kb` 4096) ran at 3.5-3.8 GB/s in 4 MiB requests into huge pages, and at 1.3-2.2 GB/s in
-0.6-2.3 MiB requests into small pages, in the same runs (`/sys/block/<dev>/stat` counts the requests).
+charges per request that is the difference: the same reads into huge pages go in fewer, larger requests and
+finish sooner than into small pages (`/sys/block/<dev>/stat` counts the requests; `bench/run_all.py` records the
+setting beside its figures, and docs/benchmarks.md shows them).
 
 The kernel decides: private anonymous memory gets huge pages under `transparent_hugepage/enabled` =
 `madvise` or `always`, shared memory (a memfd: kvtier's cpu pools) only under `shmem_enabled` = `advise`,
@@ -70,7 +70,7 @@ def populate(addr: int, length: int) -> bool:
 
 def huge_bytes(spans: Iterable[tuple[int, int]]) -> int:
     """Bytes mapped by huge pages in the mappings of this process that overlap any (address, length) of `spans`,
-    in one pass over /proc/self/smaps (about 17 ms in a daemon's process, so not once per pool)."""
+    in one pass over /proc/self/smaps (a daemon's smaps is long enough that one pass per pool would show at startup)."""
     ranges = [(addr, addr + length) for addr, length in spans]
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_bytes().splitlines():

@@ -261,11 +261,11 @@ class Daemon:
 
 def _quiet_gc() -> None:
     """Keep the cyclic GC's full passes out of requests. A full pass walks every object the daemon holds and
-    lands inside whichever request allocated last: measured 50-65 ms inside a restore's load (ref-tiny, after
-    four earlier restores), tripling its time. What startup built (imports, pools, runtimes) lives as long as
-    the daemon: freeze it out of the passes; and the load path allocates a few objects per object loaded, so
-    collect the young generation every 50,000 allocations (not 700) and the old ones rarely. The daemon's
-    objects rarely form cycles (its per-request records are freed by reference counting)."""
+    lands inside whichever request allocated last: inside a restore's load (ref-tiny, after a few earlier
+    restores) one pass took longer than the whole load without it. What startup built (imports, pools, runtimes)
+    lives as long as the daemon: freeze it out of the passes; and the load path allocates a few objects per
+    object loaded, so collect the young generation every 50,000 allocations (not 700) and the old ones rarely.
+    The daemon's objects rarely form cycles (its per-request records are freed by reference counting)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)

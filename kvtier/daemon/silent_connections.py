@@ -12,8 +12,8 @@ Contract (used from the daemon's main loop only; not thread-safe):
 
 Why: a connection that never speaks (tests/daemon/test_hostile_load.py keeps 200 open and opens more as fast
 as it can) used to cost a thread started for it and woken again to close it, each waiting for a GIL held by
-busy connections: on a slow 2-core VM the accept loop managed 900-5,100 connections a second, so a well-formed
-client behind 4,096 of them in the listen backlog waited 2.1-7.8 s to be greeted (docs/hardening.md). Watched here, a
+busy connections: on a slow two-core machine the accept loop fell so far behind that a well-formed client behind
+a full listen backlog waited seconds to be greeted (docs/hardening.md). Watched here, a
 silent connection costs the loop an epoll registration, and a thread only once it has spoken.
 """
 

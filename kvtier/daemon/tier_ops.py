@@ -26,7 +26,7 @@ from kvtier.wire import messages as P
 from kvtier.wire.errors import BadRange, WrongType
 
 log = logging.getLogger(__name__)
-MAX_KEY_PAGE = 1 << 16  # keys per tier_keys reply (~1.1 MB)
+MAX_KEY_PAGE = 1 << 16  # keys per tier_keys reply: a 16-byte hash and a group byte each, so about a megabyte
 
 
 @dataclasses.dataclass(slots=True)

@@ -84,7 +84,7 @@ def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Ten
 
 def _take_pages(raw: torch.Tensor, fd: int, name: str) -> None:
     """Take the pool's pages now, huge where the kernel gives them (kvtier.core.hugepages: restores read in
-    requests up to 4x larger). Now, because a restore into a fresh pool otherwise pays every page's allocation
+    larger requests). Now, because a restore into a fresh pool otherwise pays every page's allocation
     and zeroing inside its reads (measured: half the disk's speed), and a shared-memory limit would surface as
     SIGBUS on first touch instead of this error. Through the mapping, so the huge-page advice applies;
     fallocate(2) where the kernel cannot populate a mapping (before 5.14)."""

@@ -28,7 +28,7 @@ from kvtier.gpu.table import IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
-# enum members as plain ints for the per-object paths (an enum attribute lookup costs ~1.5 us on 3.11)
+# enum members as plain ints for the per-object paths (an enum attribute lookup is a descriptor call each time)
 _OK, _MISSING, _EVICTED = int(Reason.OK), int(Reason.MISSING), int(Reason.EVICTED)
 _REUSE = int(Route.REUSE)
 _FREE = BlockState.FREE
@@ -65,8 +65,8 @@ class Claimed:
 
 # A recovery claims its first objects' slots (about this many bytes of them) and hands them to the lower tier before
 # it claims the rest, which it does once the tier has their reads under way (`LowerTier.load_into`'s `more`): the
-# disk reads while the slots are claimed. Claiming the 147 DSV4 objects of a daemon load, with evictions, took about
-# 1 ms of its 21; 4 MiB is about 1.3 ms of reading on the 2-core VM's disk.
+# disk reads while the slots are claimed. Claiming a DSV4 daemon load's objects, with evictions, is a small part of the
+# load, and a few MiB is enough reading to cover it on a disk of gigabytes a second.
 FIRST_CLAIM_BYTES = 4 << 20
 # ... and at most this many objects: the store looks the first objects up before their reads go out, so thousands of
 # small ones (a ref-tiny prefix: about 1 KB each, and nothing for the disk to overlap) would only delay the first read.

@@ -28,7 +28,7 @@ SAMPLE_S = 0.05  # at most this often: two small file reads per sample
 # Others' traffic below this is background, not a foreground: the filesystem journal committing the verifier's own
 # index writes (jbd2 writes them, so they count as another process's), a daemon's log lines, atime updates. Those
 # are tens of KiB at a time; one KV load of one record is already tens of KiB to MiBs, so a reader loading
-# continuously is far above it. 1 MiB/s is 51 KiB per 50 ms sample.
+# continuously is far above it: this threshold is a few tens of KiB per sample.
 OTHERS_BUSY_BYTES_PER_S = 1 << 20
 # Foreground loads come in bursts (a request's prefetch, then compute): without a hold the verifier would resume its
 # full rate in each gap and meet the next burst at it.

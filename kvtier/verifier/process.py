@@ -117,7 +117,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     """Exit the verifier process once `run` has returned, skipping the interpreter's teardown.
 
     Why: with torch loaded that teardown costs about a quarter of a CPU-second, and a SCHED_IDLE process gets
-    next to no CPU while every CPU is busy (beside four CPU burners on 2 cores its exit took over a minute).
+    next to no CPU while every CPU is busy (beside CPU burners on every core its exit took minutes).
     Nothing is left to tear down by then: the store is closed, the status saved, the lock goes with the process."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -2,7 +2,7 @@
 past the global receive cap, idle and hello-less connections, 500 fast connects — all at once.
 
 Throughout, a well-formed client is served within PROBE_BOUND_S, and the daemon's RSS stays within RSS_BOUND of
-its size before the storm (the README states this bound). No traceback reaches its log. Afterwards the client
+its size before the storm (docs/hardening.md states this bound). No traceback reaches its log. Afterwards the client
 reports `busy` (every connection slot held by greeted clients) and `no daemon` (after it stopped) as such.
 """
 
