@@ -6,7 +6,10 @@ of `--object-bytes` (kvtier objects: header + payload, as the tier writes them).
 ClusterTier whose every byte comes across the veth, verified, against the same objects from a DiskStore on
 node 2's own disk, read cold (page cache dropped) and warm. For each `--rates` entry the link is shaped,
 one TCP stream measures it (`link_gbps`, A to B, in the same run), and node 2 restores:
-`restore_MBps`, `ratio_to_link` = restore bits/s over link bits/s, `ratio_to_disk_cold` / `_warm`.
+`restore_MBps`, `ratio_to_link` = restore bits/s over link bits/s, `ratio_to_disk_cold` / `_warm`. Beside it,
+Mooncake's own figure, the baseline: `mooncake_raw_MBps`, raw `batch_get_into` of the same objects by a plain
+Mooncake client on node 2 (no verification, no copy), `raw_ratio_to_link`, and `ratio_to_raw` (the tier over it):
+which layer caps a restore, the link, Mooncake's transfer or kvtier's verify-and-copy.
 
 Needs root, `ip` and `tc` (Debian iproute2), and Mooncake; otherwise it prints {"skipped": why}. The addresses
 (10.233.40.1 and .2) exist only inside the two namespaces this script creates and deletes.
@@ -304,8 +307,45 @@ def _timed_load(tier, keys, outs) -> float:
     return elapsed
 
 
+def raw_get_s(keys, object_bytes: int, repeat: int) -> float:
+    """Mooncake's own figure, the baseline: the same objects (header + payload, as the tier stored them) fetched
+    with raw `batch_get_into` into one registered buffer, in batches of the tier's size (half of its staging), no
+    verification and no copy; one small get first connects to the holders. Best of `repeat`."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvtier.cluster import header as H
+
+    cfg = _cfg(B_ADDR)
+    names = [H.object_name(cfg.key_prefix, k) for k in keys]
+    each = H.HEADER_BYTES + object_bytes
+    store = MooncakeDistributedStore()
+    if store.setup(B_ADDR, cfg.metadata, 0, cfg.transfer_buffer_bytes, "tcp", "", cfg.master_address) != 0:
+        raise SystemExit("bench/cluster_link: raw Mooncake client setup failed")
+    buf = torch.empty(len(keys) * each, dtype=torch.uint8)
+    if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+        raise SystemExit("bench/cluster_link: could not register the raw client's buffer")
+    per = max(1, (cfg.staging_bytes // 2) // each)
+    ptrs = [buf.data_ptr() + i * each for i in range(len(keys))]
+
+    def fetch(lo: int, hi: int) -> None:
+        codes = store.batch_get_into(names[lo:hi], ptrs[lo:hi], [each] * (hi - lo))
+        if any(c != each for c in codes):
+            raise SystemExit(f"bench/cluster_link: a raw get failed: {sorted(set(codes))}")
+
+    fetch(0, 1)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for lo in range(0, len(keys), per):
+            fetch(lo, min(len(keys), lo + per))
+        best = min(best, time.perf_counter() - t0)
+    store.close()
+    return best
+
+
 def role_get(args: argparse.Namespace) -> None:
-    """Node 2: restore every object from the cluster (across the link), then from its own disk, cold and warm."""
+    """Node 2: restore every object from the cluster (across the link) through the tier, then Mooncake's raw gets
+    of the same objects, then the same objects from its own disk, cold and warm."""
     from kvtier.cluster import ClusterTier
     from kvtier.store import DiskStore
 
@@ -315,7 +355,7 @@ def role_get(args: argparse.Namespace) -> None:
     cluster_s = min(_timed_load(tier, keys, outs) for _ in range(args.repeat))
     ok = all(torch.equal(o, p) for o, p in zip(outs, payloads))
     tier.close()
-    doc = {"cluster_s": cluster_s, "bitwise": ok}
+    doc = {"cluster_s": cluster_s, "bitwise": ok, "raw_s": raw_get_s(keys, args.object_bytes, args.repeat)}
     if args.disk:
         disk = DiskStore(args.disk, writer=True)
         disk.register_namespace(vk)
@@ -372,6 +412,7 @@ def link_level(args: argparse.Namespace) -> dict:
                     if not got["bitwise"]:
                         raise SystemExit("bench/cluster_link: node 2 restored other bytes than node 1 put")
                     restore_gbps = total * 8 / got["cluster_s"] / 1e9
+                    raw_gbps = total * 8 / got["raw_s"] / 1e9
                     runs.append(
                         {
                             "shaped": link.rate,
@@ -380,6 +421,9 @@ def link_level(args: argparse.Namespace) -> dict:
                             "link_gbps": round(gbps, 3),
                             "restore_MBps": round(total / got["cluster_s"] / 1e6, 1),
                             "ratio_to_link": round(restore_gbps / gbps, 3),
+                            "mooncake_raw_MBps": round(total / got["raw_s"] / 1e6, 1),
+                            "raw_ratio_to_link": round(raw_gbps / gbps, 3),
+                            "ratio_to_raw": round(restore_gbps / raw_gbps, 3),
                             "disk_cold_MBps": round(total / got["disk_cold_s"] / 1e6, 1),
                             "disk_warm_MBps": round(total / got["disk_warm_s"] / 1e6, 1),
                             "ratio_to_disk_cold": round(got["disk_cold_s"] / got["cluster_s"], 3),

@@ -81,8 +81,9 @@ class Lane:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-cluster-{name}")
 
     @contextlib.contextmanager
-    def hold(self, deadline: float, probe: bool = False) -> Iterator[Callable[[Callable[[], T]], T]]:
-        """Own the lane (and its buffers) until the block ends; yields `run(fn)` bounded by `deadline` (monotonic).
+    def hold(self, deadline: float, probe: bool = False) -> Iterator[Calls]:
+        """Own the lane (and its buffers) until the block ends; yields `Calls` bounded by `deadline` (monotonic):
+        `run(fn)`, or `start(fn)` then `wait(future)` to overlap the worker's next call with the caller's work.
 
         A `probe` is let through while the cluster is marked down: it is how the link learns it is back."""
         if not probe:
@@ -90,26 +91,15 @@ class Lane:
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._breaker.failed(f"{self.name}: an earlier call still runs past its deadline")
             raise ClusterUnavailable(f"cluster {self.name}: an earlier call is still running past its deadline")
-        pending: list[Future] = []
-
-        def run(fn: Callable[[], T]) -> T:
-            try:
-                fut = self._pool.submit(fn)
-            except RuntimeError:  # closed: the client is going away
-                raise ClusterUnavailable(f"cluster {self.name}: closed") from None
-            try:
-                result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                pending.append(fut)
-                self._breaker.failed(f"{self.name}: no answer within the deadline")
-                raise ClusterUnavailable(f"cluster {self.name}: no answer within the deadline") from None
-            return result
-
+        calls = Calls(self.name, self._pool, self._breaker, deadline)
         try:
-            yield run
+            yield calls
         finally:
-            if pending:  # the call still runs: the lane is free only when it returns
-                pending[0].add_done_callback(lambda _f: self._lock.release())
+            # A call still running (past its deadline, or started and never waited for) keeps the lane, and the
+            # buffers it writes into, until it returns. The worker runs calls in order: the last one ends last.
+            live = [f for f in calls.started if not f.done()]
+            if live:
+                live[-1].add_done_callback(lambda _f: self._lock.release())
             else:
                 self._lock.release()
 
@@ -120,3 +110,34 @@ class Lane:
             return False
         self._lock.release()
         return True
+
+
+class Calls:
+    """The calls of one `Lane.hold`: each runs on the lane's worker, its result awaited until the hold's deadline."""
+
+    def __init__(self, name: str, pool: ThreadPoolExecutor, breaker: Breaker, deadline: float) -> None:
+        self.name = name
+        self._pool = pool
+        self._breaker = breaker
+        self.deadline = deadline
+        self.started: list[Future] = []
+
+    def start(self, fn: Callable[[], T]) -> Future:
+        """Queue `fn` on the worker; its future, to `wait` for."""
+        try:
+            fut = self._pool.submit(fn)
+        except RuntimeError:  # closed: the client is going away
+            raise ClusterUnavailable(f"cluster {self.name}: closed") from None
+        self.started.append(fut)
+        return fut
+
+    def wait(self, fut: Future) -> T:
+        try:
+            return fut.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except FutureTimeout:
+            self._breaker.failed(f"{self.name}: no answer within the deadline")
+            raise ClusterUnavailable(f"cluster {self.name}: no answer within the deadline") from None
+
+    def __call__(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the worker and return its result."""
+        return self.wait(self.start(fn))

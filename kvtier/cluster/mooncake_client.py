@@ -12,12 +12,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from kvtier.cluster.errors import ClusterSetupError, ClusterUnavailable
-from kvtier.cluster.lane import Breaker, Lane
+from kvtier.cluster.lane import Breaker, Calls, Lane
 from kvtier.core.cluster_config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -125,25 +126,56 @@ class MooncakeClient:
     def get(self, names: Sequence[str], sizes: Sequence[int], sink: Callable[[int, memoryview | int], None]) -> None:
         """Fetch objects of at most `sizes[i]` bytes; `sink(i, bytes read or negative code)` runs while staging is ours.
 
+        Pipelined over the two halves of staging: while the sink verifies and copies one batch, the next batch's
+        transfer runs into the other half (the lane's worker makes the calls, this thread runs the sink). An
+        object larger than half of staging is fetched alone, into the whole of it, with nothing in flight.
         A chunk that misses the deadline raises ClusterUnavailable (the sink has then seen the earlier chunks).
         """
-        deadline = time.monotonic() + self.cfg.load_timeout_s
         staging = self._get_buf
-        for group in chunks(sizes, self.cfg.staging_bytes):
-            if _aligned(sizes[group[0]]) > self.cfg.staging_bytes:
-                sink(group[0], TOO_LARGE)
-                continue
-            offsets = _offsets([sizes[i] for i in group])
-            with self._get.hold(deadline) as run:
-                keys, ptrs, lens = (
+        half = self.cfg.staging_bytes // 2
+        with self._get.hold(time.monotonic() + self.cfg.load_timeout_s) as calls:
+            flight: list[tuple[list[int], list[int], Future]] = []  # at most one batch in flight, oldest first
+            half_at = 0  # which half the next batch goes into
+            for n, group in enumerate(chunks(sizes, half)):
+                if n:  # as each call of its own would: a batch that failed marks the cluster down, and the rest miss
+                    self.breaker.check(self._get.name)
+                whole = _aligned(sizes[group[0]])
+                if whole > self.cfg.staging_bytes:
+                    sink(group[0], TOO_LARGE)
+                    continue
+                if whole > half:  # the whole of staging: nothing may be writing into it
+                    self._drain(calls, flight, sink)
+                    base = 0
+                else:
+                    base, half_at = half_at * half, 1 - half_at
+                offsets = [base + o for o in _offsets([sizes[i] for i in group])]
+                fetch = functools.partial(
+                    self._client.batch_get_into,
                     [names[i] for i in group],
                     [staging.ptr + o for o in offsets],
                     [sizes[i] for i in group],
                 )
-                codes = run(functools.partial(self._client.batch_get_into, keys, ptrs, lens))
-                view = staging.buf.numpy().data
-                for i, off, code in zip(group, offsets, codes):
-                    sink(i, view[off : off + code] if code >= 0 else code)
+                batch = [(group, offsets, calls.start(fetch))]
+                if whole > half:
+                    self._drain(calls, batch, sink)
+                    continue
+                self._drain(calls, flight, sink)  # the batch before, in the other half, while this one transfers
+                flight = batch
+            self._drain(calls, flight, sink)
+
+    def _drain(
+        self,
+        calls: Calls,
+        flight: list[tuple[list[int], list[int], Future]],
+        sink: Callable[[int, memoryview | int], None],
+    ) -> None:
+        """Wait for each batch in `flight` (in order), hand its objects to the sink, and empty `flight`."""
+        view = self._get_buf.buf.numpy().data
+        while flight:
+            group, offsets, fut = flight.pop(0)
+            codes = calls.wait(fut)
+            for i, off, code in zip(group, offsets, codes):
+                sink(i, view[off : off + code] if code >= 0 else code)
             self._judge(
                 all(c < 0 and c not in (NOT_FOUND, BUFFER_TOO_SMALL) for c in codes),
                 f"get answered error codes {sorted(set(codes))}",

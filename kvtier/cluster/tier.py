@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.cluster import header as H
+from kvtier.cluster.bytes_copy import from_tensor, into_tensor
 from kvtier.cluster.errors import ClusterError, ClusterPutError, ClusterRequestError, ClusterUnavailable
 from kvtier.cluster.link import ClientLink
 from kvtier.cluster.mooncake_client import BUFFER_TOO_SMALL, NOT_FOUND, TOO_LARGE, MooncakeClient
@@ -111,7 +112,7 @@ class ClusterTier:
                 return
             verdict = H.verify(got, req.key, req.layout_digest, outs[i].numel())
             if verdict is H.Verdict.OK:
-                outs[i].copy_(torch.frombuffer(got[H.HEADER_BYTES :], dtype=torch.uint8))
+                into_tensor(outs[i], got[H.HEADER_BYTES :])
                 self._counters.add("hits")
                 self._counters.add("bytes_loaded", len(got))
                 results[i] = Reason.OK
@@ -158,7 +159,7 @@ class ClusterTier:
         def fill(i: int, buf: memoryview) -> None:
             key, _, digest = items[i]
             body = buf[H.HEADER_BYTES :]
-            torch.frombuffer(body, dtype=torch.uint8).copy_(flats[i])  # from the GPU too, where pools live there
+            from_tensor(body, flats[i])  # from the GPU too, where pools live there
             H.ObjectHeader.for_payload(key, digest, body).pack_into(buf)
 
         sizes = [H.HEADER_BYTES + f.numel() for f in flats]

@@ -8,13 +8,14 @@ waits behind a store's fdatasync.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtier.client import TierClient, TierFull
+from kvtier.client import Client, TierClient, TierFull
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
@@ -53,18 +54,25 @@ class DaemonStore:
                         identity=identity,
                     )
                 )
+            with Client(self.socket_path, timeout_s=lookup_timeout_s * 5) as conn:
+                self.has_cluster = bool(conn.stats().cluster)  # the daemon's chain ends in a cluster tier
         except BaseException:
             self.close()
             raise
         self._lookups, self._loads, self._stores = self._clients
+        # The lookups connection serves two threads of an engine tier (its key set's refresh, and on a node with
+        # a cluster its remote lookups): one request at a time on it.
+        self._lookup_lock = threading.Lock()
         self.root = f"{self._lookups.store_root} (through the daemon on {self.socket_path})"
         self.io_backend = self._lookups.io_backend
 
     def has(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[Reason]:
-        return self._lookups.has(keys, layout_digests)
+        with self._lookup_lock:
+            return self._lookups.has(keys, layout_digests)
 
     def live_keys(self, after: bytes = b"", limit: int = 4096) -> KeyPage:
-        return self._lookups.live_keys(after, limit)
+        with self._lookup_lock:
+            return self._lookups.live_keys(after, limit)
 
     def load_into(self, requests: Sequence[LoadRequest], more: MoreRequests | None = None) -> list[Reason]:
         return self._loads.load_into(requests, more)

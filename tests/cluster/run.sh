@@ -6,6 +6,9 @@
 # with CI=true a skipped test fails too.
 #   KVTIER_CLUSTER_PYTHON   the Python to use (default .venv/bin/python, the venv CI builds)
 #   KVTIER_CLUSTER_PIP      what pip installs for Mooncake (default: -e .[cluster])
+#   KVTIER_VLLM_VENV        the vLLM venv the two-node vLLM test runs its engines in (default bench/.venv-vllm;
+#                           built by tests/vllm/run.sh --prepare where incomplete)
+#   KVTIER_VLLM_PREPARE_PID a background `tests/vllm/run.sh --prepare` (.ci/run starts one): waited for, not raced
 #   extra arguments         passed to pytest
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,5 +40,34 @@ command -v etcd >/dev/null || apt-get install -y -q --no-install-recommends etcd
 rm -f "$apt_log"
 
 export KVTIER_CLUSTER_REQUIRED=1 MC_TCP_BIND_ADDRESS=127.0.0.1
-# One process: each test starts its own loopback cluster on free ports.
-required_pytest "$PY" -q -n 0 -p no:cacheprovider tests/cluster "$@"
+# One process: each test starts its own loopback cluster on free ports. The vLLM test comes last, once the vLLM
+# venv is ready (CI builds it in the background meanwhile).
+VLLM_TEST=tests/cluster/test_vllm_two_nodes.py
+noskip=()
+[[ ${CI:-} == true ]] && noskip=(-p support.noskip)
+rc=0
+PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "${noskip[@]}" -q -n 0 -p no:cacheprovider \
+    tests/cluster --ignore="$VLLM_TEST" "$@" || rc=$?
+
+# Two nodes under real vLLM engines: the daemons and Mooncake run from $PY, the engines from the vLLM venv (no
+# Mooncake there: an engine only talks to its daemon's socket).
+VLLM_VENV=${KVTIER_VLLM_VENV:-$PWD/bench/.venv-vllm}
+if [[ -n ${KVTIER_VLLM_PREPARE_PID:-} ]]; then
+    tail --pid="$KVTIER_VLLM_PREPARE_PID" -f /dev/null # its build, not a second one racing it
+fi
+prep_log=$(mktemp)
+if KVTIER_VLLM_VENV=$VLLM_VENV bash tests/vllm/run.sh --prepare >"$prep_log" 2>&1 \
+    && "$VLLM_VENV/bin/python" -c "import vllm" >/dev/null 2>&1 \
+    && tests/support/kvtier_into_venv.sh "$VLLM_VENV/bin/python" tests/cluster/run.sh >>"$prep_log" 2>&1; then
+    export KVTIER_VLLM_PYTHON=$VLLM_VENV/bin/python KVTIER_CLUSTER_VLLM_REQUIRED=1
+else
+    # lacking exits 1 with CI=true; elsewhere the test skips with one line
+    (lacking "the vLLM venv for $VLLM_TEST (tests/vllm/run.sh --prepare)" "$(tail -n 1 "$prep_log")") || {
+        rm -f "$prep_log"
+        exit 1
+    }
+fi
+rm -f "$prep_log"
+PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "${noskip[@]}" -q -n 0 -p no:cacheprovider \
+    "$VLLM_TEST" "$@" || { r=$?; ((r == 5)) || rc=$r; } # 5: extra arguments deselected it
+exit "$rc"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -56,6 +57,48 @@ def test_round_trip_bitwise(shared_cluster: MooncakeCluster, make_tier) -> None:
     stats = tier.stats()
     assert stats.hits == len(items) + 1 and stats.misses == {"missing": 1, "layout": 2, "too_big": 1}
     assert stats.bytes_loaded == sum(H.HEADER_BYTES + p.numel() for _, p, _ in [*items, items[0]])
+
+
+class _Recording:
+    """The Mooncake client with its batch gets recorded (their staging ranges), everything else passed through."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+        self.batches: list[tuple[int, int]] = []  # (first byte, end) of each batch get's destinations
+
+    def batch_get_into(self, names, ptrs, sizes):
+        self.batches.append((min(ptrs), max(p + n for p, n in zip(ptrs, sizes))))
+        return self._client.batch_get_into(names, ptrs, sizes)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def test_a_load_of_many_batches_is_pipelined_over_the_halves_of_staging(shared_cluster, make_tier) -> None:
+    """Batches alternate between the two halves of staging (the next one transfers while the sink verifies and
+    copies the one before), an object larger than half of staging is fetched alone into the whole of it, and
+    every object arrives bitwise."""
+    tier = make_tier(shared_cluster)  # staging_bytes 4 MiB: halves of 2 MiB
+    staging = tier.cfg.staging_bytes
+    items = _objects("pipe", 24, 300_000)  # six to a half (with the read slack)
+    big = (make_key(NS, "pipe-big"), make_payload("pipe-big", 3 << 20), DIGEST)  # over half, under the whole
+    items = [*items[:12], big, *items[12:]]
+    tier.store_many(items)
+    client = tier.client
+    recording = client._client = _Recording(client._client)
+    reasons, outs = _load(tier, items)
+    assert reasons == [Reason.OK] * len(items)
+    assert all(torch.equal(o, p) for o, (_, p, _) in zip(outs, items))
+    base = client._get_buf.ptr
+    spans = [(lo - base, hi - base) for lo, hi in recording.batches]
+    assert len(spans) >= 5 and all(0 <= lo < hi <= staging for lo, hi in spans), spans
+    halves = [None if hi - lo > staging // 2 else lo // (staging // 2) for lo, hi in spans]
+    assert halves.count(None) == 1, spans  # the big object, alone
+    for before, after in itertools.pairwise(halves):
+        assert before is None or after is None or before != after, spans  # consecutive batches: the other half
+    for lo, hi in spans:
+        if hi - lo <= staging // 2:
+            assert hi <= (lo // (staging // 2) + 1) * (staging // 2), spans  # a batch stays inside its half
 
 
 def _put_raw(tier, key, data: bytes) -> None:

@@ -76,6 +76,23 @@ def test_lane_answers_within_the_deadline_and_stays_busy_until_the_call_returns(
     assert lane.close(time.monotonic() + 1.0)
 
 
+def test_a_call_started_and_never_waited_for_keeps_the_lane_until_it_returns() -> None:
+    """A pipelined get starts the next batch before it sinks the one before; if the hold ends early (the sink's
+    batch missed the deadline), the started call still writes into staging: the lane stays taken until it ends."""
+    lane = Lane("t", Breaker(retry_s=0.0))
+    release = threading.Event()
+    with lane.hold(time.monotonic() + 1.0) as calls:
+        first = calls.start(lambda: 1)
+        calls.start(release.wait)  # in flight when the hold ends
+        assert calls.wait(first) == 1
+    with pytest.raises(ClusterUnavailable, match="still running"), lane.hold(time.monotonic() + 0.1):
+        pass
+    release.set()
+    with lane.hold(time.monotonic() + 2.0) as run:
+        assert run(lambda: 7) == 7
+    assert lane.close(time.monotonic() + 1.0)
+
+
 def test_a_lane_closed_under_a_running_call_says_so_and_takes_no_more() -> None:
     """MooncakeClient.close tears the client down only when its lanes are idle (else the call would crash)."""
     lane = Lane("t", Breaker(retry_s=0.0))

@@ -44,6 +44,7 @@ from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.integrations.errors import VllmTierError
 from kvtier.integrations.key_set import KeySet, ReadPage
 from kvtier.integrations.vllm.groups import GroupPlan, in_complete_window
+from kvtier.integrations.vllm.remote_lookups import RemoteLookups
 from kvtier.integrations.vllm.resolve import engine_configs, engine_identity
 from kvtier.store import DiskStore, StoreConfig, StoreFull, StoreLocked
 
@@ -170,6 +171,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._keys = KeySet(
             self._live_keys(), {p.name: g for g, p in self._plans.items()}, lookup_cache_s
         )  # what lookups answer from
+        # A daemon with a cluster below its disk can serve keys no local index holds: those are asked of it.
+        self._remote: RemoteLookups | None = None
+        if isinstance(self._store, DaemonStore) and self._store.has_cluster:
+            self._remote = RemoteLookups(self._remote_key, self._store.has, self._in_key_set)
 
         # Scheduler-thread state: keys in flight, keys whose load failed, stats since the last get_stats().
         self._loading: collections.Counter[OffloadKey] = collections.Counter()
@@ -222,8 +227,18 @@ class KvtierSecondaryTier(SecondaryTierManager):
         )
 
     def _present(self, key: OffloadKey, gid: int) -> bool:
-        """In the store's live records (the tier's key set, in memory): a load would be attempted."""
-        return self._keys.has(gid, xxhash.xxh3_128_digest(get_offload_block_hash(key)))
+        """In the store's live records (the tier's key set, in memory), or found below it by the daemon (its
+        cluster): a load would be attempted."""
+        if self._keys.has(gid, xxhash.xxh3_128_digest(get_offload_block_hash(key))):
+            return True
+        return self._remote is not None and self._remote.found(key)
+
+    def _in_key_set(self, key: OffloadKey) -> bool:
+        return self._keys.has(get_offload_group_idx(key), xxhash.xxh3_128_digest(get_offload_block_hash(key)))
+
+    def _remote_key(self, key: OffloadKey) -> tuple[ObjectKey, bytes] | None:
+        plan = self._plans.get(get_offload_group_idx(key))
+        return None if plan is None else (self._object_key(key, plan), self._digests[plan.group_id])
 
     # ----------------------------------------------------------------- lookups (scheduler thread)
 
@@ -238,7 +253,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if key in self._failed:
             return self._answer(form, "failed", LookupResult.MISS)
         if not self._present(key, gid):
-            return self._answer(form, Reason.MISSING.label, LookupResult.MISS)
+            found = None if self._remote is None else self._remote.ask(key, req_context)
+            if found is None and self._remote is not None:
+                return self._answer(form, "asking_daemon", LookupResult.RETRY)
+            if not found:
+                return self._answer(form, Reason.MISSING.label, LookupResult.MISS)
         if plan.window_chunks and not self._in_window(key, plan, req_context):
             return self._answer(form, Reason.OUTSIDE_WINDOW.label, LookupResult.MISS)
         return self._answer(form, "hit", LookupResult.HIT)
@@ -299,6 +318,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        if self._remote is not None:
+            self._remote.flush()  # this step's questions to the daemon, asked while the model runs
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._remote is not None:
+            self._remote.cleanup(req_context.req_id)
 
     # ----------------------------------------------------------------- jobs (scheduler thread)
 
@@ -408,6 +435,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
         for t in self._threads:
             t.join()
         self._keys.close()
+        if self._remote is not None:
+            self._remote.shutdown()
         log.info("kvtier tier: shut down; store %s", self._store.stats())
         self._store.close()
         # The view pins vLLM's shared mmap: the primary tier, shut down after its secondaries, closes it next.
