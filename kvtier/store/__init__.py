@@ -6,8 +6,8 @@ the index and the segments are (`INDEX_DIR`, `SEGMENTS_DIR`, `segment_name`, `pa
 is spelled in the index (`encode_key` / `decode_key`) and which forms a record can carry (`RECORD_FORMS`).
 """
 
+from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.store.channel import DaemonUnavailable, DecisionClient, DecisionServer, applier_pid
-from kvtier.store.context import StoreConfig, StoreLimits
 from kvtier.store.decisions import DropIf, PutDoc
 from kvtier.store.errors import (
     CorruptRecord,
