@@ -22,9 +22,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from kvtier.core.cluster_config import ClusterConfig
-from kvtier.core.config_parse import parse_document, parse_size
-from kvtier.core.config_schema import FORMS, KEYS, MODES, VERSION_FIELDS, Key, Kind, default, fill_dirs, key, section
+from kvtier.core.config_parse import parse_document, parse_size, parse_value
+from kvtier.core.config_schema import (
+    BY_NAME,
+    DEPRECATED,
+    FORMS,
+    KEYS,
+    MODES,
+    VERSION_FIELDS,
+    Key,
+    Kind,
+    default,
+    fill_dirs,
+    key,
+    section,
+)
 from kvtier.core.errors import ConfigError
 from kvtier.core.store_config import StoreConfig
 
@@ -41,6 +56,7 @@ __all__ = [
     "VerifierConfig",
     "apply_reloadable",
     "choose_mode",
+    "config_text",
     "load_config",
     "mode_defaults",
     "parse_size",
@@ -328,6 +344,37 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read: {exc}", source=source) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}", source=source) from None
+
+
+def config_text(keys: Mapping[str, Any], *, check: bool = True) -> str:
+    """A config file's text from dotted keys, as a file would write them: `{"server.socket": "/x.sock",
+    "pool.budget_bytes": {"swa": "64KiB"}}`. With `check`, each key and value is read as a file's would be (an
+    unknown key or bad value is the ConfigError the file would get); without, it is written as given (for
+    tests that plant a bad one). For scripts and tests that write configs: the schema knows the file's shape."""
+    doc: dict[str, Any] = {}
+    for name, value in keys.items():
+        if check:
+            known = BY_NAME.get(name) or DEPRECATED.get(name)
+            if known is None:
+                raise ConfigError("unknown key (see `kvtier config show` for the known ones)", key=name)
+            if known.kind is not Kind.VERSIONS:
+                parse_value(known, _toml_value(value), name, None, known.default("user"))
+        table, _, leaf = name.rpartition(".")
+        target = doc
+        for part in table.split(".") if table else ():
+            target = target.setdefault(part, {})
+        target[leaf] = _toml_value(value)
+    return tomli_w.dumps(doc)
+
+
+def _toml_value(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_toml_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _toml_value(v) for k, v in value.items()}
+    return value
 
 
 def apply_reloadable(current: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
