@@ -148,8 +148,12 @@ KEYS: tuple[Key, ...] = (
         "The model profiles served: bundled names (`kvtier profile list`) or TOML files.",
         system=("deepseek-v4-flash",),
     ),
-    _seconds("lease_ttl_s", 30.0, "A lease not renewed by its client for this long is dropped."),
-    _count("persist_queue_depth", 1024, "Offloaded objects waiting to be written to the store, at most."),
+    _seconds("lease_ttl_s", 30.0, "A lease neither released nor renewed for this long expires."),
+    _count(
+        "persist_queue_depth",
+        1024,
+        "Sealed objects waiting to be written to the store; beyond it an offload waits for the writer.",
+    ),
     _seconds("shutdown_timeout_s", 20.0, "How long SIGTERM waits for connections and write-back to finish."),
     _seconds("durable_wait_s", 30.0, "How long a durable offload waits for objects other connections are writing."),
     Key(
@@ -262,7 +266,7 @@ KEYS: tuple[Key, ...] = (
     _seconds(
         "store.atime_flush_s",
         5.0,
-        "How often read times are written to the index (0: at once).",
+        "Read times are noted in memory and written to the index this often.",
         above=None,
         minimum=0,
         maximum=86400,
