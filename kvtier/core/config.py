@@ -29,24 +29,19 @@ from kvtier.core.config_parse import parse_document, parse_size, parse_value
 from kvtier.core.config_schema import (
     BY_NAME,
     DEPRECATED,
-    FORMS,
     KEYS,
     MODES,
-    VERSION_FIELDS,
     Key,
     Kind,
     default,
     fill_dirs,
-    key,
     section,
 )
 from kvtier.core.errors import ConfigError
 from kvtier.core.store_config import StoreConfig
 
 __all__ = [
-    "FORMS",
     "MODES",
-    "VERSION_FIELDS",
     "AdmissionConfig",
     "DaemonConfig",
     "MetricsConfig",
@@ -66,7 +61,6 @@ SYSTEM_CONFIG = Path("/etc/kvtier/kvtier.toml")
 SYSTEMD_RUNTIME_DIR = Path("/run/kvtier")
 SYSTEMD_STATE_DIR = Path("/var/lib/kvtier")
 SOCKET_NAME = "kvtier.sock"
-VERIFIER_MODES = key("verifier.mode").choices
 MODE_ENV = "KVTIER_MODE"
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.config_parse import number
 from kvtier.core.config_schema import KEYS, SECTIONS, Key, Kind, fill_dirs, section
 from kvtier.core.units import size_setting
 
@@ -51,11 +52,11 @@ def _kind(key: Key) -> str:
     if key.choices:
         return "one of " + ", ".join(f"`{c}`" for c in key.choices)
     if key.minimum is not None:
-        limits.append(f">= {size_setting(int(key.minimum)) if key.kind is Kind.SIZE else f'{key.minimum:g}'}")
+        limits.append(f">= {size_setting(int(key.minimum)) if key.kind is Kind.SIZE else number(key.minimum)}")
     if key.above is not None:
-        limits.append(f"> {key.above:g}")
+        limits.append(f"> {number(key.above)}")
     if key.maximum is not None:
-        limits.append(f"<= {key.maximum:g}")
+        limits.append(f"<= {number(key.maximum)}")
     return key.kind.value + (f" {', '.join(limits)}" if limits else "")
 
 

@@ -143,11 +143,16 @@ def parse_value(k: Key, raw: Any, name: str, source: str | None, previous: Any =
 
 def _bounds(k: Key, value: float, bad: Any) -> None:
     if k.minimum is not None and value < k.minimum:
-        raise bad(f"must be >= {k.minimum:g}, got {value}")
+        raise bad(f"must be >= {number(k.minimum)}, got {value}")
     if k.above is not None and value <= k.above:
-        raise bad(f"must be > {k.above:g}, got {value}")
+        raise bad(f"must be > {number(k.above)}, got {value}")
     if k.maximum is not None and value > k.maximum:
-        raise bad(f"must be at most {k.maximum:g}, got {value}")
+        raise bad(f"must be at most {number(k.maximum)}, got {value}")
+
+
+def number(x: float) -> str:
+    """A limit as a person writes it: 1048576, not 1.04858e+06; 0.05 as it is."""
+    return str(int(x)) if float(x).is_integer() else repr(x)
 
 
 def _address(value: str, bad: Any) -> None:
