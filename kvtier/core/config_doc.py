@@ -51,6 +51,8 @@ def _kind(key: Key) -> str:
     limits = []
     if key.choices:
         return "one of " + ", ".join(f"`{c}`" for c in key.choices)
+    if key.kind is Kind.NAMES:
+        return f"{key.kind.value}, at least {number(key.minimum or 0)}"
     if key.minimum is not None:
         limits.append(f">= {size_setting(int(key.minimum)) if key.kind is Kind.SIZE else number(key.minimum)}")
     if key.above is not None:

@@ -125,9 +125,11 @@ def parse_value(k: Key, raw: Any, name: str, source: str | None, previous: Any =
         if not isinstance(raw, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw):
             raise bad(f"must be a list of non-negative integers, got {raw!r}")
         return tuple(raw)
-    if kind is Kind.NAMES:
-        if not isinstance(raw, list) or not raw or not all(isinstance(p, str) and p for p in raw):
-            raise bad(f"must be a non-empty list of profile names or paths, got {raw!r}")
+    if kind is Kind.NAMES:  # `minimum`: how many names at least
+        fewest = int(k.minimum or 0)
+        if not isinstance(raw, list) or len(raw) < fewest or not all(isinstance(p, str) and p for p in raw):
+            some = f"at least {fewest} " if fewest > 1 else "a non-empty " if fewest else "a "
+            raise bad(f"must be {some}list of profile names or paths, got {raw!r}")
         return tuple(raw)
     if kind is Kind.FORM_SIZES:
         if not isinstance(raw, dict):

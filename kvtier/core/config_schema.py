@@ -40,7 +40,7 @@ class Kind(enum.Enum):
     PATH = "path"
     OCTAL = "octal string"  # a file mode like '0660'
     IDS = "list of ids"  # non-negative integers
-    NAMES = "list of names"  # non-empty strings, at least one
+    NAMES = "list of names"  # non-empty strings, at least `minimum` of them
     ADDRESS = "HOST:PORT"  # or empty
     FORM_SIZES = "table form = size"  # one byte size per cache form (compressed, tail, swa, indexer)
     VERSIONS = "table profile = {field = value}"  # version-key fields per served profile
@@ -147,6 +147,7 @@ KEYS: tuple[Key, ...] = (
         ("ref-tiny",),
         "The model profiles served: bundled names (`kvtier profile list`) or TOML files.",
         system=("deepseek-v4-flash",),
+        minimum=1,
     ),
     _seconds("lease_ttl_s", 30.0, "A lease neither released nor renewed for this long expires."),
     _count(
