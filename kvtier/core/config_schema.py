@@ -14,6 +14,7 @@ RUNTIME_DIRECTORY / STATE_DIRECTORY, else /run/kvtier and /var/lib/kvtier.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import re
@@ -84,9 +85,12 @@ class Key:
         return self.field or self.name.rpartition(".")[2]
 
     def default(self, mode: str) -> Any:
+        """Its default in a mode; a table default is a fresh copy, so no config shares (or changes) the schema's."""
         if mode == "code":
-            return self.user if self.code is SAME else self.code
-        return self.user if mode == "user" or self.system is SAME else self.system
+            value = self.user if self.code is SAME else self.code
+        else:
+            value = self.user if mode == "user" or self.system is SAME else self.system
+        return copy.deepcopy(value) if isinstance(value, dict) else value
 
 
 def _size(name: str, user: int, doc: str, **kw: Any) -> Key:
