@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import string
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from kvtier.cli.config_cmd import _commented, _toml
 from kvtier.core import config_doc
@@ -23,7 +26,7 @@ from kvtier.core.config import (
     plain,
 )
 from kvtier.core.config_parse import parse_value
-from kvtier.core.config_schema import KEYS, MODES, Key, Kind, section
+from kvtier.core.config_schema import FORMS, KEYS, MODES, Key, Kind, section
 from kvtier.core.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -186,3 +189,62 @@ def test_config_text_checks_what_it_writes(tmp_path: Path) -> None:
     f.write_text(config_text({"store.root": tmp_path / "s", "pool.budget_bytes": {"swa": "64KiB"}, "device": "cpu"}))
     cfg = load_config(f, env={}, cwd=tmp_path)
     assert cfg.store.root == tmp_path / "s" and cfg.pool.budget_bytes["swa"] == 64 << 10
+
+
+_NAME = st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1, max_size=12)
+
+
+def _values(k: Key) -> st.SearchStrategy[Any]:
+    """Valid TOML values of `k`, by its kind and limits."""
+    low = k.minimum if k.minimum is not None else (k.above if k.above is not None else 0)
+    high = k.maximum if k.maximum is not None else 2**40
+    match k.kind:
+        case Kind.BOOL:
+            return st.booleans()
+        case Kind.INTEGER | Kind.SIZE:
+            return st.integers(int(low) + (k.above is not None), int(high))
+        case Kind.NUMBER:
+            return st.floats(low, min(high, 1e9), exclude_min=k.above is not None, allow_nan=False)
+        case Kind.CHOICE:
+            return st.sampled_from(k.choices)
+        case Kind.STRING:
+            return st.sampled_from(("cpu", "auto", "cuda", "cuda:3")) if k.name == "device" else _NAME
+        case Kind.PATH:
+            return _NAME.map(lambda n: f"/srv/{n}")
+        case Kind.OCTAL:
+            return st.integers(0, 0o777).map(lambda m: f"{m:04o}")
+        case Kind.IDS:
+            return st.lists(st.integers(0, 2**31), max_size=3)
+        case Kind.NAMES:
+            return st.lists(_NAME, min_size=int(k.minimum or 0), max_size=3)
+        case Kind.ADDRESS:
+            return st.sampled_from(("", "127.0.0.1:9", "[::1]:65535", "node-1:80"))
+        case Kind.FORM_SIZES:
+            return st.dictionaries(st.sampled_from(FORMS), st.integers(0, 2**40), max_size=4)
+    raise AssertionError(k.kind)
+
+
+_GENERATED = [k for k in KEYS if k.kind is not Kind.VERSIONS and k.name != "mode"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_valid_file_reads_as_written_and_config_show_reads_back_the_same(tmp_path: Path, data: Any) -> None:
+    chosen = data.draw(st.lists(st.sampled_from(_GENERATED), unique_by=lambda k: k.name, max_size=12))
+    given_ = {k.name: data.draw(_values(k), label=k.name) for k in chosen}
+    frame, buffered = "server.max_frame_bytes", "server.max_buffered_bytes"
+    assume(given_.get(buffered, 256 << 20) >= given_.get(frame, 16 << 20))
+    f = tmp_path / "k.toml"
+    f.write_text(config_text(given_))
+    cfg = load_config(f, env={}, cwd=tmp_path)
+    defaults = mode_values("user", cwd=tmp_path)
+    for k in chosen:
+        want = given_[k.name]
+        if k.kind is Kind.FORM_SIZES:
+            want = {**defaults[k.name], **want}
+        got = plain(k, cfg.value(k))
+        assert got == (float(want) if k.kind is Kind.NUMBER else want), k.name
+    shown = tmp_path / "shown.toml"
+    shown.write_text(_toml(cfg))
+    again = load_config(shown, env={}, cwd=tmp_path)
+    assert {**again.to_dict(), "source": ""} == {**cfg.to_dict(), "source": ""}
