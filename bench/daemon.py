@@ -77,9 +77,10 @@ def _start(tmp: Path, profile: str, pools: dict[str, str]) -> tuple[subprocess.P
     cfg = tmp / "kvtier.toml"
     pool_lines = "".join(f'{k} = "{v}"\n' for k, v in pools.items())
     cfg.write_text(
-        f'device = "cpu"\nprofiles = ["{profile}"]\nrecovering_cap = 1024\npersist_queue_depth = 100000\n'
+        f'device = "cpu"\nprofiles = ["{profile}"]\npersist_queue_depth = 100000\n'
         f'[server]\nsocket = "{sock_path}"\n[store]\nroot = "{tmp / "store"}"\nbudget_bytes = "8GiB"\nio_threads = 4\n'
         f'[pool.budget_bytes]\n{pool_lines}[verifier]\nmode = "off"\n[metrics]\naddress = ""\n'
+        "[admission]\nmax_recovering = 1024\n"
     )
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify_path = tmp / "notify.sock"

@@ -31,21 +31,24 @@ import torch
 
 from kvtier.client import Client
 from kvtier.core import load_profile
+from kvtier.core.config import config_text
 from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore
 
-CONFIG = """device = "cpu"
-profiles = ["ref-tiny"]
-[server]
-socket = "{d}/k.sock"
-[store]
-root = "{d}/store"
-[verifier]
-mode = "off"
-[metrics]
-address = ""
-"""
+
+def config(d: Path) -> str:
+    """The daemon's config: cpu, ref-tiny, its socket and store under `d`, no verifier, no metrics."""
+    return config_text(
+        {
+            "device": "cpu",
+            "profiles": ["ref-tiny"],
+            "server.socket": d / "k.sock",
+            "store.root": d / "store",
+            "verifier.mode": "off",
+            "metrics.address": "",
+        }
+    )
 
 
 def populate(root: Path, records: int) -> np.ndarray:
@@ -119,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="kvt-start-"))  # short: the socket path must fit AF_UNIX
     try:
-        (d / "k.toml").write_text(CONFIG.format(d=d))
+        (d / "k.toml").write_text(config(d))
         t = time.perf_counter()
         tokens = populate(d / "store", args.records)
         populate_s = time.perf_counter() - t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -12,41 +13,28 @@ import tomli_w
 
 from kvtier.cli.cluster_status import unit_warnings
 from kvtier.cli.daemon_cmds import _check_profiles, config_option, mode_option
-from kvtier.core.config import SYSTEM_CONFIG, DaemonConfig, choose_mode, load_config, mode_defaults
+from kvtier.core.config import SYSTEM_CONFIG, DaemonConfig, choose_mode, load_config, mode_defaults, plain
+from kvtier.core.config_schema import BY_NAME, KEYS, SECTIONS, Key, Kind
 from kvtier.core.errors import ConfigError
 from kvtier.core.units import size_setting
 
-# What each part of the file is for, written above it by `config init` (the keys themselves: docs/cli.md).
-_COMMENTS = {
-    "mode": "user: a daemon of the folder it starts in (cpu, ref-tiny, its state in that folder); system: the\n"
-    "systemd unit's /run/kvtier and /var/lib/kvtier. Unset keys below take this mode's defaults.",
-    "device": "cpu, cuda, cuda:N, or auto (cuda when this host has it, else cpu).",
-    "profiles": "the model profiles served: bundled names (`kvtier profile list`) or TOML files.",
-    "[server]": "the unix socket engines connect to, and who may (root and the daemon's own uid always may).",
-    "[pool.budget_bytes]": "pool memory per cache form and profile, allocated once at start; their sum must fit\n"
-    "the memory this daemon may use (MemAvailable, the cgroup's memory.max).",
-    "[store]": "the disk store. Its root's parent folder must exist unless create = true.",
-    "[verifier]": "supervise: the daemon runs the verifier; external: kvtier-verifier.service does; off: none.",
-    "[metrics]": "the Prometheus endpoint, HOST:PORT; empty turns it off.",
-    "[admission]": "the pools' admission caps (0 entries: the pools' capacity).",
-    "[cluster]": "the cluster tier below the disk store (Mooncake Store); off unless enabled.",
-}
 
-
-def _sizes_readable(value: Any, key: str = "") -> Any:
-    """Byte counts (keys naming bytes, and the per-form tables under them) as `512MiB`; JSON keeps bytes."""
-    if isinstance(value, dict):
-        return {k: _sizes_readable(v, k if "bytes" in k else key) for k, v in value.items()}
-    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
+def _readable(key: Key, value: Any) -> Any:
+    """Byte sizes as `512MiB` (the parser reads them back); JSON keeps bytes."""
+    if key.kind is Kind.SIZE:
         return size_setting(value)
+    if key.kind is Kind.FORM_SIZES:
+        return {f: size_setting(n) for f, n in value.items()}
     return value
 
 
 def _toml(cfg: DaemonConfig) -> str:
-    doc = cfg.to_dict()
-    doc.pop("source")
-    mode = doc.pop("mode")
-    return tomli_w.dumps({"mode": mode, **_sizes_readable(doc)})
+    """The config as TOML, one entry per schema key (the `mode` key first), sizes readable."""
+    doc: dict[str, Any] = {}
+    for key in KEYS:
+        table = doc.setdefault(key.section, {}) if key.section else doc
+        table[key.name.rpartition(".")[2]] = _readable(key, plain(key, cfg.value(key)))
+    return tomli_w.dumps(doc)
 
 
 @click.group()
@@ -104,14 +92,25 @@ def config_init(mode: str | None, output: str | None, force: bool) -> None:
 
 
 def _commented(text: str, mode: str, why: str) -> str:
+    """`text` (a config as `_toml` writes it) with each table's purpose and each key's doc above it, from the
+    schema: what `config init` writes."""
     out = [f"# kvtier daemon config, {mode} mode (written by `kvtier config init`; chosen by {why}).", ""]
-    top = True  # key comments are for the top-level keys only (a table's `mode` is another key)
+    table = ""
     for line in text.splitlines():
-        top = top and not line.startswith("[")
-        key = line if line.startswith("[") else line.split(" =", 1)[0] if top else None
-        if key and (comment := _COMMENTS.get(key)):
+        if line.startswith("["):
+            table = line.strip("[]")
+            about = SECTIONS.get(table) or (BY_NAME[table].doc if table in BY_NAME else "")
+        else:
+            name = f"{table}.{line.split(' =', 1)[0]}" if table else line.split(" =", 1)[0]
+            about = _about(BY_NAME[name]) if " = " in line and name in BY_NAME else ""
+        if about:
             if out and out[-1] != "":
                 out.append("")
-            out.extend(f"# {c}" for c in comment.splitlines())
+            out.extend(f"# {c}" for c in textwrap.wrap(about, 110))
         out.append(line)
     return "\n".join(out) + "\n"
+
+
+def _about(key: Key) -> str:
+    unit = f" ({key.unit})" if key.unit else ""
+    return f"{key.doc}{unit}{' Reloaded by SIGHUP.' if key.reloadable else ''}"

@@ -31,7 +31,9 @@ FIXES: dict[Reason, str] = {
     Reason.ABI_MISMATCH: "its layout is not what the current kernels read: recomputed once, then cached again",
     Reason.PARTIAL_BLOCK: "the block was not written whole: engines must offload whole hash blocks",
     Reason.MISALIGNED: "the record is not aligned as the store requires: recomputed and rewritten",
-    Reason.ADMISSION: "the recovery queue was full: look up again, or raise recover_queue / recovering_cap",
+    Reason.ADMISSION: (
+        "the recovery queue was full: look up again, or raise [admission] max_recover_queue / max_recovering"
+    ),
 }
 STATE_MISSING_FIX = (
     "state objects are written only at checkpoints (each prefill's end, prewarm boundaries, every "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvtier.core.config_schema import default
 from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm
 
@@ -29,35 +30,35 @@ class WriteThrough(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """One node's view of the cluster. The defaults suit one master on loopback (tests, a single host)."""
+    """`[cluster]`: one node's view of the cluster. The defaults (the schema's, which says what each key does)
+    suit one master on loopback (tests, a single host). Built in code, the checks below name the key."""
 
-    enabled: bool = False
-    backend: str = "mooncake"
-    master: str = "127.0.0.1:50051"  # host:port of the master; ignored when `etcd` is set
-    etcd: str = ""  # etcd endpoints of HA masters ("host:port;host:port"); the client follows the leader
-    metadata: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server
-    # the masters' HTTP admin servers (Mooncake's --metrics_port), "http://host:port;...": `kvtier audit --cluster`
-    # lists the cluster's keys there (the client API cannot list); "" audits what this node's store wrote through
-    admin: str = ""
-    local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's transfer engine at
-    protocol: str = "tcp"
-    device: str = ""  # RDMA devices for protocol "rdma"
-    key_prefix: str = "kvt1"  # namespaces kvtier's objects among others in a shared cluster
-    replicas: int = 1
-    lookup_timeout_s: float = 0.2  # one batched existence call
-    load_timeout_s: float = 5.0  # one batch of gets
-    put_timeout_s: float = 10.0  # one batch of background puts
-    retry_s: float = 2.0  # after a failure, how long calls answer "unavailable" at once before one probes again
-    # an idle link is probed (one existence call) this often, so `up` (status, metrics, health) says within
-    # probe_s + lookup_timeout_s that the cluster stopped or started answering, with no traffic to tell
-    probe_s: float = 1.0
-    staging_bytes: int = 64 << 20  # registered buffer per direction; the largest object (plus header) must fit
-    transfer_buffer_bytes: int = 16 << 20  # the client's own transfer buffer (Mooncake local_buffer_size)
-    write_through: WriteThrough = WriteThrough.ALL
-    queue_bytes: int = 256 << 20  # write-through / promotion backlog; beyond it offloads are dropped (counted)
-    promote: bool = True  # a load from the cluster is also stored on local disk (in the background)
+    enabled: bool = default("cluster.enabled")
+    backend: str = default("cluster.backend")
+    master: str = default("cluster.master")
+    etcd: str = default("cluster.etcd")
+    metadata: str = default("cluster.metadata")
+    admin: str = default("cluster.admin")
+    local_hostname: str = default("cluster.local_hostname")
+    protocol: str = default("cluster.protocol")
+    device: str = default("cluster.device")
+    key_prefix: str = default("cluster.key_prefix")
+    replicas: int = default("cluster.replicas")
+    lookup_timeout_s: float = default("cluster.lookup_timeout_s")
+    load_timeout_s: float = default("cluster.load_timeout_s")
+    put_timeout_s: float = default("cluster.put_timeout_s")
+    retry_s: float = default("cluster.retry_s")
+    probe_s: float = default("cluster.probe_s")
+    staging_bytes: int = default("cluster.staging_bytes")
+    transfer_buffer_bytes: int = default("cluster.transfer_buffer_bytes")
+    write_through: WriteThrough = WriteThrough(default("cluster.write_through"))  # noqa: RUF009 (an enum: immutable)
+    queue_bytes: int = default("cluster.queue_bytes")
+    promote: bool = default("cluster.promote")
 
     def __post_init__(self) -> None:
+        if isinstance(self.write_through, str):  # as the config file and the schema spell it
+            object.__setattr__(self, "write_through", WriteThrough(self.write_through))
+
         def bad(key: str, message: str) -> ConfigError:
             return ConfigError(message, key=f"cluster.{key}")
 

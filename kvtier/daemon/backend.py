@@ -25,7 +25,7 @@ import numpy as np
 from kvtier.core.checkvector import CheckVector, window_blocks
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import ProfileError
-from kvtier.core.forms import CacheForm, Route
+from kvtier.core.forms import Route
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.not_durable import NotDurableCause as Cause
 from kvtier.core.not_durable import NotDurableCount
@@ -42,8 +42,8 @@ from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.daemon.writeback_room import RoomRequests
-from kvtier.gpu import AdmissionConfig, AdmissionRefused, CacheManager, PoolLookup, WriteHandle
-from kvtier.store import DecisionServer, DiskStore, PutDoc, StoreConfig
+from kvtier.gpu import AdmissionRefused, CacheManager, PoolLookup, WriteHandle
+from kvtier.store import DecisionServer, DiskStore, PutDoc
 from kvtier.wire import messages as P
 from kvtier.wire.errors import OutOfOrder, WrongType
 from kvtier.wire.stats import PinStats, StatsDoc
@@ -81,7 +81,7 @@ class DaemonBackend:
         self._closed = False  # first: close() runs on a failed start too (a bad profile, an unusable store)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
+        self.store = DiskStore(str(cfg.store.root), cfg.store, writer=True)
         self.runtimes: dict[str, Runtime] = {}
         self.lower: LowerTier = self.store
         try:
@@ -112,14 +112,6 @@ class DaemonBackend:
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
 
-    @staticmethod
-    def _store_config(cfg: DaemonConfig) -> StoreConfig:
-        return StoreConfig(
-            budget_bytes=cfg.store.budget_bytes,
-            form_quotas=StoreConfig.quotas({CacheForm(f): n for f, n in cfg.store.quota_bytes.items()}),
-            io_threads=cfg.store.io_threads,
-        )
-
     def _new_pools(self, profile: ModelProfile) -> Runtime:
         """A pool set for `profile` (its live version's at start; a canary's when the first one starts)."""
         cfg = self.cfg
@@ -128,7 +120,7 @@ class DaemonBackend:
             budgets_bytes={f.value: cfg.pool.budget_bytes[f.value] for f in {g.form for g in profile.groups}},
             device=self.device,
             lower=self.lower,
-            admission=admission_config(cfg),
+            admission=cfg.admission,
             lease_ttl_s=cfg.lease_ttl_s,
         )
         sizes = np.array([g.object_bytes(profile.hash_block_tokens) for g in profile.groups], dtype=np.int64)
@@ -416,7 +408,7 @@ class DaemonBackend:
 
     def reload(self, cfg: DaemonConfig) -> None:
         """Apply a new store budget and per-form quotas."""
-        new = self._store_config(cfg)
+        new = cfg.store
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
         self.rollout.apply(cfg, before=self.cfg)
         self.cfg = cfg
@@ -464,18 +456,6 @@ class DaemonBackend:
         doc.cluster = cluster_doc(self.lower)
         doc.namespaces = self.rollout.namespace_stats()
         return doc
-
-
-def admission_config(cfg: DaemonConfig) -> AdmissionConfig:
-    """The pools' admission caps as the daemon config sets them."""
-    a = cfg.admission
-    return AdmissionConfig(
-        max_entries=a.max_entries or None,
-        min_form_share=a.min_form_share,
-        rebalance_every=a.rebalance_every,
-        max_recovering=cfg.recovering_cap,
-        max_recover_queue=cfg.recover_queue,
-    )
 
 
 def build_backend(cfg: DaemonConfig) -> DaemonBackend:

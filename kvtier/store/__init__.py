@@ -7,8 +7,8 @@ is spelled in the index (`encode_key` / `decode_key`), which forms a record can 
 `SpanReader`: segment bytes read as they lie, a benchmark's bound on a cold load.
 """
 
+from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.store.channel import DaemonUnavailable, DecisionClient, DecisionServer, applier_pid
-from kvtier.store.context import StoreConfig, StoreLimits
 from kvtier.store.decisions import DropIf, PutDoc
 from kvtier.store.errors import (
     CorruptRecord,

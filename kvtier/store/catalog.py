@@ -11,8 +11,9 @@ from typing import Any
 import lmdb
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.core.versions import VersionKey
-from kvtier.store.context import StoreConfig, StoreContext, StoreLimits
+from kvtier.store.context import StoreContext
 from kvtier.store.decisions import PutDoc
 from kvtier.store.errors import NamespaceError
 from kvtier.store.index import NamespaceEntry, seal, unseal

@@ -1,58 +1,22 @@
-"""What the store's reader, writer and maintenance share: its knobs, the index, the I/O backend, buffers, pools."""
+"""What the store's reader, writer and maintenance share: its knobs (`StoreConfig`, from core), the index, the I/O
+backend, buffers, pools."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.store_config import StoreConfig
 from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, StoreForkError, StoreRequestError
 from kvtier.store.index import Index, IndexEntry, unpack_time
 from kvtier.store.io import BufferPool, PosixBackend
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """Knobs of one store; the budget and quotas count record bytes on disk (header + stored payload)."""
-
-    budget_bytes: int = 0  # 0: no budget
-    form_quotas: tuple[tuple[CacheForm, int], ...] = ()
-    segment_bytes: int = 1 << 30
-    io_threads: int = 4  # writer threads (extents are built and written in parallel)
-    read_threads: int = 8  # parallel reads of a load where it reads with threads (no native AIO, GDS reads)
-    device_checksums: str = "auto"  # auto | on | off: write the device checksum beside xxh3 (auto: on a GDS store)
-    io_backend: str = "auto"  # auto | gds | odirect | buffered
-    min_free_bytes: int | None = 1 << 20  # refuse writes that would leave less free space; None: no check
-    atime_flush_s: float = 5.0
-    buffer_retain_bytes: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.atime_flush_s <= 86400:  # a background thread waits this long between writes
-            raise ValueError(f"atime_flush_s must be between 0 and 86400 seconds, got {self.atime_flush_s}")
-        if self.io_threads < 1 or self.read_threads < 1:
-            raise ValueError("io_threads and read_threads must be >= 1")
-
-    @staticmethod
-    def quotas(mapping: Mapping[CacheForm, int]) -> tuple[tuple[CacheForm, int], ...]:
-        return tuple(sorted(mapping.items(), key=lambda kv: kv[0].value))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoreLimits:
-    """The byte budget and per-form quotas the writer enforces, as it published them in the index (0: none)."""
-
-    budget_bytes: int = 0
-    form_quotas: tuple[tuple[CacheForm, int], ...] = ()
-
-    def quota(self, form: CacheForm) -> int:
-        return dict(self.form_quotas).get(form, 0)
 
 
 class StoreContext:

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
 from kvtier.store.channel import DecisionClient
 from kvtier.store.compaction import Compaction
-from kvtier.store.context import StoreConfig, StoreContext, StoreLimits, flat_uint8, key_str
+from kvtier.store.context import StoreContext, flat_uint8, key_str
 from kvtier.store.decisions import (
     AllocateSegment,
     Decision,

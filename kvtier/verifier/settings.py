@@ -1,26 +1,20 @@
-"""The verifier's knobs: defaults here, rates and limits from the daemon's config file (`kvtier.core.config`)."""
+"""The verifier's knobs: the config's `[verifier]` table (`kvtier.core.config.VerifierConfig`, its defaults from
+the schema) plus what only the verifier process tunes, and the store limits and profiles it is handed."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from kvtier.core.config import load_config
-from kvtier.core.forms import CacheForm
-from kvtier.store import StoreConfig, StoreLimits
+from kvtier.core.config import VerifierConfig, load_config
+from kvtier.store import StoreLimits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class VerifierSettings:
-    """How fast and how often the verifier reads, and when the cleaner acts."""
+class VerifierSettings(VerifierConfig):
+    """`[verifier]`'s keys (rates, sweep interval, ...) and how often the verifier reads, and when the cleaner
+    acts. The fields below are not config keys: they are the process's own tuning, set in code and tests."""
 
-    rate_bytes_per_s: int = 64 << 20  # payload bytes read (verify) and copied (compaction) per second; 0: unlimited
-    # ... while other processes use the store's disk (`kvtier.verifier.busy`), like md's sync_speed_min beside its
-    # sync_speed_max. md's floor is 1/200 of its cap; a verifier must still finish sweeps under constant load, so ours
-    # is 1/16 of the default rate: 4 MiB/s re-reads a 1 TB store in about 3 days however busy the disk stays. At most
-    # the rate (0 or more than it: the rate).
-    busy_rate_bytes_per_s: int = 4 << 20
-    sweep_interval_s: float = 300.0  # a full rate-limited sweep starts this long after the previous one finished
     maintenance_interval_s: float = 30.0  # index scan + cleaner actions (sooner when the store is over its limits)
     poll_s: float = 1.0  # idle wake-up when no watchdog hint arrives (hints are never relied on)
     batch_records: int = 64  # records per read transaction / per write transaction
@@ -34,23 +28,17 @@ class VerifierSettings:
     evict_low: float = 0.85  # ... and evict down to this fraction
     state_interval_s: float = 2.0  # persist progress and heartbeat at most this often
     limits: StoreLimits | None = None  # None: the limits the daemon published in the store
-    profiles: tuple[
-        str, ...
-    ] = ()  # profiles (names or paths) whose layouts the layout check knows, besides the bundled ones
+    # profiles (names or paths) whose layouts the layout check knows, besides the bundled ones
+    profiles: tuple[str, ...] = ()
 
     def replace(self, **changes: object) -> VerifierSettings:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 def settings_from_config(path: str | Path, base: VerifierSettings = VerifierSettings()) -> VerifierSettings:
-    """Rates, sweep interval, store limits and profiles from the daemon's TOML config (typed errors name the key)."""
+    """`[verifier]`'s keys, the store's limits and the profiles from the daemon's TOML config (typed errors
+    name the key), over `base`'s own tuning."""
     cfg = load_config(path)
-    quotas = StoreConfig.quotas({CacheForm(f): n for f, n in cfg.store.quota_bytes.items() if n})
-    return dataclasses.replace(
-        base,
-        rate_bytes_per_s=cfg.verifier.rate_bytes_per_s,
-        busy_rate_bytes_per_s=cfg.verifier.busy_rate_bytes_per_s,
-        sweep_interval_s=cfg.verifier.sweep_interval_s,
-        limits=StoreLimits(cfg.store.budget_bytes, quotas),
-        profiles=cfg.profiles,
-    )
+    keys = {f.name: getattr(cfg.verifier, f.name) for f in dataclasses.fields(VerifierConfig)}
+    quotas = tuple((f, n) for f, n in cfg.store.form_quotas if n)
+    return dataclasses.replace(base, **keys, limits=StoreLimits(cfg.store.budget_bytes, quotas), profiles=cfg.profiles)

@@ -10,27 +10,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvtier.cli import doctor as D
 from kvtier.core.config import load_config
+from support.configs import write_tiny_config
 from support.daemon import DaemonProc, child_env
-
-TINY = """device = "cpu"
-[server]
-socket = "{d}/k.sock"
-[store]
-root = "{d}/store"
-[verifier]
-mode = "off"
-[pool.budget_bytes]
-compressed = "64KiB"
-indexer = "16KiB"
-tail = "64KiB"
-swa = "128KiB"
-"""
 
 
 def _doctor(cwd: Path, *args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
@@ -58,13 +46,8 @@ def _checks(*args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
     return (1 if any(c.status == D.FAIL for c in checks) else 0), by_name
 
 
-def _config(tmp_path: Path, extra: str = "", replace: dict[str, str] | None = None) -> Path:
-    text = TINY.format(d=tmp_path)
-    for old, new in (replace or {}).items():
-        text = text.replace(old, new)
-    f = tmp_path / "k.toml"
-    f.write_text(text + extra)
-    return f
+def _config(tmp_path: Path, keys: dict[str, Any] | None = None, **kw: Any) -> Path:
+    return write_tiny_config(tmp_path, keys, **kw)
 
 
 def test_on_this_machine_every_line_is_true(tmp_path: Path) -> None:
@@ -95,31 +78,32 @@ def test_a_live_daemon_makes_the_socket_line_ok(tmp_path: Path) -> None:
 
 
 def test_planted_config_memory_disk_and_cluster_problems(tmp_path: Path) -> None:
-    code, c = _checks("--config", str(_config(tmp_path, replace={"[server]": "bogus = 1\n[server]"})))
+    code, c = _checks("--config", str(_config(tmp_path, {"bogus": 1}, check=False)))
     assert code == 1 and c["config"][0]["status"] == "fail" and "key 'bogus'" in c["config"][0]["detail"]
     assert set(c) == {"config"}  # nothing else can be judged without a config
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    over = {'compressed = "64KiB"': f'compressed = "{ram // 2**30 + 8}GiB"'}
-    code, c = _checks("--config", str(_config(tmp_path, replace=over)))
+    code, c = _checks("--config", str(_config(tmp_path, compressed=f"{ram // 2**30 + 8}GiB")))
     assert code == 1 and c["memory"][0]["status"] == "fail" and "lower [pool.budget_bytes]" in c["memory"][0]["fix"]
 
-    huge = {"[store]\n": '[store]\nbudget_bytes = "1000TiB"\n'}
-    code, c = _checks("--config", str(_config(tmp_path, replace=huge)))
+    code, c = _checks("--config", str(_config(tmp_path, {"store.budget_bytes": "1000TiB"})))
     assert c["free space"][0]["status"] == "warn" and "store.budget_bytes" in c["free space"][0]["fix"]
 
     # a store root under a file (a mistyped path): nothing can be opened there, O_DIRECT or not
     (tmp_path / "a-file").write_text("")
-    under_file = {f"{tmp_path}/store": f"{tmp_path}/a-file/store"}
-    code, c = _checks("--config", str(_config(tmp_path, replace=under_file)))
+    code, c = _checks("--config", str(_config(tmp_path, {"store.root": tmp_path / "a-file" / "store"})))
     assert c["O_DIRECT"][0]["status"] == "fail" and "is not a folder" in c["O_DIRECT"][0]["detail"], c["O_DIRECT"]
 
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]  # bound, never listening: a connect is refused
     try:
-        extra = f'[cluster]\nenabled = true\nmaster = "127.0.0.1:{port}"\nmetadata = "http://127.0.0.1:{port}/m"\n'
-        code, c = _checks("--config", str(_config(tmp_path, extra)))
+        cluster = {
+            "cluster.enabled": True,
+            "cluster.master": f"127.0.0.1:{port}",
+            "cluster.metadata": f"http://127.0.0.1:{port}/m",
+        }
+        code, c = _checks("--config", str(_config(tmp_path, cluster)))
     finally:
         closed.close()
     assert code == 1 and [x["status"] for x in c["cluster"]] == ["fail", "fail"], c["cluster"]
@@ -129,7 +113,7 @@ def test_planted_config_memory_disk_and_cluster_problems(tmp_path: Path) -> None
 
 def test_planted_unit_that_blocks_the_cluster(tmp_path: Path) -> None:
     """The project's kvtier.service (localhost only) blocks a remote master; its cluster drop-in lets it through."""
-    cfg = load_config(str(_config(tmp_path, '[cluster]\nenabled = true\nmaster = "10.1.2.3:50051"\n')))
+    cfg = load_config(str(_config(tmp_path, {"cluster.enabled": True, "cluster.master": "10.1.2.3:50051"})))
     units = tmp_path / "root" / "etc" / "systemd" / "system"
     units.mkdir(parents=True)
     repo = Path(__file__).resolve().parents[2]
@@ -177,6 +161,6 @@ def test_planted_engine_venvs(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the missing-GPU case cannot arise")
 def test_planted_gpu_device(tmp_path: Path) -> None:
-    cfg = load_config(_config(tmp_path, replace={'device = "cpu"': 'device = "cuda"'}), env={}, cwd=tmp_path)
+    cfg = load_config(_config(tmp_path, {"device": "cuda"}), env={}, cwd=tmp_path)
     gpu, gds = D.check_gpu(cfg)
     assert gpu.status == "fail" and 'device = "cpu"' in gpu.fix and gds.status == "ok"

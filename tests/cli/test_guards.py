@@ -17,21 +17,8 @@ from kvtier.cli.guards import MemoryRoom, cgroup_room, check_pool_budget, check_
 from kvtier.cli.starting import marker_path
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
+from support.configs import write_tiny_config
 from support.daemon import child_env
-
-TINY = """device = "cpu"
-[server]
-socket = "{d}/k.sock"
-[store]
-root = "{d}/store"
-[verifier]
-mode = "off"
-[pool.budget_bytes]
-compressed = "{compressed}"
-indexer = "16KiB"
-tail = "64KiB"
-swa = "128KiB"
-"""
 
 
 def _serve(config: Path, cwd: Path) -> subprocess.Popen[str]:
@@ -68,8 +55,7 @@ def test_a_pool_budget_over_ram_is_one_line_and_allocates_nothing(tmp_path: Path
     and the process never grew past what its imports take."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     over = f"{ram // 2**30 + 8}GiB"
-    config = tmp_path / "k.toml"
-    config.write_text(TINY.format(d=tmp_path, compressed=over))
+    config = write_tiny_config(tmp_path, compressed=over)
     proc = _serve(config, tmp_path)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -99,8 +85,7 @@ def test_pool_budget_against_a_cgroup_limit(tmp_path: Path) -> None:
     (v1 / "memory" / "memory.usage_in_bytes").write_text("1\n")
     own.write_text("4:memory:/x\n1:cpu:/\n")
     assert cgroup_room(v1, own) == (3 * 2**29, str(v1 / "memory" / "x"))
-    cfg_file = tmp_path / "k.toml"
-    cfg_file.write_text(TINY.format(d=tmp_path, compressed="1GiB"))
+    cfg_file = write_tiny_config(tmp_path, compressed="1GiB")
     cfg = load_config(cfg_file, env={}, cwd=tmp_path)
     assert pool_bytes(cfg) == 2**30 + (16 + 64 + 128) * 2**10
     room = MemoryRoom(mem_available=64 * 2**30, cgroup_room=2**30, cgroup_path="/sys/fs/cgroup/x")
@@ -111,8 +96,7 @@ def test_pool_budget_against_a_cgroup_limit(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the missing-device case cannot arise")
 def test_a_device_the_host_lacks(tmp_path: Path) -> None:
-    config = tmp_path / "k.toml"
-    config.write_text('device = "cuda"\n' + TINY.format(d=tmp_path, compressed="64KiB").split("\n", 1)[1])
+    config = write_tiny_config(tmp_path, {"device": "cuda"})
     proc = _kvtier("serve", "--config", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     _one_line(proc.stderr, "key 'device'", "no usable CUDA device", 'set device = "cpu"')
@@ -120,21 +104,19 @@ def test_a_device_the_host_lacks(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("command", ["config show", "serve"])
 def test_an_address_out_of_range_is_caught_in_config_show_as_in_serve(tmp_path: Path, command: str) -> None:
-    config = tmp_path / "k.toml"
-    config.write_text(TINY.format(d=tmp_path, compressed="64KiB") + '[metrics]\naddress = "0.0.0.0:99999"\n')
+    config = write_tiny_config(tmp_path, {"metrics.address": "0.0.0.0:99999"}, check=False)
     proc = _kvtier(*command.split(), "--config", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     _one_line(proc.stderr, "key 'metrics.address'", "port 99999 is out of range")
 
 
 def test_a_store_root_whose_parent_is_missing(tmp_path: Path) -> None:
-    config = tmp_path / "k.toml"
-    config.write_text(TINY.format(d=tmp_path, compressed="64KiB").replace("/store", "/typo/store"))
+    config = write_tiny_config(tmp_path, {"store.root": tmp_path / "typo" / "store"})
     proc = _kvtier("serve", "--config", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     _one_line(proc.stderr, "key 'store.root'", f"{tmp_path}/typo does not exist", "store.create = true")
     assert not (tmp_path / "typo").exists()
-    config.write_text(config.read_text().replace("[store]\n", "[store]\ncreate = true\n"))
+    write_tiny_config(tmp_path, {"store.root": tmp_path / "typo" / "store", "store.create": True})
     check_store_parent(load_config(config, env={}, cwd=tmp_path))  # allowed now
 
 
@@ -145,8 +127,7 @@ def _status(cwd: Path, socket: Path) -> subprocess.CompletedProcess[str]:
 def test_status_says_starting_while_the_daemon_allocates(tmp_path: Path) -> None:
     """The daemon is stopped (SIGSTOP) inside its start, right after it claimed it: status says starting with
     exit 5; let go, it serves and status is 0; killed inside its start, the marker it leaves is not believed."""
-    config = tmp_path / "k.toml"
-    config.write_text(TINY.format(d=tmp_path, compressed="64KiB"))
+    config = write_tiny_config(tmp_path)
     socket = tmp_path / "k.sock"
     marker = marker_path(socket)
 

@@ -226,4 +226,10 @@ def test_config_show_lists_admission(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert json.loads(out)["admission"] == {"max_entries": 64, "min_form_share": 0.1, "rebalance_every": 16}
+    admission = json.loads(out)["admission"]
+    assert {k: admission[k] for k in ("max_entries", "min_form_share", "rebalance_every")} == {
+        "max_entries": 64,
+        "min_form_share": 0.1,
+        "rebalance_every": 16,
+    }
+    assert admission["max_recovering"] == 4096  # the recovery caps live in the same table

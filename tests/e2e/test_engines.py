@@ -96,7 +96,7 @@ def test_a_hit_cut_by_the_recovery_queue_grows_over_lookups_bitwise(tmp_path: Pa
         assert run_engine(d, work, "offload", "a0")["a0"]["persisted"]
     finally:
         assert d.terminate() == 0
-    d = DaemonProc(tmp_path, top_toml="recover_queue = 16\n")  # a0's hit needs 64 objects from disk
+    d = DaemonProc(tmp_path, extra_toml="[admission]\nmax_recover_queue = 16\n")  # a0's hit needs 64 objects from disk
     try:
         rep = run_engine(d, work, "continue", "exact_then_more")["exact_then_more"]
     finally:

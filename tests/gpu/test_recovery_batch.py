@@ -51,7 +51,7 @@ def _space(blocks: int, **adm: object) -> SlotSpace:
 
 def test_allocate_many_gives_what_allocate_gives_one_by_one() -> None:
     groups = np.array([0, 1, 0, 2, 1, 0, 3, 3], dtype=np.int64) % len(PROFILE.groups)
-    for blocks, cap in ((6, None), (2, None), (6, 5)):  # room for all; a pool runs dry; the entry cap binds
+    for blocks, cap in ((6, 0), (2, 0), (6, 5)):  # room for all (0: no cap); a pool runs dry; the entry cap binds
         batch, single = _space(blocks, max_entries=cap), _space(blocks, max_entries=cap)
         got = batch.allocate_many(groups, 0)
         want = []
