@@ -96,8 +96,8 @@ def record_length(stored_len: int) -> int:
 def header_offset(cursor: int, stored_len: int) -> int:
     """Where the next record's header goes at or after `cursor` in an extent that starts 4096-aligned.
 
-    Small payloads pack at 32-byte steps (a small object costs its header and padding beside it); a large one is placed so that its
-    payload starts on a 4096 boundary with its header in the bytes just before it."""
+    Small payloads pack at 32-byte steps (a small object costs its header and padding beside it); a large one is
+    placed so that its payload starts on a 4096 boundary with its header in the bytes just before it."""
     if stored_len >= LARGE_PAYLOAD:
         return align_up(cursor + HEADER_BYTES, DISK_ALIGNMENT) - HEADER_BYTES
     return align_up(cursor, RECORD_ALIGNMENT)
