@@ -21,7 +21,8 @@ _COMMENTS = {
     "mode": "user: a daemon of the folder it starts in (cpu, ref-tiny, its state in that folder); system: the\n"
     "systemd unit's /run/kvtier and /var/lib/kvtier. Unset keys below take this mode's defaults.",
     "device": "cpu, cuda, cuda:N, or auto (cuda when this host has it, else cpu).",
-    "profiles": "the model profiles served: bundled names (`kvtier profile list`) or TOML files.",
+    "profiles": "the model profiles served: bundled names (`kvtier profile list`) or TOML files. [] is an\n"
+    "engine-only node: it serves vLLM's and SGLang's tiers and allocates no pools.",
     "[server]": "the unix socket engines connect to, and who may (root and the daemon's own uid always may).",
     "[pool.budget_bytes]": "pool memory per cache form and profile, allocated once at start; their sum must fit\n"
     "the memory this daemon may use (MemAvailable, the cgroup's memory.max).",
@@ -67,9 +68,11 @@ def config_show(config_path: str | None, mode: str | None, as_json: bool) -> Non
     for line in unit_warnings(cfg.cluster):  # on stderr: stdout stays the config, parseable
         click.echo(line, err=True)
     if as_json:
-        click.echo(json.dumps({**cfg.to_dict(), "mode_why": cfg.mode_why}, indent=2))
+        click.echo(json.dumps({**cfg.to_dict(), "mode_why": cfg.mode_why, "engine_only": not cfg.profiles}, indent=2))
         return
     click.echo(f"# effective kvtier config: {cfg.mode} mode ({cfg.mode_why}); file: {cfg.file}")
+    if not cfg.profiles:
+        click.echo("# engine-only node: profiles = [], no pools are allocated ([pool.budget_bytes] is unused)")
     click.echo(_toml(cfg), nl=False)
 
 

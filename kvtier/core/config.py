@@ -458,8 +458,9 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
     top = _Reader(data, "", source)
     device = top.string("device", base.device, pattern=DEVICES)
     profiles = top.get("profiles", list(base.profiles))
-    if not isinstance(profiles, list) or not profiles or not all(isinstance(p, str) and p for p in profiles):
-        raise top.error("profiles", f"must be a non-empty list of profile names or paths, got {profiles!r}")
+    # `profiles = []` is an engine-only node: the daemon serves engines' tier ops and allocates no pools
+    if not isinstance(profiles, list) or not all(isinstance(p, str) and p for p in profiles):
+        raise top.error("profiles", f"must be a list of profile names or paths ([] for none), got {profiles!r}")
 
     s = top.sub("server")
     b = base.server
