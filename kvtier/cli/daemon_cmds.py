@@ -103,14 +103,11 @@ def _serve(cfg: DaemonConfig, config_path: str | None) -> None:
 
     # the supervised verifier and a SIGHUP reload read the file in this same mode, whatever chose it
     os.environ[MODE_ENV] = cfg.mode
-    pools = (
-        f"profiles {', '.join(cfg.profiles)} on {cfg.device} (pools allocate once it serves)"
-        if cfg.profiles
-        else "no profiles: an engine-only node, no pools"
-    )
+    served = f"profiles {', '.join(cfg.profiles)} on {cfg.device}" if cfg.profiles else "no profiles (engine-only)"
+    then = "; the pools are allocated once it serves" if cfg.profiles else ", no pools"
     click.echo(
-        f"kvtier serve: {cfg.mode} mode ({cfg.mode_why}); config {cfg.source}; {pools}; store {cfg.store.root}; "
-        "opening the store",
+        f"kvtier serve: {cfg.mode} mode ({cfg.mode_why}); config {cfg.source}; {served}; store {cfg.store.root}; "
+        f"opening the store{then}",
         err=True,
     )
     backend = build_backend(cfg)
