@@ -208,8 +208,7 @@ class Daemon:
             return
         self._pools_seen = state
         if state in ("ready", "none"):
-            if state == "ready":
-                _quiet_gc()  # what the pools built lives as long as the daemon: out of the GC's full passes
+            _quiet_gc()  # after serving began: what the start built (pools included) lives as long as the daemon
             self.notifier.ready(f"serving on {self.cfg.server.socket}")
             log.info("ready: %s", "pools allocated" if state == "ready" else "no profiles, no pools")
         elif state.startswith("failed"):
@@ -239,7 +238,6 @@ class Daemon:
         try:
             if self.cfg.metrics.address:
                 self.metrics_address = self.metrics.serve(self.cfg.metrics.address)
-            _quiet_gc()
             log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
             if on_ready is not None:  # before READY: whoever waits for READY finds the line written
                 metrics = "http://{}:{}/metrics".format(*self.metrics_address) if self.metrics_address else "off"
