@@ -189,12 +189,19 @@ class Daemon:
             self.backend.reload(self.cfg)
         except KvtierError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
-            self.notifier.notify("READY=1", f"STATUS=reload failed: {exc}")
+            self._ready_again(f"reload failed: {exc}")
             return
         if self.supervisor is not None:
             self.supervisor.signal(signal.SIGHUP)
         log.info("reloaded quotas and rates from %s", self.cfg.source)
-        self.notifier.notify("READY=1", "STATUS=serving (reloaded)")
+        self._ready_again("serving (reloaded)")
+
+    def _ready_again(self, status: str) -> None:
+        """After RELOADING=1: READY=1 again, unless the start's READY has not come yet (the pools still allocate)."""
+        if self._pools_settled():
+            self.notifier.notify("READY=1", f"STATUS={status}")
+        else:
+            self.notifier.status(f"{status}; allocating pools")
 
     # -- main loop ----------------------------------------------------------------------------------
 
@@ -246,7 +253,8 @@ class Daemon:
                     f"verifier {self.cfg.verifier.mode}"
                 )
             PHASES.mark("listening")
-            self.notifier.status(f"serving the store on {self.cfg.server.socket}; allocating pools")
+            if self.backend.pools_state() != "none":
+                self.notifier.status(f"serving the store on {self.cfg.server.socket}; allocating pools")
             self.notifier.ping_watchdog()
             # behind serving: neither the pools nor the verifier is needed to answer the store's lookups
             self.backend.start_pools()
