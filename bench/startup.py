@@ -13,8 +13,9 @@ each timed from the spawn of the process to:
 - `first_pool_lookup_s`: kvtier's own client's first lookup (attach, which waits for the pools, + lookup).
 
 `phases` are the daemon's own marks (`kvtier status --json`: daemon.startup), in seconds since its process
-started: `imports` (kvtier's CLI loaded), `guards` (config read, torch loaded by the device check, budgets
-checked), `store_open` (store, index and engine tier ops ready), `listening`, `pools_ready`.
+started: `imports` (the interpreter, kvtier's CLI and the daemon's server with torch loaded), `guards` (config
+read, device and budgets checked), `daemon_imports` (the backend's modules: pools, store, cluster tier),
+`store_open` (store, index and engine tier ops ready), `listening`, `pools_ready`.
 
 The bound the issue sets is `first_lookup_s` <= 2 s on a quiet machine; `load_avg_1m` says how quiet it was.
 """
@@ -39,6 +40,7 @@ import torch
 
 from kvtier.client import Client, TierClient
 from kvtier.core import load_profile
+from kvtier.core.forms import Reason
 from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore
@@ -122,12 +124,24 @@ def tier_lookup(sock: Path, tokens: np.ndarray, t0: float) -> float:
                 raise
             time.sleep(0.005)  # polling interval of a real condition (the socket answering)
     took = time.perf_counter() - t0
-    assert all(r.value == "ok" for r in reasons), reasons  # a hit on what the store holds, never a miss or wrong
+    assert all(r is Reason.OK for r in reasons), reasons  # a hit on what the store holds, never a miss or wrong
     return took
 
 
 def one_start(d: Path, tokens: np.ndarray) -> dict[str, float | dict[str, float]]:
     proc, notify, t0 = start(d)
+    try:
+        return timed_start(proc, notify, t0, d, tokens)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)  # the crash the next start recovers from
+            proc.wait()
+        notify.close()
+
+
+def timed_start(
+    proc: subprocess.Popen[str], notify: socket.socket, t0: float, d: Path, tokens: np.ndarray
+) -> dict[str, float | dict[str, float]]:
     assert proc.stderr is not None
     proc.stderr.readline()  # "kvtier serve: ... opening the store"
     config_s = time.perf_counter() - t0
@@ -143,9 +157,6 @@ def one_start(d: Path, tokens: np.ndarray) -> dict[str, float | dict[str, float]
     with Connection(d / "k.sock", name="bench startup") as conn:
         daemon = conn.stats().daemon
     phases = dict(daemon.startup) if daemon is not None else {}
-    proc.send_signal(signal.SIGKILL)  # the crash the next start recovers from
-    proc.wait()
-    notify.close()
     return {
         "config_s": config_s,
         "first_lookup_s": first,

@@ -101,6 +101,7 @@ def _serve(cfg: DaemonConfig, config_path: str | None) -> None:
     from kvtier.daemon.service import Daemon
     from kvtier.daemon.startup_phases import PHASES
 
+    PHASES.mark("daemon_imports")  # the backend's modules (pools, store, cluster tier) loaded
     # the supervised verifier and a SIGHUP reload read the file in this same mode, whatever chose it
     os.environ[MODE_ENV] = cfg.mode
     served = f"profiles {', '.join(cfg.profiles)} on {cfg.device}" if cfg.profiles else "no profiles (engine-only)"
