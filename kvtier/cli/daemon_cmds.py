@@ -15,7 +15,7 @@ import msgspec
 
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
-from kvtier.cli.guards import check_device, check_pool_budget, check_store_parent
+from kvtier.cli.guards import check_device, check_pool_budget, check_pool_slots, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.cli.reach import daemon_exits
@@ -86,6 +86,7 @@ def serve(config_path: str | None, mode: str | None) -> None:
     cfg = load_config(config_path, mode=mode)
     _check_profiles(cfg)
     check_pool_budget(cfg, check_device(cfg))  # before a byte is allocated or a folder made: one line, nothing else
+    check_pool_slots(cfg)
     _check_paths(cfg)
     PHASES.mark("guards")
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here

@@ -5,7 +5,7 @@ allocated: they are allocated behind it on a thread of their own, and the superv
 behind it too, so a restarted daemon answers engines' lookups without waiting for either. READY=1 (what
 systemd and the tests wait for) still means everything is up: it comes once the pools are ready (at once
 with no profiles). Until then status says "starting" (exit 5); pools that fail to allocate stop the daemon
-(exit 1), as a failed start did before.
+(exit 1, the reason logged).
 
 The main thread runs a selector over the listening socket and a self-pipe that the signal handlers
 write to; it is also the only thread that pings the systemd watchdog, so a wedged main loop or an

@@ -169,3 +169,18 @@ def test_doctor_says_an_engine_only_node_needs_no_pool_memory(tmp_path: Path) ->
     assert cfg is not None
     memory = check_memory(cfg)
     assert memory.status == "ok" and "no pools" in memory.detail  # a 200 GiB budget is not needed: no pools
+
+
+def test_a_budget_too_small_for_one_block_is_refused_before_serving(tmp_path: Path) -> None:
+    """The pools allocate after the daemon listens, so what would fail there is checked before: one line, exit 2."""
+    config = tmp_path / "k.toml"
+    config.write_text(
+        f'device = "cpu"\nprofiles = ["ref-tiny"]\n[server]\nsocket = "{tmp_path / "k.sock"}"\n'
+        f'[store]\nroot = "{tmp_path / "store"}"\n[pool.budget_bytes]\nswa = "1KiB"\n[verifier]\nmode = "off"\n'
+        '[metrics]\naddress = ""\n'
+    )
+    out = cli("serve", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if not ln.startswith("kvtier serve:")]
+    assert len(lines) == 1 and "pool.budget_bytes" in lines[0] and "swa" in lines[0], out.stderr
+    assert not (tmp_path / "k.sock").exists()

@@ -160,8 +160,9 @@ def test_a_refused_set_is_not_visible(tmp_path: Path, model: Path) -> None:
 
 
 def test_through_a_real_daemon_before_the_disk_has_them(tmp_path: Path, model: Path) -> None:
+    """Through an engine-only daemon (`profiles = []`: no kvtier pools), as an SGLang-only node runs it."""
     (tmp_path / "daemon").mkdir()
-    daemon = DaemonProc(tmp_path / "daemon", store_root=tmp_path / "store")
+    daemon = DaemonProc(tmp_path / "daemon", store_root=tmp_path / "store", profiles=())
     try:
         host = Dsv4Host(PAGES)
         host.fill(seed=14)
@@ -177,5 +178,10 @@ def test_through_a_real_daemon_before_the_disk_has_them(tmp_path: Path, model: P
         assert disk.on_disk(kv, keys) > 0 and query(kv, keys) == (PAGES, [PAGES])
         kv.close()
         assert daemon.proc.poll() is None and "Traceback" not in daemon.read_log()
+        from kvtier.wire import Connection
+
+        with Connection(daemon.socket, name="test") as conn:
+            doc = conn.stats()
+        assert doc.daemon is not None and doc.daemon.pools == "none" and doc.profiles == []
     finally:
         assert daemon.terminate() == 0
