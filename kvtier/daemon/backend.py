@@ -55,7 +55,9 @@ from kvtier.wire.errors import NoPools, OutOfOrder, WrongType
 from kvtier.wire.stats import PinStats, StatsDoc
 
 log = logging.getLogger(__name__)
-ATTACH_WAIT_S = 60.0  # the longest an attach waits for pools still being allocated before it is refused
+# the longest an attach waits for pools still being allocated before it is refused: below the clients' default
+# 60 s call deadline, so a client hears why rather than timing out
+ATTACH_WAIT_S = 45.0
 
 
 def _split_hashes(data: bytes) -> list[bytes]:
