@@ -16,7 +16,7 @@ import msgspec
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
 from kvtier.cli.daemon_exits import daemon_exits
-from kvtier.cli.guards import check_device, check_pool_budget, check_store_parent
+from kvtier.cli.guards import check_device, check_pool_budget, check_pool_slots, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
 from kvtier.cli.starting import clear_marker, starting, write_marker
@@ -80,11 +80,15 @@ def serve(config_path: str | None, mode: str | None) -> None:
     Says on stderr what it starts and, once it does, where it listens. Exit 2 for a config or path it cannot use.
     """
     from kvtier.daemon.server import claim_socket_path
+    from kvtier.daemon.startup_phases import PHASES
 
+    PHASES.mark("imports")
     cfg = load_config(config_path, mode=mode)
     _check_profiles(cfg)
     check_pool_budget(cfg, check_device(cfg))  # before a byte is allocated or a folder made: one line, nothing else
+    check_pool_slots(cfg)
     _check_paths(cfg)
+    PHASES.mark("guards")
     claim_socket_path(cfg.server.socket)  # refuse before allocating pools if another daemon serves here
     write_marker(cfg.server.socket)  # `kvtier status` says "starting" until we listen
     try:
@@ -96,15 +100,20 @@ def serve(config_path: str | None, mode: str | None) -> None:
 def _serve(cfg: DaemonConfig, config_path: str | None) -> None:
     from kvtier.daemon.backend import build_backend
     from kvtier.daemon.service import Daemon
+    from kvtier.daemon.startup_phases import PHASES
 
+    PHASES.mark("daemon_imports")  # the backend's modules (pools, store, cluster tier) loaded
     # the supervised verifier and a SIGHUP reload read the file in this same mode, whatever chose it
     os.environ[MODE_ENV] = cfg.mode
+    served = f"profiles {', '.join(cfg.profiles)} on {cfg.device}" if cfg.profiles else "no profiles (engine-only)"
+    then = "; the pools are allocated once it serves" if cfg.profiles else ", no pools"
     click.echo(
-        f"kvtier serve: {cfg.mode} mode ({cfg.mode_why}); config {cfg.source}; "
-        f"profiles {', '.join(cfg.profiles)} on {cfg.device}; store {cfg.store.root}; allocating pools",
+        f"kvtier serve: {cfg.mode} mode ({cfg.mode_why}); config {cfg.source}; {served}; store {cfg.store.root}; "
+        f"opening the store{then}",
         err=True,
     )
     backend = build_backend(cfg)
+    PHASES.mark("store_open")
     try:
         daemon = Daemon(cfg, backend, config_path=config_path)
     except BaseException:
@@ -186,6 +195,14 @@ def _render_write_back(store: dict) -> None:
         )
 
 
+_POOLS = {
+    "none": "none: no profiles, an engine-only node (engine tier ops only; kvtier's own client cannot attach)",
+    "waiting": "starting: allocating (engine tier ops and status are served; an attach waits)",
+    "allocating": "starting: allocating (engine tier ops and status are served; an attach waits)",
+    "ready": "ready",
+}
+
+
 def _render_status(doc: StatsDoc) -> None:
     d = doc.daemon
     assert d is not None  # the service fills it in before answering
@@ -195,6 +212,7 @@ def _render_status(doc: StatsDoc) -> None:
         f" config: {d.config_source}"
     )
     click.echo(f"socket     {d.socket}" + (f"   metrics http://{d.metrics}/metrics" if d.metrics else ""))
+    click.echo(f"pools      {_POOLS.get(d.pools, d.pools)}")
     v = doc.verifier
     click.echo(f"verifier   {v.state} (mode {v.mode}, restarts {v.restarts})")
     s = doc.store
@@ -237,7 +255,8 @@ def status(config_path: str | None, mode: str | None, socket_path: str | None, a
     """Health, profiles, pool occupancy, store usage and I/O backend, verifier state, per-form rates.
 
     Exit code 0 when healthy, 1 when degraded, 3 when no daemon is there, 4 when one is there but did not
-    answer us (permission denied, busy, timed out), 5 while one is starting (allocating its pools).
+    answer us (permission denied, busy, timed out), 5 while one is starting (opening its store, or serving the
+    store while it allocates its pools).
     """
     from kvtier.wire import Connection  # not kvtier.client: status needs no torch
 
@@ -250,7 +269,7 @@ def status(config_path: str | None, mode: str | None, socket_path: str | None, a
             if (st := starting(path)) is None:
                 raise
             click.echo(
-                f"kvtier: starting: kvtier serve (pid {st.pid}) is allocating its pools for {st.since_s:.0f} s; "
+                f"kvtier: starting: kvtier serve (pid {st.pid}) is opening its store for {st.since_s:.0f} s; "
                 f"it serves on {path} once ready (`kvtier status` again)",
                 err=True,
             )
@@ -259,6 +278,8 @@ def status(config_path: str | None, mode: str | None, socket_path: str | None, a
         click.echo(json.dumps(msgspec.to_builtins(doc), indent=2, default=str))
     else:
         _render_status(doc)
+    if doc.daemon is not None and doc.daemon.pools in ("waiting", "allocating"):
+        sys.exit(exits.STARTING)  # it serves the store already; its pools are not ready
     sys.exit(exits.OK if doc.daemon is not None and doc.daemon.health == "ok" else exits.PROBLEMS)
 
 

@@ -50,10 +50,17 @@ def check_config(config_path: str | None, mode: str | None) -> tuple[Check, Daem
         cfg = load_config(config_path, mode=mode)
     except KvtierError as exc:
         return Check("config", FAIL, str(exc), "fix the key it names (`kvtier config init` writes every key)"), None
-    return Check("config", OK, f"{cfg.mode} mode ({cfg.mode_why}); file {cfg.file}"), cfg
+    served = f"profiles {', '.join(cfg.profiles)}" if cfg.profiles else "no profiles (an engine-only node, no pools)"
+    return Check("config", OK, f"{cfg.mode} mode ({cfg.mode_why}); file {cfg.file}; {served}"), cfg
 
 
 def check_memory(cfg: DaemonConfig) -> Check:
+    if not cfg.profiles:
+        return Check(
+            "memory",
+            OK,
+            "no pools: profiles = [] (an engine-only node; engines' tier ops only, [pool.budget_bytes] unused)",
+        )
     try:
         need = pool_bytes(cfg)
     except KvtierError as exc:

@@ -16,7 +16,7 @@ PROBLEMS = 1  # the command ran and found problems: audit, a degraded status, a 
 USAGE = 2  # a bad option, file, value or path
 NO_DAEMON = 3
 NOT_ANSWERING = 4  # a daemon is there but did not answer us: permission denied, busy, timed out
-STARTING = 5  # a daemon is starting on that socket (allocating its pools): `status` again shortly
+STARTING = 5  # a daemon is starting on that socket (its store, or its pools behind serving): `status` again shortly
 INTERNAL = 70  # a bug: rerun with -v for the traceback
 
 
@@ -38,6 +38,7 @@ WIRE_EXITS: dict[str, int] = {
     "unsupported_version": USAGE,
     "bad_range": USAGE,
     "out_of_order": USAGE,
+    "no_pools": USAGE,
     "daemon_unavailable": NO_DAEMON,
     "permission_denied": NOT_ANSWERING,
     "daemon_timeout": NOT_ANSWERING,
@@ -75,7 +76,13 @@ TABLE: tuple[ExitRow, ...] = (
     ),
     ExitRow((NO_DAEMON,), "no daemon answers on the socket (`status`, `prewarm`, `explain`, `namespace`)"),
     ExitRow((NOT_ANSWERING,), "a daemon is there but did not answer us: permission denied, busy, or timed out"),
-    ExitRow((STARTING,), "`status`: a daemon is starting on that socket (allocating its pools); ask again shortly"),
+    ExitRow(
+        (STARTING,),
+        (
+            "`status`: a daemon is starting on that socket (opening its store, or serving it while its pools "
+            "allocate); ask again shortly"
+        ),
+    ),
     ExitRow((INTERNAL,), "an internal error: a bug; rerun with `-v` and report the traceback"),
     ExitRow(
         (INTERRUPTED,),

@@ -132,6 +132,20 @@ def check_pool_budget(cfg: DaemonConfig, device: str, room: MemoryRoom | None = 
         )
 
 
+def check_pool_slots(cfg: DaemonConfig) -> None:
+    """Every form's budget must hold a block of each profile's groups: checked before serving, since the pools
+    themselves are allocated after the daemon listens (a failure there would stop a daemon already serving)."""
+    from kvtier.core.forms import CacheForm
+    from kvtier.gpu.errors import BudgetError
+    from kvtier.gpu.slots import _slots_per_form
+
+    for name in cfg.profiles:
+        try:
+            _slots_per_form(load_profile(name), {CacheForm(f): n for f, n in cfg.pool.budget_bytes.items()})
+        except BudgetError as exc:
+            raise ConfigError(f"profile {name}: {exc}", key="pool.budget_bytes", source=cfg.source) from None
+
+
 def check_device(cfg: DaemonConfig) -> str:
     """The device the pools go on (`auto` resolved), or a ConfigError when this host lacks it."""
     import torch

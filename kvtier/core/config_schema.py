@@ -149,9 +149,10 @@ KEYS: tuple[Key, ...] = (
         "profiles",
         Kind.NAMES,
         ("ref-tiny",),
-        "The model profiles served: bundled names (`kvtier profile list`) or TOML files.",
+        "The model profiles served: bundled names (`kvtier profile list`) or TOML files. [] is an engine-only node: "
+        "it serves vLLM's and SGLang's tiers and allocates no pools.",
         system=("deepseek-v4-flash",),
-        minimum=1,
+        minimum=0,
     ),
     _seconds("lease_ttl_s", 30.0, "A lease neither released nor renewed for this long expires."),
     _count(

@@ -1,5 +1,9 @@
 """The daemon's backend: one `kvtier.gpu.CacheManager` per served profile over one `kvtier.store.DiskStore`.
 
+The store, the engines' tier ops and the stats are ready when the constructor returns; the pools are
+allocated behind them (`kvtier.daemon.pool_start`, started once the daemon listens), and a config with no
+profiles allocates none at all (an engine-only node). An attach waits for the pools.
+
 Requests arrive from the server as protocol structs and leave as replies. Lookups and offloads hand
 out *handles* (wire ids) owned by the connection that made them; a connection that goes away has
 every handle released, in the manager too (`release_owner`); while it lives, its heartbeat (`renew`)
@@ -36,19 +40,24 @@ from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, clu
 from kvtier.daemon.durability import make_durable
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
+from kvtier.daemon.pool_start import PoolStart
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.staging import StagingError, copy_in, freeze
+from kvtier.daemon.startup_phases import PHASES
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.daemon.writeback_room import RoomRequests
 from kvtier.gpu import AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DecisionServer, DiskStore, PutDoc
 from kvtier.wire import messages as P
-from kvtier.wire.errors import OutOfOrder, WrongType
+from kvtier.wire.errors import NoPools, OutOfOrder, WrongType
 from kvtier.wire.stats import PinStats, StatsDoc
 
 log = logging.getLogger(__name__)
+# the longest an attach waits for pools still being allocated before it is refused: below the clients' default
+# 60 s call deadline, so a client hears why rather than timing out
+ATTACH_WAIT_S = 45.0
 
 
 def _split_hashes(data: bytes) -> list[bytes]:
@@ -82,22 +91,25 @@ class DaemonBackend:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.store = DiskStore(str(cfg.store.root), cfg.store, writer=True)
-        self.runtimes: dict[str, Runtime] = {}
+        self.runtimes: dict[str, Runtime] = {}  # filled by the pool thread (`_adopt`); the rollout's live map
         self.lower: LowerTier = self.store
+        self._start_lock = threading.Lock()  # a reload and the pools' adoption apply the config one at a time
         try:
             self.lower = build_lower(cfg, self.store)
+            profiles: dict[str, ModelProfile] = {}
             for name in cfg.profiles:
                 profile = load_profile(name)
-                if profile.name in self.runtimes:
+                if profile.name in profiles:
                     raise ProfileError(f"profile {profile.name!r} is listed twice", field="profiles")
                 codecs = {g.form: cfg.store.codec for g in profile.groups} if cfg.store.codec != "none" else None
                 self.store.register_namespace(profile.version, codecs=codecs)
-                self.runtimes[profile.name] = self._new_pools(profile)
+                profiles[profile.name] = profile
             self.rollout = Rollout(self.store, cfg.store.codec, self.runtimes, self._new_pools)
             self.rollout.apply(cfg)
         except BaseException:
             self.close()
             raise
+        self.pool_start = PoolStart(list(profiles.values()), self._new_pools, self._adopt)
         self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
         # The index's changes the verifier decides, and the main loop's documents, are applied on this thread:
         # the daemon is the index's only writer while it runs (kvtier.store.decisions).
@@ -111,6 +123,22 @@ class DaemonBackend:
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
+
+    def start_pools(self) -> None:
+        """Allocate the pools behind serving (the daemon calls this once it listens)."""
+        self.pool_start.start()
+
+    def _adopt(self, runtimes: list[Runtime]) -> None:
+        """The pool thread's pools go live: the profiles' versions and canaries of the config now in force."""
+        with self._start_lock:
+            self.rollout.add_live(runtimes)
+            self.rollout.apply(self.cfg)
+        PHASES.mark("pools_ready")
+
+    def pools_state(self) -> str:
+        """none (no profiles), waiting / allocating, ready, or failed: <why>."""
+        state = self.pool_start.state
+        return f"failed: {self.pool_start.error}" if state == "failed" else state
 
     def _new_pools(self, profile: ModelProfile) -> Runtime:
         """A pool set for `profile` (its live version's at start; a canary's when the first one starts)."""
@@ -154,7 +182,24 @@ class DaemonBackend:
 
     # -- ops ----------------------------------------------------------------------------------------
 
+    def _wait_for_pools(self) -> None:
+        """An attach maps the pools, so it waits while they allocate; without pools it gets why, in one line."""
+        start = self.pool_start
+        if start.state == "none":
+            raise NoPools(
+                f"this daemon serves no kvtier profiles (profiles = [] in {self.cfg.source}): an engine-only node "
+                "has no pools; use an engine tier (vLLM, SGLang), or add the profile to `profiles` and restart"
+            )
+        if not start.wait(ATTACH_WAIT_S):
+            raise NoPools(
+                f"kvtier serve is still allocating its pools after {ATTACH_WAIT_S:.0f} s: attach again shortly "
+                "(`kvtier status` says starting until they are ready)"
+            )
+        if start.state == "failed":
+            raise NoPools(f"the daemon's pools could not be allocated ({start.error}): fix it and restart kvtier serve")
+
     def attach(self, session: Session, req: P.Attach) -> tuple[P.AttachOk, list[int]]:
+        self._wait_for_pools()
         rt = self.rollout.runtime_for(req.profile)
         session.runtime = rt
         infos, fds = rt.pool_infos()
@@ -295,7 +340,7 @@ class DaemonBackend:
             for held in self._held.values():
                 if held.owner == session.owner and held.lookup is None:
                     held.expires_at = max(held.expires_at, expires)
-        return P.Renewed(sum(rt.manager.renew_owner(session.owner) for rt in self.runtimes.values()))
+        return P.Renewed(sum(rt.manager.renew_owner(session.owner) for rt in self.rollout.runtimes()))
 
     def flush(self, session: Session, req: P.Flush) -> P.FlushOk:
         """Write back everything sealed; what still waits at the end is reported with why (blocked forms)."""
@@ -410,8 +455,9 @@ class DaemonBackend:
         """Apply a new store budget and per-form quotas."""
         new = cfg.store
         self.store.set_limits(new.budget_bytes, dict(new.form_quotas))  # also published for the verifier and audit
-        self.rollout.apply(cfg, before=self.cfg)
-        self.cfg = cfg
+        with self._start_lock:  # pools adopted later apply this config
+            self.rollout.apply(cfg, before=self.cfg)
+            self.cfg = cfg
 
     def drain(self, timeout_s: float) -> bool:
         """Persist every sealed object (acknowledged writes) before shutdown; False, logging how many could not
@@ -434,6 +480,9 @@ class DaemonBackend:
         if getattr(self, "_closed", False):  # also called by a constructor that failed half way
             return
         self._closed = True
+        pool_start = getattr(self, "pool_start", None)
+        if pool_start is not None:
+            pool_start.close(self.cfg.shutdown_timeout_s)
         persister = getattr(self, "persister", None)
         if persister is not None:
             persister.stop(self.cfg.shutdown_timeout_s)

@@ -106,6 +106,13 @@ class Rollout:
 
     # -- changes ----------------------------------------------------------------------------------------
 
+    def add_live(self, runtimes: list[Runtime]) -> None:
+        """Pools allocated after the start (`kvtier.daemon.pool_start`) become their profiles' live ones."""
+        with self._lock:
+            for rt in runtimes:
+                self.live[rt.profile.name] = rt
+                self.all.append(rt)  # the same list the persister walks
+
     def apply(self, cfg: DaemonConfig, before: DaemonConfig | None = None) -> None:
         """Serve the versions and canary `cfg` names: all of them at start, the changed sections on reload."""
         with self._lock:

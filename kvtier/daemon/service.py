@@ -1,5 +1,12 @@
 """The daemon's life: start, READY, serve, watchdog, SIGHUP reload, SIGTERM drain + flush + exit 0.
 
+The socket listens and serves the store (engines' tier ops, status, metrics) before the pools are
+allocated: they are allocated behind it on a thread of their own, and the supervised verifier is started
+behind it too, so a restarted daemon answers engines' lookups without waiting for either. READY=1 (what
+systemd and the tests wait for) still means everything is up: it comes once the pools are ready (at once
+with no profiles). Until then status says "starting" (exit 5); pools that fail to allocate stop the daemon
+(exit 1, the reason logged).
+
 The main thread runs a selector over the listening socket and a self-pipe that the signal handlers
 write to; it is also the only thread that pings the systemd watchdog, so a wedged main loop or an
 unhealthy backend stops the pings and systemd restarts the service.
@@ -27,6 +34,7 @@ from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.server import SocketServer
 from kvtier.daemon.session import Backend
+from kvtier.daemon.startup_phases import PHASES
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.wire.stats import DaemonInfo, Reloadable, StatsDoc
 
@@ -45,6 +53,8 @@ class ServiceBackend(Backend, Protocol):
     def reload(self, cfg: DaemonConfig) -> None: ...
     def drain(self, timeout_s: float) -> bool: ...
     def close(self) -> None: ...
+    def start_pools(self) -> None: ...
+    def pools_state(self) -> str: ...
 
 
 def default_verifier_command(cfg: DaemonConfig, config_path: str | Path | None = None) -> list[str]:
@@ -86,6 +96,8 @@ class Daemon:
         self._stop = False
         self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending: list[int] = []
+        self._pools_seen = ""
+        self._exit = 0  # non-zero: why the daemon stopped itself
 
     # -- stats --------------------------------------------------------------------------------------
 
@@ -99,8 +111,12 @@ class Daemon:
         return {"mode": mode, "state": st.state, "pid": st.pid, "restarts": st.restarts, "last_exit": st.last_exit}
 
     def readiness(self) -> tuple[bool, str]:
-        """Serving health plus the supervised verifier's state (a verifier down degrades, it never stops serving)."""
+        """Serving health plus the pools' and the supervised verifier's state (a verifier down degrades, it never
+        stops serving)."""
         healthy, why = self.backend.health()
+        pools = self.backend.pools_state()
+        if healthy and pools.startswith("failed"):
+            return False, f"pools {pools}"
         if healthy and (problem := self.backend.degraded()):
             return False, problem
         if healthy and self.supervisor is not None:
@@ -112,15 +128,21 @@ class Daemon:
     def stats_doc(self) -> StatsDoc:
         doc = self.backend.stats_doc()
         healthy, why = self.readiness()
+        pools = self.backend.pools_state()
+        health = "ok" if healthy else f"degraded: {why}"
+        if healthy and pools in ("waiting", "allocating"):
+            health = "starting: allocating the pools (engine tier ops and status are served; an attach waits)"
         doc.daemon = DaemonInfo(
             version=__version__,
             pid=os.getpid(),
             uptime_s=round(time.time() - self.started, 3),
-            health="ok" if healthy else f"degraded: {why}",
+            health=health,
             config_source=self.cfg.source,
             socket=str(self.cfg.server.socket),
             connections=self.server.connections,
             metrics=f"{self.metrics_address[0]}:{self.metrics_address[1]}" if self.metrics_address else "",
+            pools=pools,
+            startup=PHASES.snapshot(),
         )
         doc.verifier = msgspec.structs.replace(doc.verifier, **self._supervision())
         c = self.cfg
@@ -167,14 +189,39 @@ class Daemon:
             self.backend.reload(self.cfg)
         except KvtierError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
-            self.notifier.notify("READY=1", f"STATUS=reload failed: {exc}")
+            self._ready_again(f"reload failed: {exc}")
             return
         if self.supervisor is not None:
             self.supervisor.signal(signal.SIGHUP)
         log.info("reloaded quotas and rates from %s", self.cfg.source)
-        self.notifier.notify("READY=1", "STATUS=serving (reloaded)")
+        self._ready_again("serving (reloaded)")
+
+    def _ready_again(self, status: str) -> None:
+        """After RELOADING=1: READY=1 again, unless the start's READY has not come yet (the pools still allocate)."""
+        if self._pools_settled():
+            self.notifier.notify("READY=1", f"STATUS={status}")
+        else:
+            self.notifier.status(f"{status}; allocating pools")
 
     # -- main loop ----------------------------------------------------------------------------------
+
+    def _pools_settled(self) -> bool:
+        return self._pools_seen in ("ready", "none") or self._pools_seen.startswith("failed")
+
+    def _watch_pools(self) -> None:
+        """READY=1 once the pools are ready (or there are none); pools that failed stop the daemon."""
+        state = self.backend.pools_state()
+        if state == self._pools_seen:
+            return
+        self._pools_seen = state
+        if state in ("ready", "none"):
+            _quiet_gc()  # after serving began: what the start built (pools included) lives as long as the daemon
+            self.notifier.ready(f"serving on {self.cfg.server.socket}")
+            log.info("ready: %s", "pools allocated" if state == "ready" else "no profiles, no pools")
+        elif state.startswith("failed"):
+            log.error("stopping: the pools %s", state)
+            self._exit = 1
+            self._stop = True
 
     def _housekeeping(self) -> None:
         self.backend.tick()
@@ -198,9 +245,6 @@ class Daemon:
         try:
             if self.cfg.metrics.address:
                 self.metrics_address = self.metrics.serve(self.cfg.metrics.address)
-            if self.supervisor is not None:
-                self.supervisor.start()
-            _quiet_gc()
             log.info("serving on %s (%s)", self.cfg.server.socket, self.cfg.source)
             if on_ready is not None:  # before READY: whoever waits for READY finds the line written
                 metrics = "http://{}:{}/metrics".format(*self.metrics_address) if self.metrics_address else "off"
@@ -208,13 +252,23 @@ class Daemon:
                     f"listening on {self.cfg.server.socket} (pid {os.getpid()}); metrics {metrics}; "
                     f"verifier {self.cfg.verifier.mode}"
                 )
-            self.notifier.ready(f"serving on {self.cfg.server.socket}")
+            PHASES.mark("listening")
+            if self.backend.pools_state() != "none":
+                self.notifier.status(f"serving the store on {self.cfg.server.socket}; allocating pools")
             self.notifier.ping_watchdog()
+            # behind serving: neither the pools nor the verifier is needed to answer the store's lookups
+            self.backend.start_pools()
+            if self.supervisor is not None:
+                self.supervisor.start()
+                PHASES.mark("verifier_started")
+            self._watch_pools()
             last_tick = 0.0
             while not self._stop:
                 # the lobby's due time from the clock now, not the turn's start: housekeeping may have run since
                 dues = (TICK_S, self.notifier.watchdog_due(), self.server.lobby.due(time.monotonic()))
                 wait = min(x for x in dues if x is not None)
+                if not self._pools_settled():
+                    wait = min(wait, 0.05)  # READY follows the pool thread closely
                 for key, _ in sel.select(wait):
                     if key.data == "accept":
                         self.server.accept_ready()
@@ -222,6 +276,7 @@ class Daemon:
                         self.server.greet_ready()
                     else:
                         self._handle_signals()
+                self._watch_pools()
                 now = time.monotonic()
                 self.server.expire_silent(now)
                 if now - last_tick >= TICK_S or (self.notifier.watchdog_due(now) == 0.0):
@@ -255,6 +310,8 @@ class Daemon:
             return 1
         if not clean:
             log.warning("some connections were still busy at the deadline")
+        if self._exit:
+            return self._exit
         log.info("stopped cleanly")
         return 0
 

@@ -32,6 +32,7 @@ _ERRORS: dict[str, type[KvtierError]] = {
         E.DaemonBusy,
         E.DaemonTimeout,
         E.BadRange,
+        E.NoPools,
         StaleHandle,
         NotDurable,
     )

@@ -39,6 +39,13 @@ class OutOfOrder(ProtocolError):
     code = "out_of_order"
 
 
+class NoPools(KvtierError):
+    """An attach this daemon cannot serve with pools: it has none (an engine-only node), or they are still being
+    allocated, or their allocation failed; the message says which and what to do."""
+
+    code = "no_pools"
+
+
 class PermissionDenied(KvtierError):
     """The socket's file mode refused us (EACCES), or the peer's uid / gid is not among the daemon's allowed ones;
     the message names the group to join."""

@@ -87,6 +87,10 @@ class DaemonInfo(msgspec.Struct):
     socket: str
     connections: int
     metrics: str = ""  # HOST:PORT of the metrics endpoint, "" when off
+    # the pools: "none" (no profiles: an engine-only node), "waiting" / "allocating" (tier ops and status are
+    # served meanwhile; an attach waits), "ready", or "failed: <why>"
+    pools: str = "ready"
+    startup: dict[str, float] = {}  # phase -> seconds since the process started (kvtier.daemon.startup_phases)
 
 
 class VerifierReport(msgspec.Struct):

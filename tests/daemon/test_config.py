@@ -69,7 +69,7 @@ def test_file_overrides_defaults(tmp_path: Path) -> None:
         ('[server]\nsocket_mode = "999"\n', "server.socket_mode"),
         ('[server]\nallowed_uids = ["bob"]\n', "server.allowed_uids"),
         ('device = "tpu"\n', "device"),
-        ("profiles = []\n", "profiles"),
+        ('profiles = [""]\n', "profiles"),
         ("lease_ttl_s = -1\n", "lease_ttl_s"),
         ("recovering_cap = 1.5\n", "recovering_cap"),
         ('[verifier]\nmode = "sometimes"\n', "verifier.mode"),

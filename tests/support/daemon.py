@@ -44,6 +44,8 @@ class DaemonProc:
         store_root: Path | None = None,
         top_toml: str = "",
         verifier: str = 'mode = "off"\n',
+        env: dict[str, str] | None = None,
+        wait_ready: bool = True,
     ) -> None:
         self.tmp = tmp
         self.socket = socket_path or tmp / "kvtier.sock"
@@ -64,7 +66,7 @@ class DaemonProc:
             notify_addr = str(tmp / "notify.sock")
             Path(notify_addr).unlink(missing_ok=True)  # left by an earlier daemon of the same test
             self.notify.bind(notify_addr)
-        env = child_env(NOTIFY_SOCKET=notify_addr)
+        env = child_env(NOTIFY_SOCKET=notify_addr, **(env or {}))
         if watchdog_usec is not None:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
         self.log = open(tmp / "daemon.log", "wb")  # noqa: SIM115  (the daemon writes it until close())
@@ -76,7 +78,8 @@ class DaemonProc:
             cwd=tmp,
         )
         self.messages: list[str] = []
-        self.wait_for("READY=1", timeout=60)
+        if wait_ready:  # READY=1 comes once the pools are ready (the socket serves the store before that)
+            self.wait_for("READY=1", timeout=60)
 
     def recv_notify(self, timeout: float) -> str | None:
         self.notify.settimeout(timeout)

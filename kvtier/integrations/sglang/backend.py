@@ -292,9 +292,38 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return ObjectKey(self._namespace, xxhash.xxh3_128_digest(key.encode()), pool.plan.group, pool.plan.form)
 
     def _present(self, asks: list[tuple[str, _Pool]]) -> list[bool]:
+        """Per page: queued for the store (read your writes) or verified present in it."""
         store = self._ensure_open()
         keys = [self._key(k, p) for k, p in asks]
-        return [r is Reason.OK for r in store.has(keys, [p.digest for _, p in asks])]
+        digests = [p.digest for _, p in asks]
+        present = [q is not None for q in self._queued(keys, digests)]
+        rest = [i for i, q in enumerate(present) if not q]
+        if rest:
+            # a page that left the queue in between was stored (the store answers) or dropped (a miss)
+            for i, r in zip(rest, store.has([keys[i] for i in rest], [digests[i] for i in rest])):
+                present[i] = r is Reason.OK
+        return present
+
+    def _queued(self, keys: list[ObjectKey], digests: list[bytes]) -> list[torch.Tensor | None]:
+        writer = self._writer
+        return writer.queued(keys, digests) if writer is not None else [None] * len(keys)
+
+    def _load_requests(self, store: DiskStore | DaemonStore, requests: list[LoadRequest]) -> list[Reason]:
+        """Fill each request's `out`: from the writer's queue where the page still waits there (the bytes the
+        set call handed over), else from the store, verified."""
+        reasons: list[Reason] = [Reason.MISSING] * len(requests)
+        queued = self._queued([r.key for r in requests], [r.layout_digest for r in requests])
+        rest: list[int] = []
+        for i, (req, page) in enumerate(zip(requests, queued)):
+            if page is not None and page.numel() == req.out.numel():
+                req.out.copy_(page)
+                reasons[i] = Reason.OK
+            else:
+                rest.append(i)
+        if rest:
+            for i, r in zip(rest, store.load_into([requests[i] for i in rest])):
+                reasons[i] = r
+        return reasons
 
     def _load(self, jobs: list[tuple[str, _Pool, int]]) -> list[bool]:
         """Load pages (key, pool, host index) into scratch pages, verified; only verified pages reach the host pool."""
@@ -305,7 +334,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             for s, (_, p, _) in zip(scratch, jobs)
         ]
         requests = [LoadRequest(self._key(k, p), out, p.digest) for (k, p, _), out in zip(jobs, outs)]
-        reasons = store.load_into(requests)
+        reasons = self._load_requests(store, requests)
         for (_, pool, index), page, reason in zip(jobs, scratch, reasons):
             if reason is Reason.OK:
                 pool.host_pool.set_from_flat_data_page(index, page)
@@ -440,7 +469,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             store = self._ensure_open()
             outs = [t.view(torch.uint8).reshape(-1) if anchor.plan.page_bytes else _MARKER.clone() for t in targets]
-            reasons = store.load_into([LoadRequest(self._key(k, anchor), o, anchor.digest) for k, o in zip(keys, outs)])
+            requests = [LoadRequest(self._key(k, anchor), o, anchor.digest) for k, o in zip(keys, outs)]
+            reasons = self._load_requests(store, requests)
         except Exception:
             log.exception("kvtier: batch_get failed; those pages are recomputed")
             return [None] * len(keys)

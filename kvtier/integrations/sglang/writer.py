@@ -5,11 +5,17 @@ are copied out of the host pool (SGLang may reuse the slots as soon as the call 
 writer thread stores them. When the queue holds `max_pending_bytes`, a caller waits at most `timeout_s`
 for room, then the pages are refused (reported not stored): a slow or full disk costs SGLang a bounded
 wait and a later recompute, never a stall.
+
+Read your writes: a page is reported stored as soon as it is queued, so until its batch is on disk the
+queue is where it lives. `queued` answers for those pages with the bytes the set call handed over (the
+copy the writer will store); a batch the store refuses or fails leaves the queue and stops being answered,
+so a page is never reported present that neither the queue nor the disk holds.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -34,8 +40,12 @@ class BoundedWriter:
         self._max = max_pending_bytes
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
-        self._queue: collections.deque[list[Item]] = collections.deque()
+        self._queue: collections.deque[tuple[int, list[Item]]] = collections.deque()
         self._pending_bytes = 0
+        # every queued or in-flight page by key: its bytes, layout digest, and the batch that carries it (a later
+        # set of the same key replaces the entry; only the batch that put an entry there takes it out)
+        self._queued: dict[ObjectKey, tuple[torch.Tensor, bytes, int]] = {}
+        self._batch_ids = itertools.count()
         self._writing = False
         self._closed = False
         self.stored = 0
@@ -59,10 +69,23 @@ class BoundedWriter:
                 self.refused += len(items)
                 self._warn(f"store queue full ({self._pending_bytes} bytes pending): {len(items)} pages not stored")
                 return False
-            self._queue.append([(k, p.detach().clone(), d) for k, p, d in items])
+            batch = [(k, p.detach().clone(), d) for k, p, d in items]
+            ident = next(self._batch_ids)
+            for k, p, d in batch:
+                self._queued[k] = (p, d, ident)
+            self._queue.append((ident, batch))
             self._pending_bytes += nbytes
             self._cond.notify_all()
         return True
+
+    def queued(self, keys: Sequence[ObjectKey], layout_digests: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Per key, the bytes queued for it under that layout digest (not yet on disk, or being written), else None.
+
+        The tensors are the writer's own copies and are never changed: a caller may read one after its batch
+        has gone to disk."""
+        with self._cond:
+            found = [self._queued.get(k) for k in keys]
+        return [q[0] if q is not None and q[1] == d else None for q, d in zip(found, layout_digests)]
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued batch is written (or failed); False when `timeout_s` passed first."""
@@ -75,7 +98,7 @@ class BoundedWriter:
                 self._cond.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                batch = self._queue.popleft()
+                ident, batch = self._queue.popleft()
                 self._writing = True
             try:
                 self._store_many(batch)
@@ -87,6 +110,10 @@ class BoundedWriter:
                 ok = False
                 log.exception("kvtier sglang: storing %d pages failed", len(batch))
             with self._cond:
+                # stored: the disk answers for these keys from now on; failed: nothing does (a miss, never bytes)
+                for k, _, _ in batch:
+                    if (q := self._queued.get(k)) is not None and q[2] == ident:
+                        del self._queued[k]
                 self._pending_bytes -= _nbytes(batch)
                 self._writing = False
                 if ok:

@@ -1,0 +1,121 @@
+"""The served profiles' pools, allocated on a thread of their own once the daemon serves.
+
+Allocating pools is the slow part of a start (seconds for large budgets, tens of seconds for DeepSeek-V4's
+defaults), and nothing but kvtier's own client needs them: engines' tier ops, status and metrics read the
+store. So the daemon listens first and allocates behind it; an attach waits for the pools (they are mapped
+into the client at attach), everything else is served at once. The state is read from here, never cached
+elsewhere: `none` (no profiles: an engine-only node), `waiting`, `allocating`, `ready`, or `failed`.
+
+`KVTIER_HOLD_POOLS` names a FIFO: the thread opens it and reads one byte before allocating, so a test can
+observe the daemon serving while its pools are not ready, without a race against the allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvtier.core.profile import ModelProfile
+from kvtier.daemon.runtime import Runtime
+
+log = logging.getLogger(__name__)
+HOLD_ENV = "KVTIER_HOLD_POOLS"
+
+
+class PoolStart:
+    """Build each profile's pools on one thread; `adopt` hands them to the backend when all are built."""
+
+    def __init__(
+        self,
+        profiles: Sequence[ModelProfile],
+        build: Callable[[ModelProfile], Runtime],
+        adopt: Callable[[list[Runtime]], None],
+    ) -> None:
+        self._profiles = list(profiles)
+        self._build = build
+        self._adopt = adopt
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._state = "none" if not self._profiles else "waiting"
+        self._error = ""
+        self._closing = False
+        self._built: list[Runtime] = []
+        self._thread: threading.Thread | None = None
+        self.started_at: float | None = None
+        self.seconds: float | None = None  # how long the allocation took, once ready
+        if not self._profiles:
+            self._done.set()
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    @property
+    def error(self) -> str:
+        with self._lock:
+            return self._error
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def start(self) -> None:
+        """Begin allocating (once); a no-op with no profiles."""
+        if not self._profiles or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvtier-pools", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once allocation ended (ready, failed, or there is nothing to allocate); False if still going."""
+        return self._done.wait(timeout_s)
+
+    def _run(self) -> None:
+        hold = os.environ.get(HOLD_ENV)
+        if hold:
+            with open(hold, "rb") as fifo:  # blocks until the test opens the other end and writes
+                fifo.read(1)
+        with self._lock:
+            if self._closing:
+                self._state = "failed"
+                self._error = "the daemon stopped before its pools were allocated"
+                self._done.set()
+                return
+            self._state = "allocating"
+            self.started_at = time.monotonic()
+        try:
+            for profile in self._profiles:
+                if self._closing:
+                    raise RuntimeError("the daemon stopped before its pools were allocated")
+                self._built.append(self._build(profile))
+            with self._lock:
+                if self._closing:
+                    raise RuntimeError("the daemon stopped before its pools were allocated")
+                self._adopt(self._built)
+                self._built = []
+                self._state = "ready"
+                self.seconds = time.monotonic() - (self.started_at or time.monotonic())
+            log.info("pools ready for %s in %.2f s", ", ".join(p.name for p in self._profiles), self.seconds)
+        except BaseException as exc:  # the daemon keeps serving the store; attach says why it cannot
+            with self._lock:
+                self._state = "failed"
+                self._error = f"{type(exc).__name__}: {exc}"
+            if not self._closing:
+                log.error("allocating the pools failed: %s", self._error)
+            for rt in self._built:
+                rt.manager.close()
+            self._built = []
+        finally:
+            self._done.set()
+
+    def close(self, timeout_s: float) -> None:
+        """Stop after the profile being allocated (an allocation cannot be interrupted); what was built but
+        not adopted is freed here. Adopted pools are the backend's to close."""
+        with self._lock:
+            self._closing = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
