@@ -45,8 +45,7 @@ from kvtier.core.forms import Reason
 from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore
-from kvtier.wire import Connection
-from kvtier.wire.errors import DaemonUnavailable
+from kvtier.wire import Connection, DaemonUnavailable
 
 
 def config(d: Path, store: Path) -> str:

@@ -55,9 +55,11 @@ def config_show(config_path: str | None, mode: str | None, as_json: bool) -> Non
     for line in unit_warnings(cfg.cluster):  # on stderr: stdout stays the config, parseable
         click.echo(line, err=True)
     if as_json:
-        click.echo(json.dumps({**cfg.to_dict(), "mode_why": cfg.mode_why}, indent=2))
+        click.echo(json.dumps({**cfg.to_dict(), "mode_why": cfg.mode_why, "engine_only": not cfg.profiles}, indent=2))
         return
     click.echo(f"# effective kvtier config: {cfg.mode} mode ({cfg.mode_why}); file: {cfg.file}")
+    if not cfg.profiles:
+        click.echo("# engine-only node: profiles = [], no pools are allocated ([pool.budget_bytes] is unused)")
     click.echo(_toml(cfg), nl=False)
 
 
