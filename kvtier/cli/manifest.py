@@ -98,7 +98,8 @@ def _tokens(entry: dict[str, Any], base: Path, where: str, model_dir: Path | Non
     given = [k for k in PROMPT_KEYS if k in entry]
     allowed = PROMPT_KEYS if model_dir is not None else PROMPT_KEYS[:2]
     if len(given) != 1 or given[0] not in allowed:
-        raise ConfigError(f"give exactly one of {', '.join(repr(k) for k in allowed)}", source=where)
+        names = [repr(k) for k in allowed]
+        raise ConfigError(f"give exactly one of {', '.join(names[:-1])} and {names[-1]}", source=where)
     key = given[0]
     if key == "tokens":
         if not isinstance(entry["tokens"], list):
