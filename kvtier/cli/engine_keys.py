@@ -35,6 +35,8 @@ class EngineGroupKeys:
     tokens_per_unit: int
     window_units: int
     hashes: list[bytes]
+    layout_digest: bytes  # what the engine's tier stores this group's records with
+    payload_bytes: int  # one record's payload
 
 
 def _describe(ns: P.EngineNamespace) -> str:
@@ -97,6 +99,7 @@ def group_keys(ns: P.EngineNamespace, prompt: Prompt) -> list[EngineGroupKeys]:
             hashes = vl.block_hashes(tokens, layout.tokens_per_hash, spec.hash_algo, spec.hash_seed, spec.cache_salt)
         except ConfigError as exc:
             raise ConfigError(exc.args[0], key=exc.key, source=where) from None
+        abi = ns.version_key["kernel_abi"]
         return [
             EngineGroupKeys(
                 g.name,
@@ -104,6 +107,8 @@ def group_keys(ns: P.EngineNamespace, prompt: Prompt) -> list[EngineGroupKeys]:
                 g.tokens_per_chunk,
                 -(-g.window_tokens // g.tokens_per_chunk) if g.window_tokens else 0,
                 vl.chunk_hashes(hashes, layout, g),
+                vl.layout_digest(abi, layout_text, g),
+                layout.chunk_bytes,
             )
             for g in layout.groups
         ]
@@ -113,7 +118,15 @@ def group_keys(ns: P.EngineNamespace, prompt: Prompt) -> list[EngineGroupKeys]:
     # SGLang asks a state pool for its trailing window at request time; the namespace does not record it, so a
     # state pool is reported for the page at the boundary (window 1)
     return [
-        EngineGroupKeys(p.group, p.form, page, 0 if p.form.kind is GroupKind.HISTORY else 1, pages)
+        EngineGroupKeys(
+            p.group,
+            p.form,
+            page,
+            0 if p.form.kind is GroupKind.HISTORY else 1,
+            pages,
+            p.layout_digest(ns.namespace.hex()),
+            max(p.page_bytes, 1),  # a pool of no bytes (DSV4's KV anchor) stores a 1-byte marker
+        )
         for p in sgl.pool_plans(ns.pools)
     ]
 
@@ -124,7 +137,7 @@ def ask(
     """The daemon's reason per group per unit (and, for a prewarm, what it loaded, pinned and warmed)."""
     req = P.EngineKeys(
         ns.namespace,
-        [(g.name, g.form.value) for g in groups],
+        [(g.name, g.form.value, g.layout_digest, g.payload_bytes) for g in groups],
         b"".join(h for g in groups for h in g.hashes),
         bytes(i for i, g in enumerate(groups) for _ in g.hashes),
         prewarm,

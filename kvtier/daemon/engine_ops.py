@@ -4,7 +4,8 @@ The operator's CLI computes the engine's own keys (kvtier.integrations.vllm.keys
 them; the daemon answers per object whether it is stored and loadable, and for a prewarm:
 
 - loads what only the cluster holds to local disk (through the tier chain, which promotes what it loads;
-  `pin` waits for those promotions), sizing the load by a local record of the same group;
+  `pin` waits for those promotions), each group's records checked against the layout digest and size the
+  CLI derived from the namespace's version key, as the engine's tier derives them;
 - pins every stored object against eviction for the TTL (the store's pins expire on their own);
 - warms the local extents: on a store read through the page cache (io_backend "buffered") each record's
   extent is advised into it (posix_fadvise WILLNEED); O_DIRECT and GDS reads bypass the page cache, so
@@ -30,7 +31,6 @@ from kvtier.wire.errors import WrongType
 
 ENGINE_ABI_PREFIXES = ("vllm ", "sglang-")  # what an engine tier's version key starts its kernel_abi with
 MAX_KEYS = 1 << 20
-_TEMPLATE_PAGES = 16  # pages of live keys scanned for a record that sizes a cluster load
 
 
 def is_engine(kernel_abi: str) -> bool:
@@ -56,18 +56,16 @@ class EngineOps:
 
     def keys(self, req: P.EngineKeys) -> P.EngineKeysOk:
         started = time.perf_counter()
-        keys = self._keys(req)
-        entries = self._entries(keys)
-        templates = self._templates(keys, entries)
-        digests = [e.layout_digest if e else templates.get(k.group, (b"\0" * 16, 0))[0] for k, e in zip(keys, entries)]
+        keys, digests, sizes = self._keys(req)
         reasons = self.lower.has(keys, digests) if keys else []
         if not req.prewarm:
             return P.EngineKeysOk(bytes(reasons), seconds=time.perf_counter() - started)
         if req.ttl_s <= 0:
             raise WrongType(f"ttl_s must be > 0, got {req.ttl_s}")
+        entries = self._entries(keys)
         # stored below local disk only (the cluster): load it, which promotes it to local disk
         remote = [i for i, (r, e) in enumerate(zip(reasons, entries)) if r is Reason.OK and e is None]
-        loaded, loaded_bytes = self._load_remote([keys[i] for i in remote], templates)
+        loaded, loaded_bytes = self._load_remote([keys[i] for i in remote], [digests[i] for i in remote], sizes)
         stored = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         pinned = self.lower.pin(stored, req.ttl_s) if stored else 0
         warmed = self._warm(self._entries(stored))
@@ -75,7 +73,8 @@ class EngineOps:
 
     # -- parts ---------------------------------------------------------------------------------------
 
-    def _keys(self, req: P.EngineKeys) -> list[ObjectKey]:
+    def _keys(self, req: P.EngineKeys) -> tuple[list[ObjectKey], list[bytes], dict[str, int]]:
+        """The request's object keys, each one's layout digest, and each group's record payload bytes."""
         entry = self.store.namespaces().get(req.namespace)
         if entry is None or not is_engine(entry.version_key.kernel_abi):
             raise WrongType(
@@ -86,22 +85,27 @@ class EngineOps:
             raise WrongType(f"hashes must be one {HASH_BYTES}-byte hash per group_of byte")
         if len(req.group_of) > MAX_KEYS:
             raise WrongType(f"at most {MAX_KEYS} keys per engine_keys request: split the prompt")
-        groups: list[tuple[str, CacheForm]] = []
-        for name, form in req.groups:
+        groups: list[tuple[str, CacheForm, bytes]] = []
+        sizes: dict[str, int] = {}
+        for name, form, digest, size in req.groups:
+            if len(digest) != 16 or size <= 0:
+                raise WrongType(f"group {name!r}: the layout digest must be 16 bytes and the payload size > 0")
             try:
-                groups.append((name, CacheForm(form)))
+                groups.append((name, CacheForm(form), digest))
             except ValueError:
                 raise WrongType(f"group {name!r}: {form!r} is no kvtier form") from None
-        keys = []
+            sizes[name] = size
+        keys, digests = [], []
         for i, g in enumerate(req.group_of):
             if g >= len(groups):
                 raise WrongType(f"group_of names group {g}, but {len(groups)} groups were sent")
-            name, form = groups[g]
+            name, form, digest = groups[g]
             try:
                 keys.append(ObjectKey(req.namespace, req.hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES], name, form))
             except ValueError as exc:
                 raise WrongType(str(exc)) from None
-        return keys
+            digests.append(digest)
+        return keys, digests, sizes
 
     def _entries(self, keys: Sequence[ObjectKey]) -> list[IndexEntry | None]:
         """Each key's local index entry, None where it is not on local disk, quarantined, or unreadable."""
@@ -111,37 +115,11 @@ class EngineOps:
             for i in infos
         ]
 
-    def _templates(
-        self, keys: Sequence[ObjectKey], entries: Sequence[IndexEntry | None]
-    ) -> dict[str, tuple[bytes, int]]:
-        """Per group (layout digest, payload bytes) of a local record: what a cluster copy must match and fill."""
-        out = {k.group: (e.layout_digest, e.payload_len) for k, e in zip(keys, entries) if e is not None}
-        missing = {k.group for k in keys} - out.keys()
-        if not missing or not keys:
-            return out
-        ns, forms = keys[0].namespace, {k.group: k.form for k in keys}
-        after = b""
-        for _ in range(_TEMPLATE_PAGES):
-            page = self.store.live_keys(ns, after, 4096)
-            found = [ObjectKey(ns, h, g, forms[g]) for h, g in page.keys if g in missing]
-            for k, e in zip(found, self._entries(found)):
-                if e is not None and k.group not in out:
-                    out[k.group] = (e.layout_digest, e.payload_len)
-            missing -= out.keys()
-            after = page.cursor
-            if not missing or not after:
-                break
-        return out
-
-    def _load_remote(self, keys: list[ObjectKey], templates: dict[str, tuple[bytes, int]]) -> tuple[int, int]:
+    def _load_remote(self, keys: list[ObjectKey], digests: list[bytes], sizes: dict[str, int]) -> tuple[int, int]:
         if not keys or self.lower is self.store:
             return 0, 0
-        requests = [
-            LoadRequest(k, torch.empty(templates[k.group][1], dtype=torch.uint8), templates[k.group][0])
-            for k in keys
-            if k.group in templates
-        ]
-        got = self.lower.load_into(requests) if requests else []
+        requests = [LoadRequest(k, torch.empty(sizes[k.group], dtype=torch.uint8), d) for k, d in zip(keys, digests)]
+        got = self.lower.load_into(requests)
         ok = [r for r, g in zip(requests, got) if g is Reason.OK]
         return len(ok), sum(r.out.numel() for r in ok)
 

@@ -126,7 +126,7 @@ class EngineKeys(Msg, tag="engine_keys"):
     load what only the cluster holds to local disk, pin every stored one for `ttl_s`, and warm their extents."""
 
     namespace: bytes
-    groups: list[tuple[str, str]]  # (group name, form)
+    groups: list[tuple[str, str, bytes, int]]  # (group name, form, layout digest, payload bytes of a record)
     hashes: bytes
     group_of: bytes
     prewarm: bool = False

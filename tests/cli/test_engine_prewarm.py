@@ -35,7 +35,6 @@ LAYOUT = (
     "groups=vllm.g0.full:compressed:32t:layers-0a1b2c3d,vllm.g1.swa64:swa:32t:layers-4e5f6a7b"
 )
 GROUPS = [("vllm.g0.full", CacheForm.COMPRESSED), ("vllm.g1.swa64", CacheForm.SWA)]
-DIGEST = bytes(range(16))
 OBJ = 4096
 
 
@@ -58,17 +57,24 @@ def _tokens(seed: int, n: int = CHUNKS * CHUNK + 5) -> list[int]:
     return torch.randint(3, 500, (n,), generator=g).tolist()
 
 
-def _store(sock: Path, vkey: VersionKey, tokens: list[int], skip: dict[str, set[int]]) -> list[ObjectKey]:
+def _store(
+    sock: Path, vkey: VersionKey, tokens: list[int], skip: dict[str, set[int]], wrong: tuple[str, ...] = ()
+) -> list[ObjectKey]:
     """Store the prompt's chunks of both groups under vLLM's keys, but the chunks in `skip` (per group)."""
     layout = vl.parse_layout(LAYOUT)
     hashes = vl.block_hashes(tokens, layout.tokens_per_hash, "sha256")
-    keys = []
+    keys, digests = [], []
     for g in layout.groups:
+        # the digest the vLLM tier stores the group's records with; `wrong` ones as another layout's
+        digest = bytes(16) if g.name in wrong else vl.layout_digest(vkey.kernel_abi, LAYOUT, g)
         for i, h in enumerate(vl.chunk_hashes(hashes, layout, g)):
             if i not in skip.get(g.name, set()):
                 keys.append(ObjectKey(vkey.namespace, h, g.name, g.form))
+                digests.append(digest)
     with TierClient(sock, vkey, GROUPS, OBJ * 4, identity={"model_config": {}}) as c:
-        c.store_many([(k, torch.full((OBJ,), i % 251, dtype=torch.uint8), DIGEST) for i, k in enumerate(keys)])
+        c.store_many(
+            [(k, torch.full((OBJ,), i % 251, dtype=torch.uint8), d) for i, (k, d) in enumerate(zip(keys, digests))]
+        )
     return keys
 
 
@@ -175,3 +181,17 @@ def test_the_namespace_is_picked_by_checkpoint_or_named(daemon: DaemonProc, tmp_
     (tmp_path / "bs.jsonl").write_text(manifest.read_text().splitlines()[1] + "\n")
     out = _kvtier("prewarm", str(tmp_path / "bs.jsonl"), "--socket", str(daemon.socket))
     assert out.returncode == 2 and "ran with block_size 32, not 16" in out.stderr
+
+
+def test_records_of_another_layout_are_not_counted(daemon: DaemonProc, tmp_path: Path) -> None:
+    """Records under the right keys but another layout digest (another engine build) are no hit: abi_mismatch."""
+    model = _model(tmp_path / "model", 1)
+    tokens = _tokens(0)
+    _store(daemon.socket, _vkey(model), tokens, skip={}, wrong=("vllm.g1.swa64",))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(_line(model, tokens) + "\n")
+    out = _kvtier("explain", "--manifest-line", "1", str(manifest), "--socket", str(daemon.socket), "--json")
+    assert out.returncode == 0, out.stderr
+    e = json.loads(out.stdout)
+    assert e["hit_tokens"] == 0
+    assert [(s["group"], s["unit"], s["reason"]) for s in e["stops"]] == [("vllm.g1.swa64", 0, "abi_mismatch")]

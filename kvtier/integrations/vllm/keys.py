@@ -100,6 +100,7 @@ class VllmGroup:
     form: CacheForm
     tokens_per_chunk: int
     window_tokens: int  # 0: history (every chunk from 0); else the state window, tokens
+    describe: str  # the group's GroupPlan.describe(), as the layout lists it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +109,14 @@ class VllmLayout:
 
     tokens_per_hash: int
     blocks_per_chunk: int
+    chunk_bytes: int  # every record's payload: vLLM's CPU-tier row for one chunk
     groups: tuple[VllmGroup, ...]
+
+
+def layout_digest(kernel_abi: str, dtype_layout: str, group: VllmGroup) -> bytes:
+    """The layout digest the tier stores `group`'s records with (integrations/vllm/identity.derive_identity)."""
+    text = f"{kernel_abi}|{dtype_layout}|{group.describe}"
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvtier-vllm-lay1").digest()
 
 
 def parse_layout(dtype_layout: str) -> VllmLayout:
@@ -116,6 +124,7 @@ def parse_layout(dtype_layout: str) -> VllmLayout:
     fields = dict(p.split("=", 1) for p in dtype_layout.split(";") if "=" in p)
     try:
         tokens_per_hash = int(fields["hash"].removesuffix("t"))
+        chunk_bytes = int(fields["chunk"].split("/")[0].removesuffix("B"))
         blocks_per_chunk = int(fields["chunk"].split("/")[1].removesuffix("blk"))
         groups = []
         for text in fields["groups"].split(","):
@@ -125,13 +134,13 @@ def parse_layout(dtype_layout: str) -> VllmLayout:
             name, gid, form, tpc = m.group(1), int(m.group(2)), CacheForm(m.group(3)), int(m.group(4))
             # the tier names a state group after its window (groups.plan_groups): vllm.g1.swa64, vllm.g2.tail128
             w = _WINDOW.search(name.rsplit(".", 1)[-1]) if form.kind is GroupKind.STATE else None
-            groups.append(VllmGroup(gid, name, form, tpc, int(w.group(1)) if w else 0))
+            groups.append(VllmGroup(gid, name, form, tpc, int(w.group(1)) if w else 0, text))
     except (KeyError, IndexError, ValueError) as exc:
         raise ConfigError(
             f"not a vLLM tier namespace layout ({exc}): pick a namespace a kvtier vLLM tier registered",
             key="namespace",
         ) from None
-    return VllmLayout(tokens_per_hash, blocks_per_chunk, tuple(groups))
+    return VllmLayout(tokens_per_hash, blocks_per_chunk, chunk_bytes, tuple(groups))
 
 
 def chunk_hashes(hashes: Sequence[bytes], layout: VllmLayout, group: VllmGroup) -> list[bytes]:
