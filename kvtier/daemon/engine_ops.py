@@ -65,11 +65,15 @@ class EngineOps:
         entries = self._entries(keys)
         # stored below local disk only (the cluster): load it, which promotes it to local disk
         remote = [i for i, (r, e) in enumerate(zip(reasons, entries)) if r is Reason.OK and e is None]
-        loaded, loaded_bytes = self._load_remote([keys[i] for i in remote], [digests[i] for i in remote], sizes)
+        got = self._load_remote([keys[i] for i in remote], [digests[i] for i in remote], sizes)
+        for i, r in zip(remote, got):
+            reasons[i] = r  # a cluster copy that failed its checks is a miss, as a load would find it
+        loaded = [i for i, r in zip(remote, got) if r is Reason.OK]
+        loaded_bytes = sum(sizes[keys[i].group] for i in loaded)
         stored = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         pinned = self.lower.pin(stored, req.ttl_s) if stored else 0
         warmed = self._warm(self._entries(stored))
-        return P.EngineKeysOk(bytes(reasons), loaded, loaded_bytes, pinned, warmed, time.perf_counter() - started)
+        return P.EngineKeysOk(bytes(reasons), len(loaded), loaded_bytes, pinned, warmed, time.perf_counter() - started)
 
     # -- parts ---------------------------------------------------------------------------------------
 
@@ -115,13 +119,12 @@ class EngineOps:
             for i in infos
         ]
 
-    def _load_remote(self, keys: list[ObjectKey], digests: list[bytes], sizes: dict[str, int]) -> tuple[int, int]:
+    def _load_remote(self, keys: list[ObjectKey], digests: list[bytes], sizes: dict[str, int]) -> list[Reason]:
+        """Load each key through the tier chain (its cluster copy, verified; promoted to local disk after)."""
         if not keys or self.lower is self.store:
-            return 0, 0
+            return [Reason.OK] * len(keys)  # nothing below local disk: has() found them there
         requests = [LoadRequest(k, torch.empty(sizes[k.group], dtype=torch.uint8), d) for k, d in zip(keys, digests)]
-        got = self.lower.load_into(requests)
-        ok = [r for r, g in zip(requests, got) if g is Reason.OK]
-        return len(ok), sum(r.out.numel() for r in ok)
+        return self.lower.load_into(requests)
 
     def _warm(self, entries: Sequence[IndexEntry | None]) -> int:
         """Advise the local extents into the page cache where reads go through it; bytes advised."""

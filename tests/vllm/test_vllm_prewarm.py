@@ -81,13 +81,15 @@ def test_prewarm_a_vllm_prompt_as_text_then_a_fresh_engine_hits_it(tmp_path: Pat
     (tmp_path / "d1").mkdir()
     daemon = DaemonProc(tmp_path / "d1", store_root=store)
     try:
-        first = run_engine(tmp_path, "store", model, [prompt], kvtier_daemon_tiers(daemon.socket), 4, ENGINE_ARGS)
+        first = run_engine(
+            tmp_path, "store", model, [prompt], kvtier_daemon_tiers(daemon.socket), 4, ENGINE_ARGS, shutdown=True
+        )
         assert daemon.terminate() == 0
     finally:
         daemon.close()
     seed = os.environ.get("PYTHONHASHSEED")  # the engines' (vLLM's hashes depend on it where set)
 
-    # the keys kvtier computes without vLLM are exactly the records the engine stored (its shutdown drained them)
+    # the keys kvtier computes without vLLM are exactly the records the engine stored (its shutdown finished its stores)
     with DiskStore(str(store), readonly=True) as s:
         ((ns, entry),) = [(n, e) for n, e in s.namespaces().items() if e.version_key.kernel_abi.startswith("vllm ")]
         stored = {r.key for r in s.iter_records(limit=10_000, namespace=ns) if r.key.namespace == ns}
