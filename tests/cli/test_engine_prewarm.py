@@ -10,72 +10,25 @@ tests/sglang/test_sglang_prewarm.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvtier.client import TierClient
-from kvtier.core.forms import CacheForm
-from kvtier.core.tier import ObjectKey
-from kvtier.core.versions import VersionKey
-from kvtier.integrations.checkpoint import weights_digest
-from kvtier.integrations.vllm import keys as vl
 from kvtier.store import DiskStore
 from support.daemon import DaemonProc, child_env
-
-CHUNK = 32
-CHUNKS = 10
-LAYOUT = (
-    "bfloat16;layout=NHD;chunk=4096B/1blk;block=4096B;hash=32t;agnostic;replicated=0;canonical=1;"
-    "groups=vllm.g0.full:compressed:32t:layers-0a1b2c3d,vllm.g1.swa64:swa:32t:layers-4e5f6a7b"
+from support.engine_records import (
+    CHUNK,
+    CHUNKS,
+    engine_model,
+    engine_tokens,
+    engine_vkey,
+    store_engine_records,
 )
-GROUPS = [("vllm.g0.full", CacheForm.COMPRESSED), ("vllm.g1.swa64", CacheForm.SWA)]
-OBJ = 4096
 
-
-def _model(path: Path, seed: int) -> Path:
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
-    (path / "model.safetensors").write_bytes(os.urandom(1024))
-    return path
-
-
-def _vkey(model: Path, engine_config: str = "cfg-a") -> VersionKey:
-    return VersionKey(
-        str(model), weights_digest(model), "vllm 0.32.0;cpu;attn=CPU", "in engine_config", "in engine_config",
-        LAYOUT, engine_config,
-    )  # fmt: skip
-
-
-def _tokens(seed: int, n: int = CHUNKS * CHUNK + 5) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (n,), generator=g).tolist()
-
-
-def _store(
-    sock: Path, vkey: VersionKey, tokens: list[int], skip: dict[str, set[int]], wrong: tuple[str, ...] = ()
-) -> list[ObjectKey]:
-    """Store the prompt's chunks of both groups under vLLM's keys, but the chunks in `skip` (per group)."""
-    layout = vl.parse_layout(LAYOUT)
-    hashes = vl.block_hashes(tokens, layout.tokens_per_hash, "sha256")
-    keys, digests = [], []
-    for g in layout.groups:
-        # the digest the vLLM tier stores the group's records with; `wrong` ones as another layout's
-        digest = bytes(16) if g.name in wrong else vl.layout_digest(vkey.kernel_abi, LAYOUT, g)
-        for i, h in enumerate(vl.chunk_hashes(hashes, layout, g)):
-            if i not in skip.get(g.name, set()):
-                keys.append(ObjectKey(vkey.namespace, h, g.name, g.form))
-                digests.append(digest)
-    with TierClient(sock, vkey, GROUPS, OBJ * 4, identity={"model_config": {}}) as c:
-        c.store_many(
-            [(k, torch.full((OBJ,), i % 251, dtype=torch.uint8), d) for i, (k, d) in enumerate(zip(keys, digests))]
-        )
-    return keys
+_model, _vkey, _tokens, _store = engine_model, engine_vkey, engine_tokens, store_engine_records
 
 
 def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
