@@ -57,3 +57,34 @@ def test_block_hashes_equal_vllms(algo: str, salt: str | None, monkeypatch: pyte
 def test_xxhash_without_the_engines_seed_is_refused() -> None:
     with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
         keys.block_hashes([1] * BLOCK, BLOCK, "xxhash")
+
+
+def test_a_prompt_as_text_or_chat_is_the_checkpoints_tokens(tmp_path) -> None:
+    """`text` is the tokenizer's encoding; `messages` the checkpoint's chat template, generation prompt appended."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    from kvtier.cli.manifest import read_manifest
+
+    model = tmp_path / "model"
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w1{% endif %}"
+    )
+    fast.save_pretrained(model)
+    manifest = tmp_path / "m.jsonl"
+    lines = [
+        {"engine": "vllm", "model_dir": "model", "text": "w3 w4 w5"},
+        {"engine": "vllm", "model_dir": "model", "messages": [{"role": "w5", "content": "w7 w9"}]},
+    ]
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text, chat = read_manifest(manifest)
+    assert text.tokens.tolist() == [3, 4, 5]
+    assert chat.tokens.tolist() == [5, 7, 9, 1]
