@@ -134,3 +134,38 @@ def test_prewarm_a_vllm_prompt_as_text_then_a_fresh_engine_hits_it(tmp_path: Pat
         assert_same_output(first, second)  # tokens and logprobs, bit for bit
     finally:
         daemon.close()
+
+
+def test_explain_reads_a_sliding_window_models_groups_from_its_namespace(tmp_path: Path) -> None:
+    """Gemma-2 (a full and a 64-token sliding-window group): the keys of both groups are the engine's records,
+    and explain applies each group's rule (history from chunk 0, the window before the boundary)."""
+    model = new_checkpoint(tmp_path / "model", seed=5, arch="gemma2")
+    chunks = 8
+    prompt = _ids(7, chunks * BLOCK_SIZE + 20)
+    store = tmp_path / "store"
+    (tmp_path / "d").mkdir()
+    daemon = DaemonProc(tmp_path / "d", store_root=store)
+    try:
+        run_engine(tmp_path, "store", model, [prompt], kvtier_daemon_tiers(daemon.socket), 4, shutdown=True)
+        with DiskStore(str(store), readonly=True) as s:
+            ((ns, entry),) = [(n, e) for n, e in s.namespaces().items() if e.version_key.kernel_abi.startswith("vllm ")]
+            stored = {r.key for r in s.iter_records(limit=10_000, namespace=ns) if r.key.namespace == ns}
+        layout = vl.parse_layout(entry.version_key.dtype_layout)
+        assert sorted((g.form.value, g.window_tokens) for g in layout.groups) == [("compressed", 0), ("swa", 64)]
+        hashes = vl.block_hashes(prompt, layout.tokens_per_hash, "sha256", os.environ.get("PYTHONHASHSEED"))
+        ours = {ObjectKey(ns, h, g.name, g.form) for g in layout.groups for h in vl.chunk_hashes(hashes, layout, g)}
+        assert stored and stored <= ours
+        full = next(g for g in layout.groups if g.window_tokens == 0)
+        assert {k for k in stored if k.group == full.name} == {k for k in ours if k.group == full.name}
+
+        manifest = tmp_path / "m.jsonl"
+        line = {"engine": "vllm", "model_dir": model, "tokens": prompt}
+        seed = os.environ.get("PYTHONHASHSEED")
+        manifest.write_text(json.dumps({**line, **({"hash_seed": seed} if seed else {})}) + "\n")
+        out = _kvtier("explain", "--manifest-line", "1", str(manifest), "--socket", str(daemon.socket), "--json")
+        assert out.returncode == 0, out.stderr
+        e = json.loads(out.stdout)
+        swa = next(g for g in e["groups"] if g["kind"] == "state")
+        assert swa["needed"] == 2 and e["hit_tokens"] == chunks * BLOCK_SIZE, e
+    finally:
+        daemon.close()
