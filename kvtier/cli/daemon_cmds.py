@@ -16,6 +16,7 @@ import msgspec
 from kvtier.cli import exits
 from kvtier.cli.cluster_status import cluster_lines
 from kvtier.cli.daemon_exits import daemon_exits
+from kvtier.cli.engine_keys import prewarm_report
 from kvtier.cli.guards import check_device, check_pool_budget, check_pool_slots, check_store_parent
 from kvtier.cli.manifest import read_manifest
 from kvtier.cli.namespace_table import namespace_lines
@@ -290,6 +291,13 @@ def _prewarm_line(r: dict[str, Any]) -> str:
     )
 
 
+def _group_line(g: dict[str, Any]) -> str:
+    return (
+        f"  {g['group']}: {g['kind']}, {g['stored']:,}/{g['units']:,} stored, restores "
+        f"{g['restorable_tokens']:,} tokens alone, {g['needed']:,} loaded by the hit"
+    )
+
+
 @click.command()
 @click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
 @config_option
@@ -299,6 +307,8 @@ def _prewarm_line(r: dict[str, Any]) -> str:
 def prewarm(manifest: Path, config_path: str | None, mode: str | None, socket_path: str | None, as_json: bool) -> None:
     """Load the longest usable hit of each manifest prefix from disk into the pool and pin it for its TTL.
 
+    A line naming an engine namespace (vLLM, SGLang) loads from the cluster to local disk what only the
+    cluster holds, pins the records for the TTL, warms them, and reports per group what the engine can restore.
     A line per prefix as it finishes (on stderr with --json). Exit 2 for a bad manifest, 3 with no daemon,
     130 when interrupted (after reporting the prefixes done).
     """
@@ -306,8 +316,17 @@ def prewarm(manifest: Path, config_path: str | None, mode: str | None, socket_pa
     path = socket_path_of(config_path, socket_path, mode)
     conns: dict[str, tuple[OperatorConnection, AttachOk]] = {}
     reports: list[dict[str, Any]] = []
+    engine_conn: OperatorConnection | None = None  # engine namespaces need no attach: one connection for them
     try:
         for prompt in prompts:
+            if prompt.engine is not None:
+                if engine_conn is None:
+                    engine_conn = OperatorConnection(path, name="kvtier prewarm")
+                reports.append(prewarm_report(engine_conn, prompt))
+                click.echo(_prewarm_line(reports[-1]), err=as_json)
+                for g in reports[-1]["groups"]:
+                    click.echo(_group_line(g), err=as_json)
+                continue
             if prompt.profile not in conns:
                 conn = OperatorConnection(path, name="kvtier prewarm")
                 try:
@@ -345,5 +364,7 @@ def prewarm(manifest: Path, config_path: str | None, mode: str | None, socket_pa
     finally:
         for conn, _ in conns.values():
             conn.close()
+        if engine_conn is not None:
+            engine_conn.close()
     if as_json:
         click.echo(json.dumps({"manifest": str(manifest), "prefixes": reports}, indent=2))

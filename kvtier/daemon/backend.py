@@ -38,6 +38,7 @@ from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.durability import make_durable
+from kvtier.daemon.engine_ops import EngineOps
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.pool_start import PoolStart
@@ -123,6 +124,7 @@ class DaemonBackend:
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
+        self.engine = EngineOps(self.store, self.lower)
 
     def start_pools(self) -> None:
         """Allocate the pools behind serving (the daemon calls this once it listens)."""
@@ -387,6 +389,10 @@ class DaemonBackend:
         rt = self._runtime(session)
         raw, final = rt.manager.explain(_split_hashes(req.hashes))
         return P.ExplainOk(_wire_cv(raw), _wire_cv(final), window_blocks(rt.profile).tolist())
+
+    def engine_op(self, session: Session, req: P.EngineNamespaces | P.EngineKeys) -> P.Msg:
+        """Prewarm and explain for engine namespaces (kvtier.daemon.engine_ops): no profile, no pools needed."""
+        return self.engine.namespaces() if isinstance(req, P.EngineNamespaces) else self.engine.keys(req)
 
     def stale_reply(self, session: Session, req: P.Msg) -> P.Msg | None:
         """The answer for a connection attached to a namespace retired since (None while it is live)."""

@@ -370,6 +370,8 @@ class SocketServer:
             return self.backend.flush(session, req), []
         if isinstance(req, (P.Namespaces, P.NamespaceRetire, P.NamespacePromote)):
             return self.backend.namespaces(session, req), []
+        if isinstance(req, (P.EngineNamespaces, P.EngineKeys)):
+            return self.backend.engine_op(session, req), []
         if isinstance(req, P.TierOpen):
             if session.tier_open:
                 raise OutOfOrder(

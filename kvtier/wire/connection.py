@@ -221,3 +221,11 @@ class OperatorConnection(Connection):
 
     def explain_hashes(self, hashes: bytes) -> P.ExplainOk:
         return self._call(P.Explain(hashes))
+
+    def engine_namespaces(self) -> P.EngineNamespacesOk:
+        """The engine namespaces the daemon's store holds (no attach needed)."""
+        return self._call(P.EngineNamespaces())
+
+    def engine_keys(self, req: P.EngineKeys) -> P.EngineKeysOk:
+        """Per object of an engine namespace: stored or why not; with `req.prewarm`, loaded, pinned and warmed."""
+        return self._call(req)

@@ -117,6 +117,22 @@ class Explain(Msg, tag="explain"):
     hashes: bytes
 
 
+class EngineNamespaces(Msg, tag="engine_namespaces"):
+    """The engine namespaces the store holds (vLLM tiers', SGLang backends'), for prewarm and explain to pick one."""
+
+
+class EngineKeys(Msg, tag="engine_keys"):
+    """Objects of an engine namespace: key i is (hashes[16i:16i+16], groups[group_of[i]]). With `prewarm`,
+    load what only the cluster holds to local disk, pin every stored one for `ttl_s`, and warm their extents."""
+
+    namespace: bytes
+    groups: list[tuple[str, str, bytes, int]]  # (group name, form, layout digest, payload bytes of a record)
+    hashes: bytes
+    group_of: bytes
+    prewarm: bool = False
+    ttl_s: float = 600.0
+
+
 class TierItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One object of a raw tier request: key (block hash, index into the opened groups), layout digest, staged bytes."""
 
@@ -175,6 +191,8 @@ Request = (
     | NamespaceRetire
     | NamespacePromote
     | Explain
+    | EngineNamespaces
+    | EngineKeys
     | TierOpen
     | TierHas
     | TierKeys
@@ -301,6 +319,31 @@ class ExplainOk(Msg, tag="explain_ok"):
     windows: list[int]
 
 
+class EngineNamespace(msgspec.Struct, forbid_unknown_fields=True):
+    """One engine namespace: its version key, whether it is live, and the host pools its identity lists (SGLang)."""
+
+    namespace: bytes
+    live: bool
+    version_key: dict[str, str]
+    pools: dict[str, dict[str, Any]] = {}
+
+
+class EngineNamespacesOk(Msg, tag="engine_namespaces_ok"):
+    namespaces: list[EngineNamespace]
+
+
+class EngineKeysOk(Msg, tag="engine_keys_ok"):
+    """Per key a `Reason` code (OK = 0: stored, loadable); for a prewarm what it loaded from the cluster, pinned
+    and warmed (bytes of local extents advised into the page cache), and how long it took."""
+
+    reasons: bytes
+    loaded: int = 0
+    loaded_bytes: int = 0
+    pinned: int = 0
+    warmed_bytes: int = 0
+    seconds: float = 0.0
+
+
 class Released(Msg, tag="released"):
     released: int
 
@@ -362,6 +405,8 @@ Reply = (
     | FlushOk
     | PrewarmOk
     | ExplainOk
+    | EngineNamespacesOk
+    | EngineKeysOk
     | Released
     | StatsOk
     | NamespacesOk

@@ -1,7 +1,8 @@
 """Run one vLLM engine (in this process) over a prompt set and write tokens, logprobs and tier metrics as JSON.
 
 Usage: python vllm_engine_run.py SPEC.json OUT.json
-(SPEC: model, prompts, max_tokens, secondary_tiers, and engine_args: launch-time settings over the tests' own)
+(SPEC: model, prompts, max_tokens, secondary_tiers, engine_args: launch-time settings over the tests' own, and
+shutdown: shut the engine down before exiting, so its tiers finish their queued stores)
 The tests call `main` in a new process per engine (vllm_harness.run_engine), so a second engine sees only
 what the first left in the secondary tier.
 """
@@ -75,7 +76,12 @@ def main(spec_path: str, out_path: str) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs)]
         results.append({"tokens": list(out.token_ids), "logprobs": logprobs})
-    Path(out_path).write_text(json.dumps({"results": results, "metrics": tier_counters(llm.get_metrics())}))
+    metrics = tier_counters(llm.get_metrics())
+    if spec.get("shutdown"):
+        # the engine's own shutdown (scheduler -> connector -> tiers): the tiers finish their queued stores, so
+        # everything the engine offloaded is in the secondary tier when this process exits
+        llm.llm_engine.engine_core.shutdown()
+    Path(out_path).write_text(json.dumps({"results": results, "metrics": metrics}))
 
 
 if __name__ == "__main__":

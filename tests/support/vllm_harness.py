@@ -110,13 +110,15 @@ def run_engine(
     tiers: list[dict],
     max_tokens: int = 8,
     engine_args: dict | None = None,
+    shutdown: bool = False,
 ) -> EngineRun:
     """Start a new process with one engine, generate greedily, and return what it wrote; its log is kept in `work`.
 
-    `engine_args`: launch-time settings (LLM keyword arguments, as `vllm serve` flags set them) over the tests' own."""
+    `engine_args`: launch-time settings (LLM keyword arguments, as `vllm serve` flags set them) over the tests' own;
+    `shutdown`: shut the engine down at the end, so every chunk it offloaded reaches the secondary tiers."""
     spec, out, log = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     doc = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers}
-    spec.write_text(json.dumps({**doc, "engine_args": engine_args or {}}))
+    spec.write_text(json.dumps({**doc, "engine_args": engine_args or {}, "shutdown": shutdown}))
     proc = _engine_processes().Process(
         target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}"
     )
