@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtier.core.cluster_config import ClusterConfig, WriteThrough
 from kvtier.core.errors import ConfigError
+from kvtier.core.events_config import EventsConfig, parse_events
 from kvtier.core.forms import CacheForm
 
 SYSTEM_CONFIG = Path("/etc/kvtier/kvtier.toml")
@@ -138,6 +139,8 @@ class DaemonConfig:
     canary: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     # off (single node) unless a `[cluster]` table enables it
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    # off (no socket) unless `[events] endpoint` is set: the KV events a router subscribes to (docs/events.md)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
     mode: str = "user"  # whose defaults the file was laid over (MODES)
     source: str = "embedded default"
     mode_why: str = "the default"  # what chose the mode, for `config show` and `doctor`
@@ -546,6 +549,7 @@ def config_from_dict(data: dict[str, Any], base: DaemonConfig, source: str) -> D
         versions=_versions(top.sub("versions"), tuple(profiles)),
         canary=_versions(top.sub("canary"), tuple(profiles)),
         cluster=_cluster(top.sub("cluster"), base.cluster),
+        events=parse_events(top.get("events", {}), base.events, source),
         mode=base.mode,
         source=source,
         mode_why=base.mode_why,

@@ -34,6 +34,7 @@ from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.durability import make_durable
+from kvtier.daemon.events import EventPublisher, start_events, stop_events
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime, resolve_device
@@ -84,8 +85,10 @@ class DaemonBackend:
         self.store = DiskStore(str(cfg.store.root), self._store_config(cfg), writer=True)
         self.runtimes: dict[str, Runtime] = {}
         self.lower: LowerTier = self.store
+        self.events: EventPublisher | None = None
         try:
-            self.lower = build_lower(cfg, self.store)
+            self.events = start_events(cfg.events, self.store)
+            self.lower = build_lower(cfg, self.store, self.events)
             for name in cfg.profiles:
                 profile = load_profile(name)
                 if profile.name in self.runtimes:
@@ -93,6 +96,8 @@ class DaemonBackend:
                 codecs = {g.form: cfg.store.codec for g in profile.groups} if cfg.store.codec != "none" else None
                 self.store.register_namespace(profile.version, codecs=codecs)
                 self.runtimes[profile.name] = self._new_pools(profile)
+                if self.events is not None:
+                    self.events.name_groups(profile.version.namespace, [g.name for g in profile.groups])
             self.rollout = Rollout(self.store, cfg.store.codec, self.runtimes, self._new_pools)
             self.rollout.apply(cfg)
         except BaseException:
@@ -110,7 +115,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
+        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower, events=self.events)
 
     @staticmethod
     def _store_config(cfg: DaemonConfig) -> StoreConfig:
@@ -452,6 +457,7 @@ class DaemonBackend:
         for rt in rollout.all if rollout is not None else getattr(self, "runtimes", {}).values():
             rt.manager.close()
         close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
+        stop_events(getattr(self, "events", None), self.store)
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:
@@ -463,6 +469,8 @@ class DaemonBackend:
         doc.pins = pins
         doc.cluster = cluster_doc(self.lower)
         doc.namespaces = self.rollout.namespace_stats()
+        doc.engines = self.tier.stats.snapshot()
+        doc.events = self.events.stats() if self.events is not None else None
         return doc
 
 
