@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -73,6 +74,7 @@ class _Done:
     outcomes: collections.Counter[str]
     failed: list[OffloadKey] = dataclasses.field(default_factory=list)
     queued: bool = True  # False: refused at submission, never counted as in flight
+    gone: list[OffloadKey] = dataclasses.field(default_factory=list)  # the store answered: not there (or bad)
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,6 +127,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         budget_bytes: int = 0,
         lookup_cache_s: float = 1.0,
         locality: str | None = None,
+        enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
         vllm_config: VllmConfig | None = None,
         kv_cache_config: KVCacheConfig | None = None,
@@ -141,6 +144,12 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "in this engine) in the kvtier tier config"
             )
         self.locality = Locality(locality) if locality is not None else None
+        # vLLM drains take_events only while its KV events are on: capture nothing otherwise (as its FS tier)
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events and offloading_spec.config.enable_kv_cache_events:
+            self._events = []
+        elif enable_kv_events:
+            log.warning("kvtier tier: enable_kv_events is set but vLLM's KV cache events are off: no events")
         # What the engine resolved (launch-time overrides included), found on the connector constructing this tier.
         engine, kv = engine_configs(offloading_spec.config, vllm_config, kv_cache_config)
         self.identity, identity_doc = engine_identity(
@@ -369,12 +378,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     self._failed[key] = None
                     if len(self._failed) > _MAX_FAILED_KEYS:
                         del self._failed[next(iter(self._failed))]
+                self._event(done.gone, removed=True)
             elif done.queued:
                 self._storing.subtract(done.keys)
                 self._pending_store_chunks -= len(done.keys)
                 if done.result.success:
                     for key in done.keys:
                         self._failed.pop(key, None)
+                    self._event(done.keys, removed=False)
             metric = LOAD_CHUNKS if done.is_load else STORE_CHUNKS
             for outcome, n in done.outcomes.items():
                 self._stats.increase_counter(metric, n, (outcome,))
@@ -382,6 +393,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._loading = +self._loading  # drop zero counts
         self._storing = +self._storing
         return results
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        if self._events is not None and keys:
+            self._events.append(
+                OffloadingEvent(list(keys), self.medium, removed, locality=self.locality, ownership="kvtier")
+            )
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What this tier learned on the scheduler thread since the last call: chunks a store job committed (or
+        found there), and chunks a load found gone or bad. Evictions by kvtier's cleaner are not seen here: the
+        daemon's own publisher announces those (docs/events.md)."""
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
 
     def has_pending_work(self) -> bool:
         return bool(self._loading or self._storing or self._done)
@@ -442,6 +467,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             reasons = [None] * len(keys)
         ok = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
+        gone = [k for k, r in zip(keys, reasons) if r is not None and r is not Reason.OK]  # None: no answer
         for key in failed:  # gone, corrupt or replaced: a miss from now on, until stored again
             self._keys.discard(get_offload_group_idx(key), xxhash.xxh3_128_digest(get_offload_block_hash(key)))
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
@@ -458,7 +484,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             transfer_time=time.monotonic() - started,
             transfer_bytes=len(ok) * self.block_size_bytes,
         )
-        return _Done(result, keys, True, outcomes, failed)
+        return _Done(result, keys, True, outcomes, failed, gone=gone)
 
     def _store_job(self, job: TransferJob) -> _Done:
         """Persist the job's chunks not already live (one fdatasync + one index commit for the job)."""
