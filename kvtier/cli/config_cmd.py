@@ -30,6 +30,7 @@ _COMMENTS = {
     "[metrics]": "the Prometheus endpoint, HOST:PORT; empty turns it off.",
     "[admission]": "the pools' admission caps (0 entries: the pools' capacity).",
     "[cluster]": "the cluster tier below the disk store (Mooncake Store); off unless enabled.",
+    "[events]": "KV events for routers (vLLM's ZMQ wire format, docs/events.md); empty endpoint: off.",
 }
 
 

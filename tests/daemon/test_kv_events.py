@@ -23,6 +23,7 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.daemon import kv_events as E
+from kvtier.daemon.events import EventPublisher
 from kvtier.store import DiskStore, RecordState, StoreConfig
 from kvtier.store.record import record_length
 from support.daemon import DaemonProc
@@ -206,3 +207,17 @@ def test_events_off_by_default_and_bad_keys_are_typed() -> None:
         with pytest.raises(ConfigError) as err:
             parse_events(table, EventsConfig(), "t.toml")
         assert err.value.key == key and "t.toml" in str(err.value)
+
+
+def test_an_endpoint_that_cannot_be_bound_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/no/such/dir/ev.sock"))
+    assert err.value.key == "events.endpoint" and "cannot bind" in str(err.value)
+    first = EventPublisher(EventsConfig(endpoint="tcp://*:0"))  # the kernel picks the port
+    try:
+        port = first.endpoint.rpartition(":")[2]
+        with pytest.raises(ConfigError) as err:
+            EventPublisher(EventsConfig(endpoint=f"tcp://*:{port}"))  # taken by the first
+        assert err.value.key == "events.endpoint"
+    finally:
+        first.close()
