@@ -93,13 +93,16 @@ class EventPublisher:
         self.publish(change, keys, E.MEDIUM_DISK, E.LOCAL)
 
     def publish(self, change: str, keys: Sequence[ObjectKey], medium: str, locality: str) -> None:
-        """One batch: an event per key, in the order given. Never blocks: a full queue drops it (counted)."""
+        """One batch: an event per key, in the order given. Never blocks: a full queue drops it (counted).
+
+        `data_parallel_rank` 0, as vLLM's publisher fills it in for an engine without data parallelism: the
+        daemon is one publisher per node, and subscribers that read the rank find the field there."""
         if not keys or not self._running:
             return
         make = E.stored if change == "stored" else E.removed
         events = [make(k.block_hash, medium, locality, k.namespace, self._group_idx(k)) for k in keys]
         try:
-            self._queue.put_nowait(E.KVEventBatch(ts=time.time(), events=events))
+            self._queue.put_nowait(E.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         except queue.Full:
             with self._lock:
                 self._counts["dropped"] += len(events)

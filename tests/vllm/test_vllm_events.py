@@ -206,3 +206,45 @@ def test_daemon_events_decode_with_vllms_classes(tmp_path: Path, engine_config) 
         sub.close(linger=0)
         ctx.term()
         assert daemon.terminate() == 0
+
+
+def test_kvtiers_structs_encode_byte_for_byte_as_vllms() -> None:
+    """Every event kind kvtier can publish encodes to the bytes vLLM's own classes give the same batch, and
+    vLLM's decoder reads kvtier's payload back to equal events."""
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from kvtier.daemon import kv_events as E
+
+    ns, h = bytes(range(16)), b"\x01" * 16
+    ours = E.KVEventBatch(
+        ts=1.5,
+        events=[
+            E.stored(h, E.MEDIUM_DISK, E.LOCAL, ns, 1),
+            E.removed(h, E.MEDIUM_CLUSTER, E.REMOTE, ns, None),
+            E.AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    theirs = KVEventBatch(
+        ts=1.5,
+        events=[
+            BlockStored(
+                block_hashes=[h],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium="kvtier_disk",
+                lora_name=None,
+                group_idx=1,
+                locality="LOCAL",
+                ownership=ns.hex(),
+            ),
+            BlockRemoved(block_hashes=[h], medium="kvtier_cluster", locality="REMOTE", ownership=ns.hex()),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    payload = E.encode_batch(ours)
+    assert payload == msgspec.msgpack.Encoder().encode(theirs)
+    assert msgspec.msgpack.Decoder(KVEventBatch).decode(payload) == theirs
