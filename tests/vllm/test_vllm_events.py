@@ -168,6 +168,36 @@ def test_take_events_reports_stores_and_bad_loads_through_vllms_tracker(tmp_path
         quiet.shutdown()
 
 
+def test_an_eviction_the_key_set_notices_is_reported_removed(tmp_path: Path, engine_config) -> None:
+    """The store evicts a chunk (as the cleaner does): the tier's key-set refresh notices, and take_events
+    reports that chunk removed, with vLLM's key, once; the chunk it did not evict stays announced."""
+    tier = _tier(
+        tmp_path,
+        _primary(),
+        engine_config,
+        vllm_events=True,
+        store_dir=str(tmp_path / "store"),
+        enable_kv_events=True,
+        lookup_cache_s=0.05,
+    )
+    try:
+        tier.submit_store(job([key(0), key(1)], [0, 1]))
+        assert all(r.success for r in finish(tier))
+        assert [e.removed for e in tier.take_events()] == [False]
+        assert tier._store.evict([tier._object_key(key(0), tier._plans[FULL])]) == 1
+        removed: list = []
+        deadline = time.monotonic() + 20
+        while not removed:
+            assert time.monotonic() < deadline, "the eviction was not reported"
+            removed = list(tier.take_events())
+            time.sleep(0.05)  # polling a condition with a deadline
+        assert [(e.keys, e.removed, e.medium) for e in removed] == [([key(0)], True, Medium.STORAGE)]
+        time.sleep(0.3)  # several refresh periods: nothing more may come (not synchronisation: a negative check)
+        assert list(tier.take_events()) == []
+    finally:
+        tier.shutdown()
+
+
 def test_daemon_events_decode_with_vllms_classes(tmp_path: Path, engine_config) -> None:
     """The daemon announces what an engine's tier stored: vLLM's decoder reads the batches; each block hash is the
     key the tier sent (xxh3-128 of vLLM's block hash) and group_idx is vLLM's group id."""

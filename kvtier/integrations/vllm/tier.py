@@ -62,6 +62,7 @@ LOAD_CHUNKS = "vllm:kvtier_load_chunks"
 STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
 _WARN_EVERY_S = 30.0
 _MAX_FAILED_KEYS = 1 << 16
+_MAX_ANNOUNCED = 1 << 16  # chunks whose eviction take_events can still report (about 200 bytes each)
 
 
 @dataclasses.dataclass(slots=True)
@@ -146,6 +147,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
         # vLLM drains take_events only while its KV events are on: capture nothing otherwise (as its FS tier)
         self._events: list[OffloadingEvent] | None = None
+        self._events_lock = threading.Lock()  # the key set's refresh thread reports evictions too
+        # chunks announced stored, by (group id, kvtier block hash): an eviction the key set notices is reported
+        # with vLLM's key (the most recent _MAX_ANNOUNCED of them; older ones are not reported when they go)
+        self._announced: collections.OrderedDict[tuple[int, bytes], OffloadKey] = collections.OrderedDict()
         if enable_kv_events and offloading_spec.config.enable_kv_cache_events:
             self._events = []
         elif enable_kv_events:
@@ -177,7 +182,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
         self._keys = KeySet(
-            self._live_keys(), {p.name: g for g, p in self._plans.items()}, lookup_cache_s
+            self._live_keys(),
+            {p.name: g for g, p in self._plans.items()},
+            lookup_cache_s,
+            on_gone=self._gone if self._events is not None else None,
         )  # what lookups answer from
 
         # Scheduler-thread state: keys in flight, keys whose load failed, stats since the last get_stats().
@@ -395,18 +403,41 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return results
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
-        if self._events is not None and keys:
+        if self._events is None or not keys:
+            return
+        with self._events_lock:
+            for k in keys:
+                at = (get_offload_group_idx(k), xxhash.xxh3_128_digest(get_offload_block_hash(k)))
+                if removed:
+                    self._announced.pop(at, None)
+                else:
+                    self._announced[at] = k
+                    self._announced.move_to_end(at)
+            while len(self._announced) > _MAX_ANNOUNCED:
+                self._announced.popitem(last=False)
             self._events.append(
                 OffloadingEvent(list(keys), self.medium, removed, locality=self.locality, ownership="kvtier")
             )
 
+    def _gone(self, keys: list[tuple[int, bytes]]) -> None:
+        """The key set's pass no longer found these (the cleaner evicted them, or another writer dropped them):
+        the announced ones among them are reported removed (called on the key set's refresh thread)."""
+        with self._events_lock:
+            found = [k for at in keys if (k := self._announced.pop(at, None)) is not None]
+            if found and self._events is not None:
+                self._events.append(
+                    OffloadingEvent(found, self.medium, True, locality=self.locality, ownership="kvtier")
+                )
+
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """What this tier learned on the scheduler thread since the last call: chunks a store job committed (or
-        found there), and chunks a load found gone or bad. Evictions by kvtier's cleaner are not seen here: the
-        daemon's own publisher announces those (docs/events.md)."""
-        if self._events:
+        """What this tier learned since the last call: chunks a store job committed (or found there); chunks a load
+        found gone or bad; announced chunks the key set's refresh no longer finds (evicted by kvtier's cleaner,
+        or dropped)."""
+        if self._events is None:
+            return
+        with self._events_lock:
             events, self._events = self._events, []
-            yield from events
+        yield from events
 
     def has_pending_work(self) -> bool:
         return bool(self._loading or self._storing or self._done)
