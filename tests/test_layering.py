@@ -243,6 +243,7 @@ def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
 # Modules bench/ may import although their package does not export them, each with why it is public. Every other
 # kvtier import in bench/ names a package (`from kvtier.store import DiskStore`) and what its __init__ exports.
 PUBLIC_MODULES: dict[str, str] = {
+    "kvtier.core.events_config": "core: the KV-events settings the events bench varies",
     "kvtier.core.forms": "core is the shared vocabulary, module by module (docs/DESIGN.md, Layout)",
     "kvtier.core.hashing": "core: block hashing",
     "kvtier.core.config": "core: the daemon's config and config_text (files built from the schema)",
@@ -251,6 +252,9 @@ PUBLIC_MODULES: dict[str, str] = {
     "kvtier.core.profile": "core: model profiles",
     "kvtier.core.tier": "core: the LowerTier interface and its requests (a contract module)",
     "kvtier.cluster.header": "the cluster object's header format (docs/cluster.md), which the raw-get baseline reads",
+    "kvtier.core.versions": "core: the version key that names a namespace",
+    "kvtier.daemon.events": "the KV-events publisher, whose cost on the write path the events bench measures",
+    "kvtier.daemon.kv_events": "the KV-events wire structs (vLLM's format) the events bench decodes",
     "kvtier.gpu.pools": "the pools' one-time allocation, which the slot benchmark measures",
     "kvtier.integrations.vllm.tier": "the class vLLM's tier factory loads",
     "kvtier.refmodel.demo": "the demo daemon the benchmarks run against",

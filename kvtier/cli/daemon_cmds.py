@@ -19,7 +19,7 @@ from kvtier.cli.daemon_exits import daemon_exits
 from kvtier.cli.engine_keys import prewarm_report
 from kvtier.cli.guards import check_device, check_pool_budget, check_pool_slots, check_store_parent
 from kvtier.cli.manifest import read_manifest
-from kvtier.cli.namespace_table import namespace_lines
+from kvtier.cli.namespace_table import engine_lines, events_line, namespace_lines
 from kvtier.cli.starting import clear_marker, starting, write_marker
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.config import MODE_ENV, DaemonConfig, load_config
@@ -245,6 +245,11 @@ def _render_status(doc: StatsDoc) -> None:
         click.echo("")
         for line in namespace_lines(doc.namespaces):
             click.echo(line)
+    if doc.engines:
+        click.echo("")
+        for line in engine_lines(doc.engines):
+            click.echo(line)
+    click.echo(events_line(doc.events))
 
 
 @click.command()

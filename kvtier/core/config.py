@@ -38,12 +38,14 @@ from kvtier.core.config_schema import (
     section,
 )
 from kvtier.core.errors import ConfigError
+from kvtier.core.events_config import EventsConfig
 from kvtier.core.store_config import StoreConfig
 
 __all__ = [
     "MODES",
     "AdmissionConfig",
     "DaemonConfig",
+    "EventsConfig",
     "MetricsConfig",
     "PoolConfig",
     "ServerConfig",
@@ -151,6 +153,7 @@ RECORDS: dict[str, type] = {
     "metrics": MetricsConfig,
     "admission": AdmissionConfig,
     "cluster": ClusterConfig,
+    "events": EventsConfig,
 }
 
 
@@ -167,6 +170,7 @@ class DaemonConfig:
     metrics: MetricsConfig
     admission: AdmissionConfig
     cluster: ClusterConfig
+    events: EventsConfig
     lease_ttl_s: float = default("lease_ttl_s")
     persist_queue_depth: int = default("persist_queue_depth")
     shutdown_timeout_s: float = default("shutdown_timeout_s")

@@ -120,6 +120,7 @@ SECTIONS: dict[str, str] = {
     "admission": "The pools' admission caps: a global entry cap split into per-form reservations, and the caps "
     "on recovery.",
     "cluster": "The cluster tier below the disk store (Mooncake Store); off unless enabled.",
+    "events": "KV events for routers (vLLM's ZMQ wire format, docs/events.md); an empty endpoint publishes nothing.",
     "versions": "Per profile, version-key fields laid over the profile's own: a rollout.",
     "canary": "Per profile, the version-key fields of a canary served beside the live version (`<profile>@canary`).",
 }
@@ -429,6 +430,30 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "cluster.promote", Kind.BOOL, True, "A load from the cluster is also stored on local disk (in the background)."
+    ),
+    # -- [events] ----------------------------------------------------------------------------------------------
+    Key(
+        "events.endpoint",
+        Kind.STRING,
+        "",
+        "Where the PUB socket binds: tcp://HOST:PORT (HOST * binds every address), ipc://PATH or inproc://NAME; "
+        "empty: off.",
+        pattern=r"(|tcp://(\*|[\w.\-]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|ipc://.+|inproc://.+)",
+    ),
+    Key("events.topic", Kind.STRING, "", "The first frame of every message; subscribers filter on its prefix."),
+    Key(
+        "events.replay_endpoint",
+        Kind.STRING,
+        "",
+        "Where a ROUTER answering 'from sequence N' binds (same forms as endpoint); empty: no replays.",
+        pattern=r"(|tcp://(\*|[\w.\-]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|ipc://.+|inproc://.+)",
+    ),
+    _count("events.buffer_steps", 10_000, "Event batches kept for replay."),
+    _count("events.hwm", 100_000, "ZeroMQ high-water mark of the PUB socket (messages queued per slow subscriber)."),
+    _count(
+        "events.max_queue",
+        100_000,
+        "Batches waiting for the publisher thread; beyond it a batch is dropped (and counted).",
     ),
 )
 

@@ -39,6 +39,7 @@ from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, cluster_problem
 from kvtier.daemon.durability import make_durable
 from kvtier.daemon.engine_ops import EngineOps
+from kvtier.daemon.events import EventPublisher, start_events, stop_events
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.pool_start import PoolStart
@@ -95,8 +96,10 @@ class DaemonBackend:
         self.runtimes: dict[str, Runtime] = {}  # filled by the pool thread (`_adopt`); the rollout's live map
         self.lower: LowerTier = self.store
         self._start_lock = threading.Lock()  # a reload and the pools' adoption apply the config one at a time
+        self.events: EventPublisher | None = None
         try:
-            self.lower = build_lower(cfg, self.store)
+            self.events = start_events(cfg.events, self.store)
+            self.lower = build_lower(cfg, self.store, self.events)
             profiles: dict[str, ModelProfile] = {}
             for name in cfg.profiles:
                 profile = load_profile(name)
@@ -105,6 +108,8 @@ class DaemonBackend:
                 codecs = {g.form: cfg.store.codec for g in profile.groups} if cfg.store.codec != "none" else None
                 self.store.register_namespace(profile.version, codecs=codecs)
                 profiles[profile.name] = profile
+                if self.events is not None:
+                    self.events.name_groups(profile.version.namespace, [g.name for g in profile.groups])
             self.rollout = Rollout(self.store, cfg.store.codec, self.runtimes, self._new_pools)
             self.rollout.apply(cfg)
         except BaseException:
@@ -123,7 +128,7 @@ class DaemonBackend:
         self._pins: list[tuple[float, int, Runtime, list[ObjectKey]]] = []  # (expiry, seq, runtime, keys) heap
         self._pin_seq = itertools.count()
         self._prewarm_owner = ("prewarm", os.getpid())
-        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower)
+        self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower, events=self.events)
         self.engine = EngineOps(self.store, self.lower)
 
     def start_pools(self) -> None:
@@ -499,6 +504,7 @@ class DaemonBackend:
         for rt in rollout.all if rollout is not None else getattr(self, "runtimes", {}).values():
             rt.manager.close()
         close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
+        stop_events(getattr(self, "events", None), self.store)
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:
@@ -510,6 +516,8 @@ class DaemonBackend:
         doc.pins = pins
         doc.cluster = cluster_doc(self.lower)
         doc.namespaces = self.rollout.namespace_stats()
+        doc.engines = self.tier.stats.snapshot()
+        doc.events = self.events.stats() if self.events is not None else None
         return doc
 
 

@@ -17,12 +17,13 @@ from kvtier.cluster import ClusterTier
 from kvtier.cluster.chain import TierChain
 from kvtier.core.config import DaemonConfig
 from kvtier.core.tier import LowerTier
+from kvtier.daemon.events import EventPublisher, ObservedCluster
 from kvtier.store import DiskStore
 
 log = logging.getLogger(__name__)
 
 
-def build_lower(cfg: DaemonConfig, store: DiskStore) -> LowerTier:
+def build_lower(cfg: DaemonConfig, store: DiskStore, events: EventPublisher | None = None) -> LowerTier:
     """`store` alone (single node, the default), or the tier chain over it when the cluster is enabled.
 
     A cluster that is down at start does not stop the daemon: it serves node-local hits and connects
@@ -31,7 +32,9 @@ def build_lower(cfg: DaemonConfig, store: DiskStore) -> LowerTier:
     c = cfg.cluster
     if not c.enabled:
         return store
-    chain = TierChain(store, ClusterTier(c), c)
+    cluster = ClusterTier(c)
+    # with [events] on, the cluster's copies are published too (their writes and removals, medium kvtier_cluster)
+    chain = TierChain(store, cluster if events is None else ObservedCluster(cluster, events), c)  # type: ignore[arg-type]
     log.info(
         "cluster tier: mooncake at %s, %d replicas, write-through %s, promote %s",
         c.master_address,

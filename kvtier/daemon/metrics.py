@@ -42,6 +42,8 @@ class BackendCollector(Collector):
         yield from _write_back_families(doc)
         yield from _daemon_families(doc)
         yield from cluster_families(doc.cluster)
+        yield from _engine_families(doc)
+        yield from _event_families(doc)
 
 
 def _form_families(doc: StatsDoc) -> Iterator[Metric]:
@@ -137,6 +139,62 @@ def _daemon_families(doc: StatsDoc) -> Iterator[Metric]:
     info = GaugeMetricFamily("kvtier_build_info", "The running kvtier version (value 1)", labels=["version"])
     info.add_metric([__version__], 1)
     yield from (healthy, info)
+
+
+def _engine_families(doc: StatsDoc) -> Iterator[Metric]:
+    """The engines' tier ops per namespace (vLLM's, SGLang's): label values bounded by
+    `kvtier.daemon.tier_stats.MAX_NAMESPACES` namespaces (the rest summed as "other") and three engines."""
+    labels = ["namespace", "engine"]
+    lookups = CounterMetricFamily(
+        "kvtier_engine_lookup_objects",
+        "Objects an engine's tier asked the store about, by namespace, engine and answer (hit or miss)",
+        labels=[*labels, "result"],
+    )
+    loads = CounterMetricFamily(
+        "kvtier_engine_load_objects",
+        "Objects an engine's tier loaded, by namespace, engine and outcome (ok or failed)",
+        labels=[*labels, "outcome"],
+    )
+    loaded = CounterMetricFamily(
+        "kvtier_engine_loaded_bytes", "Payload bytes loaded for an engine's tier, by namespace", labels=labels
+    )
+    stores = CounterMetricFamily(
+        "kvtier_engine_stored_objects",
+        "Objects an engine's tier stored through the daemon, by namespace",
+        labels=labels,
+    )
+    stored = CounterMetricFamily(
+        "kvtier_engine_stored_bytes", "Payload bytes an engine's tier stored through the daemon", labels=labels
+    )
+    conns = GaugeMetricFamily("kvtier_engine_connections", "Engine tier connections open, by namespace", labels=labels)
+    for e in doc.engines:
+        at = [e.namespace, e.engine]
+        lookups.add_metric([*at, "hit"], e.hits)
+        lookups.add_metric([*at, "miss"], e.lookups - e.hits)
+        loads.add_metric([*at, "ok"], e.loads)
+        loads.add_metric([*at, "failed"], e.load_failures)
+        loaded.add_metric(at, e.bytes_loaded)
+        stores.add_metric(at, e.stores)
+        stored.add_metric(at, e.bytes_stored)
+        conns.add_metric(at, e.connections)
+    yield from (lookups, loads, loaded, stores, stored, conns)
+
+
+def _event_families(doc: StatsDoc) -> Iterator[Metric]:
+    """The KV-events publisher: objects announced and dropped (absent while [events] is off)."""
+    ev = doc.events
+    if ev is None:
+        return
+    sent = CounterMetricFamily(
+        "kvtier_kv_event_objects", "Blocks announced as KV events, by change (stored, removed)", labels=["change"]
+    )
+    sent.add_metric(["stored"], ev.stored)
+    sent.add_metric(["removed"], ev.removed)
+    dropped = CounterMetricFamily(
+        "kvtier_kv_event_dropped_objects", "Block events dropped because the publisher's queue was full"
+    )
+    dropped.add_metric([], ev.dropped)
+    yield from (sent, dropped)
 
 
 def _le(value: float | str) -> str:

@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +22,13 @@ from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.core.versions import OPTIONAL_FIELDS, REQUIRED_FIELDS, VersionKey
 from kvtier.daemon.session import Session
+from kvtier.daemon.tier_stats import TierStats
 from kvtier.store import DiskStore, StoreFull, StoreRequestError
 from kvtier.wire import messages as P
 from kvtier.wire.errors import BadRange, WrongType
+
+if TYPE_CHECKING:
+    from kvtier.daemon.events import EventPublisher
 
 log = logging.getLogger(__name__)
 MAX_KEY_PAGE = 1 << 16  # keys per tier_keys reply: a 16-byte hash and a group byte each, so about a megabyte
@@ -97,10 +102,14 @@ def _map_staging(fds: list[int], size: int) -> mmap.mmap:
 class TierOps:
     """The raw tier connections of one daemon, by owner (connection), over its store."""
 
-    def __init__(self, store: DiskStore, codec: str, lower: LowerTier | None = None) -> None:
+    def __init__(
+        self, store: DiskStore, codec: str, lower: LowerTier | None = None, events: EventPublisher | None = None
+    ) -> None:
         self.store = store
         self.lower = lower if lower is not None else store  # objects go through the tier chain where there is one
         self.codec = codec
+        self.events = events
+        self.stats = TierStats()  # per namespace: what engines asked, hit, loaded, stored
         self._lock = threading.Lock()
         self._conns: dict[int, TierConn] = {}
 
@@ -136,7 +145,13 @@ class TierOps:
             torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
         )
         with self._lock:
+            old = self._conns.get(session.owner)
             self._conns[session.owner] = TierConn(namespace, groups, staging, mapping)
+        if old is not None:  # a second tier_open on the connection replaces the first
+            self.stats.closed(old.namespace)
+        self.stats.opened(namespace, version_key)
+        if self.events is not None:
+            self.events.name_groups(namespace, [name for name, _ in groups])
         log.info(
             "connection %d (pid %d): tier namespace %s, %d groups, %d staging bytes",
             session.owner,
@@ -152,8 +167,11 @@ class TierOps:
             return self._conns[session.owner]
 
     def has(self, session: Session, req: P.TierHas) -> P.TierReasons:
-        keys, digests = self._conn(session).keys(req.items)
-        return P.TierReasons(bytes(self.lower.has(keys, digests)))
+        conn = self._conn(session)
+        keys, digests = conn.keys(req.items)
+        reasons = self.lower.has(keys, digests)
+        self.stats.looked_up(conn.namespace, reasons)
+        return P.TierReasons(bytes(reasons))
 
     def keys(self, session: Session, req: P.TierKeys) -> P.TierKeyPage:
         """A page of the namespace's live keys, for the client's in-memory key set (its groups only)."""
@@ -177,6 +195,7 @@ class TierOps:
             self.lower.store_many(list(zip(keys, payloads, digests)))
         except StoreFull as exc:
             return P.TierStored(0, exc.limit, str(exc))
+        self.stats.stored(conn.namespace, [it.nbytes for it in req.items])
         return P.TierStored(len(keys))
 
     def load(self, session: Session, req: P.TierLoad) -> P.TierReasons:
@@ -185,6 +204,7 @@ class TierOps:
         keys, digests = conn.keys(req.items)
         outs = conn.ranges(req.items)
         reasons = self.lower.load_into([LoadRequest(k, o, d) for k, o, d in zip(keys, outs, digests)])
+        self.stats.loaded(conn.namespace, reasons, [it.nbytes for it in req.items])
         return P.TierReasons(bytes(reasons))
 
     def release_owner(self, owner: int) -> None:
@@ -192,4 +212,5 @@ class TierOps:
         with self._lock:
             conn = self._conns.pop(owner, None)
         if conn is not None:
+            self.stats.closed(conn.namespace)
             conn.close()

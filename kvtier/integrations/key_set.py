@@ -27,8 +27,16 @@ _PAGE = 2048  # keys per index read: a short read txn, and the scheduler thread 
 class KeySet:
     """Live block hashes per group id; `groups` maps the store's group names to the engine's group ids."""
 
-    def __init__(self, read: ReadPage, groups: Mapping[str, int], refresh_s: float) -> None:
+    def __init__(
+        self,
+        read: ReadPage,
+        groups: Mapping[str, int],
+        refresh_s: float,
+        on_gone: Callable[[list[tuple[int, bytes]]], None] | None = None,
+    ) -> None:
         self._read = read
+        # told (from the refresh thread) of the keys a complete pass no longer found: evicted, dropped, quarantined
+        self._on_gone = on_gone
         self._gids = dict(groups)
         self._lock = threading.Lock()  # between a pass's swap and this tier's own adds
         self._present: dict[int, set[bytes]] = {g: set() for g in self._gids.values()}
@@ -81,13 +89,18 @@ class KeySet:
                     break
                 time.sleep(0)  # let the scheduler thread in between pages
         finally:
+            gone: list[tuple[int, bytes]] = []
             with self._lock:
                 added, self._added = self._added or [], None
                 if complete:  # the pass's view (plus what this tier stored meanwhile) replaces the set
                     for gid, block_hash in added:
                         fresh[gid].add(block_hash)
+                    if self._on_gone is not None:
+                        gone = [(gid, h) for gid, old in self._present.items() for h in old - fresh[gid]]
                     self._present = fresh
                     self._txn = txn if txn is not None else -1
+            if gone and self._on_gone is not None:
+                self._on_gone(gone)
 
     def _refresh(self) -> None:
         while not self._stop.wait(self._refresh_s):

@@ -3,9 +3,11 @@ backend, buffers, pools."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +19,8 @@ from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, StoreForkError, StoreRequestError
 from kvtier.store.index import Index, IndexEntry, unpack_time
 from kvtier.store.io import BufferPool, PosixBackend
+
+log = logging.getLogger(__name__)
 
 
 class StoreContext:
@@ -38,6 +42,10 @@ class StoreContext:
         # Where the index changes that maintenance decides go (a `kvtier.store.decisions.Decision`): applied here,
         # or sent to the daemon that serves the store (DiskStore sets it).
         self.decide: Callable[[Any], Any] = _no_decisions
+        # Told, in commit order, of every committed change to which keys the index serves (`observing`):
+        # the daemon publishes them as KV events. None: nobody listens, and nothing is serialised for it.
+        self.observer: StoreObserver | None = None
+        self._observe_lock = threading.Lock()
 
     @property
     def quotas(self) -> dict[CacheForm, int]:
@@ -65,6 +73,17 @@ class StoreContext:
             pool.shutdown(wait=True)
         self._pools.clear()
 
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[StoreObserver]:
+        """Around one index commit and the report of what it changed: the commits of writes, drops and
+        quarantines that report run one at a time, so the observer hears them in the order they committed."""
+        observer = self.observer
+        if observer is None:
+            yield _unobserved
+            return
+        with self._observe_lock:
+            yield _guarded(observer)
+
     @property
     def forked(self) -> bool:
         return os.getpid() != self._pid
@@ -72,6 +91,27 @@ class StoreContext:
     def check_pid(self) -> None:
         if self.forked:
             raise StoreForkError("this DiskStore was opened before fork(): open the store again in the child process")
+
+
+# ("stored" | "removed", keys): the keys a commit made servable, or took out of service (dropped, evicted or
+# quarantined). Called with the store's observe lock held: it must only hand the keys on, never block.
+StoreObserver = Callable[[str, list[ObjectKey]], None]
+
+
+def _unobserved(change: str, keys: list[ObjectKey]) -> None:
+    return None
+
+
+def _guarded(observer: StoreObserver) -> StoreObserver:
+    def tell(change: str, keys: list[ObjectKey]) -> None:
+        if not keys:
+            return
+        try:
+            observer(change, keys)
+        except Exception:  # a listener's fault must never fail a commit that already happened
+            log.exception("the store observer failed on %d %s keys", len(keys), change)
+
+    return tell
 
 
 def _no_decisions(decision: Any) -> Any:

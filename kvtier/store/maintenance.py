@@ -89,23 +89,34 @@ class Maintenance:
         pairs = [(k, encode_key(k)) for k in keys]
         stamp = pack_time(time.time())
 
+        served: list[ObjectKey] = []  # dropped keys that were in service (a quarantined one was out already)
+
         def put(txn: lmdb.Transaction) -> int:
+            served.clear()  # (run again after the map grew)
             ledger = Ledger(index, txn)
             n = 0
             for key, raw_key in pairs:
                 raw = txn.get(raw_key, db=index.obj)
-                if raw is None or (when is not None and not when(key, entry_or_none(raw))):
+                if raw is None:
+                    continue
+                entry = entry_or_none(raw)
+                if when is not None and not when(key, entry):
                     continue
                 ledger.forget(raw)
                 txn.delete(raw_key, db=index.obj)
                 txn.delete(raw_key, db=index.atime)
                 if tombstone:
                     txn.put(raw_key, stamp, db=index.gone)
+                if entry is not None and entry.state is RecordState.LIVE:
+                    served.append(key)
                 n += 1
             ledger.save()
             return n
 
-        return index.update(put)
+        with self._ctx.observing() as tell:
+            n = index.update(put)
+            tell("removed", served)
+        return n
 
     def drop_if(self, items: Sequence[DropIf], *, tombstone: bool = False) -> int:
         """Decide to drop records that are still what the caller saw (see `DropIf`); returns how many went."""
@@ -170,11 +181,14 @@ class Maintenance:
         reason = QuarantineReason(d.reason)
         now = time.time()
 
+        was_live: list[bool] = [False]
+
         def put(txn: lmdb.Transaction) -> bool:
             raw = txn.get(raw_key, db=index.obj)
             if raw is None:
                 return False
             entry = entry_or_none(raw)
+            was_live[0] = entry is not None and entry.state is RecordState.LIVE
             if entry is None:  # location unknown: keep a tombstone so the key reads as corrupt
                 entry = IndexEntry(
                     RecordState.QUARANTINED, key.form, Codec.NONE, 0, 0, 0, 0, 0, bytes(16), bytes(16), 0, now
@@ -185,7 +199,10 @@ class Maintenance:
             txn.put(raw_key, quarantined.pack(), db=index.obj)
             return True
 
-        return index.update(put)
+        with self._ctx.observing() as tell:
+            done = index.update(put)
+            tell("removed", [key] if done and was_live[0] else [])
+        return done
 
     def quarantine_faults(self, faults: Iterable[tuple[ObjectKey, QuarantineReason]]) -> None:
         """Quarantine what a read or a check found, one short transaction each."""

@@ -22,7 +22,7 @@ from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
 from kvtier.store.channel import DecisionClient
 from kvtier.store.compaction import Compaction
-from kvtier.store.context import StoreContext, flat_uint8, key_str
+from kvtier.store.context import StoreContext, StoreObserver, flat_uint8, key_str
 from kvtier.store.decisions import (
     AllocateSegment,
     Decision,
@@ -320,6 +320,11 @@ class DiskStore:
             case UnlinkSegment():
                 return c.try_unlink_segment(decision.seg_id)
         raise StoreRequestError(f"unknown maintenance decision {type(decision).__name__}")
+
+    def observe(self, observer: StoreObserver | None) -> None:
+        """Tell `observer` ("stored" | "removed", keys) of every index commit that changes which keys this store
+        serves, in commit order: writes, drops and evictions (the verifier's too, applied here), quarantines."""
+        self._ctx.observer = observer
 
     # ----------------------------------------------------------------- limits, documents, stats
 

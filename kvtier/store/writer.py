@@ -116,7 +116,9 @@ class Writer:
             except OSError:
                 sync_failed = True
                 raise
-            self._ctx.index.update(lambda txn: self._commit(txn, written))
+            with self._ctx.observing() as tell:
+                self._ctx.index.update(lambda txn: self._commit(txn, written))
+                tell("stored", [w.key for w in written])
         except OSError as exc:
             _drain(pending)
             appender.rewind(abandon=sync_failed)

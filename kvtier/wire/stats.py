@@ -78,6 +78,38 @@ class NamespaceStats(msgspec.Struct):
     bytes: int
 
 
+class EngineNamespaceStats(msgspec.Struct):
+    """What engines' tiers (vLLM, SGLang: the raw tier ops) did in one namespace since the daemon started.
+
+    `namespace` is "other" for the namespaces past the first `kvtier.daemon.tier_stats.MAX_NAMESPACES` seen
+    (their counts summed there), which bounds the metrics' label values."""
+
+    namespace: str  # hex, or "other"
+    engine: str  # vllm, sglang or other: from the namespace's kernel ABI
+    model: str  # the version key's model id
+    connections: int = 0  # tier connections open on it now
+    lookups: int = 0  # objects asked about (tier_has)
+    hits: int = 0  # of those, present and usable
+    loads: int = 0  # objects loaded and verified
+    load_failures: int = 0  # objects a load could not serve (missing, evicted, corrupt, ...)
+    bytes_loaded: int = 0
+    stores: int = 0  # objects handed to the store (stored, or already there)
+    bytes_stored: int = 0
+
+
+class EventStats(msgspec.Struct):
+    """The KV-events publisher (`[events]`); absent from the document when it is off."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    batches: int  # batches sent (the next sequence number)
+    stored: int  # BlockStored events in them
+    removed: int  # BlockRemoved events in them
+    dropped: int  # events dropped because the publisher's queue was full
+    replays: int  # replay requests answered
+
+
 class DaemonInfo(msgspec.Struct):
     version: str
     pid: int
@@ -140,3 +172,5 @@ class StatsDoc(msgspec.Struct):
     pins: list[PinStats] = []  # the live prewarm pins, soonest expiry first
     cluster: dict[str, Any] = {}  # the cluster tier's own document (kvtier.cluster.ChainStats); {} on a single node
     namespaces: list[NamespaceStats] = []  # every namespace of the store, with its state and bytes
+    engines: list[EngineNamespaceStats] = []  # what engines' tiers did, per namespace
+    events: EventStats | None = None  # the KV-events publisher; None when [events] is off

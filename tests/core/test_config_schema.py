@@ -81,6 +81,8 @@ def _other(k: Key, value: Any) -> Any:
             return value / 2 if value else 0.5
         case Kind.CHOICE:
             return next((c for c in k.choices if c != value), value)
+        case Kind.STRING if k.name.endswith("endpoint"):
+            return f"inproc://{k.name}"  # ZeroMQ endpoints, each key its own (a replay endpoint must differ)
         case Kind.STRING:
             return value + "x"
         case Kind.PATH:
@@ -207,6 +209,10 @@ def _values(k: Key) -> st.SearchStrategy[Any]:
             return st.floats(low, min(high, 1e9), exclude_min=k.above is not None, allow_nan=False)
         case Kind.CHOICE:
             return st.sampled_from(k.choices)
+        case Kind.STRING if k.name == "events.endpoint":
+            return st.sampled_from(("", "tcp://*:5557", "ipc:///run/kvtier/events.sock"))
+        case Kind.STRING if k.name == "events.replay_endpoint":
+            return st.just("")  # a replay endpoint needs events.endpoint set (EventsConfig's own check)
         case Kind.STRING:
             return st.sampled_from(("cpu", "auto", "cuda", "cuda:3")) if k.name == "device" else _NAME
         case Kind.PATH:

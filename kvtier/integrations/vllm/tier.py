@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -62,6 +63,7 @@ LOAD_CHUNKS = "vllm:kvtier_load_chunks"
 STORE_QUEUE = "vllm:kvtier_store_queue_chunks"
 _WARN_EVERY_S = 30.0
 _MAX_FAILED_KEYS = 1 << 16
+_MAX_ANNOUNCED = 1 << 16  # chunks whose eviction take_events can still report (about 200 bytes each)
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,6 +76,7 @@ class _Done:
     outcomes: collections.Counter[str]
     failed: list[OffloadKey] = dataclasses.field(default_factory=list)
     queued: bool = True  # False: refused at submission, never counted as in flight
+    gone: list[OffloadKey] = dataclasses.field(default_factory=list)  # the store answered: not there (or bad)
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +129,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         budget_bytes: int = 0,
         lookup_cache_s: float = 1.0,
         locality: str | None = None,
+        enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
         vllm_config: VllmConfig | None = None,
         kv_cache_config: KVCacheConfig | None = None,
@@ -142,6 +146,16 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "in this engine) in the kvtier tier config"
             )
         self.locality = Locality(locality) if locality is not None else None
+        # vLLM drains take_events only while its KV events are on: capture nothing otherwise (as its FS tier)
+        self._events: list[OffloadingEvent] | None = None
+        self._events_lock = threading.Lock()  # the key set's refresh thread reports evictions too
+        # chunks announced stored, by (group id, kvtier block hash): an eviction the key set notices is reported
+        # with vLLM's key (the most recent _MAX_ANNOUNCED of them; older ones are not reported when they go)
+        self._announced: collections.OrderedDict[tuple[int, bytes], OffloadKey] = collections.OrderedDict()
+        if enable_kv_events and offloading_spec.config.enable_kv_cache_events:
+            self._events = []
+        elif enable_kv_events:
+            log.warning("kvtier tier: enable_kv_events is set but vLLM's KV cache events are off: no events")
         # What the engine resolved (launch-time overrides included), found on the connector constructing this tier.
         engine, kv = engine_configs(offloading_spec.config, vllm_config, kv_cache_config)
         self.identity, identity_doc = engine_identity(
@@ -169,7 +183,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._primary = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         self._max_pending = max_pending_store_chunks
         self._keys = KeySet(
-            self._live_keys(), {p.name: g for g, p in self._plans.items()}, lookup_cache_s
+            self._live_keys(),
+            {p.name: g for g, p in self._plans.items()},
+            lookup_cache_s,
+            on_gone=self._gone if self._events is not None else None,
         )  # what lookups answer from
         # A daemon with a cluster below its disk can serve keys no local index holds: those are asked of it.
         self._remote: RemoteLookups | None = None
@@ -396,12 +413,14 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     self._failed[key] = None
                     if len(self._failed) > _MAX_FAILED_KEYS:
                         del self._failed[next(iter(self._failed))]
+                self._event(done.gone, removed=True)
             elif done.queued:
                 self._storing.subtract(done.keys)
                 self._pending_store_chunks -= len(done.keys)
                 if done.result.success:
                     for key in done.keys:
                         self._failed.pop(key, None)
+                    self._event(done.keys, removed=False)
             metric = LOAD_CHUNKS if done.is_load else STORE_CHUNKS
             for outcome, n in done.outcomes.items():
                 self._stats.increase_counter(metric, n, (outcome,))
@@ -409,6 +428,43 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._loading = +self._loading  # drop zero counts
         self._storing = +self._storing
         return results
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        if self._events is None or not keys:
+            return
+        with self._events_lock:
+            for k in keys:
+                at = (get_offload_group_idx(k), xxhash.xxh3_128_digest(get_offload_block_hash(k)))
+                if removed:
+                    self._announced.pop(at, None)
+                else:
+                    self._announced[at] = k
+                    self._announced.move_to_end(at)
+            while len(self._announced) > _MAX_ANNOUNCED:
+                self._announced.popitem(last=False)
+            self._events.append(
+                OffloadingEvent(list(keys), self.medium, removed, locality=self.locality, ownership="kvtier")
+            )
+
+    def _gone(self, keys: list[tuple[int, bytes]]) -> None:
+        """The key set's pass no longer found these (the cleaner evicted them, or another writer dropped them):
+        the announced ones among them are reported removed (called on the key set's refresh thread)."""
+        with self._events_lock:
+            found = [k for at in keys if (k := self._announced.pop(at, None)) is not None]
+            if found and self._events is not None:
+                self._events.append(
+                    OffloadingEvent(found, self.medium, True, locality=self.locality, ownership="kvtier")
+                )
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What this tier learned since the last call: chunks a store job committed (or found there); chunks a load
+        found gone or bad; announced chunks the key set's refresh no longer finds (evicted by kvtier's cleaner,
+        or dropped)."""
+        if self._events is None:
+            return
+        with self._events_lock:
+            events, self._events = self._events, []
+        yield from events
 
     def has_pending_work(self) -> bool:
         return bool(self._loading or self._storing or self._done)
@@ -472,6 +528,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             reasons = [None] * len(keys)
         ok = [k for k, r in zip(keys, reasons) if r is Reason.OK]
         failed = [k for k, r in zip(keys, reasons) if r is not Reason.OK]
+        gone = [k for k, r in zip(keys, reasons) if r is not None and r is not Reason.OK]  # None: no answer
         for key in failed:  # gone, corrupt or replaced: a miss from now on, until stored again
             self._keys.discard(get_offload_group_idx(key), xxhash.xxh3_128_digest(get_offload_block_hash(key)))
         outcomes = collections.Counter("error" if r is None else "ok" if r is Reason.OK else r.label for r in reasons)
@@ -488,7 +545,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
             transfer_time=time.monotonic() - started,
             transfer_bytes=len(ok) * self.block_size_bytes,
         )
-        return _Done(result, keys, True, outcomes, failed)
+        return _Done(result, keys, True, outcomes, failed, gone=gone)
 
     def _store_job(self, job: TransferJob) -> _Done:
         """Persist the job's chunks not already live (one fdatasync + one index commit for the job)."""
