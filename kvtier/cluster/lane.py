@@ -131,7 +131,7 @@ class Calls:
         self.started.append(fut)
         return fut
 
-    def wait(self, fut: Future) -> T:
+    def wait(self, fut: Future[T]) -> T:
         try:
             return fut.result(timeout=max(0.0, self.deadline - time.monotonic()))
         except FutureTimeout:

@@ -173,7 +173,7 @@ class MooncakeClient:
         view = self._get_buf.buf.numpy().data
         while flight:
             group, offsets, fut = flight.pop(0)
-            codes = calls.wait(fut)
+            codes: list[int] = calls.wait(fut)
             for i, off, code in zip(group, offsets, codes):
                 sink(i, view[off : off + code] if code >= 0 else code)
             self._judge(

@@ -195,6 +195,14 @@ class DaemonConfig:
         holder = getattr(self, key.section) if key.section else self
         return getattr(holder, key.attr)
 
+    @property
+    def store_root(self) -> Path:
+        """The store's folder: a daemon's config always has one (both modes' defaults name it; only a
+        StoreConfig built in code, for a store opened by path, leaves it unset)."""
+        if self.store.root is None:
+            raise ConfigError("no store.root: set it in the config", key="store.root", source=self.source)
+        return self.store.root
+
     def values(self) -> dict[str, Any]:
         """Every key's value (dotted name -> typed value), in the schema's order."""
         return {k.name: self.value(k) for k in KEYS}

@@ -103,9 +103,11 @@ class EngineOps:
         for i, g in enumerate(req.group_of):
             if g >= len(groups):
                 raise WrongType(f"group_of names group {g}, but {len(groups)} groups were sent")
-            name, form, digest = groups[g]
+            name, group_form, digest = groups[g]
             try:
-                keys.append(ObjectKey(req.namespace, req.hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES], name, form))
+                keys.append(
+                    ObjectKey(req.namespace, req.hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES], name, group_form)
+                )
             except ValueError as exc:
                 raise WrongType(str(exc)) from None
             digests.append(digest)

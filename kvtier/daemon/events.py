@@ -100,7 +100,9 @@ class EventPublisher:
         if not keys or not self._running:
             return
         make = E.stored if change == "stored" else E.removed
-        events = [make(k.block_hash, medium, locality, k.namespace, self._group_idx(k)) for k in keys]
+        events: list[E.BlockStored | E.BlockRemoved | E.AllBlocksCleared] = [
+            make(k.block_hash, medium, locality, k.namespace, self._group_idx(k)) for k in keys
+        ]
         try:
             self._queue.put_nowait(E.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         except queue.Full:

@@ -155,9 +155,12 @@ def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.nda
     Every header must lie wholly inside `mv` (the caller has checked the record was read whole)."""
     n = len(at)
     if n <= _FEW:  # a few records: the same comparison one by one costs less than setting up the arrays
-        want = expected.tobytes()
+        want_bytes = expected.tobytes()
         return np.fromiter(
-            (header_good(mv, p, want[i * HEADER_BYTES : i * HEADER_BYTES + _FIXED]) for i, p in enumerate(at.tolist())),
+            (
+                header_good(mv, p, want_bytes[i * HEADER_BYTES : i * HEADER_BYTES + _FIXED])
+                for i, p in enumerate(at.tolist())
+            ),
             bool,
             n,
         )
