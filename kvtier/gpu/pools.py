@@ -79,21 +79,23 @@ class Pool:
 def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None, int | None, str]:
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None, "device"
-    plan = hugepages.shared_pages(hugepages.read_host(), [nbytes])
-    if plan.how is hugepages.SharedPages.HUGETLB:
+    host = hugepages.read_host()  # the kernel's answer now, not at startup: pages come and go
+    how = hugepages.shared_pages(host, [nbytes]).how
+    if how is hugepages.SharedPages.HUGETLB:
         try:
-            return (*_memfd(nbytes, name, hugetlb=True), plan.how.value)
+            return (*_memfd(nbytes, name, hugetlb_page=host.hugetlb_page), how.value)
         except OSError as exc:  # another process took the free pages first: small pages, never an error
             log.warning("the %s pool cannot have hugetlb pages (%s): it takes small pages", name, exc.strerror or exc)
-            plan = hugepages.PagePlan(hugepages.SharedPages.SMALL, str(exc))
-    return (*_memfd(nbytes, name, hugetlb=False), plan.how.value)
+            how = hugepages.SharedPages.SMALL
+    return (*_memfd(nbytes, name), how.value)
 
 
-def _memfd(nbytes: int, name: str, *, hugetlb: bool) -> tuple[torch.Tensor, int, int]:
-    """A sealed memfd of at least `nbytes` (whole hugetlb pages for one), mapped and its pages taken;
-    (the mapping, its fd, a read-only fd for clients). A hugetlb memfd whose pages cannot be had is an OSError."""
+def _memfd(nbytes: int, name: str, *, hugetlb_page: int = 0) -> tuple[torch.Tensor, int, int]:
+    """A sealed memfd of at least `nbytes` (whole hugetlb pages where `hugetlb_page` is given), mapped and its pages
+    taken; (the mapping, its fd, a read-only fd for clients). Hugetlb pages that cannot be had are an OSError."""
+    hugetlb = hugetlb_page > 0
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (_MFD_HUGETLB if hugetlb else 0)
-    size = hugepages.hugetlb_bytes(nbytes, hugepages.read_host().hugetlb_page) if hugetlb else nbytes
+    size = hugepages.hugetlb_bytes(nbytes, hugetlb_page)
     fd = os.memfd_create(f"kvtier-pool-{name}", flags)
     try:
         os.ftruncate(fd, size)

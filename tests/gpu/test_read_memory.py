@@ -123,6 +123,9 @@ def test_where_shmem_thp_is_refused_reserved_hugetlb_pages_make_a_sealed_shareab
         try:
             with pytest.raises(PermissionError):
                 mmap.mmap(again, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):  # hugetlbfs has no write(2): EINVAL
+                os.pwrite(again, b"x", at)
+            assert bytes(pool.slot_view(3)[:4].tolist()) == bytes([1, 2, 3, 4])
         finally:
             os.close(again)
     finally:
