@@ -21,13 +21,15 @@ from urllib.parse import urlparse
 
 from kvtier.cli.guards import memory_room, pool_bytes
 from kvtier.cli.starting import starting
+from kvtier.core import hugepages
 from kvtier.core.config import DaemonConfig, load_config
 from kvtier.core.errors import KvtierError
+from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
+from kvtier.core.profile import load_profile
 from kvtier.core.units import format_bytes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SUPPORTED_ENGINES = {"vllm": "0.32.", "sglang": "0.5.23"}  # what kvtier.integrations implements (prefixes)
-SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 AIO_MAX_NR, AIO_NR = Path("/proc/sys/fs/aio-max-nr"), Path("/proc/sys/fs/aio-nr")
 
 
@@ -82,17 +84,36 @@ def check_memory(cfg: DaemonConfig) -> Check:
 # ---- kernel knobs ----------------------------------------------------------------------------------------------
 
 
-def check_huge_pages(path: Path = SHMEM_ENABLED) -> Check:
-    """The pools are shared memory (memfd): transparent huge pages for shmem cut their TLB misses."""
+def check_huge_pages(cfg: DaemonConfig, host: hugepages.HostPages | None = None) -> Check:
+    """How the cpu pools (shared memory: a memfd each) get large pages on this host, read from the kernel now
+    (`kvtier.core.hugepages.shared_pages`, the choice the daemon makes for each pool at start)."""
+    if cfg.device.startswith("cuda"):
+        return Check("huge pages", OK, f"not used by the pools: they are {cfg.device} memory")
+    if not cfg.profiles:
+        return Check("huge pages", OK, "no pools: profiles = [] (an engine-only node)")
     try:
-        text = path.read_text()
-    except OSError:
-        return Check("huge pages", WARN, f"cannot read {path}", "")
-    chosen = next((w.strip("[]") for w in text.split() if w.startswith("[")), "?")
-    detail = f"shmem_enabled = {chosen}"
-    if chosen in ("never", "deny"):
-        return Check("huge pages", WARN, detail, f"echo advise | sudo tee {path}")
+        need, sizes = pool_bytes(cfg), _pool_sizes(cfg)
+    except KvtierError as exc:
+        return Check("huge pages", FAIL, str(exc), "fix `profiles`")
+    plan = hugepages.shared_pages(host or hugepages.read_host(), sizes)
+    detail = f"pools ({format_bytes(need)}) get {plan.why}"
+    if plan.how is hugepages.SharedPages.SMALL:
+        return Check("huge pages", WARN, f"{detail}: restores read in smaller requests", plan.fix)
     return Check("huge pages", OK, detail)
+
+
+def _pool_sizes(cfg: DaemonConfig) -> list[int]:
+    """The bytes of each pool the daemon will map (one per cache group of each profile): as many whole blocks as
+    the form's budget holds, each group's slots in its own memfd, plus the alignment margin."""
+    sizes = []
+    for name in cfg.profiles:
+        profile = load_profile(name)
+        h = profile.hash_block_tokens
+        for form in {g.form for g in profile.groups}:
+            groups = [g for g in profile.groups if g.form is form]
+            blocks = cfg.pool.budget_bytes[form.value] // sum(slot_stride(g.object_bytes(h)) for g in groups)
+            sizes += [blocks * slot_stride(g.object_bytes(h)) + DISK_ALIGNMENT for g in groups]
+    return sizes
 
 
 def check_aio(io_threads: int, max_path: Path = AIO_MAX_NR, nr_path: Path = AIO_NR) -> Check:
@@ -313,7 +334,7 @@ def run_checks(config_path: str | None, mode: str | None, engine_pythons: Iterab
         return checks
     steps: list[Callable[[], Check | list[Check]]] = [
         lambda: check_memory(cfg),
-        check_huge_pages,
+        lambda: check_huge_pages(cfg),
         lambda: check_aio(cfg.store.io_threads),
         lambda: check_o_direct(cfg.store_root),
         lambda: check_free_space(cfg),

@@ -9,13 +9,19 @@ setting beside its figures, and docs/benchmarks.md shows them).
 
 The kernel decides: private anonymous memory gets huge pages under `transparent_hugepage/enabled` =
 `madvise` or `always`, shared memory (a memfd: kvtier's cpu pools) only under `shmem_enabled` = `advise`,
-`within_size` or `always` (most distributions ship `never`). Where it says no, the memory works as before
-with small pages; `huge_bytes` tells which one a mapping got.
+`within_size` or `always` (most distributions ship `never`). The per-size settings of newer kernels
+(`hugepages-2048kB/shmem_enabled`) govern only anonymous shared mappings, which another process cannot map,
+never a memfd. Where transparent huge pages are refused, a pool can still be a `MFD_HUGETLB` memfd, shared the
+same way, when the host has reserved enough hugetlb pages (`vm.nr_hugepages`); stock hosts reserve none.
+`shared_pages` makes that choice from what the kernel says (`read_host`), and where it finds neither the
+memory works as before with small pages; `huge_bytes` tells which one a mapping really got.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import enum
 import errno
 import os
 from collections.abc import Iterable
@@ -27,9 +33,13 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
-# smaps fields that count a mapping's bytes mapped by huge pages (anonymous, shared memory, file)
-_HUGE_FIELDS = (b"AnonHugePages:", b"ShmemPmdMapped:", b"FilePmdMapped:")
+# smaps fields that count a mapping's bytes mapped by huge pages: transparent ones (anonymous, shared memory, file)
+# and hugetlb pages (a MFD_HUGETLB memfd), which smaps counts apart from the others
+_HUGE_FIELDS = (b"AnonHugePages:", b"ShmemPmdMapped:", b"FilePmdMapped:", b"Shared_Hugetlb:", b"Private_Hugetlb:")
 _SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
+_MEMINFO = Path("/proc/meminfo")
+# shmem_enabled words under which a memfd mapped with MADV_HUGEPAGE gets transparent huge pages
+SHMEM_GRANTS = ("advise", "within_size", "always", "force")
 
 
 def setting(name: str) -> str:
@@ -82,3 +92,82 @@ def huge_bytes(spans: Iterable[tuple[int, int]]) -> int:
         elif inside and line.startswith(_HUGE_FIELDS):
             total += int(line.split()[1]) * 1024
     return total
+
+
+# ---- how shared memory gets large pages --------------------------------------------------------------------------
+
+
+class SharedPages(enum.Enum):
+    """How a shared-memory pool gets its pages."""
+
+    THP = "thp"  # a plain memfd, MADV_HUGEPAGE: transparent huge pages (shmem_enabled grants them)
+    HUGETLB = "hugetlb"  # a MFD_HUGETLB memfd: the host's reserved hugetlb pages
+    SMALL = "small"  # a plain memfd on base pages: restores read in smaller requests
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostPages:
+    """What the kernel says about large pages for shared memory, as `read_host` reads it."""
+
+    shmem_enabled: str  # transparent_hugepage/shmem_enabled's word, or 'absent'
+    hugetlb_free: int  # hugetlb pages free and not promised to a mapping (HugePages_Free - HugePages_Rsvd)
+    hugetlb_page: int  # bytes of one hugetlb page of the default size (Hugepagesize); 0 where there are none
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagePlan:
+    """The choice for one pool (or for all of them, in `kvtier doctor`): how, why, and the fix where small."""
+
+    how: SharedPages
+    why: str
+    fix: str = ""
+
+
+def read_host(settings: Path = _SETTINGS, meminfo: Path = _MEMINFO) -> HostPages:
+    """The kernel's answer now; whatever cannot be read counts as no large pages (fail closed to small pages)."""
+    path = settings / "shmem_enabled"
+    try:
+        text = path.read_text()
+    except OSError:
+        text = ""
+    word = text[text.index("[") + 1 : text.index("]")] if "[" in text and "]" in text else "absent"
+    fields: dict[str, int] = {}
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    free = fields.get("HugePages_Free", 0) - fields.get("HugePages_Rsvd", 0)
+    return HostPages(word, max(free, 0), fields.get("Hugepagesize", 0))
+
+
+def hugetlb_bytes(nbytes: int, page: int) -> int:
+    """`nbytes` rounded up to whole hugetlb pages (a MFD_HUGETLB memfd's size must be)."""
+    return -(-nbytes // page) * page if page else nbytes
+
+
+def shared_pages(host: HostPages, sizes: Iterable[int]) -> PagePlan:
+    """How shared pools of these byte sizes (one memfd each) get their pages on this host: transparent huge pages
+    where shmem_enabled grants them (they take nothing set aside for others); else hugetlb pages where the free
+    reserved ones cover every pool whole (each rounded up to whole pages); else small pages, with the fix."""
+    sizes = list(sizes)
+    if host.shmem_enabled in SHMEM_GRANTS:
+        return PagePlan(SharedPages.THP, f"transparent huge pages (shmem_enabled = {host.shmem_enabled})")
+    page = host.hugetlb_page or HUGE_PAGE
+    need = sum(hugetlb_bytes(n, page) for n in sizes) // page
+    reserved = f"{host.hugetlb_free} free reserved hugetlb pages"
+    if host.hugetlb_page and host.hugetlb_free >= need > 0:
+        return PagePlan(
+            SharedPages.HUGETLB,
+            f"hugetlb pages (shmem_enabled = {host.shmem_enabled}; {reserved} of {page >> 20} MiB cover {need})",
+        )
+    short = need - host.hugetlb_free
+    fix = (
+        "echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled (docs/systemd.md), "
+        f"or raise vm.nr_hugepages by {short} and restart the daemon"
+    )
+    why = f"small pages (shmem_enabled = {host.shmem_enabled}; {reserved}, {need} needed)"
+    return PagePlan(SharedPages.SMALL, why, fix)

@@ -1,9 +1,11 @@
 """Preallocated pools, one per cache group: a 4096-B aligned base, fixed slot stride, never moved.
 
-On cpu a pool lives in a memfd, so another process can map it; its pages are taken when it is made, huge
-pages where the kernel allows them for shared memory (`kvtier.core.hugepages`). The daemon passes a
-read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps it read-only at
-`base_offset`. The memfd is sealed against every future writable mapping once the daemon
+On cpu a pool lives in a memfd, so another process can map it; its pages are taken when it is made, large
+pages where the kernel gives them to shared memory: transparent huge pages where `shmem_enabled` grants them,
+else the host's reserved hugetlb pages (a `MFD_HUGETLB` memfd) where enough are free, else small pages
+(`kvtier.core.hugepages.shared_pages`; `Pool.pages` says which was chosen, `huge_bytes` what it got).
+The daemon passes a read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps
+it read-only at `base_offset`. The memfd is sealed against every future writable mapping once the daemon
 has mapped it (`F_SEAL_FUTURE_WRITE`), so no client can write a slot: offloads reach the pool through
 the daemon (see `kvtier.daemon.staging`). On cuda a pool is a plain device tensor (CUDA IPC mappings
 cannot be read-only: clients there are trusted to write only their reserved slots).
@@ -12,6 +14,8 @@ cannot be read-only: clients there are trusted to write only their reserved slot
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
 
 import torch
@@ -22,6 +26,9 @@ from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
 from kvtier.core.loadbatch import slot_bytes
 from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
+
+log = logging.getLogger(__name__)
+_MFD_HUGETLB = getattr(os, "MFD_HUGETLB", 0x0004)
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,6 +44,7 @@ class Pool:
     base_offset: int
     fd: int | None
     reader_fd: int | None = None
+    pages: str = "device"  # cpu: a hugepages.SharedPages value (how its memfd was made); else "device"
 
     @property
     def address(self) -> int:
@@ -64,22 +72,55 @@ class Pool:
             "slot_stride": self.slot_stride,
             "n_slots": self.n_slots,
             "nbytes": self.n_slots * self.slot_stride,
+            "pages": self.pages,
         }
 
 
-def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None, int | None]:
-    if device.type == "cpu":
-        fd = os.memfd_create(f"kvtier-pool-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None, int | None, str]:
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None, "device"
+    host = hugepages.read_host()  # the kernel's answer now, not at startup: pages come and go
+    how = hugepages.shared_pages(host, [nbytes]).how
+    if how is hugepages.SharedPages.HUGETLB:
         try:
-            os.ftruncate(fd, nbytes)
-            raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+            return (*_memfd(nbytes, name, hugetlb_page=host.hugetlb_page), how.value)
+        except OSError as exc:  # another process took the free pages first: small pages, never an error
+            log.warning("the %s pool cannot have hugetlb pages (%s): it takes small pages", name, exc.strerror or exc)
+            how = hugepages.SharedPages.SMALL
+    return (*_memfd(nbytes, name), how.value)
+
+
+def _memfd(nbytes: int, name: str, *, hugetlb_page: int = 0) -> tuple[torch.Tensor, int, int]:
+    """A sealed memfd of at least `nbytes` (whole hugetlb pages where `hugetlb_page` is given), mapped and its pages
+    taken; (the mapping, its fd, a read-only fd for clients). Hugetlb pages that cannot be had are an OSError."""
+    hugetlb = hugetlb_page > 0
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (_MFD_HUGETLB if hugetlb else 0)
+    size = hugepages.hugetlb_bytes(nbytes, hugetlb_page)
+    fd = os.memfd_create(f"kvtier-pool-{name}", flags)
+    try:
+        os.ftruncate(fd, size)
+        try:
+            raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+        except RuntimeError as exc:  # mmap refused: a hugetlb mapping reserves its pages when it is made
+            if not hugetlb:
+                raise
+            raise OSError(errno.ENOMEM, f"cannot map {size:,} bytes of hugetlb pages: {exc}") from exc
+        if hugetlb:
+            _take_hugetlb(raw)
+        else:
             _take_pages(raw, fd, name)
-            seal_for_readers(fd)
-            return raw, fd, reader_fd(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-    return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None
+        seal_for_readers(fd)
+        return raw, fd, reader_fd(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _take_hugetlb(raw: torch.Tensor) -> None:
+    """Fault every hugetlb page in now (their reservation was made with the mapping); where the kernel cannot
+    populate a mapping (before 5.14), by writing one byte per page."""
+    if not hugepages.populate(raw.data_ptr(), raw.numel()):
+        raw[:: hugepages.HUGE_PAGE].zero_()
 
 
 def _take_pages(raw: torch.Tensor, fd: int, name: str) -> None:
@@ -106,7 +147,7 @@ def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: i
     stride = slot_stride(slot_nbytes)
     n_slots = budget_bytes // stride
     span = n_slots * stride
-    raw, fd, rfd = _raw_buffer(span + DISK_ALIGNMENT, device, group)
+    raw, fd, rfd, pages = _raw_buffer(span + DISK_ALIGNMENT, device, group)
     offset = (-raw.data_ptr()) % DISK_ALIGNMENT
     tensor = raw[offset : offset + span]
-    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd)
+    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd, pages)

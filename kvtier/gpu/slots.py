@@ -58,8 +58,9 @@ def _log_huge_pages(profile: str, pools: tuple[Pool, ...]) -> None:
     except OSError as exc:  # no /proc (an unusual container): the pools work the same, only this line is lost
         log.info("%s pools: %d MiB (huge pages unknown: %s)", profile, total >> 20, exc)
         return
-    hint = "" if huge else " (shmem_enabled = advise gives them huge pages: docs/systemd.md)"
-    log.info("%s pools: %d MiB, %d MiB of it on huge pages%s", profile, total >> 20, huge >> 20, hint)
+    kinds = ", ".join(sorted({p.pages for p in pools}))
+    hint = "" if huge else " (`kvtier doctor` says how to give them huge pages: docs/systemd.md)"
+    log.info("%s pools: %d MiB, %d MiB of it on huge pages (%s)%s", profile, total >> 20, huge >> 20, kinds, hint)
 
 
 class SlotSpace:

@@ -3,6 +3,7 @@ turns its line to warn or fail with a fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from kvtier.cli import doctor as D
+from kvtier.core import hugepages
 from kvtier.core.config import load_config
+from kvtier.core.profile import load_profile
 from support.configs import write_tiny_config
 from support.daemon import DaemonProc, child_env
 
@@ -55,10 +58,10 @@ def test_on_this_machine_every_line_is_true(tmp_path: Path) -> None:
     assert code == 0, c
     assert c["config"][0]["status"] == "ok" and "user mode" in c["config"][0]["detail"]
     assert c["memory"][0]["status"] == "ok" and "pools need 272.0 KiB" in c["memory"][0]["detail"]
-    shmem = D.SHMEM_ENABLED.read_text()
-    chosen = next(w.strip("[]") for w in shmem.split() if w.startswith("["))
-    assert c["huge pages"][0]["detail"] == f"shmem_enabled = {chosen}"
-    assert c["huge pages"][0]["status"] == ("warn" if chosen in ("never", "deny") else "ok")
+    plan = hugepages.shared_pages(hugepages.read_host(), D._pool_sizes(load_config(str(_config(tmp_path)))))
+    words = {"thp": "transparent huge pages", "hugetlb": "hugetlb pages", "small": "small pages"}[plan.how.value]
+    assert c["huge pages"][0]["detail"].startswith(f"pools (272.0 KiB) get {words} (shmem_enabled = ")
+    assert c["huge pages"][0]["status"] == ("warn" if plan.how is hugepages.SharedPages.SMALL else "ok")
     assert f"fs.aio-max-nr {int(D.AIO_MAX_NR.read_text()):,}" in c["aio-max-nr"][0]["detail"]
     assert c["O_DIRECT"][0]["status"] == "ok"  # pytest's tmp folder is on a disk filesystem here
     assert c["socket"][0]["status"] == "warn" and "no daemon" in c["socket"][0]["detail"]
@@ -126,11 +129,21 @@ def test_planted_unit_that_blocks_the_cluster(tmp_path: Path) -> None:
 
 
 def test_planted_kernel_knobs(tmp_path: Path) -> None:
-    shmem = tmp_path / "shmem_enabled"
-    shmem.write_text("always within_size advise [never] deny force\n")
-    assert D.check_huge_pages(shmem).status == "warn"
-    shmem.write_text("always within_size [advise] never deny force\n")
-    assert D.check_huge_pages(shmem).status == "ok"
+    cfg = load_config(str(_config(tmp_path)))
+    sizes = D._pool_sizes(cfg)
+    assert len(sizes) == len(load_profile(cfg.profiles[0]).groups)  # one memfd per cache group
+    pages = sum(-(-n // hugepages.HUGE_PAGE) for n in sizes)
+    stock = D.check_huge_pages(cfg, hugepages.HostPages("never", 0, hugepages.HUGE_PAGE))
+    assert stock.status == "warn" and stock.detail.startswith("pools (272.0 KiB) get small pages")
+    assert "echo advise" in stock.fix and f"vm.nr_hugepages by {pages}" in stock.fix
+    thp = D.check_huge_pages(cfg, hugepages.HostPages("advise", 0, hugepages.HUGE_PAGE))
+    assert thp.status == "ok" and "transparent huge pages (shmem_enabled = advise)" in thp.detail
+    reserved = D.check_huge_pages(cfg, hugepages.HostPages("never", pages, hugepages.HUGE_PAGE))
+    assert reserved.status == "ok" and "hugetlb pages" in reserved.detail and not reserved.fix
+    short = D.check_huge_pages(cfg, hugepages.HostPages("never", pages - 1, hugepages.HUGE_PAGE))
+    assert short.status == "warn" and "vm.nr_hugepages by 1 " in short.fix
+    on_gpu = D.check_huge_pages(dataclasses.replace(cfg, device="cuda:0"), hugepages.HostPages("never", 0, 0))
+    assert on_gpu.status == "ok" and "cuda:0 memory" in on_gpu.detail
     most, nr = tmp_path / "aio-max-nr", tmp_path / "aio-nr"
     most.write_text("65536\n")
     nr.write_text("65000\n")

@@ -4,8 +4,12 @@ restore reads large objects straight into them."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import mmap
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from kvtier.core.layout import DISK_ALIGNMENT, POOL_ALIGNMENT, slot_stride
 from kvtier.core.profile import load_profile
 from kvtier.gpu.pools import allocate_pool
 from kvtier.store.io import AlignedBuffer
+
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 
 
 def test_a_mapping_without_huge_pages_counts_none() -> None:
@@ -37,15 +43,91 @@ def test_a_large_bounce_buffer_is_on_huge_pages() -> None:
     assert hugepages.huge_bytes([(buf.addr, buf.capacity)]) >= hugepages.HUGE_PAGE
 
 
-def test_a_cpu_pool_is_on_huge_pages_exactly_where_shared_memory_may_be() -> None:
+def test_a_cpu_pool_gets_the_pages_the_kernel_gives_shared_memory() -> None:
+    """The pool takes what `shared_pages` decides from the kernel's settings now, and `huge_bytes` shows it got
+    them: THP where shmem_enabled grants them, hugetlb where reserved pages cover it, none on a stock host."""
+    plan = hugepages.shared_pages(hugepages.read_host(), [16 << 20])
     pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 16 << 20, torch.device("cpu"))
     try:
         huge = hugepages.huge_bytes([(pool.address, pool.tensor.numel())])
-        if hugepages.setting("shmem_enabled") in ("advise", "always", "within_size", "force"):
-            assert huge >= hugepages.HUGE_PAGE
-        else:  # `never` or `deny`, as most distributions ship: small pages, and the pool works the same
+        assert pool.pages == plan.how.value
+        if plan.how is hugepages.SharedPages.SMALL:  # `never` or `deny`, as most distributions ship, no hugetlb
             assert huge == 0
+        elif plan.how is hugepages.SharedPages.HUGETLB:
+            assert huge >= pool.tensor.numel()
+        else:
+            assert huge >= hugepages.HUGE_PAGE
         assert int(pool.tensor[-1]) == 0  # taken and zeroed
+    finally:
+        pool.close()
+
+
+def test_a_pool_told_of_hugetlb_pages_that_are_gone_takes_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between reading /proc/meminfo and mapping, another process may take the free hugetlb pages: the mapping
+    is refused, and the pool is made on small pages, never an error."""
+    real = hugepages.read_host()
+    if real.hugetlb_free:
+        pytest.skip("this host has hugetlb pages free: the mapping would succeed")
+    monkeypatch.setattr(hugepages, "read_host", lambda: hugepages.HostPages("never", 1 << 20, hugepages.HUGE_PAGE))
+    pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 8 << 20, torch.device("cpu"))
+    try:
+        assert pool.pages == "small"
+        if real.shmem_enabled not in hugepages.SHMEM_GRANTS:
+            assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == 0
+        pool.tensor[-1] = 3
+        assert int(pool.tensor[-1]) == 3
+    finally:
+        pool.close()
+
+
+@contextlib.contextmanager
+def _reserved(pages: int) -> Iterator[None]:
+    """`pages` more hugetlb pages reserved inside the block (root), the host's number put back after: the pages a
+    pool took stay its own (surplus) until it is unmapped."""
+    before = int(NR_HUGEPAGES.read_text())
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    in_use = next(int(line.split()[1]) for line in meminfo if line.startswith("HugePages_Total"))
+    try:  # above every page that exists now (surplus ones in use included), so `pages` of them are free
+        NR_HUGEPAGES.write_text(str(in_use + pages))
+        if hugepages.read_host().hugetlb_free < pages:
+            pytest.skip("the kernel could not reserve the pages (memory too fragmented)")
+        yield
+    finally:
+        NR_HUGEPAGES.write_text(str(before))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reserving hugetlb pages (vm.nr_hugepages) needs root")
+def test_where_shmem_thp_is_refused_reserved_hugetlb_pages_make_a_sealed_shareable_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """shmem_enabled = never (planted: this host's setting may differ), 8 hugetlb pages reserved for the test: the
+    pool is a MFD_HUGETLB memfd, wholly on hugetlb pages (smaps), a client maps it read-only through the fd it is
+    handed and sees the daemon's bytes, and no one can map it writable again (the seal holds for hugetlb too)."""
+    real = hugepages.read_host
+    monkeypatch.setattr(hugepages, "read_host", lambda: dataclasses.replace(real(), shmem_enabled="never"))
+    with _reserved(8):
+        pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 8 << 20, torch.device("cpu"))
+    try:
+        assert pool.pages == "hugetlb"
+        size = os.fstat(pool.reader_fd).st_size
+        assert size % hugepages.HUGE_PAGE == 0 and size >= pool.tensor.numel()
+        assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == size
+        pool.slot_view(3)[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        seen = mmap.mmap(pool.reader_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        at = pool.base_offset + 3 * pool.slot_stride
+        assert seen[at : at + 4] == bytes([1, 2, 3, 4])
+        seen.close()
+        with pytest.raises(PermissionError):
+            mmap.mmap(pool.reader_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        again = os.open(f"/proc/self/fd/{pool.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(again, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):  # hugetlbfs has no write(2): EINVAL
+                os.pwrite(again, b"x", at)
+            assert bytes(pool.slot_view(3)[:4].tolist()) == bytes([1, 2, 3, 4])
+        finally:
+            os.close(again)
     finally:
         pool.close()
 
