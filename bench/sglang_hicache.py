@@ -90,8 +90,7 @@ def main() -> None:
     order = A.abba(*SIDES, args.rounds)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        model = D.write_checkpoint(work / "model")
-        D.launch(model)  # the resolved launch the backend identifies (as a scheduler publishes it)
+        model = D.launched_dsv4(work / "model")  # the resolved launch the backend identifies
         host = D.Dsv4Host(args.pages, args.layers)
         host.fill(seed=0)
         written = host.snapshot()
