@@ -19,6 +19,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import abba
 
 
+def filesystem(path: Path) -> str:
+    """The type of the filesystem `path` is on (the longest mount point above it in /proc/self/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount, fstype = line.split()[:3]
+        if str(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    """A folder on a filesystem with a page cache in front of a disk (on tmpfs the cache is the storage)."""
+    if filesystem(tmp_path) == "tmpfs":
+        pytest.skip(f"{tmp_path} is on tmpfs: nothing can be evicted there; set TMPDIR to a disk")
+    return tmp_path
+
+
 def write(path: Path, nbytes: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(os.urandom(nbytes))
@@ -33,12 +51,12 @@ def test_abba_alternates_which_side_goes_first() -> None:
         abba.abba("k", "b", 0)
 
 
-def test_evict_leaves_both_sides_cold_and_the_probe_sees_pages(tmp_path: Path) -> None:
-    a = write(tmp_path / "a" / "seg", 1 << 20)
-    write(tmp_path / "b" / "x" / "page", 256 << 10)
+def test_evict_leaves_both_sides_cold_and_the_probe_sees_pages(disk: Path) -> None:
+    a = write(disk / "a" / "seg", 1 << 20)
+    write(disk / "b" / "x" / "page", 256 << 10)
     assert abba.resident_bytes(a) > 0  # the probe sees what a buffered read left
 
-    got = abba.evict({"a": [tmp_path / "a"], "b": [tmp_path / "b"]})
+    got = abba.evict({"a": [disk / "a"], "b": [disk / "b"]})
 
     assert got["a"] == {"cache": "cold", "resident_bytes": 0, "mapped_bytes": 0, "file_bytes": 1 << 20}
     assert got["b"] == {"cache": "cold", "resident_bytes": 0, "mapped_bytes": 0, "file_bytes": 256 << 10}
@@ -56,13 +74,13 @@ def test_a_file_left_in_memory_makes_its_side_warm(tmp_path: Path, monkeypatch: 
     assert got["a"]["resident_bytes"] == 1 << 20
 
 
-def test_a_file_this_process_maps_is_counted_apart(tmp_path: Path) -> None:
-    index = write(tmp_path / "a" / "index", 64 << 10)
-    write(tmp_path / "a" / "seg", 64 << 10)
+def test_a_file_this_process_maps_is_counted_apart(disk: Path) -> None:
+    index = write(disk / "a" / "index", 64 << 10)
+    write(disk / "a" / "seg", 64 << 10)
     with open(index, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
         assert view[:] == index.read_bytes()  # every page of the mapping touched
 
-        got = abba.evict({"a": [tmp_path / "a"]})
+        got = abba.evict({"a": [disk / "a"]})
 
     assert got["a"]["cache"] == "cold"
     assert got["a"]["resident_bytes"] == 0
