@@ -105,6 +105,12 @@ def evict(sides: dict[str, Iterable[str | Path]]) -> dict[str, dict]:
     return out
 
 
+def overall(rounds: list[dict]) -> str:
+    """`cold` when every timed read found its own side's files and the other side's (`other_side`) cold."""
+    states = [r["cache"] for r in rounds] + [r["other_side"]["cache"] for r in rounds if r.get("other_side")]
+    return "cold" if all(s == "cold" for s in states) else "warm"
+
+
 def spread(values: list[float], digits: int = 4) -> dict[str, float]:
     """Median, fastest and slowest of one side's rounds, and (slowest - fastest) / median."""
     med = statistics.median(values)

@@ -139,7 +139,7 @@ def main() -> None:
                 "bytes_per_page_all_pools": page_bytes,
                 "order": order,
                 "cache_drop": CACHE_DROP,
-                "cache": "cold" if all(r["cache"] == "cold" for r in rounds) else "warm",
+                "cache": A.overall(rounds),
                 "kvtier": kv,
                 "hicache_file": hf,
                 "ratio": {

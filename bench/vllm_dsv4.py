@@ -149,7 +149,7 @@ def throughput(full, engine, work: Path, rows: int, block: int, rounds: int) -> 
         other = SIDES[1 - SIDES.index(side)]
         per_round.append({"round": i // 2, "side": side, **got, **cache[side], "other_side": cache.get(other)})
     out: dict = {"order": order, "cache_drop": CACHE_DROP}
-    out["cache"] = "cold" if all(r["cache"] == "cold" for r in per_round) else "warm"
+    out["cache"] = A.overall(per_round)
     for side in SIDES:
         for way in ("store", "load"):
             s = A.spread([r[f"{way}_mb_per_s"] for r in per_round if r["side"] == side], digits=1)

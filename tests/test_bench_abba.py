@@ -89,3 +89,10 @@ def test_a_file_this_process_maps_is_counted_apart(disk: Path) -> None:
 
 def test_spread_is_median_min_max_and_relative_range() -> None:
     assert abba.spread([2.0, 1.0, 4.0]) == {"median": 2.0, "min": 1.0, "max": 4.0, "spread": 1.5}
+
+
+def test_overall_is_warm_when_either_side_was_warm_at_any_read() -> None:
+    cold = {"cache": "cold"}
+    assert abba.overall([{**cold, "other_side": None}, {**cold, "other_side": cold}]) == "cold"
+    assert abba.overall([{**cold, "other_side": None}, {**cold, "other_side": {"cache": "warm"}}]) == "warm"
+    assert abba.overall([{"cache": "warm", "other_side": cold}]) == "warm"
