@@ -7,15 +7,19 @@ lookups follow the connector's scans on a fresh tier (its key set just read from
 for the request): a prefix over the history group, then from the end a whole window over each state group;
 wall time and the scanning thread's CPU time (fastest and median of --repeats; CPU time is what a busy machine
 disturbs less), and how long the tier took at start to read the namespace's keys into memory.
-Throughput: one store job and one load job of --rows rows of vLLM's packed DSV4 block (1,002,240 B; 1,003,520 B
+Throughput: a store job and a load job of --rows rows of vLLM's packed DSV4 block (1,002,240 B; 1,003,520 B
 aligned, as vLLM's CPU tier holds it) through kvtier (store opened in-process, fdatasync per job) and through
-vLLM's own `fs` tier (a file per chunk, O_DIRECT, no fsync) on the same rows, with the ratios.
+vLLM's own `fs` tier (a file per chunk, O_DIRECT, no fsync) on the same rows, --rounds times each in ABBA order
+(kvtier, fs, fs, kvtier, ...), each round in a fresh folder, the page cache of the files both sides wrote
+dropped before every load job (bench/abba.py says how, and how it is checked); per side the median MB/s and
+its spread, and the ratios of the medians. `rounds` lists every round with its order and cache state.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,6 +32,8 @@ import numpy as np
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the DSV4 groups and the connector's calls
+
+import abba as A
 
 from kvtier.integrations.vllm.tier import KvtierSecondaryTier
 from support.vllm_dsv4 import ChunkKeys, block_hashes, dsv4_offloading_config, run_job, scan
@@ -102,51 +108,77 @@ def lookups(small, engine, work: Path, tokens: int, repeats: int) -> dict:
     }
 
 
-def throughput(make, full, rows: int, block: int) -> tuple[float, float]:
-    """MB/s of one store job and one load job of `rows` packed DSV4 rows through the tier `make` builds."""
-    # Page-aligned rows of the aligned row size, as vLLM's shared region gives them (the fs tier uses O_DIRECT).
-    big = np.frombuffer(mmap.mmap(-1, 2 * rows * block), dtype=np.uint8).reshape(2 * rows, block)
-    big[:rows] = np.random.default_rng(1).integers(0, 256, (rows, block), dtype=np.uint8)
-    t = make(big)
+SIDES = ("kvtier", "fs")
+CACHE_DROP = "posix_fadvise(DONTNEED) on every file both sides wrote, before each timed load; probed with mincore"
+
+
+def rows_round(t, full, big: np.ndarray, rows: int, block: int, evict) -> dict:
+    """One store job and one load job of `rows` packed DSV4 rows through the tier `t`; `evict()` runs between
+    them (untimed) and says what it left in memory. MB/s each way."""
     req = ChunkKeys(full, block_hashes(2, rows * 64), "rows")
     row_keys = req.keys[next(g.group_id for g in full.groups if g.tokens_per_block == 256)][:rows]  # history
+    big[rows:] = 0
     started = time.perf_counter()
     assert run_job(t, row_keys, list(range(rows)), req.ctx, load=False).success
     store_s = time.perf_counter() - started
+    cache = evict()
     started = time.perf_counter()
     assert run_job(t, row_keys, list(range(rows, 2 * rows)), req.ctx, load=True).success
     load_s = time.perf_counter() - started
     t.shutdown()
     assert np.array_equal(big[:rows], big[rows:])
     mb = rows * block / 1e6
-    return mb / store_s, mb / load_s
+    return {"store_mb_per_s": round(mb / store_s, 1), "load_mb_per_s": round(mb / load_s, 1), "cache": cache}
+
+
+def throughput(full, engine, work: Path, rows: int, block: int, rounds: int) -> dict:
+    """kvtier (store_dir) and vLLM's fs tier on the same rows, in ABBA order over `rounds` rounds, each in a
+    fresh folder, the page cache of both sides' files dropped before every load job."""
+    # Page-aligned rows of the aligned row size, as vLLM's shared region gives them (the fs tier uses O_DIRECT).
+    big = np.frombuffer(mmap.mmap(-1, 2 * rows * block), dtype=np.uint8).reshape(2 * rows, block)
+    big[:rows] = np.random.default_rng(1).integers(0, 256, (rows, block), dtype=np.uint8)
+    order = A.abba(*SIDES, rounds)
+    per_round = []
+    for i, side in enumerate(order):
+        folder = work / side / str(i // 2)
+        t = tier(full, big, folder, engine) if side == "kvtier" else fs_tier(full, big, folder)
+        got = rows_round(
+            t, full, big, rows, block, lambda: A.evict({s: [work / s] for s in SIDES if (work / s).exists()})
+        )
+        cache = got.pop("cache")
+        other = SIDES[1 - SIDES.index(side)]
+        per_round.append({"round": i // 2, "side": side, **got, **cache[side], "other_side": cache.get(other)})
+    out: dict = {"order": order, "cache_drop": CACHE_DROP}
+    out["cache"] = A.overall(per_round)
+    for side in SIDES:
+        for way in ("store", "load"):
+            s = A.spread([r[f"{way}_mb_per_s"] for r in per_round if r["side"] == side], digits=1)
+            out[f"{side}_{way}_mb_per_s"] = s["median"]
+            out[f"{side}_{way}_mb_per_s_rounds"] = s
+    for way in ("store", "load"):
+        out[f"{way}_ratio_kvtier_vs_fs"] = round(out[f"kvtier_{way}_mb_per_s"] / out[f"fs_{way}_mb_per_s"], 3)
+    out["rounds"] = per_round
+    return out
 
 
 @click.command()
 @click.option("--tokens", default=131072, help="prompt length of the lookup measurement")
 @click.option("--rows", default=64, help="1 MB rows stored and loaded for the throughput measurement")
 @click.option("--repeats", default=7, help="fresh tiers the lookup scan runs on")
-def main(tokens: int, rows: int, repeats: int) -> None:
+@click.option("--rounds", default=4, help="throughput rounds, each side once a round, in ABBA order (>= 3)")
+def main(tokens: int, rows: int, repeats: int, rounds: int) -> None:
+    if rounds < 3:
+        raise click.BadParameter("a median and a spread need three rounds a side", param_hint="--rounds")
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-dsv4-"))
     model = write_dsv4_checkpoint(work / "model")
     small, block, engine = dsv4_offloading_config(model, 4096)
     out = lookups(small, engine, work, tokens, repeats)
 
-    # Throughput: rows of vLLM's packed DSV4 block size, one job each way, kvtier (store_dir) vs vLLM's fs tier.
+    # Throughput: rows of vLLM's packed DSV4 block size, kvtier (store_dir) vs vLLM's fs tier, ABBA, cold loads.
     block = -(-block // TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT) * TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     full, _, engine = dsv4_offloading_config(model, block)
-    kv_store, kv_load = throughput(lambda rows_: tier(full, rows_, work / "rows", engine), full, rows, block)
-    fs_store, fs_load = throughput(lambda rows_: fs_tier(full, rows_, work / "fs"), full, rows, block)
-    out.update(
-        row_bytes=block,
-        rows=rows,
-        kvtier_store_mb_per_s=round(kv_store, 1),
-        kvtier_load_mb_per_s=round(kv_load, 1),
-        fs_store_mb_per_s=round(fs_store, 1),
-        fs_load_mb_per_s=round(fs_load, 1),
-        store_ratio_kvtier_vs_fs=round(kv_store / fs_store, 3),
-        load_ratio_kvtier_vs_fs=round(kv_load / fs_load, 3),
-    )
+    out.update(row_bytes=block, rows=rows, **throughput(full, engine, work / "rows", rows, block, rounds))
+    shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out))
 
 

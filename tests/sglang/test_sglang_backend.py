@@ -28,6 +28,7 @@ from support.sglang_pools import (  # first: it skips this module unless SGLang 
     file_backend,
     kvtier_backend,
     launch,
+    launched_dsv4,
     load,
     page_indices,
     query,
@@ -40,9 +41,7 @@ SLOTS = list(range(PAGES))
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    """A DSV4 checkpoint, launched: its resolved ServerArgs published as SGLang's scheduler does."""
-    launch(write_checkpoint(tmp_path / "model"))
-    return tmp_path / "model"
+    return launched_dsv4(tmp_path / "model")
 
 
 def flip_record(store_dir: Path, key) -> None:

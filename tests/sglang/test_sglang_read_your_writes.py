@@ -24,11 +24,10 @@ from support.sglang_pools import (  # first: it skips this module unless SGLang 
     backup,
     chain,
     kvtier_backend,
-    launch,
+    launched_dsv4,
     load,
     page_indices,
     query,
-    write_checkpoint,
 )
 
 PAGES = 4
@@ -37,8 +36,7 @@ SLOTS = list(range(PAGES))
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    launch(write_checkpoint(tmp_path / "model"))
-    return tmp_path / "model"
+    return launched_dsv4(tmp_path / "model")
 
 
 class HeldDisk:

@@ -70,22 +70,23 @@ def _stand_in_for_torchvision() -> None:
 _stand_in_for_torchvision()
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
-    HiCacheFile,
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.runtime_context import publish  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.utils.hf_transformers.config import get_config  # noqa: E402
 
-# re-exported for the tests: it imports SGLang, so it comes after the skip above
-from kvtier.integrations.sglang.backend import KvtierHiCacheStorage  # noqa: E402, F401
+# SGLang's HiCache interface as kvtier's backend imports it (one list of its names), and the backend itself,
+# re-exported for the tests: they import SGLang, so they come after the skip above
+from kvtier.integrations.sglang.backend import (  # noqa: E402, F401
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    KvtierHiCacheStorage,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 
 PAGE = 256
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
@@ -293,6 +294,13 @@ def launch(model_dir: Path, **server_args) -> dict:
     get_config.cache_clear()  # SGLang caches config.json per process; each launch is a new process
     args = ServerArgs(model_path=str(model_dir), device="cpu", skip_tokenizer_init=True, **server_args)
     return publish(args, role="scheduler").resolved_server_args_dict()
+
+
+def launched_dsv4(model_dir: Path) -> Path:
+    """A DSV4 checkpoint written into `model_dir` and launched: its resolved ServerArgs published as SGLang's
+    scheduler does, so a backend built next identifies it."""
+    launch(write_checkpoint(model_dir))
+    return model_dir
 
 
 def write_qwen3_checkpoint(model_dir: Path, **overrides) -> Path:

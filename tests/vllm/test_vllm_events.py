@@ -7,10 +7,8 @@ No engine: vLLM's config and key types, a primary buffer, jobs submitted as vLLM
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -25,7 +23,6 @@ require_vllm()
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Medium,
@@ -34,73 +31,25 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     get_offload_block_hash,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
 from kvtier.integrations.vllm.tier import KvtierSecondaryTier  # noqa: E402
 from support.daemon import DaemonProc  # noqa: E402
-from support.vllm_engine_run import engine_kwargs  # noqa: E402
 from support.vllm_harness import flip_payload_byte  # noqa: E402
-from support.vllm_tiny_model import write_checkpoint  # noqa: E402
+from support.vllm_unit_tier import CHUNKS, FULL, ROW, SWA, gemma2_engine, make_tier, write_model  # noqa: E402
 
-ROW = 8192
-CHUNKS = 16
-T = 32
-FULL, SWA = 1, 0  # vLLM group ids (Gemma2: layer 0 sliding, layer 1 full)
 _job_ids = iter(range(1_000_000))
 
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
-    model = write_checkpoint(tmp_path_factory.mktemp("gemma2"), seed=1, arch="gemma2")
-    args = engine_kwargs(str(model), [])
-    args["kv_transfer_config"] = {**args["kv_transfer_config"], "engine_id": "unit"}
-    return EngineArgs(**args).create_engine_config()
+    return gemma2_engine(tmp_path_factory.mktemp("gemma2"))
 
 
 def _tier(tmp: Path, primary: np.ndarray, engine: VllmConfig, *, vllm_events: bool, **options) -> KvtierSecondaryTier:
-    weights = tmp / "model"
-    weights.mkdir(exist_ok=True)
-    (weights / "config.json").write_text(
-        json.dumps(
-            {
-                "num_attention_heads": 2,
-                "head_dim": 32,
-                "hidden_size": 64,
-                "sliding_window": 2 * T,
-                "layer_types": ["sliding_attention", "full_attention"],
-            }
-        )
-    )
-    (weights / "model.safetensors").write_bytes(b"weights" * 1000)
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(T, ("model.layers.0.self_attn.attn",), SWA),
-            OffloadingGroupConfig(T, ("model.layers.1.self_attn.attn",), FULL),
-        ),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=vllm_events,
-        extra_config={},
-        engine_id="unit",
-        model=OffloadingModelConfig(name=engine.model_config.model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=T, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-        kv_cache_layout="NHD",
-    )
-    return KvtierSecondaryTier(
-        SimpleNamespace(config=config),
-        memoryview(primary),
-        "KvtierSecondaryTier",
-        model_dir=str(weights),
-        vllm_config=engine,
-        **options,
-    )
+    """A tier over the store `options` name (`store_dir` or `daemon_socket`), vLLM's own events on or off."""
+    weights = write_model(tmp / "model", b"weights" * 1000)
+    return make_tier(weights, None, primary, engine, vllm_events=vllm_events, **options)
 
 
 def _primary() -> np.ndarray:

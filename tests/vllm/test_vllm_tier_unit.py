@@ -8,7 +8,6 @@ blocked (RETRY, back-pressure without blocking the scheduler), a second engine o
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 import time
@@ -24,15 +23,7 @@ from support.vllm_harness import require_vllm
 require_vllm()
 
 from vllm.config import VllmConfig, WeightTransferConfig  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
 
 from kvtier.core.forms import Reason  # noqa: E402
@@ -40,68 +31,19 @@ from kvtier.integrations.errors import VllmTierError  # noqa: E402
 from kvtier.integrations.vllm.tier import KvtierSecondaryTier  # noqa: E402
 from kvtier.integrations.vllm.tier import log as tier_log  # noqa: E402
 from kvtier.store import QuarantineReason  # noqa: E402
-from support.vllm_engine_run import engine_kwargs  # noqa: E402
 from support.vllm_harness import audit_namespaces, flip_payload_byte  # noqa: E402
-from support.vllm_tiny_model import write_checkpoint  # noqa: E402
+from support.vllm_unit_tier import CHUNKS, FULL, ROW, SWA, T, gemma2_engine, make_tier, write_model  # noqa: E402
 
-ROW = 8192
-CHUNKS = 16
-T = 32  # tokens per chunk
-FULL, SWA = 1, 0  # vLLM group ids, as in a Gemma2: layer 0 sliding (window 64), layer 1 full
 HOLD_WRITER = (
     "import sys; from kvtier.store import DiskStore; s = DiskStore(sys.argv[1], writer=True); "
     "print('holding', flush=True); sys.stdin.read(); s.close()"
 )
 
 
-def write_model(path: Path, weights: bytes) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    config = {
-        "num_attention_heads": 2,
-        "head_dim": 32,
-        "hidden_size": 64,
-        "sliding_window": 2 * T,
-        "layer_types": ["sliding_attention", "full_attention"],
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "model.safetensors").write_bytes(weights)
-    return path
-
-
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
     """What a Gemma2 engine resolved (Gemma2: layer 0 sliding, window 64; layer 1 full), as vLLM builds it."""
-    model = write_checkpoint(tmp_path_factory.mktemp("gemma2"), seed=1, arch="gemma2")
-    args = engine_kwargs(str(model), [])
-    args["kv_transfer_config"] = {**args["kv_transfer_config"], "engine_id": "unit"}
-    return EngineArgs(**args).create_engine_config()
-
-
-def make_tier(weights: Path, store: Path, primary: np.ndarray, engine: VllmConfig, **options) -> KvtierSecondaryTier:
-    """A tier for the engine `engine` describes, its weights digested from `weights` (the model_dir option);
-    the tier is handed `engine` as its `vllm_config` unless `options` name another (or None)."""
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(T, ("model.layers.0.self_attn.attn",), SWA),
-            OffloadingGroupConfig(T, ("model.layers.1.self_attn.attn",), FULL),
-        ),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="unit",
-        model=OffloadingModelConfig(name=engine.model_config.model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=T, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-        kv_cache_layout="NHD",
-    )
-    return KvtierSecondaryTier(
-        SimpleNamespace(config=config),
-        memoryview(primary),
-        "KvtierSecondaryTier",
-        str(store),
-        model_dir=str(weights),
-        **{"vllm_config": engine, **options},
-    )
+    return gemma2_engine(tmp_path_factory.mktemp("gemma2"))
 
 
 @pytest.fixture
