@@ -399,8 +399,9 @@ def rows(sections: dict, verdicts: Sequence[targets.Verdict] = ()) -> list[Row]:
     keys = {r.key for r in out}
     out = [r._replace(target=targets.cell(by_row.get(r.key, ()))) for r in out]
     for row, vs in by_row.items():
-        if row not in keys:
-            out.append(Row(row, f"({row}: no line in this report)", "", "", "", "", targets.cell(vs)))
+        ran = [v for v in vs if not v.why.endswith("did not run")]
+        if row not in keys and ran:
+            out.append(Row(row, f"({row}: no line in this report)", "", "", "", "", targets.cell(ran)))
     return out
 
 
@@ -483,17 +484,34 @@ def load_reports(results: Path = RESULTS) -> list[tuple[str, dict]]:
 
 
 PAGE_INTRO = """\
-`python bench/run_all.py` runs the restore, store, lookup, daemon, verifier and peers benchmarks one after
-another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a markdown
-table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick` is
-shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
+`python bench/run_all.py` runs the restore, store, lookup, daemon, verifier, peers and cluster benchmarks one
+after another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a
+markdown table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick`
+is shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
 are installed into `bench/.venv-peers` on first use, never into kvtier's dependencies. Each line below
 puts kvtier's figure beside its baseline's own figure from the same run and the ratio between them; read the
 ratios rather than the absolute figures, which move with the disk and the CPU (the calibration says which
-kind of CPU a report ran on). The vLLM, SGLang, cross-node and GPU benchmarks are scripts of their own
-(`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/cluster.py`, `bench/cluster_link.py`,
-`bench/gds_restore.py`, `bench/gpu_checks.py`): their figures appear here once a report of theirs is
-committed under `bench/results/`.
+kind of CPU a report ran on).
+
+The disk's limit for the store's cold read and the DSV4 restore is fio (`apt-get install -y fio`) reading the
+same segment bytes with O_DIRECT through libaio, at the request size and queue depth kvtier's loads use (taken
+from the store's read path), into hugetlb buffers where it can have them (as root `bench/fio_limit.py` reserves
+the few it needs for the run and gives them back); the line names which memory fio read into. Without fio
+`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order.
+
+The target column comes from `bench/targets.toml`, the one file of acceptance lines: `run_all.py` checks
+each against the run and prints met, missed or n/a (with why: the section did not run, the figure is absent, or
+a condition of the line does not hold, such as a quiet machine or the Python loop's calibration), and
+writes the verdicts into the report; this page shows what the report holds. A run counts as quiet when other
+work took at most a small share of the CPUs as it began (`machine.busy_before`). `--thp both` (root) runs the
+sections under `shmem_enabled = never` and then `advise`, restoring the host's setting after, and this page
+shows both tables; without it they run under the host's setting, which the report records.
+
+The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
+`tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)
+the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM, SGLang and GPU
+benchmarks are scripts of their own (`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/gds_restore.py`,
+`bench/gpu_checks.py`): their figures appear here once a report of theirs is committed under `bench/results/`.
 """
 
 
