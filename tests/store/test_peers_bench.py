@@ -31,7 +31,7 @@ def test_kvtier_reads_back_what_it_wrote_and_its_layout_read_runs(tmp_path: Path
         assert kvtier["layout_read_MBps"] > 0
 
 
-PEERS_PYTHON = REPO / "bench" / ".venv-peers" / "bin" / "python"
+PEERS_PYTHON = Path(REPO) / "bench" / ".venv-peers" / "bin" / "python"
 
 
 @pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="no peers venv: bench/run_all.py --only peers creates it")
