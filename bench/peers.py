@@ -7,6 +7,11 @@ indexer_k) of every hash block of a `--tokens` prefix, and the state objects (sw
 c128_state) of a checkpoint every `--checkpoint-every` blocks; random payloads, each one stamped
 with its own id. Per store, in a fresh process, on the same filesystem:
 
+LMCache reads a file with O_DIRECT only when the object's buffer is a whole number of the filesystem's blocks
+(its `read_file`), so its objects are allocated padded up to that (`padding_bytes`; its rates count the payload
+bytes only). Its reads and the O_DIRECT opens among them are counted in its own code path during the cold reads
+(`reads`, `odirect_reads`); `lmcache_odirect` says whether every one was O_DIRECT.
+
 * write: every object, in batches (the truncation target alone, last); `ack` is when the store says it has them,
   `durable` adds an fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
 * cold read: page cache of the store's files dropped (fsync + posix_fadvise DONTNEED), every object
@@ -359,28 +364,63 @@ class LmcacheStore:
         self.disk = LocalDiskBackend(config, self.loop, self.cpu, dst_device="cpu")
         self.ckeys = [CacheEngineKey(w.profile.name, 1, 0, _chunk_hash(k), torch.uint8) for k in w.keys]
         self.done = threading.Semaphore(0)
+        # LMCache reads (and writes) a file with O_DIRECT only when the object's buffer is a whole number of the
+        # filesystem's blocks (`read_file`: len(buffer) % os_disk_bs == 0), else buffered: every object is
+        # allocated padded up to that, so all of them take its O_DIRECT path.
+        self.bs = self.disk.os_disk_bs
+        self.sizes = [-(-len(p) // self.bs) * self.bs for p in w.payloads]
+        self.reads = self.odirect_reads = 0
+        self._count_reads()
+
+    def _count_reads(self) -> None:
+        """Count LMCache's reads, and those it opened with O_DIRECT, in its own code: its `read_file` is wrapped,
+        and the `os` its module sees is this process's `os` with `open` counting O_RDONLY | O_DIRECT opens of
+        files under the store's root. A read that went buffered shows as a read with no O_DIRECT open."""
+        from lmcache.v1.storage_backend import local_disk_backend
+
+        lock, store, root = threading.Lock(), self, str(self.root)
+        read_file = self.disk.read_file
+
+        def counted_read(key, buffer, path):
+            with lock:
+                store.reads += 1
+            return read_file(key, buffer, path)
+
+        class CountingOs:
+            def __getattr__(self, name: str):
+                return getattr(os, name)
+
+            @staticmethod
+            def open(path, flags, *args, **kwargs):
+                if flags & os.O_DIRECT and not flags & (os.O_WRONLY | os.O_RDWR) and str(path).startswith(root):
+                    with lock:
+                        store.odirect_reads += 1
+                return os.open(path, flags, *args, **kwargs)
+
+        self.disk.read_file = counted_read
+        local_disk_backend.os = CountingOs()
+
+    def read_counts(self) -> dict:
+        return {"reads": self.reads, "odirect_reads": self.odirect_reads}
 
     @property
     def details(self) -> dict:
         import lmcache
 
-        bs = self.disk.os_disk_bs
-        direct = sum(len(p) % bs == 0 for p in self.w.payloads)
         return {
             "version": getattr(lmcache, "__version__", "0.5.6"),
             "durable_on_ack": False,
             "checksums": None,
             "use_odirect": self.disk.use_odirect,
-            "odirect_objects": (
-                f"{direct} of {len(self.w.payloads)} (O_DIRECT only for sizes that are multiples of {bs} B)"
-            ),
+            "padded_to": self.bs,
+            "padding_bytes": sum(self.sizes) - sum(map(len, self.w.payloads)),
         }
 
     def write(self, idx: list[int]) -> None:
         keys, objs = [], []
         for i in idx:
-            obj = self.cpu.allocate(torch.Size([len(self.w.payloads[i])]), torch.uint8, self.fmt)
-            obj.tensor.copy_(as_tensor(self.w.payloads[i]))
+            obj = self.cpu.allocate(torch.Size([self.sizes[i]]), torch.uint8, self.fmt)
+            obj.tensor[: len(self.w.payloads[i])].copy_(as_tensor(self.w.payloads[i]))
             keys.append(self.ckeys[i])
             objs.append(obj)
         self.disk.batched_submit_put_task(keys, objs, on_complete_callback=lambda _k: self.done.release())
@@ -392,8 +432,8 @@ class LmcacheStore:
 
     def read(self, idx: list[int]) -> list[bytes | None]:
         out = []
-        for obj in self._get(idx):
-            out.append(None if obj is None else bytes(obj.byte_array))
+        for i, obj in zip(idx, self._get(idx)):
+            out.append(None if obj is None else bytes(obj.byte_array[: len(self.w.payloads[i])]))
             if obj is not None:
                 obj.ref_count_down()
         return out
@@ -401,7 +441,7 @@ class LmcacheStore:
     def read_view(self, idx: list[int]) -> list[torch.Tensor | None]:
         objs = self._get(idx)
         self._held = objs  # released by release_views()
-        return [None if o is None else o.tensor for o in objs]
+        return [None if o is None else o.tensor[: len(self.w.payloads[i])] for i, o in zip(idx, objs)]
 
     def release_views(self) -> None:
         for o in getattr(self, "_held", []):
@@ -466,6 +506,7 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
             if hasattr(s, "release_views"):
                 s.release_views()
 
+        cold_counts = s.read_counts() if isinstance(s, LmcacheStore) else {}
         if layout is not None and not layout_first:
             layout_s = layout()
 
@@ -488,7 +529,7 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
         "read_missing": missing,
         "flipped_byte": flipped,
         "truncated_file": truncated,
-        "details": details,
+        "details": {**details, **cold_counts},
     }
 
 
@@ -596,6 +637,11 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps
         "truncated_file": last["truncated_file"],
         "restart": r,
         **last["details"],
+        **(
+            {k: sum(p["details"][k] for p in good) for k in ("reads", "odirect_reads")}
+            if "reads" in last["details"]
+            else {}
+        ),
     }
 
 
@@ -620,6 +666,14 @@ def layout_over_peer(stores: dict[str, dict]) -> dict:
         for name, s in stores.items()
         if name != "kvtier" and "error" not in s
     }
+
+
+def lmcache_odirect(stores: dict[str, dict]) -> dict:
+    """Whether LMCache read every object of its cold reads with O_DIRECT, as counted in its own code path."""
+    lm = stores.get("lmcache", {})
+    if "reads" not in lm:
+        return {}
+    return {"lmcache_odirect": lm["reads"] > 0 and lm["odirect_reads"] == lm["reads"]}
 
 
 def main() -> None:
@@ -681,6 +735,7 @@ def main() -> None:
                 "stores": stores,
                 "kvtier_over_peer": ratios(stores),
                 "layout_over_peer": layout_over_peer(stores),
+                **lmcache_odirect(stores),
             }
         )
     )

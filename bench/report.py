@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import targets  # bench/targets.py, beside this script
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -31,8 +35,8 @@ END = "<!-- end of key results -->"
 # The README's table: one line for each thing a user asks first (is a restore worth it, does the store keep up
 # with the disk, does the daemon cost anything, how does it compare with a peer, does the verifier get in the way).
 KEY_ROWS = (
-    "restore_first",
-    "restore_last",
+    "restore_4k",
+    "restore_64k",
     "store_read",
     "daemon_load",
     "dsv4_restore",
@@ -42,12 +46,13 @@ KEY_ROWS = (
 
 
 class Row(NamedTuple):
-    key: str  # a stable name, for choosing the README's lines
+    key: str  # a stable name, for choosing the README's lines and for bench/targets.toml's `row`
     benchmark: str
     kvtier: str
     baseline: str
     baseline_figure: str
     ratio: str
+    target: str = ""  # what bench/targets.toml's lines for this row came to in the report (filled by `rows`)
 
 
 # ----------------------------------------------------------------------------------------------- figures
@@ -68,16 +73,26 @@ def _speed(ratio: float) -> str:
     return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
 
 
+def _vs(key: str, benchmark: str, ours: str | float, baseline: str, theirs: str | float, ratio: str) -> Row:
+    """The one shape of every line: kvtier's figure, what it is compared with, that one's own figure from the
+    same run, and the ratio. Numbers are formatted as MB/s and objects/s are (`_fmt`); text goes as it is."""
+    show = lambda v: v if isinstance(v, str) else _fmt(v)  # noqa: E731
+    return Row(key, benchmark, show(ours), baseline, show(theirs), ratio)
+
+
+def _note(key: str, benchmark: str, ours: str, ratio: str = "") -> Row:
+    """A line with no baseline: a count, a verdict, or why a figure is missing."""
+    return Row(key, benchmark, ours, "", "", ratio)
+
+
 def _restore_rows(sections: dict) -> list[Row]:
     r = sections.get("restore", {})
-    cases = r.get("cases", [])
     out = []
-    for i, c in enumerate(cases):
+    for c in r.get("cases", []):
         hit = "" if c["hit_tokens"] == c["tokens"] else f" (hit {c['hit_tokens'] // 1024}K)"
-        key = "restore_first" if i == 0 else "restore_last" if i == len(cases) - 1 else f"restore_{i}"
         out.append(
-            Row(
-                key,
+            _vs(
+                f"restore_{c['tokens'] // 1024}k",
                 f"restore {c['tokens'] // 1024}K-token prefix from disk via the daemon ({r['profile']}){hit}",
                 _fmt(c["restore_s"], "s") + (f" ({c['us_per_object']} µs an object)" if "us_per_object" in c else ""),
                 "recompute",
@@ -88,65 +103,78 @@ def _restore_rows(sections: dict) -> list[Row]:
     return out
 
 
+def _fio_baseline(section: dict) -> str:
+    """What the disk's limit was: fio at kvtier's request size and depth, into which memory; or why none."""
+    f = section.get("fio", {})
+    if "missing" in f:
+        return f"no limit measured: {f['missing']}"
+    memory = f.get("memory", "?").split(":")[0]
+    return f"fio {f['ioengine']} O_DIRECT, {f['request_bytes'] >> 10} KiB x {f['iodepth']} in flight, {memory}"
+
+
+def _limit(section: dict, ratio_key: str, fio_key: str) -> tuple[str, str | float, str]:
+    """(baseline, its figure, ratio) of a cold read against the disk's limit: fio where the report has it, dd
+    in a report from before fio (`raw_read_MBps` / `dd_MBps`), else why there is none."""
+    if ratio_key in section:
+        return _fio_baseline(section), section[fio_key], f"{section[ratio_key]:.2f} of fio"
+    for dd_key, dd_ratio in (("raw_read_MBps", "read_ratio"), ("dd_MBps", "ratio")):
+        if dd_key in section:
+            return "dd iflag=direct (one request at a time)", section[dd_key], f"{section[dd_ratio]:.2f} of dd"
+    return _fio_baseline(section), "-", ""
+
+
 def _store_rows(sections: dict) -> list[Row]:
     s = sections.get("store", {})
     if "write_MBps" not in s:
         return []
     out = [
-        Row(
+        _vs(
             "store_write",
             "store write (durable), MB/s",
-            _fmt(s["write_MBps"]),
+            s["write_MBps"],
             "dd oflag=direct",
-            _fmt(s["raw_write_MBps"]),
+            s["raw_write_MBps"],
             f"{s['write_ratio']:.2f} of raw",
         ),
-        Row(
+        _vs(
             "store_read",
             f"store cold read of {s['record_MiB']} MiB records, MB/s",
-            _fmt(s["read_MBps"]),
-            "dd iflag=direct",
-            _fmt(s["raw_read_MBps"]),
-            f"{s['read_ratio']:.2f} of raw",
+            s["read_MBps"],
+            *_limit(s, "read_ratio_to_fio", "fio_read_MBps"),
         ),
     ]
     if "small_load_objects_per_s" in s:
         out.append(
-            Row(
+            _note(
                 "small_load",
                 "store cold load of 1 KB records, objects/s: random / consecutive",
                 f"{_fmt(s['small_load_objects_per_s'])} / {_fmt(s['small_seq_load_objects_per_s'])}",
-                "",
-                "",
-                "",
             )
         )
     return out
 
 
 def _lookup_rows(sections: dict) -> list[Row]:
-    out = []
-    for c in sections.get("lookup", {}).get("cases", []):
-        out.append(
-            Row(
-                f"lookup_{c['tokens']}_{c['mix']}",
-                f"lookup {c['tokens'] // 1024}K tokens ({c['mix']})",
-                _fmt(c["lookup_ms"], "ms"),
-                "bare dict",
-                _fmt(c["bare_ms"], "ms"),
-                _speed(1 / c["ratio"]),
-            )
+    return [
+        _vs(
+            f"lookup_{c['tokens']}_{c['mix']}",
+            f"lookup {c['tokens'] // 1024}K tokens ({c['mix']})",
+            _fmt(c["lookup_ms"], "ms"),
+            "bare dict",
+            _fmt(c["bare_ms"], "ms"),
+            _speed(1 / c["ratio"]),
         )
-    return out
+        for c in sections.get("lookup", {}).get("cases", [])
+    ]
 
 
 def _daemon_rows(sections: dict) -> list[Row]:
     dm = sections.get("daemon", {})
     out = []
-    if "lookup" in dm:
-        lk, ld = dm["lookup"], dm["load"]
+    if dm.get("lookup"):
+        lk = dm["lookup"]
         out.append(
-            Row(
+            _vs(
                 "socket_lookup",
                 f"lookup over the socket p50, {lk['tokens'] // 1024}K tokens",
                 _fmt(lk["p50_ms"], "ms"),
@@ -155,29 +183,27 @@ def _daemon_rows(sections: dict) -> list[Row]:
                 _speed(1 / lk["ratio_p50"]),
             )
         )
+    if dm.get("load"):
+        ld = dm["load"]
         out.append(
-            Row(
+            _vs(
                 "daemon_load",
                 "load via the daemon, MB/s",
-                _fmt(ld["daemon_MBps"]),
+                ld["daemon_MBps"],
                 "store direct",
-                _fmt(ld["direct_MBps"]),
+                ld["direct_MBps"],
                 _speed(ld["ratio"]),
             )
         )
     rs = dm.get("dsv4_restore")
     if rs:
-        out.append(
-            Row(
-                "dsv4_restore",
-                f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool via the daemon, MB/s "
-                f"(a daemon just started: {_fmt(rs['fresh_daemon_MBps'])})",
-                _fmt(rs["MBps"]),
-                "dd iflag=direct, same bytes",
-                _fmt(rs["dd_MBps"]),
-                f"{rs['ratio']:.2f} of raw",
-            )
+        label = (
+            f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool via the daemon, MB/s "
+            f"(a daemon just started: {_fmt(rs['fresh_daemon_MBps'])})"
         )
+        baseline, figure, ratio = _limit(rs, "ratio_to_fio", "fio_MBps")
+        median = " (median of ABBA pairs)" if ratio else ""
+        out.append(_vs("dsv4_restore", label, rs["MBps"], baseline + ", same bytes", figure, ratio + median))
     return out
 
 
@@ -187,7 +213,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
     if "with" in v:
         for q in ("p50", "p99"):
             out.append(
-                Row(
+                _vs(
                     f"verifier_{q}",
                     f"store load {q}, verifier sweeping/evicting/compacting",
                     f"{v['with'][f'{q}_us']:,.0f} µs",
@@ -198,7 +224,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
             )
         if v.get("writing_windows_p99_ratio") is not None:
             out.append(
-                Row(
+                _vs(
                     "verifier_writing_p99",
                     "store load p99 in the windows in which the verifier wrote",
                     f"{v['writing_windows_p99_ratio'] * v['without']['p99_us']:,.0f} µs",
@@ -209,20 +235,13 @@ def _verifier_rows(sections: dict) -> list[Row]:
             )
         bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
         out.append(
-            Row(
-                "verifier_wrong",
-                "loads during verifier work: wrong / missing / errors",
-                f"{bad} of {v['loads']:,}",
-                "",
-                "",
-                "",
-            )
+            _note("verifier_wrong", "loads during verifier work: wrong / missing / errors", f"{bad} of {v['loads']:,}")
         )
     d = v.get("durable_offloads")
     if d and d.get("control", {}).get("n"):
         for q in ("p99", "max"):
             out.append(
-                Row(
+                _vs(
                     f"durable_offload_{q}",
                     f"durable offload {q} via the daemon, verifier evicting and stopped at random, "
                     f"{d['cpu_hogs']} CPU hogs",
@@ -233,13 +252,10 @@ def _verifier_rows(sections: dict) -> list[Row]:
                 )
             )
         out.append(
-            Row(
+            _note(
                 "durable_lost",
                 "objects acknowledged durable, lost after kill -9 of the daemon",
                 f"{d['acknowledged_lost']} of {d['acknowledged_objects']:,}",
-                "",
-                "",
-                "",
             )
         )
     return out
@@ -251,18 +267,26 @@ def _restart(x: dict) -> str:
     return f"{x['correct']}/{x['untouched']} back, {x['found'] - x['correct']} wrong"
 
 
+def _how_lmcache_read(ps: dict) -> str:
+    """lmcache, and whether it really read with O_DIRECT (counted in its own code path by bench/peers.py)."""
+    n, total = ps.get("odirect_reads"), ps.get("reads")
+    if n is None or not total:
+        return "lmcache (O_DIRECT not counted)"
+    return "lmcache, O_DIRECT" if n == total else f"lmcache, buffered ({n} of {total} reads O_DIRECT)"
+
+
 def _peer_rows(sections: dict) -> list[Row]:
     p = sections.get("peers", {})
     ks = p.get("stores", {}).get("kvtier", {})
     out = []
     if ks.get("layout_read_MBps"):
         out.append(
-            Row(
+            _vs(
                 "layout_read",
                 "same objects: kvtier's layout read with none of kvtier's work, MB/s",
-                _fmt(ks["layout_read_MBps"]),
+                ks["layout_read_MBps"],
                 "kvtier's cold read",
-                _fmt(ks["cold_read_MBps"]),
+                ks["cold_read_MBps"],
                 f"the cold read is {ks['cold_read_of_layout']:.2f} of it",
             )
         )
@@ -275,15 +299,16 @@ def _peer_rows(sections: dict) -> list[Row]:
         ratio = p["kvtier_over_peer"][peer]
         w = p.get("workload")
         same = f"same {w['objects']} {w['profile']} objects" if w else "same objects"
-        for label, key, name in (
+        name = _how_lmcache_read(ps) if peer == "lmcache" else peer
+        for label, key, short in (
             ("same objects: write, acknowledged, MB/s", "write_ack_MBps", "write_ack"),
             ("same objects: write + fsync of its files, MB/s", "write_durable_MBps", "write_durable"),
             (f"{same}: cold read, MB/s", "cold_read_MBps", "read"),
         ):
-            out.append(Row(f"peer_{name}_{peer}", label, _fmt(ks[key]), peer, _fmt(ps[key]), _speed(ratio[key])))
+            out.append(_vs(f"peer_{short}_{peer}", label, ks[key], name, ps[key], _speed(ratio[key])))
         if "raw_device" in p:
             out.append(
-                Row(
+                _vs(
                     f"peer_of_dd_{peer}",
                     f"same objects: cold read over dd iflag=direct ({_fmt(p['raw_device']['dd_MBps'])} MB/s)",
                     f"{ks['cold_read_of_dd']:.2f}",
@@ -292,14 +317,13 @@ def _peer_rows(sections: dict) -> list[Row]:
                     "",
                 )
             )
+        for short, label, field in (
+            ("flip", "one byte of an object flipped", "flipped_byte"),
+            ("cut", "object's file truncated", "truncated_file"),
+        ):
+            out.append(_vs(f"peer_{short}_{peer}", label, ks[field], peer, ps[field], ""))
         out.append(
-            Row(f"peer_flip_{peer}", "one byte of an object flipped", ks["flipped_byte"], peer, ps["flipped_byte"], "")
-        )
-        out.append(
-            Row(f"peer_cut_{peer}", "object's file truncated", ks["truncated_file"], peer, ps["truncated_file"], "")
-        )
-        out.append(
-            Row(
+            _vs(
                 f"peer_restart_{peer}",
                 "new process on the same directory",
                 _restart(ks["restart"]),
@@ -311,9 +335,50 @@ def _peer_rows(sections: dict) -> list[Row]:
     return out
 
 
-def rows(sections: dict) -> list[Row]:
-    """Every line of a report's table, in the order of run_all's sections; a section that failed is a line that
-    says so."""
+def _cluster_rows(sections: dict) -> list[Row]:
+    """The cross-node line: over a shaped link between two network namespaces where bench/cluster_link.py ran
+    (with the link's own measured rate); a loopback figure from bench/cluster.py is labelled as one host's."""
+    c = sections.get("cluster", {})
+    out = []
+    for run in c.get("runs", []):
+        shaped = f"shaped to {run['shaped']}" if run.get("shaped") else "unshaped"
+        out.append(
+            _vs(
+                "cluster_link",
+                f"cross-node restore over a veth link {shaped}, two network namespaces, MB/s",
+                run["restore_MBps"],
+                f"the link, one TCP stream ({run['link_gbps']:.2f} Gbit/s)",
+                run["link_gbps"] * 125,
+                f"{run['ratio_to_link']:.2f} of the link",
+            )
+        )
+    if "daemon" in c and "cluster" in c["daemon"]:
+        dm = c["daemon"]
+        out.append(
+            _vs(
+                "cluster_loopback",
+                "cross-node restore through the daemons (loopback, one host), Gbit/s",
+                f"{dm['cluster']['gbps']:.2f}",
+                "local disk, page cache dropped",
+                f"{dm['disk']['gbps']:.2f}",
+                f"{dm['ratio']:.2f} of local disk",
+            )
+        )
+    if "skipped" in c:
+        out.append(
+            _note(
+                "cluster_link",
+                "cross-node restore over a shaped link (bench/cluster_link.py)",
+                "not measured",
+                c["skipped"],
+            )
+        )
+    return out
+
+
+def rows(sections: dict, verdicts: Sequence[targets.Verdict] = ()) -> list[Row]:
+    """Every line of a report's table, in the order of run_all's sections, each with what its targets came to;
+    a section that failed is a line that says so, and a target whose row is not in the table a line of its own."""
     out = [
         *_restore_rows(sections),
         *_store_rows(sections),
@@ -321,12 +386,22 @@ def rows(sections: dict) -> list[Row]:
         *_daemon_rows(sections),
         *_verifier_rows(sections),
         *_peer_rows(sections),
+        *_cluster_rows(sections),
     ]
     for name, sec in sections.items():
         if "error" in sec:
-            out.append(Row(f"error_{name}", name, "error", "", "", sec["error"][:120]))
+            out.append(_note(f"error_{name}", name, "error", sec["error"][:120]))
         elif "pending" in sec:
-            out.append(Row(f"pending_{name}", name, "pending", "", "", sec["pending"]))
+            out.append(_note(f"pending_{name}", name, "pending", sec["pending"]))
+    by_row: dict[str, list[targets.Verdict]] = {}
+    for v in verdicts:
+        by_row.setdefault(v.row, []).append(v)
+    keys = {r.key for r in out}
+    out = [r._replace(target=targets.cell(by_row.get(r.key, ()))) for r in out]
+    for row, vs in by_row.items():
+        ran = [v for v in vs if not v.why.endswith("did not run")]
+        if row not in keys and ran:
+            out.append(Row(row, f"({row}: no line in this report)", "", "", "", "", targets.cell(ran)))
     return out
 
 
@@ -338,9 +413,17 @@ def _cell(text: str) -> str:
 
 
 def table(lines: list[Row]) -> str:
-    out = ["| benchmark | kvtier | compared with | its figure | kvtier vs it |", "| --- | --- | --- | --- | --- |"]
+    out = [
+        "| benchmark | kvtier | compared with | its figure | kvtier vs it | target (bench/targets.toml) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     out += ["| " + " | ".join(_cell(c) for c in r[1:]) + " |" for r in lines]
     return "\n".join(out) + "\n"
+
+
+def verdicts(run: dict) -> list[targets.Verdict]:
+    """What run_all found of the targets for one run (its `targets`); none in a report older than the file."""
+    return targets.from_json(run.get("targets", []))
 
 
 def machine_line(report: dict) -> str:
@@ -352,6 +435,11 @@ def machine_line(report: dict) -> str:
         f"{m['filesystem']} under `{m['bench_dir']}`, kernel {m['kernel']}, Python {m['python']}; "
         f"transparent huge pages `shmem_enabled={m.get('thp_shmem', '?')}`, `enabled={m.get('thp_anon', '?')}`."
     )
+    if "quiet" in m:
+        text += (
+            f" When it began the CPUs were {m['busy_before'] * 100:.0f}% busy with other work "
+            f"({'quiet' if m['quiet'] else 'not quiet: lines that need a quiet machine are n/a'})."
+        )
     cal = m.get("calibration")
     if cal:
         text += (
@@ -371,7 +459,15 @@ def markdown(report: dict) -> str:
             f"{workload['tokens'] // 1024}K-token prefix plus state checkpoints, {workload['objects']} objects, "
             f"{workload['bytes'] / 1e6:.0f} MB.\n\n"
         )
-    return head + table(rows(report["sections"]))
+    out = head + table(rows(report["sections"], verdicts(report)))
+    for run in report.get("thp_runs", []):
+        if run["thp_shmem"] == report["machine"].get("thp_shmem"):
+            continue  # the table above
+        out += (
+            f"\nThe same sections in the same run with `shmem_enabled={run['thp_shmem']}` (set by `run_all.py --thp "
+            f"both`, the host's setting restored after):\n\n" + table(rows(run["sections"], verdicts(run)))
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- the two outputs
@@ -388,17 +484,34 @@ def load_reports(results: Path = RESULTS) -> list[tuple[str, dict]]:
 
 
 PAGE_INTRO = """\
-`python bench/run_all.py` runs the restore, store, lookup, daemon, verifier and peers benchmarks one after
-another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a markdown
-table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick` is
-shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
+`python bench/run_all.py` runs the restore, store, lookup, daemon, verifier, peers and cluster benchmarks one
+after another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a
+markdown table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick`
+is shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
 are installed into `bench/.venv-peers` on first use, never into kvtier's dependencies. Each line below
 puts kvtier's figure beside its baseline's own figure from the same run and the ratio between them; read the
 ratios rather than the absolute figures, which move with the disk and the CPU (the calibration says which
-kind of CPU a report ran on). The vLLM, SGLang, cross-node and GPU benchmarks are scripts of their own
-(`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/cluster.py`, `bench/cluster_link.py`,
-`bench/gds_restore.py`, `bench/gpu_checks.py`): their figures appear here once a report of theirs is
-committed under `bench/results/`.
+kind of CPU a report ran on).
+
+The disk's limit for the store's cold read and the DSV4 restore is fio (`apt-get install -y fio`) reading the
+same segment bytes with O_DIRECT through libaio, at the request size and queue depth kvtier's loads use (taken
+from the store's read path), into hugetlb buffers where it can have them (as root `bench/fio_limit.py` reserves
+the few it needs for the run and gives them back); the line names which memory fio read into. Without fio
+`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order.
+
+The target column comes from `bench/targets.toml`, the one file of acceptance lines: `run_all.py` checks
+each against the run and prints met, missed or n/a (with why: the section did not run, the figure is absent, or
+a condition of the line does not hold, such as a quiet machine or the Python loop's calibration), and
+writes the verdicts into the report; this page shows what the report holds. A run counts as quiet when other
+work took at most a small share of the CPUs as it began (`machine.busy_before`). `--thp both` (root) runs the
+sections under `shmem_enabled = never` and then `advise`, restoring the host's setting after, and this page
+shows both tables; without it they run under the host's setting, which the report records.
+
+The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
+`tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)
+the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM, SGLang and GPU
+benchmarks are scripts of their own (`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/gds_restore.py`,
+`bench/gpu_checks.py`): their figures appear here once a report of theirs is committed under `bench/results/`.
 """
 
 
@@ -427,7 +540,7 @@ def key_results(reports: list[tuple[str, dict]]) -> str:
     if not full:
         return f"{BEGIN}\nNo report is committed under `bench/results/` yet.\n{END}"
     name, report = full[0]
-    by_key = {r.key: r for r in rows(report["sections"])}
+    by_key = {r.key: r for r in rows(report["sections"], verdicts(report))}
     lines = [by_key[k] for k in KEY_ROWS if k in by_key]
     m = report["machine"]
     return (

@@ -10,13 +10,21 @@ after another, and collects them:
   verifier  bench/verifier.py  reads with the verifier running vs not; durable offloads via the daemon with
                                the verifier stopped at random vs stopped between transactions
   peers     bench/peers.py     kvtier vs python-diskcache and LMCache's LocalDiskBackend on the same objects
+  cluster   bench/cluster_link.py  cross-node restore over a shaped veth link between two network namespaces
+                               (root, iproute2 and Mooncake; otherwise the section says why it was skipped)
+
+The disk's limit for the store's cold read and the daemon's DSV4 restore is fio at kvtier's request size and depth
+(bench/fio_limit.py); where fio is not installed this script says so first and those lines have no limit.
+Every acceptance line in bench/targets.toml is checked against the run and printed as met / missed / n/a, and
+written into latest.json (`targets`). `--thp both` (root) runs the sections under shmem_enabled = never and
+under advise, the host's setting restored after; by default they run under the host's setting, recorded.
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
 script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch); never in
 the project's dependencies. Writes bench/results/latest.json and bench/results/restore_vs_recompute.png, then
 docs/benchmarks.md and the README's key results from them (bench/report.py).
 
-Usage: python bench/run_all.py [--quick] [--only SECTION ...] [--skip SECTION ...] [--dir DIR]
+Usage: python bench/run_all.py [--quick] [--only SECTION ...] [--skip SECTION ...] [--dir DIR] [--thp host|both]
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-import report as report_page  # bench/report.py, beside this script
+import fio_limit  # bench/fio_limit.py, beside this script
+import report as report_page  # bench/report.py
+import targets  # bench/targets.py
 
 from kvtier.core import hugepages
 
@@ -41,7 +51,10 @@ RESULTS = BENCH / "results"
 PEERS_VENV = BENCH / ".venv-peers"
 TORCH = "torch==2.13.0"  # the CPU wheel; installed before LMCache so that it is never replaced
 PEERS = ("lmcache==0.5.6", "diskcache", "matplotlib")
-SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers")
+SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers", "cluster")
+THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+BOTH = ("never", "advise")  # the distributions' default, and the setting that gives shared memory huge pages
+QUIET_BUSY = 0.15  # the share of the CPUs other work may take when the run begins, for the run to count as quiet
 
 
 # ----------------------------------------------------------------------------------------------- peers venv
@@ -139,6 +152,7 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
             "--repeat",
             "1" if quick else "3",
         ],
+        "cluster": [py, "bench/cluster_link.py", *(["--rates", "1.0", "--objects", "64"] if quick else [])],
     }
 
 
@@ -190,6 +204,21 @@ def calibration() -> dict:
     }
 
 
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of all CPUs' time spent on anything but idle over `seconds`, from /proc/stat: what other work
+    takes before the benchmarks start (they would compete with it)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]), idle
+
+    total0, idle0 = sample()
+    time.sleep(seconds)  # a measurement window, not a wait for a condition
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def machine(dir_: str) -> dict:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     mem = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:")), 0)
@@ -208,6 +237,8 @@ def machine(dir_: str) -> dict:
         # large the disk's read requests are (docs/systemd.md)
         "thp_shmem": hugepages.setting("shmem_enabled"),
         "thp_anon": hugepages.setting("enabled"),
+        "fio": fio_limit.missing()
+        or subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
     }
 
 
@@ -225,34 +256,9 @@ def save(report: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Smaller sizes, fewer repeats, restore up to 16K tokens.")
-    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="Run only these sections.")
-    ap.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], help="Leave these sections out.")
-    ap.add_argument(
-        "--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure."
-    )
-    ap.add_argument("--out", default=str(RESULTS), help="Where latest.json and restore_vs_recompute.png go.")
-    ap.add_argument("--timeout", type=float, default=600, help="Seconds one section may take.")
-    args = ap.parse_args()
-    wanted = [s for s in (args.only or SECTIONS) if s not in args.skip]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KVTIER_BENCH_DIR=args.dir)
-
-    started = time.perf_counter()
-    venv: dict = {}
-    peers_python = str(PEERS_VENV / "bin" / "python")
-    if {"peers", "restore"} & set(wanted):
-        try:
-            venv = ensure_peers_venv()
-        except (RuntimeError, subprocess.CalledProcessError) as exc:
-            venv = {"error": str(exc)}
-    cmds = commands(args, peers_python)
-    if "peers" in wanted and "lmcache" in venv.get("missing", {}):
-        cmds["peers"] += ["--stores", "kvtier", "diskcache"]
-
+def run_sections(
+    wanted: list[str], cmds: dict[str, list[str]], venv: dict, args: argparse.Namespace, env: dict[str, str]
+) -> tuple[dict[str, dict], dict[str, float]]:
     sections: dict[str, dict] = {}
     durations: dict[str, float] = {}
     for name in wanted:
@@ -267,17 +273,104 @@ def main() -> None:
         durations[name] = round(took, 1)
     if "peers" in sections and venv.get("missing"):
         sections["peers"]["not_measured"] = venv["missing"]
+    return sections, durations
 
+
+def thp_settings(mode: str) -> list[str | None]:
+    """The shmem_enabled settings to run under: None is the host's own, left as it is."""
+    if mode == "host":
+        return [None]
+    if os.geteuid() != 0 or not THP_SHMEM.exists():
+        raise SystemExit(
+            f"run_all: --thp both needs root and {THP_SHMEM} (it sets shmem_enabled to never, then advise, and "
+            "restores it): run it as root, or without --thp to measure under the host's setting"
+        )
+    return list(BOTH)
+
+
+def check_targets(sections: dict, mach: dict, label: str) -> list[dict]:
+    """Every line of bench/targets.toml against these sections, printed as met / missed / n/a."""
+    verdicts = targets.evaluate(targets.load(), sections, mach)
+    print(f"run_all: targets{label}:", file=sys.stderr)
+    for v in verdicts:
+        print(f"  {targets.line(v)}", file=sys.stderr)
+    return targets.as_json(verdicts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="Smaller sizes, fewer repeats, restore up to 16K tokens.")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="Run only these sections.")
+    ap.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], help="Leave these sections out.")
+    ap.add_argument(
+        "--dir", default=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp"), help="Directory on the filesystem to measure."
+    )
+    ap.add_argument("--out", default=str(RESULTS), help="Where latest.json and restore_vs_recompute.png go.")
+    ap.add_argument("--timeout", type=float, default=600, help="Seconds one section may take.")
+    ap.add_argument(
+        "--thp",
+        choices=("host", "both"),
+        default="host",
+        help="host: run under the host's shmem_enabled; both (root): under never, then advise, the host's restored.",
+    )
+    args = ap.parse_args()
+    wanted = [s for s in (args.only or SECTIONS) if s not in args.skip]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVTIER_BENCH_DIR=args.dir)
+    settings = thp_settings(args.thp)
+    no_fio = fio_limit.missing()
+    if no_fio and {"store", "daemon"} & set(wanted):
+        print(f"run_all: {no_fio}. The store's cold read and the DSV4 restore get no disk limit.", file=sys.stderr)
+
+    started = time.perf_counter()
+    busy = busy_share()
+    venv: dict = {}
+    peers_python = str(PEERS_VENV / "bin" / "python")
+    if {"peers", "restore"} & set(wanted):
+        try:
+            venv = ensure_peers_venv()
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            venv = {"error": str(exc)}
+    cmds = commands(args, peers_python)
+    if "peers" in wanted and "lmcache" in venv.get("missing", {}):
+        cmds["peers"] += ["--stores", "kvtier", "diskcache"]
+
+    host_thp = hugepages.setting("shmem_enabled")
+    runs: list[dict] = []
+    try:
+        for setting in settings:
+            if setting is not None:
+                THP_SHMEM.write_text(setting)
+                print(f"run_all: shmem_enabled = {setting}", file=sys.stderr)
+            sections, durations = run_sections(wanted, cmds, venv, args, env)
+            runs.append(
+                {"thp_shmem": hugepages.setting("shmem_enabled"), "sections": sections, "durations_s": durations}
+            )
+    finally:
+        if hugepages.setting("shmem_enabled") != host_thp:
+            THP_SHMEM.write_text(host_thp)
+    mach = {**machine(args.dir), "busy_before": round(busy, 3), "quiet": busy <= QUIET_BUSY}
+    for run in runs:
+        label = f" (shmem_enabled = {run['thp_shmem']})" if len(runs) > 1 else ""
+        run["targets"] = check_targets(run["sections"], mach, label)
+    # the table of record: the run under the host's own setting (under --thp both, the one of the two it matches,
+    # else the distributions' default)
+    main_run = next((r for r in runs if r["thp_shmem"] == host_thp), runs[0])
     report = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
-        "machine": machine(args.dir),
+        "machine": {**mach, "thp_shmem": main_run["thp_shmem"], "thp_shmem_host": host_thp},
         "quick": args.quick,
         "peers_venv": {k: v for k, v in venv.items() if k != "wanted"},
-        "sections": sections,
-        "durations_s": {**durations, "total": round(time.perf_counter() - started, 1)},
+        "sections": main_run["sections"],
+        "targets": main_run["targets"],
+        "durations_s": {**main_run["durations_s"], "total": round(time.perf_counter() - started, 1)},
     }
+    if len(runs) > 1:
+        report["thp_runs"] = runs
     save(report, out_dir / "latest.json")
+    sections = main_run["sections"]
     if "cases" in sections.get("restore", {}) and "error" not in venv:
         png = out_dir / "restore_vs_recompute.png"
         res = subprocess.run(

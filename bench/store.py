@@ -1,11 +1,14 @@
-"""Disk store throughput next to raw dd O_DIRECT on the same filesystem, in one run; prints one JSON object.
+"""Disk store throughput next to the disk's own limit on the same filesystem, in one run; prints one JSON object.
 
-Sequential write (store_many, group commit: one fdatasync + one LMDB commit per batch, checksums on) and
-cold sequential read (load_into batches into page-aligned targets in the memory the daemon's pool slots
-are, `bench/slots.py`; O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered
-backend) of >= 1 GiB in fixed-size records, against `dd oflag=direct conv=fsync` and `dd iflag=direct` of
-the same size with the same block size. dd and store passes alternate `--repeat` times (the disk is
-shared) and each side's best pass is reported.
+Sequential write (store_many, group commit: one fdatasync + one LMDB commit per batch, checksums on) of >= 1 GiB
+in fixed-size records, against `dd oflag=direct conv=fsync` of the same size with the same block size. Cold
+sequential read (load_into batches into page-aligned targets in the memory the daemon's pool slots are,
+`bench/slots.py`; O_DIRECT, or page cache dropped with posix_fadvise(DONTNEED) on the buffered backend) of the
+records written, against fio reading the store's own segment files with O_DIRECT through libaio at the request
+size and queue depth kvtier's loads use, into huge-page buffers where it can have them (`bench/fio_limit.py`; the
+`fio` object says which memory). In each round the cold read and fio go in ABBA order; rounds are `--repeat`
+(the disk is shared) and each side's best is reported, `read_ratio_to_fio` the one over the other with fio's own
+MB/s beside it, `round_ratios` each round's pair. Without fio the read has no limit: `fio.missing` says so.
 
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
 (`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them).
@@ -23,9 +26,11 @@ import shutil
 import subprocess
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 import xxhash
+from fio_limit import Geometry, HugeBuffers, fio_read, geometry, missing
 from pagecache import drop_cache_tree
 from slots import slot_targets
 
@@ -36,6 +41,13 @@ from kvtier.store import SEGMENTS_DIR, DiskStore, StoreConfig
 MB = 1e6
 
 
+class Limit(NamedTuple):
+    """fio's part of a run: kvtier's read geometry and the buffers fio reads into."""
+
+    geo: Geometry
+    buffers: HugeBuffers
+
+
 def dd_seconds(args: list[str]) -> float:
     res = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
     m = re.search(r"copied, ([0-9.]+) s", res.stderr)
@@ -44,19 +56,29 @@ def dd_seconds(args: list[str]) -> float:
     return float(m.group(1))
 
 
-def raw_pass(work: str, record_mib: int, count: int) -> tuple[float, float]:
-    """dd O_DIRECT write (fsync at the end) and read of the same bytes, with the store's record size as block size."""
+def raw_write(work: str, record_mib: int, count: int) -> float:
+    """dd O_DIRECT write (fsync at the end) of the same bytes, with the store's record size as block size."""
     raw = os.path.join(work, "dd.bin")
     write_s = dd_seconds(
         ["if=/dev/zero", f"of={raw}", f"bs={record_mib}M", f"count={count}", "oflag=direct", "conv=fsync"]
     )
-    read_s = dd_seconds([f"if={raw}", "of=/dev/null", f"bs={record_mib}M", "iflag=direct"])
     os.unlink(raw)
-    return write_s, read_s
+    return write_s
 
 
-def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> tuple[float, float, str]:
-    """Write `count` records with store_many, reopen, read them all back cold with load_into; verify the bytes."""
+def segment_spans(root: str) -> list[tuple[str, int, int]]:
+    """(file, 0, bytes) of every segment file of the store at `root`, cut to whole 4096-byte blocks (O_DIRECT)."""
+    seg_dir = os.path.join(root, SEGMENTS_DIR)
+    paths = sorted(os.path.join(seg_dir, n) for n in os.listdir(seg_dir))
+    return [(p, 0, os.path.getsize(p) // 4096 * 4096) for p in paths]
+
+
+def store_pass(
+    work: str, record: int, count: int, args: argparse.Namespace, limit: Limit | None, fio_first: bool
+) -> tuple[float, float, str, float | None]:
+    """Write `count` records with store_many, reopen, read them all back cold with load_into and verify the bytes;
+    fio reads the store's segment files before or after (`fio_first`). Returns write and read seconds, the
+    backend, and fio's MB/s (None without fio)."""
     root = os.path.join(work, "store")
     vk = VersionKey("bench", "w", "abi", "c", "i", "fp8")
     payloads = [torch.randint(0, 256, (record,), dtype=torch.uint8) for _ in range(4)]
@@ -73,6 +95,9 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
         for idx in batches:
             store.store_many([(keys[i], payloads[i % len(payloads)], digest) for i in idx])
         write_s = time.perf_counter() - t0
+    fio_mbps = None
+    if limit is not None and fio_first:
+        fio_mbps = fio_read(segment_spans(root), limit.geo, limit.buffers).MBps
     if backend == "buffered":
         drop_cache_tree(os.path.join(root, SEGMENTS_DIR))
     with DiskStore(root, cfg) as store:
@@ -86,8 +111,10 @@ def store_pass(work: str, record: int, count: int, args: argparse.Namespace) -> 
         last = batches[-1]
         if bad or not all(torch.equal(outs[j], payloads[i % len(payloads)]) for j, i in enumerate(last)):
             raise SystemExit(f"{bad} of {count} records did not read back correctly")
+    if limit is not None and not fio_first:
+        fio_mbps = fio_read(segment_spans(root), limit.geo, limit.buffers).MBps
     shutil.rmtree(root)
-    return write_s, read_s, backend
+    return write_s, read_s, backend, fio_mbps
 
 
 def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -130,7 +157,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="Records per store_many / load_into call.")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--io-backend", default="auto")
-    ap.add_argument("--repeat", type=int, default=2, help="Alternate dd and store passes; report each one's best.")
+    ap.add_argument("--repeat", type=int, default=2, help="Rounds of store and fio reads (ABBA); each one's best.")
     ap.add_argument("--small-records", type=int, default=20_000, help="1 KB records in the small-object store.")
     args = ap.parse_args()
 
@@ -138,28 +165,53 @@ def main() -> None:
     count = int(args.gib * (1 << 30)) // record
     total = count * record
     work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.dir)
-    raw_w, raw_r, st_w, st_r, small_rand, small_seq = [], [], [], [], [], []
+    raw_w, st_w, st_r, fio_r, small_rand, small_seq = [], [], [], [], [], []
+    no_fio = missing()
+    geo = geometry()
+    buffers = HugeBuffers(geo)
     try:
-        for _ in range(args.repeat):
-            rand, seq = small_pass(work, args)
-            small_rand.append(rand)
-            small_seq.append(seq)
-            w, r = raw_pass(work, args.record_mib, count)
-            raw_w.append(w)
-            raw_r.append(r)
-            w, r, backend = store_pass(work, record, count, args)
-            st_w.append(w)
-            st_r.append(r)
+        with buffers:
+            limit = None if no_fio else Limit(geo, buffers)
+            for r in range(args.repeat):
+                rand, seq = small_pass(work, args)
+                small_rand.append(rand)
+                small_seq.append(seq)
+                raw_w.append(raw_write(work, args.record_mib, count))
+                w, rd, backend, fio_mbps = store_pass(work, record, count, args, limit, fio_first=r % 4 in (1, 2))
+                st_w.append(w)
+                st_r.append(rd)
+                if fio_mbps is not None:
+                    fio_r.append(fio_mbps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    read_mbps = [total / s / MB for s in st_r]
+    fio: dict = (
+        {"missing": no_fio}
+        if no_fio
+        else {
+            "ioengine": "libaio",
+            "direct": True,
+            **geo.describe(),
+            "memory": buffers.memory,
+            "what": "fio --rw=read over the store's segment files, cold (O_DIRECT), ABBA with the store's read",
+        }
+    )
     out = {
         "write_MBps": round(total / min(st_w) / MB, 1),
-        "read_MBps": round(total / min(st_r) / MB, 1),
+        "read_MBps": round(max(read_mbps), 1),
         "raw_write_MBps": round(total / min(raw_w) / MB, 1),
-        "raw_read_MBps": round(total / min(raw_r) / MB, 1),
-        "read_ratio": round(min(raw_r) / min(st_r), 3),
         "write_ratio": round(min(raw_w) / min(st_w), 3),
+        "fio": fio,
+        **(
+            {}
+            if no_fio
+            else {
+                "fio_read_MBps": round(max(fio_r), 1),
+                "read_ratio_to_fio": round(max(read_mbps) / max(fio_r), 3),
+                "round_ratios": [round(k / f, 2) for k, f in zip(read_mbps, fio_r)],
+            }
+        ),
         "small_load_objects_per_s": round(max(small_rand)),
         "small_seq_load_objects_per_s": round(max(small_seq)),
         "record_MiB": args.record_mib,
