@@ -11,13 +11,14 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core import hugepages
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.store.errors import StoreError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class AlignedBuffer:
         self.capacity = capacity
         self._map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mv = memoryview(self._map)
+        import torch
+
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.addr = self.tensor.data_ptr()  # for memmove/memset without a Python-level copy
         if capacity >= hugepages.HUGE_PAGE:  # before the first touch: pages are chosen when faulted in

@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.store_config import StoreConfig, StoreLimits
@@ -45,6 +43,9 @@ from kvtier.store.maintenance import DropFilter, Maintenance, RecordInfo, Verify
 from kvtier.store.reader import Reader
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock
 from kvtier.store.writer import Writer
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 
 class DiskStore:
