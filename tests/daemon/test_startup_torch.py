@@ -19,11 +19,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from kvtier.cli.guards import check_pool_slots
+from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError
 from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.layout import slot_stride
+from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import VersionKey
+from kvtier.gpu.errors import BudgetError
+from kvtier.gpu.slots import _slots_per_form
 from kvtier.integrations.daemon_store import DaemonStore
 from kvtier.store import DiskStore
 from kvtier.wire import Connection
@@ -137,3 +145,30 @@ def daemon_info(daemon: DaemonProc) -> DaemonInfo:
         info = conn.stats().daemon
     assert info is not None
     return info
+
+
+@pytest.mark.parametrize("profile", ["ref-tiny", "deepseek-v4-flash"])
+def test_the_serve_guard_sums_a_block_as_the_pools_do(tmp_path: Path, profile: str) -> None:
+    """`check_pool_slots` adds up a block without kvtier.gpu (torch): at a budget one byte short of a block and at
+    exactly a block, of every form, it refuses exactly when the pools' own sum would."""
+    prof = load_profile(profile)
+    h = prof.hash_block_tokens
+    forms = list(dict.fromkeys(g.form for g in prof.groups))
+    block = {f: sum(slot_stride(g.object_bytes(h)) for g in prof.groups if g.form is f) for f in forms}
+    for short in forms:
+        for budget in (block[short] - 1, block[short]):
+            budgets = {f: (budget if f is short else 4 * block[f]) for f in forms}
+            config = tmp_path / "k.toml"
+            lines = "".join(f"{f.value} = {n}\n" for f, n in budgets.items())
+            config.write_text(f'device = "cpu"\nprofiles = ["{profile}"]\n[pool.budget_bytes]\n{lines}')
+            try:
+                _slots_per_form(prof, budgets)
+                pools_refuse = False
+            except BudgetError:
+                pools_refuse = True
+            if pools_refuse:
+                with pytest.raises(ConfigError, match=short.value):
+                    check_pool_slots(load_config(config, mode="user"))
+            else:
+                check_pool_slots(load_config(config, mode="user"))
+            assert pools_refuse == (budget < block[short])
