@@ -1,8 +1,9 @@
 """The daemon's life: start, READY, serve, watchdog, SIGHUP reload, SIGTERM drain + flush + exit 0.
 
-The socket listens and serves the store (engines' tier ops, status, metrics) before the pools are
-allocated: they are allocated behind it on a thread of their own, and the supervised verifier is started
-behind it too, so a restarted daemon answers engines' lookups without waiting for either. READY=1 (what
+The socket listens and serves the store (engines' tier ops, status, metrics) before torch is imported and
+before the pools are allocated: both happen behind it on a thread of their own (kvtier.daemon.pool_start), and
+the supervised verifier is started behind it too, so a restarted daemon answers engines' lookups without
+waiting for any of them. READY=1 (what
 systemd and the tests wait for) still means everything is up: it comes once the pools are ready (at once
 with no profiles). Until then status says "starting" (exit 5); pools that fail to allocate stop the daemon
 (exit 1, the reason logged).
