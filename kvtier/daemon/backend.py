@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,9 +132,10 @@ class DaemonBackend:
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower, events=self.events)
         self.engine = EngineOps(self.store, self.lower)
 
-    def start_pools(self) -> None:
-        """Allocate the pools behind serving (the daemon calls this once it listens)."""
-        self.pool_start.start()
+    def start_pools(self, on_change: Callable[[], None]) -> None:
+        """Load torch and allocate the pools behind serving (the daemon calls this once it listens); `on_change`
+        is called from the pool thread whenever `pools_state` may have changed."""
+        self.pool_start.start(on_change)
 
     def _warm(self) -> None:
         """Behind serving, on the pool thread: torch and the modules of the pools and of loads, then the store's

@@ -64,6 +64,7 @@ class PoolStart:
         self._closing = False
         self._built: list[Runtime] = []
         self._thread: threading.Thread | None = None
+        self._on_change: Callable[[], None] | None = None
         self.started_at: float | None = None
         self.seconds: float | None = None  # how long the allocation took, once ready
         if not self._profiles:
@@ -88,10 +89,12 @@ class PoolStart:
         """Whether the warm-up (torch and the pools' modules) has finished."""
         return self._warmed.is_set()
 
-    def start(self) -> None:
-        """Begin the warm-up, then allocating (once); with no profiles, the warm-up alone."""
+    def start(self, on_change: Callable[[], None] | None = None) -> None:
+        """Begin the warm-up, then allocating (once); with no profiles, the warm-up alone. `on_change` is called
+        (on the pool thread) after each change of `state` and once the thread ends."""
         if self._thread is not None or (not self._profiles and self._warm is None):
             return
+        self._on_change = on_change
         self._thread = threading.Thread(target=self._run, name="kvtier-pools", daemon=True)
         self._thread.start()
 
@@ -100,6 +103,13 @@ class PoolStart:
         return self._done.wait(timeout_s)
 
     def _run(self) -> None:
+        try:
+            self._work()
+        finally:
+            if self._on_change is not None:
+                self._on_change()
+
+    def _work(self) -> None:
         try:
             _hold(HOLD_TORCH_ENV)
             if self._warm is not None:
@@ -125,6 +135,8 @@ class PoolStart:
                 return
             self._state = "allocating"
             self.started_at = time.monotonic()
+        if self._on_change is not None:
+            self._on_change()
         try:
             for profile in self._profiles:
                 if self._closing:
