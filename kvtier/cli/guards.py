@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvtier.core.config import DaemonConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.layout import slot_stride
 from kvtier.core.profile import load_profile
 from kvtier.core.units import format_bytes
 
@@ -134,24 +135,31 @@ def check_pool_budget(cfg: DaemonConfig, device: str, room: MemoryRoom | None = 
 
 def check_pool_slots(cfg: DaemonConfig) -> None:
     """Every form's budget must hold a block of each profile's groups: checked before serving, since the pools
-    themselves are allocated after the daemon listens (a failure there would stop a daemon already serving)."""
-    from kvtier.core.forms import CacheForm
-    from kvtier.gpu.errors import BudgetError
-    from kvtier.gpu.slots import _slots_per_form
+    themselves are allocated after the daemon listens (a failure there would stop a daemon already serving).
 
+    The same sum as the pools' (`kvtier.gpu.slots._slots_per_form`), on the profile alone: importing kvtier.gpu
+    loads torch, which the daemon leaves until it listens (tests/daemon/test_startup_torch.py holds them equal)."""
     for name in cfg.profiles:
-        try:
-            _slots_per_form(load_profile(name), {CacheForm(f): n for f, n in cfg.pool.budget_bytes.items()})
-        except BudgetError as exc:
-            raise ConfigError(f"profile {name}: {exc}", key="pool.budget_bytes", source=cfg.source) from None
+        profile = load_profile(name)
+        h = profile.hash_block_tokens
+        for form in dict.fromkeys(g.form for g in profile.groups):
+            per_block = sum(slot_stride(g.object_bytes(h)) for g in profile.groups if g.form is form)
+            budget = cfg.pool.budget_bytes.get(form.value, 0)
+            if budget < per_block:
+                raise ConfigError(
+                    f"profile {name}: the {form.value} budget ({budget} B) holds no block of its groups "
+                    f"({per_block} B per block); raise it",
+                    key="pool.budget_bytes",
+                    source=cfg.source,
+                )
 
 
 def check_device(cfg: DaemonConfig) -> str:
     """The device the pools go on (`auto` resolved), or a ConfigError when this host lacks it."""
+    if cfg.device == "cpu":
+        return "cpu"  # without torch: a cpu daemon listens before torch is loaded (kvtier.daemon.pool_start)
     import torch
 
-    if cfg.device == "cpu":
-        return "cpu"
     has_cuda = torch.cuda.is_available()
     if cfg.device == "auto":
         return "cuda" if has_cuda else "cpu"

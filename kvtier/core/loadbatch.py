@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
-import torch
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.core.versions import NAMESPACE_BYTES
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 
 def slot_bytes(pool: torch.Tensor, stride: int, nbytes: int, slot: int) -> torch.Tensor:

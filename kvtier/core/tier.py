@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.versions import NAMESPACE_BYTES
+
+if TYPE_CHECKING:  # a daemon answers lookups before torch is loaded: the tensors here are annotations only
+    import torch
 
 
 class _KeyFields(NamedTuple):

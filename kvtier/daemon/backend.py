@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,6 @@ from kvtier.core.profile import ModelProfile, load_profile
 from kvtier.core.tier import LowerTier, ObjectKey
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.below_pools import build_lower, close_lower, cluster_doc, cluster_problem
-from kvtier.daemon.durability import make_durable
 from kvtier.daemon.engine_ops import EngineOps
 from kvtier.daemon.events import EventPublisher, start_events, stop_events
 from kvtier.daemon.namespaces import Rollout, stale_reply
@@ -45,16 +44,17 @@ from kvtier.daemon.persister import Persister
 from kvtier.daemon.pool_start import PoolStart
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
-from kvtier.daemon.staging import StagingError, copy_in, freeze
 from kvtier.daemon.startup_phases import PHASES
 from kvtier.daemon.stats import backend_stats
 from kvtier.daemon.tier_ops import TierOps
 from kvtier.daemon.writeback_room import RoomRequests
-from kvtier.gpu import AdmissionRefused, CacheManager, PoolLookup, WriteHandle
 from kvtier.store import DecisionServer, DiskStore, PutDoc
 from kvtier.wire import messages as P
 from kvtier.wire.errors import NoPools, OutOfOrder, WrongType
 from kvtier.wire.stats import PinStats, StatsDoc
+
+if TYPE_CHECKING:  # the pools' modules (and torch) are loaded behind serving, by the pool thread
+    from kvtier.gpu import PoolLookup, WriteHandle
 
 log = logging.getLogger(__name__)
 # the longest an attach waits for pools still being allocated before it is refused: below the clients' default
@@ -92,7 +92,8 @@ class DaemonBackend:
         self._closed = False  # first: close() runs on a failed start too (a bad profile, an unusable store)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.store = DiskStore(str(cfg.store.root), cfg.store, writer=True)
+        # the loads' resources are tensors: taken by the warm-up behind serving (`_warm`), not before listening
+        self.store = DiskStore(str(cfg.store.root), cfg.store, writer=True, take_load_resources=False)
         self.runtimes: dict[str, Runtime] = {}  # filled by the pool thread (`_adopt`); the rollout's live map
         self.lower: LowerTier = self.store
         self._start_lock = threading.Lock()  # a reload and the pools' adoption apply the config one at a time
@@ -115,7 +116,7 @@ class DaemonBackend:
         except BaseException:
             self.close()
             raise
-        self.pool_start = PoolStart(list(profiles.values()), self._new_pools, self._adopt)
+        self.pool_start = PoolStart(list(profiles.values()), self._new_pools, self._adopt, warm=self._warm)
         self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
         # The index's changes the verifier decides, and the main loop's documents, are applied on this thread:
         # the daemon is the index's only writer while it runs (kvtier.store.decisions).
@@ -131,9 +132,19 @@ class DaemonBackend:
         self.tier = TierOps(self.store, cfg.store.codec, lower=self.lower, events=self.events)
         self.engine = EngineOps(self.store, self.lower)
 
-    def start_pools(self) -> None:
-        """Allocate the pools behind serving (the daemon calls this once it listens)."""
-        self.pool_start.start()
+    def start_pools(self, on_change: Callable[[], None]) -> None:
+        """Load torch and allocate the pools behind serving (the daemon calls this once it listens); `on_change`
+        is called from the pool thread whenever `pools_state` may have changed."""
+        self.pool_start.start(on_change)
+
+    def _warm(self) -> None:
+        """Behind serving, on the pool thread: torch and the modules of the pools and of loads, then the store's
+        load resources, so neither the first load nor the pools' allocation pays them."""
+        import torch  # noqa: F401  (the import is the point: seconds of CPU, paid here rather than before listening)
+
+        from kvtier.daemon import durability, staging  # noqa: F401  (a seal's: kvtier.gpu, the staging copy)
+
+        self.store.take_load_resources()
 
     def _adopt(self, runtimes: list[Runtime]) -> None:
         """The pool thread's pools go live: the profiles' versions and canaries of the config now in force."""
@@ -149,6 +160,8 @@ class DaemonBackend:
 
     def _new_pools(self, profile: ModelProfile) -> Runtime:
         """A pool set for `profile` (its live version's at start; a canary's when the first one starts)."""
+        from kvtier.gpu import CacheManager  # loaded by now: the pool thread imports the pools' modules first
+
         cfg = self.cfg
         manager = CacheManager(
             profile,
@@ -251,6 +264,8 @@ class DaemonBackend:
         return sum(manager.abort(w) for w in held.writes)
 
     def offload(self, session: Session, req: P.Offload) -> P.OffloadOk:
+        from kvtier.gpu import AdmissionRefused  # an attached session: the pools' modules are loaded
+
         rt = self._runtime(session)
         hashes = _split_hashes(req.hashes)
         if len(req.groups) != len(req.blocks):
@@ -312,6 +327,8 @@ class DaemonBackend:
         self.persister.sealed(sealed, self.cfg.shutdown_timeout_s)
         if not req.durable:
             return P.SealOk(sealed, False)
+        from kvtier.daemon.durability import make_durable  # it reads the pools' block states (kvtier.gpu)
+
         d = make_durable(self.store, self.persister, held.runtime, held.named, held.refused, self.cfg.durable_wait_s)
         if d.not_durable:
             log.warning(
@@ -325,6 +342,8 @@ class DaemonBackend:
     def _fill(self, held: Held, written: list[int], fds: Sequence[int]) -> list[int]:
         """The bytes each reserved object really holds. On cpu the client cannot write the pools: its bytes
         arrive in one staging memfd, frozen here and copied into the slots; on cuda it wrote them in place."""
+        from kvtier.daemon.staging import StagingError, copy_in, freeze  # torch: loaded with the pools
+
         pools = held.runtime.manager.pools()
         if not held.writes or pools[0].reader_fd is None:
             return list(written)

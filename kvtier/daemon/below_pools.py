@@ -9,16 +9,17 @@ limits, stats, the verifier's view).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvtier.cluster import ClusterTier
-from kvtier.cluster.chain import TierChain
 from kvtier.core.config import DaemonConfig
 from kvtier.core.tier import LowerTier
 from kvtier.daemon.events import EventPublisher, ObservedCluster
 from kvtier.store import DiskStore
+
+if TYPE_CHECKING:  # the cluster's modules load torch: imported only where the cluster is enabled
+    from kvtier.cluster.chain import TierChain
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def build_lower(cfg: DaemonConfig, store: DiskStore, events: EventPublisher | No
     c = cfg.cluster
     if not c.enabled:
         return store
+    from kvtier.cluster import ClusterTier
+    from kvtier.cluster.chain import TierChain
+
     cluster = ClusterTier(c)
     # with [events] on, the cluster's copies are published too (their writes and removals, medium kvtier_cluster)
     chain = TierChain(store, cluster if events is None else ObservedCluster(cluster, events), c)  # type: ignore[arg-type]
@@ -45,21 +49,34 @@ def build_lower(cfg: DaemonConfig, store: DiskStore, events: EventPublisher | No
     return chain
 
 
+def _chain(lower: LowerTier) -> TierChain | None:
+    """The tier chain, or None on a single node, where `build_lower` returned the store itself (and the cluster's
+    modules were never imported: this never imports them either)."""
+    if isinstance(lower, DiskStore):
+        return None
+    from kvtier.cluster.chain import TierChain
+
+    return lower if isinstance(lower, TierChain) else None
+
+
 def cluster_doc(lower: LowerTier) -> dict[str, Any]:
     """The cluster tier's own stats document (ChainStats as plain data) for `kvtier status`; {} on a single node."""
-    return msgspec.to_builtins(lower.stats()) if isinstance(lower, TierChain) else {}
+    chain = _chain(lower)
+    return msgspec.to_builtins(chain.stats()) if chain is not None else {}
 
 
 def cluster_problem(lower: LowerTier) -> str:
     """Why the configured cluster is not serving ("" on a single node or while it is up): degraded health,
     never unhealthy, since the node keeps serving its own pools and disk."""
-    if not isinstance(lower, TierChain) or lower.cluster.up:
+    chain = _chain(lower)
+    if chain is None or chain.cluster.up:
         return ""
-    why = lower.cluster.stats().why_down
+    why = chain.cluster.stats().why_down
     return f"cluster down ({why}): serving node-local" if why else "cluster down: serving node-local"
 
 
 def close_lower(lower: LowerTier, timeout_s: float) -> None:
     """Finish queued write-through / promotions for up to `timeout_s` and close the cluster client (not the store)."""
-    if isinstance(lower, TierChain):
-        lower.close(timeout_s)
+    chain = _chain(lower)
+    if chain is not None:
+        chain.close(timeout_s)

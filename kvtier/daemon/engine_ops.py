@@ -20,8 +20,6 @@ import os
 import time
 from collections.abc import Sequence
 
-import torch
-
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
@@ -125,6 +123,8 @@ class EngineOps:
         """Load each key through the tier chain (its cluster copy, verified; promoted to local disk after)."""
         if not keys or self.lower is self.store:
             return [Reason.OK] * len(keys)  # nothing below local disk: has() found them there
+        import torch  # only with a cluster below local disk
+
         requests = [LoadRequest(k, torch.empty(sizes[k.group], dtype=torch.uint8), d) for k, d in zip(keys, digests)]
         return self.lower.load_into(requests)
 

@@ -1,4 +1,4 @@
-"""The served profiles' pools, allocated on a thread of their own once the daemon serves.
+"""torch and the served profiles' pools, loaded and allocated on a thread of their own once the daemon serves.
 
 Allocating pools is the slow part of a start (seconds for large budgets, tens of seconds for DeepSeek-V4's
 defaults), and nothing but kvtier's own client needs them: engines' tier ops, status and metrics read the
@@ -6,8 +6,14 @@ store. So the daemon listens first and allocates behind it; an attach waits for 
 into the client at attach), everything else is served at once. The state is read from here, never cached
 elsewhere: `none` (no profiles: an engine-only node), `waiting`, `allocating`, `ready`, or `failed`.
 
-`KVTIER_HOLD_POOLS` names a FIFO: the thread opens it and reads one byte before allocating, so a test can
-observe the daemon serving while its pools are not ready, without a race against the allocation.
+Before it allocates, the thread runs the warm-up (`warm`: import torch and the pools' and loads' modules, take
+the store's load resources), also on a node without profiles: importing torch costs seconds of CPU, more than
+everything else a start does, and nothing a lookup answers needs it, so the daemon listens without it. A request
+that needs a tensor (an engine tier's load or store) imports it where it needs it, which waits for the
+warm-up's import if that is still under way (Python's import lock), and never imports it twice.
+
+Two FIFOs let a test observe the daemon serving in between, without a race: `KVTIER_HOLD_TORCH` before the
+warm-up, `KVTIER_HOLD_POOLS` before the allocation. The thread opens the named FIFO and reads one byte first.
 """
 
 from __future__ import annotations
@@ -20,23 +26,37 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.profile import ModelProfile
 from kvtier.daemon.runtime import Runtime
+from kvtier.daemon.startup_phases import PHASES
 
 log = logging.getLogger(__name__)
 HOLD_ENV = "KVTIER_HOLD_POOLS"
+HOLD_TORCH_ENV = "KVTIER_HOLD_TORCH"
+
+
+def _hold(env: str) -> None:
+    """Wait for one byte on the FIFO that `env` names (a test's hand on the start), if it names one."""
+    hold = os.environ.get(env)
+    if hold:
+        with open(hold, "rb") as fifo:  # blocks until the test opens the other end and writes
+            fifo.read(1)
 
 
 class PoolStart:
-    """Build each profile's pools on one thread; `adopt` hands them to the backend when all are built."""
+    """Warm up, then build each profile's pools, on one thread; `adopt` hands them to the backend when all are
+    built."""
 
     def __init__(
         self,
         profiles: Sequence[ModelProfile],
         build: Callable[[ModelProfile], Runtime],
         adopt: Callable[[list[Runtime]], None],
+        warm: Callable[[], None] | None = None,
     ) -> None:
         self._profiles = list(profiles)
         self._build = build
         self._adopt = adopt
+        self._warm = warm
+        self._warmed = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._state = "none" if not self._profiles else "waiting"
@@ -44,6 +64,7 @@ class PoolStart:
         self._closing = False
         self._built: list[Runtime] = []
         self._thread: threading.Thread | None = None
+        self._on_change: Callable[[], None] | None = None
         self.started_at: float | None = None
         self.seconds: float | None = None  # how long the allocation took, once ready
         if not self._profiles:
@@ -63,10 +84,17 @@ class PoolStart:
     def ready(self) -> bool:
         return self.state == "ready"
 
-    def start(self) -> None:
-        """Begin allocating (once); a no-op with no profiles."""
-        if not self._profiles or self._thread is not None:
+    @property
+    def warmed(self) -> bool:
+        """Whether the warm-up (torch and the pools' modules) has finished."""
+        return self._warmed.is_set()
+
+    def start(self, on_change: Callable[[], None] | None = None) -> None:
+        """Begin the warm-up, then allocating (once); with no profiles, the warm-up alone. `on_change` is called
+        (on the pool thread) after each change of `state` and once the thread ends."""
+        if self._thread is not None or (not self._profiles and self._warm is None):
             return
+        self._on_change = on_change
         self._thread = threading.Thread(target=self._run, name="kvtier-pools", daemon=True)
         self._thread.start()
 
@@ -75,10 +103,30 @@ class PoolStart:
         return self._done.wait(timeout_s)
 
     def _run(self) -> None:
-        hold = os.environ.get(HOLD_ENV)
-        if hold:
-            with open(hold, "rb") as fifo:  # blocks until the test opens the other end and writes
-                fifo.read(1)
+        try:
+            self._work()
+        finally:
+            if self._on_change is not None:
+                self._on_change()
+
+    def _work(self) -> None:
+        try:
+            _hold(HOLD_TORCH_ENV)
+            if self._warm is not None:
+                self._warm()
+            PHASES.mark("torch_loaded")
+        except BaseException as exc:  # without torch no load can be served: the daemon stops, saying why
+            with self._lock:
+                self._state = "failed"
+                self._error = f"loading torch and the pools' modules: {type(exc).__name__}: {exc}"
+            log.error("%s", self._error)
+            self._done.set()
+            return
+        finally:
+            self._warmed.set()
+        if not self._profiles:
+            return
+        _hold(HOLD_ENV)
         with self._lock:
             if self._closing:
                 self._state = "failed"
@@ -87,6 +135,8 @@ class PoolStart:
                 return
             self._state = "allocating"
             self.started_at = time.monotonic()
+        if self._on_change is not None:
+            self._on_change()
         try:
             for profile in self._profiles:
                 if self._closing:

@@ -5,19 +5,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvtier.core.profile import ModelProfile
-from kvtier.gpu import CacheManager, PoolLookup
 from kvtier.wire import messages as P
+
+if TYPE_CHECKING:  # a Runtime is built on the pool thread, which loads torch and the pools' modules first
+    from kvtier.gpu import CacheManager, PoolLookup
 
 
 def resolve_device(device: str) -> str:
-    """`auto` is cuda where a GPU is visible, else cpu."""
+    """`auto` is cuda where a GPU is visible, else cpu (only `auto` asks torch)."""
     if device == "auto":
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 

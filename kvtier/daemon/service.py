@@ -1,8 +1,9 @@
 """The daemon's life: start, READY, serve, watchdog, SIGHUP reload, SIGTERM drain + flush + exit 0.
 
-The socket listens and serves the store (engines' tier ops, status, metrics) before the pools are
-allocated: they are allocated behind it on a thread of their own, and the supervised verifier is started
-behind it too, so a restarted daemon answers engines' lookups without waiting for either. READY=1 (what
+The socket listens and serves the store (engines' tier ops, status, metrics) before torch is imported and
+before the pools are allocated: both happen behind it on a thread of their own (kvtier.daemon.pool_start), and
+the supervised verifier is started behind it too, so a restarted daemon answers engines' lookups without
+waiting for any of them. READY=1 (what
 systemd and the tests wait for) still means everything is up: it comes once the pools are ready (at once
 with no profiles). Until then status says "starting" (exit 5); pools that fail to allocate stop the daemon
 (exit 1, the reason logged).
@@ -20,6 +21,7 @@ import os
 import selectors
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +55,7 @@ class ServiceBackend(Backend, Protocol):
     def reload(self, cfg: DaemonConfig) -> None: ...
     def drain(self, timeout_s: float) -> bool: ...
     def close(self) -> None: ...
-    def start_pools(self) -> None: ...
+    def start_pools(self, on_change: Callable[[], None]) -> None: ...
     def pools_state(self) -> str: ...
 
 
@@ -95,6 +97,7 @@ class Daemon:
         self.metrics_address: tuple[str, int] | None = None
         self._stop = False
         self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()  # the pool thread may outlive run(): it never writes to a closed fd
         self._pending: list[int] = []
         self._pools_seen = ""
         self._exit = 0  # non-zero: why the daemon stopped itself
@@ -162,6 +165,18 @@ class Daemon:
             os.write(self._pipe_w, b"\0")
         except BlockingIOError:
             pass
+
+    def _wake(self) -> None:
+        """The pool thread's word that its state changed: the main loop wakes (the self-pipe) and sends READY or
+        stops. A wake-up, not a poll: a loop waking every few milliseconds would take the GIL from the thread
+        importing torch, over and over, and slow the start it waits for."""
+        with self._wake_lock:
+            if self._pipe_w < 0:  # run() has ended
+                return
+            try:
+                os.write(self._pipe_w, b"\0")
+            except BlockingIOError:  # full: the loop has wake-ups enough waiting
+                pass
 
     def _install_signals(self) -> dict[int, Any]:
         return {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
@@ -257,7 +272,7 @@ class Daemon:
                 self.notifier.status(f"serving the store on {self.cfg.server.socket}; allocating pools")
             self.notifier.ping_watchdog()
             # behind serving: neither the pools nor the verifier is needed to answer the store's lookups
-            self.backend.start_pools()
+            self.backend.start_pools(self._wake)
             if self.supervisor is not None:
                 self.supervisor.start()
                 PHASES.mark("verifier_started")
@@ -267,8 +282,6 @@ class Daemon:
                 # the lobby's due time from the clock now, not the turn's start: housekeeping may have run since
                 dues = (TICK_S, self.notifier.watchdog_due(), self.server.lobby.due(time.monotonic()))
                 wait = min(x for x in dues if x is not None)
-                if not self._pools_settled():
-                    wait = min(wait, 0.05)  # READY follows the pool thread closely
                 for key, _ in sel.select(wait):
                     if key.data == "accept":
                         self.server.accept_ready()
@@ -287,8 +300,10 @@ class Daemon:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             sel.close()
-            os.close(self._pipe_r)
-            os.close(self._pipe_w)
+            with self._wake_lock:
+                os.close(self._pipe_r)
+                os.close(self._pipe_w)
+                self._pipe_w = -1
             self.notifier.close()
 
     def _shutdown(self, sel: selectors.BaseSelector) -> int:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvtier.daemon.runtime import Runtime
 from kvtier.wire import messages as P
+
+if TYPE_CHECKING:  # the server serves before the pools (and torch) are loaded
+    from kvtier.daemon.runtime import Runtime
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,15 +4,18 @@ managers, the store's own document with the persister's counters, and what the v
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.core.verifier_status import verifier_status
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.runtime import Runtime
-from kvtier.gpu.counters import FormCounts
 from kvtier.store import DiskStore
 from kvtier.wire.stats import FormStats, LatencyHistogram, PoolStats, ProfileStats, StatsDoc, VerifierReport
+
+if TYPE_CHECKING:  # status is served before the pools' modules (and torch) are loaded
+    from kvtier.gpu.counters import FormCounts
 
 
 def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Persister, prewarm_pins: int) -> StatsDoc:

@@ -2,6 +2,10 @@
 
 `tier_open` registers the namespace and maps the client's staging memfd; `tier_has`, `tier_store` and
 `tier_load` then name objects by (block hash, group index) and bytes by offset in that staging region.
+
+No torch at import, nor in `tier_open`, `tier_has` and `tier_keys`: a restarted daemon answers engines' lookups
+while torch is still loading behind serving. The staging region becomes a tensor at the first load or store
+(which waits for torch's import if it is still under way).
 """
 
 from __future__ import annotations
@@ -15,8 +19,6 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvtier.core.forms import CacheForm
 from kvtier.core.hashing import HASH_BYTES
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
@@ -28,6 +30,8 @@ from kvtier.wire import messages as P
 from kvtier.wire.errors import BadRange, WrongType
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtier.daemon.events import EventPublisher
 
 log = logging.getLogger(__name__)
@@ -40,8 +44,8 @@ class TierConn:
 
     namespace: bytes
     groups: list[tuple[str, CacheForm]]
-    staging: torch.Tensor  # uint8 over `mapping`; empty when the client asked for none
-    mapping: mmap.mmap | None = None
+    mapping: mmap.mmap | None = None  # None when the client asked for no staging region
+    staging: torch.Tensor | None = None  # uint8 over `mapping`, made by the first load or store (`_staging`)
 
     def keys(self, items: list[P.TierItem]) -> tuple[list[ObjectKey], list[bytes]]:
         keys: list[ObjectKey] = []
@@ -58,17 +62,27 @@ class TierConn:
 
     def ranges(self, items: list[P.TierItem]) -> list[torch.Tensor]:
         """Each item's bytes in the staging region; any range outside it is a BadRange (nothing is read or written)."""
-        size = self.staging.numel()
+        size = len(self.mapping) if self.mapping is not None else 0
         for it in items:
             if it.nbytes <= 0 or it.offset < 0 or it.offset + it.nbytes > size:
                 raise BadRange(
                     f"bytes [{it.offset}, {it.offset + it.nbytes}) are not a non-empty range"
                     f" of the {size}-byte staging region"
                 )
-        return [self.staging[it.offset : it.offset + it.nbytes] for it in items]
+        staging = self._staging()
+        return [staging[it.offset : it.offset + it.nbytes] for it in items]
+
+    def _staging(self) -> torch.Tensor:
+        """The staging region as a uint8 tensor (the connection's own thread calls this: no lock)."""
+        if self.staging is None:
+            import torch  # the first load or store of the connection; torch has usually loaded behind serving
+
+            assert self.mapping is not None  # ranges() found the items inside a non-empty region
+            self.staging = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        return self.staging
 
     def close(self) -> None:
-        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.staging = None
         if self.mapping is not None:
             try:
                 self.mapping.close()
@@ -141,12 +155,9 @@ class TierOps:
             if mapping is not None:
                 mapping.close()
             raise
-        staging = (
-            torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
-        )
         with self._lock:
             old = self._conns.get(session.owner)
-            self._conns[session.owner] = TierConn(namespace, groups, staging, mapping)
+            self._conns[session.owner] = TierConn(namespace, groups, mapping)
         if old is not None:  # a second tier_open on the connection replaces the first
             self.stats.closed(old.namespace)
         self.stats.opened(namespace, version_key)

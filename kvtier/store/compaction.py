@@ -6,10 +6,9 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import lmdb
-import torch
 
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
@@ -25,6 +24,9 @@ from kvtier.store.maintenance import Maintenance
 from kvtier.store.reader import Reader, ReadJob
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
 from kvtier.store.segments import Appender, allocate_segment, seal_segment, segment_name
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,6 +217,8 @@ class Compaction:
 
             def keep(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
                 assert header is not None and buf is not None
+                import torch
+
                 data = torch.frombuffer(bytearray(buf.mv[at : at + job.entry.stored_len]), dtype=torch.uint8)
                 copies.append(_Copy(encode_key(job.key), job.entry, _as_v2(header, job.entry), data))
 
@@ -229,6 +233,8 @@ class Compaction:
         assert self._relocator is not None
         now = time.time()
         ns_records = [namespace_record(namespaces[ns], now) for ns in dict.fromkeys(c.header.namespace for c in copies)]
+        import torch
+
         records = [(h, torch.frombuffer(bytearray(body), dtype=torch.uint8)) for h, body in ns_records]
         records += [(c.header, c.data) for c in copies]
         seg_id, offsets = write_extent(self._relocator, ctx.backend, ctx.buffers, records, None)

@@ -9,9 +9,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.store_config import StoreConfig
@@ -19,6 +17,9 @@ from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, StoreForkError, StoreRequestError
 from kvtier.store.index import Index, IndexEntry, unpack_time
 from kvtier.store.io import BufferPool, PosixBackend
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +128,10 @@ def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:
         pool.submit(barrier.wait, 10.0)
 
 
-_UINT8 = torch.uint8  # dtypes are singletons: `is`, and no module attribute lookup per object
-
-
 def flat_uint8(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype is not _UINT8 or not t.is_contiguous() or t.numel() == 0:
+    import torch  # loaded by whoever made `t`: a dictionary lookup here
+
+    if not isinstance(t, torch.Tensor) or t.dtype is not torch.uint8 or not t.is_contiguous() or t.numel() == 0:
         raise StoreRequestError(
             "payloads and load targets must be non-empty contiguous uint8 tensors (a view of the slot)"
         )

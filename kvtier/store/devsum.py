@@ -18,8 +18,10 @@ by trailing zeros.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 _P = (2**31 - 1, 2**31 - 19)
 _A = (1_103_515_245, 1_664_525_013)  # weight multipliers, both < P and coprime to it
@@ -38,6 +40,8 @@ def _weight_table(device: torch.device, words: int) -> torch.Tensor:
         table = _weights.get(key)
         if table is None or table.shape[1] < words:
             n = max(words, 1024, 2 * (table.shape[1] if table is not None else 0))
+            import torch
+
             i = torch.arange(1, n + 1, dtype=torch.int64, device=device)
             table = torch.stack([(i * a) % p for a, p in zip(_A, _P)])
             _weights[key] = table
@@ -47,6 +51,8 @@ def _weight_table(device: torch.device, words: int) -> torch.Tensor:
 def device_checksum(data: torch.Tensor) -> int:
     """The checksum of a contiguous uint8 tensor, on whatever device it lives (one small result comes to host)."""
     n = data.numel()
+    import torch
+
     if data.dtype != torch.uint8 or not data.is_contiguous() or n >= _MAX_BYTES:
         raise ValueError("device_checksum takes a contiguous uint8 tensor under 4 GiB")
     pad = -n % 4

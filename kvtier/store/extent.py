@@ -11,14 +11,15 @@ import ctypes
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Generic, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.store.io import AlignedBuffer, BufferPool, PosixBackend, SegmentFile
 from kvtier.store.record import HEADER_BYTES, RecordHeader, header_offset, record_length
 from kvtier.store.segments import Appender
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
 MAX_RUN_BYTES = 16 << 20  # one read covers at most this much (a larger record is a run of its own)
@@ -83,6 +84,8 @@ class Stage:
 
     @classmethod
     def on_device(cls, size: int, device: torch.device) -> Stage:
+        import torch
+
         return cls(torch.empty(size, dtype=torch.uint8, device=device), size, None, None)
 
     def zero(self, at: int, n: int) -> None:
@@ -103,6 +106,8 @@ class Stage:
         else:
             block = bytearray(HEADER_BYTES)
             header.pack_into(memoryview(block), 0)
+            import torch
+
             self.tensor[at : at + HEADER_BYTES].copy_(torch.frombuffer(block, dtype=torch.uint8))
 
     def write(self, backend: PosixBackend, file: SegmentFile, offset: int) -> None:

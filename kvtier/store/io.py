@@ -11,13 +11,14 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core import hugepages
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.store.errors import StoreError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +37,27 @@ class AlignedBuffer:
     """Page-aligned private anonymous memory usable by O_DIRECT, viewed as a memoryview and a uint8 tensor; from
     2 MiB on, on huge pages where the kernel gives them (kvtier.core.hugepages: larger requests per read)."""
 
-    __slots__ = ("_map", "addr", "capacity", "mv", "tensor")
+    __slots__ = ("_map", "_tensor", "addr", "capacity", "mv")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mv = memoryview(self._map)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.addr = self.tensor.data_ptr()  # for memmove/memset without a Python-level copy
+        self._tensor: torch.Tensor | None = None
+        # for memmove/memset without a Python-level copy; the address is the mapping's for its whole life
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         if capacity >= hugepages.HUGE_PAGE:  # before the first touch: pages are chosen when faulted in
             hugepages.advise_huge(self.addr, capacity)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The buffer as a uint8 tensor, made at first use: the store's O_DIRECT probe, run before a daemon
+        listens, uses a buffer without loading torch."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._tensor
 
 
 class BufferPool:

@@ -41,10 +41,10 @@ import ctypes
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
-import torch
 import xxhash
 
 from kvtier.core.forms import Reason
@@ -66,6 +66,9 @@ from kvtier.store.record import (
     Codec,
     Flags,
 )
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -469,6 +472,8 @@ def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]
 def _flat_pool(g: TargetGroup) -> bool:
     """Whether slices of the group's pool are the flat, contiguous, non-empty uint8 targets this path needs."""
     t = g.tensor
+    import torch
+
     return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
 
 

@@ -8,10 +8,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
-import torch
 
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
@@ -38,6 +37,9 @@ from kvtier.store.record import (
 )
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 from kvtier.store.segments import segment_name
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -553,6 +555,8 @@ def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None,
         if out.is_cpu:
             zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(out.numpy()))
         else:
+            import torch
+
             plain = torch.empty(entry.payload_len, dtype=torch.uint8)
             zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(plain.numpy()))
             out.copy_(plain)

@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 
 import lmdb
-import torch
 
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
@@ -159,6 +158,8 @@ def _header_at(mv: memoryview, at: int) -> RecordHeader | RecordHeaderV1:
 def _payload_good(header: RecordHeader | RecordHeaderV1, stored: memoryview) -> bool:
     if header.flags & Flags.XXH3:
         return payload_checksum(stored) == header.payload_checksum
+    import torch
+
     return device_checksum(torch.frombuffer(bytearray(stored), dtype=torch.uint8)) == header.device_checksum
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.store_config import StoreConfig, StoreLimits
@@ -46,13 +44,19 @@ from kvtier.store.reader import Reader
 from kvtier.store.segments import SEGMENTS_DIR, WriterLock
 from kvtier.store.writer import Writer
 
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
+
 
 class DiskStore:
     """The disk tier. Open one per process (after any fork); `writer=True` only in the daemon.
 
     `decisions`: a maintenance process beside a daemon (the verifier) passes the channel to it. Its index is then
     opened read-only (it cannot take LMDB's write lock at all), and every index change it decides is sent to the
-    daemon, which applies it (`kvtier.store.decisions`). Without one, its changes are applied here."""
+    daemon, which applies it (`kvtier.store.decisions`). Without one, its changes are applied here.
+
+    `take_load_resources=False`: a writer leaves its loads' AIO context and bounce buffers (torch tensors) to a
+    later `take_load_resources()`: a daemon opens its store and serves lookups before torch is loaded."""
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class DiskStore:
         writer: bool = False,
         readonly: bool = False,
         decisions: DecisionClient | None = None,
+        take_load_resources: bool = True,
     ) -> None:
         config = config or StoreConfig()
         if writer and readonly:
@@ -95,9 +100,14 @@ class DiskStore:
             self._writer = Writer(self._ctx)
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
-            self._reader.take_load_resources()  # the daemon's, now, not inside its first restore
+            if take_load_resources:
+                self.take_load_resources()
         if not readonly and decisions is None:
             self._atimes.start()  # last: a store that failed to open leaves no thread behind
+
+    def take_load_resources(self) -> None:
+        """Set up what loads read through now (an AIO context, bounce buffers), not inside the first restore."""
+        self._reader.take_load_resources()
 
     # ----------------------------------------------------------------- properties
 

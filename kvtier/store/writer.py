@@ -9,9 +9,9 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import lmdb
-import torch
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
@@ -32,9 +32,12 @@ from kvtier.store.record import (
 )
 from kvtier.store.segments import Appender
 
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
+
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
-Item = tuple[ObjectKey, torch.Tensor, bytes]  # (key, payload, layout digest)
+Item = tuple[ObjectKey, "torch.Tensor", bytes]  # (key, payload, layout digest)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +153,8 @@ class Writer:
         ns_records = [
             namespace_record(namespaces[ns].version_key, now) for ns in dict.fromkeys(k.namespace for k, _, _ in items)
         ]
+        import torch
+
         records = [(h, torch.frombuffer(bytearray(body), dtype=torch.uint8)) for h, body in ns_records]
         for (key, _, digest), codec, flat in zip(items, codecs, flats):
             data = flat if codec is Codec.NONE else _compressed(flat)
@@ -286,6 +291,8 @@ def _cut_extents(items: list[Item], segment_bytes: int) -> list[list[Item]]:
 
 
 def _compressed(flat: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(zstd_compress(_host_bytes(flat))), dtype=torch.uint8)
 
 
