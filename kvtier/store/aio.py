@@ -78,7 +78,7 @@ def _address(buf: memoryview | bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-def _views(iov: list[tuple[int, int]]) -> list[memoryview]:
+def views_of(iov: list[tuple[int, int]]) -> list[memoryview]:
     """The memory of an iov as views, for a read done synchronously (rare: a full queue, a read cut short)."""
     return [memoryview((ctypes.c_char * n).from_address(a)).cast("B") for a, n in iov]
 
@@ -145,7 +145,7 @@ class AioContext:
             if err != errno.EAGAIN:
                 self._pending_bytes -= sum(op.nbytes for op in rest)
                 raise OSError(err, f"io_submit: {os.strerror(err)}", ops[done].file.path)
-            self._ready += [(op, op.file.preadv_into(_views(op.iov), op.offset)) for op in rest]  # no room: now
+            self._ready += [(op, op.file.preadv_into(views_of(op.iov), op.offset)) for op in rest]  # no room: now
             return
 
     def complete(self) -> list[tuple[ReadOp, int]]:
@@ -170,7 +170,7 @@ class AioContext:
                     self._error = self._error or OSError(-n, os.strerror(-n), op.file.path)
                     continue
                 if 0 < n < op.nbytes:  # cut short inside the file: the rest synchronously, until end of file
-                    n += op.file.preadv_into(skip_bytes(_views(op.iov), n), op.offset + n)
+                    n += op.file.preadv_into(skip_bytes(views_of(op.iov), n), op.offset + n)
                 done.append((op, n))
         if not self._inflight and self._error is not None:
             err, self._error = self._error, None

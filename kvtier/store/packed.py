@@ -1,17 +1,18 @@
 """A load's small records looked up, read and checked as arrays: numpy per batch where the general path steps
 through Python per record.
 
-Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, one thread):
+Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
-  their reads through `aio_ctx`; it returns the numbers of the others. It serves a request whose target is a cpu
-  tensor and whose record is a v2 record stored as is with an xxh3 checksum, live in a live namespace, with the
-  request's layout digest and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX
-  with a target at an address O_DIRECT takes: a large payload is read straight into its target, as the general
-  path reads it (the bytes move once), its unaligned tail through the bounce buffer. A first `add` whose requests
-  hold no small record serves nothing (a load of large records alone is the general path's: it cuts large runs
-  into pieces read in parallel). A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError
-  before anything is read, as the general path does. From a `LoadBatch` it reads the columns (keys encoded from
-  them, targets as pool addresses) and builds a request only for an object it does not serve.
+  their reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it
+  returns the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record
+  stored as is with an xxh3 checksum, live in a live namespace, with the request's layout digest and payload length,
+  and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX with a target at an address O_DIRECT takes: a
+  large payload is read straight into its target, as the general path reads it (the bytes move once), its unaligned
+  tail through the bounce buffer. A first `add` whose requests hold no small record serves nothing (a load of large
+  records alone is the general path's: it cuts large runs into pieces read in parallel). A target that is not a
+  non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a
+  `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only for
+  an object it does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
   `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
   there) and copies each good small one into its target; returns the encoded
@@ -66,6 +67,7 @@ from kvtier.store.record import (
     Codec,
     Flags,
 )
+from kvtier.store.submit import Reads
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -114,11 +116,11 @@ class PackedLoad:
         self,
         ctx: StoreContext,
         txn: lmdb.Transaction,
-        aio_ctx: aio.AioContext,
+        reads: Reads,
         segment: Callable[[int], SegmentFile],
         namespace_reason: Callable[[lmdb.Transaction, bytes], Reason],
     ) -> None:
-        self._ctx, self._txn, self._aio = ctx, txn, aio_ctx
+        self._ctx, self._txn, self._reads = ctx, txn, reads
         self._segment, self._namespace_reason = segment, namespace_reason
         self._ns_ok: dict[bytes, bool] = {}
         self._waiting: deque[_Chunk] = deque()  # planned, not yet submitted
@@ -154,7 +156,7 @@ class PackedLoad:
         return self._hits, self._failed
 
     def close(self) -> None:
-        self._aio.drain()
+        self._reads.drain()
         for chunk in self._reading:
             assert chunk.buf is not None
             self._ctx.buffers.release(chunk.buf)
@@ -300,7 +302,7 @@ class PackedLoad:
             chunk.got = [-1] * len(chunk.sizes)
             chunk.left = len(chunk.sizes)
             self._reading.append(chunk)
-            self._aio.submit(
+            self._reads.submit(
                 [
                     aio.ReadOp(f, [(addr + b, n)] if d is None else _iov(addr + b, n, d), at, (chunk, k))
                     for k, (f, at, b, n, d) in enumerate(
@@ -313,7 +315,7 @@ class PackedLoad:
         """Until every read of the oldest chunk out is in (others' as they come)."""
         chunk = self._reading[0]
         while chunk.left:
-            for op, n in self._aio.complete():
+            for op, n in self._reads.complete():
                 c, k = op.tag
                 c.got[k] = n
                 c.left -= 1
