@@ -152,16 +152,16 @@ class AioContext:
         """Wait for at least one pending read; the finished ones with the bytes each read (possibly none, after a
         failed read: call again while `pending`). Raises the first failure once nothing is in flight."""
         if self._ready:
-            done, self._ready = self._ready, []
-            self._pending_bytes -= sum(op.nbytes for op, _ in done)
-            return done
+            ready, self._ready = self._ready, []
+            self._pending_bytes -= sum(op.nbytes for op, _ in ready)
+            return ready
         done: list[tuple[ReadOp, int]] = []
         if self._inflight:
             got = _syscall(_GETEVENTS, self._id, 1, 2 * DEPTH, self._events_at, None)
             if got < 0:
-                err = ctypes.get_errno()
-                if err != errno.EINTR:
-                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
+                errnum = ctypes.get_errno()
+                if errnum != errno.EINTR:
+                    raise OSError(errnum, f"io_getevents: {os.strerror(errnum)}")
                 got = 0
             for data, _, n, _ in _EVENT.iter_unpack(self._events[: got * _EVENT.size]):
                 op = self._inflight.pop(data)
@@ -173,9 +173,9 @@ class AioContext:
                     n += op.file.preadv_into(skip_bytes(views_of(op.iov), n), op.offset + n)
                 done.append((op, n))
         if not self._inflight and self._error is not None:
-            err, self._error = self._error, None
+            failed, self._error = self._error, None
             self._ready.clear()
-            raise err
+            raise failed
         return done
 
     def drain(self) -> None:

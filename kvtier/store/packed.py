@@ -339,7 +339,9 @@ class PackedLoad:
             addr = buf.addr + HEADER_BYTES
             starts = at_a[cand] + HEADER_BYTES
             ends = starts + np.asarray(plen)[cand]
-            sources = [mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+            sources: list[memoryview | ctypes.Array[ctypes.c_char]] = [
+                mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())
+            ]
             bulk = chunk.bulk[cand]
             for k in np.flatnonzero(bulk).tolist():  # a large payload: its tail after its bulk, hashed in the target
                 i, n = int(cand[k]), int(bulk[k])

@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import lmdb
 import torch
@@ -424,10 +423,11 @@ class Reader:
             self._files.clear()
 
 
-class ReadJob(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class ReadJob:
     """One record to read: the request's index, its key and entry, where its payload goes (None: nowhere), and its
-    key as the index spells it where the caller has it (b"": encoded when needed). A tuple: one is made per object
-    of every load."""
+    key as the index spells it where the caller has it (b"": encoded when needed). Slots, not a dict: one is made per
+    object of every load the general path reads."""
 
     index: int
     key: ObjectKey
@@ -490,7 +490,7 @@ def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: i
 def _host_view(out: torch.Tensor | None, n: int) -> memoryview:
     """The first n bytes of a cpu target as a writable memoryview (a scattered read's destination)."""
     assert out is not None
-    return memoryview(out.numpy())[:n]
+    return out.numpy().data[:n]
 
 
 def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) -> None:
@@ -502,7 +502,7 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
     tail = e.payload_len - took
     if tail:
         ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
-    _check_sums(e, memoryview(out.numpy()), out, 0)
+    _check_sums(e, out.numpy().data, out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
@@ -513,10 +513,10 @@ def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None,
     entry = job.entry
     if entry.codec is _ZSTD:
         if out.is_cpu:
-            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(out.numpy()))
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], out.numpy().data)
         else:
             plain = torch.empty(entry.payload_len, dtype=torch.uint8)
-            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(plain.numpy()))
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], plain.numpy().data)
             out.copy_(plain)
     elif out.is_cpu:  # copy_out's cpu case, inline: this runs per object of every load
         _memmove(out.data_ptr(), buf.addr + at, entry.payload_len)
