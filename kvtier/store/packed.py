@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -48,16 +49,16 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.core.forms import Reason
+from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest
+from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, encode_key, key_suffix
+from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, key_suffix
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -400,21 +401,43 @@ def _wanted(
     address), and the numbers of the others; StoreRequestError for a target that is not a non-empty contiguous
     uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
-    n = np.fromiter((out.numel() for out in outs), np.int64, len(outs))
-    addr = np.fromiter((out.data_ptr() for out in outs), np.int64, len(outs))
-    cpu = np.fromiter((out.is_cpu and not (device and device(out)) for out in outs), bool, len(outs))
+    count = len(outs)
+    # (unbound methods mapped, not a generator per column: these run per object of every load)
+    n = np.fromiter(map(_numel, outs), np.int64, count)
+    addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
+    cpu = np.fromiter(map(_is_cpu, outs), bool, count)
+    if device is not None:
+        cpu &= np.fromiter((not device(out) for out in outs), bool, count)
     taken = _taken(cpu, n, addr, align, alone)
     mine = np.flatnonzero(taken).tolist()
-    reqs = [requests[i] for i in mine]
+    keys = [requests[i].key for i in mine]
     wanted = _Wanted(
         [first + i for i in mine],
-        [encode_key(r.key) for r in reqs],
-        [r.key.namespace for r in reqs],
+        _encoded(keys),
+        [k.namespace for k in keys],
         addr[taken].tolist(),
         n[taken].astype(np.uint64),
-        [r.layout_digest for r in reqs],
+        [requests[i].layout_digest for i in mine],
     )
     return wanted, (np.flatnonzero(~taken) + first).tolist()
+
+
+_numel = torch.Tensor.numel
+_data_ptr = torch.Tensor.data_ptr
+_is_cpu = operator.attrgetter("is_cpu")
+
+
+def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
+    """`encode_key` of each key, the bytes after the block hash built once per group of the load (a form is an
+    enum whose hash is a Python call: looked up per group, not per key)."""
+    suffixes: dict[str, tuple[CacheForm, bytes]] = {}
+    out: list[bytes] = []
+    for k in keys:
+        known = suffixes.get(k.group)
+        if known is None or known[0] is not k.form:
+            known = suffixes[k.group] = (k.form, key_suffix(k.group, k.form))
+        out.append(k.namespace + k.block_hash + known[1])
+    return out
 
 
 def _batch_wanted(
