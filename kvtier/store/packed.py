@@ -5,17 +5,17 @@ Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, on
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
   their reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it
   returns the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record
-  stored as is with an xxh3 checksum, live in a live namespace, with the request's layout digest and payload length,
-  and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX with a target at an address O_DIRECT takes: a
-  large payload is read straight into its target, as the general path reads it (the bytes move once), its unaligned
-  tail through the bounce buffer. A first `add` whose requests hold no small record serves nothing (a load of large
-  records alone is the general path's: it cuts large runs into pieces read in parallel). A target that is not a
-  non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a
-  `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only for
-  an object it does not serve.
+  stored as is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest
+  and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX with a target at an address
+  O_DIRECT takes: a large payload is read straight into its target, as the general path reads it (the bytes move
+  once), its unaligned tail through the bounce buffer. A first `add` whose requests hold no small record serves
+  nothing (a load of large records alone is the general path's: it cuts large runs into pieces read in parallel). A
+  target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the
+  general path does. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
+  builds a request only for an object it does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
   `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
-  there) and copies each good small one into its target; returns the encoded
+  there) and copies each good small one into its target (a compressed one decoded into it); returns the encoded
   keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
   holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
 - What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
@@ -67,6 +67,7 @@ from kvtier.store.record import (
     RECORD_ALIGNMENT,
     Codec,
     Flags,
+    zstd_decompress_into,
 )
 from kvtier.store.submit import Reads
 
@@ -88,7 +89,8 @@ class _Chunk:
     large, where its payload starts in the run, its target's address and the payload's bulk read straight into it.
     Per record, in file order: its request number, encoded key, target address, where it starts in the buffer, the
     bytes its run must read to hold it, its run, the bytes of its payload read into its target (0: small), the
-    header its key and index entry imply, its payload length and checksum."""
+    header its key and index entry imply, its payload length and checksum, its stored length and whether it is stored
+    compressed."""
 
     files: list[SegmentFile]
     starts: list[int]
@@ -105,6 +107,8 @@ class _Chunk:
     expected: np.ndarray
     payload_len: list[int]
     payload_checksum: np.ndarray
+    stored_len: list[int]
+    zstd: np.ndarray
     buf: AlignedBuffer | None = None
     got: list[int] = dataclasses.field(default_factory=list)
     left: int = 0
@@ -190,13 +194,13 @@ class PackedLoad:
             (seals == e["seal"])
             & (e["version"] == FORMAT_VERSION)
             & (e["state"] == RecordState.LIVE)
-            & (e["codec"] == Codec.NONE)
+            # stored as is, or compressed (decoded from the bounce buffer into the target once its checksum passes)
+            & (((e["codec"] == Codec.NONE) & (e["stored_len"] == lengths)) | (e["codec"] == Codec.ZSTD))
             & ((e["flags"] & Flags.XXH3) != 0)
             & (e["payload_len"] == lengths)
-            & (e["stored_len"] == lengths)
             & (e["record_len"] == e["stored_len"] + HEADER_BYTES)
             # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
-            & ((lengths < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
+            & ((e["stored_len"] < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
         if all(len(d) == 16 for d in digests):  # (another length never matches: the general path says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
@@ -233,7 +237,9 @@ class PackedLoad:
         end = off + e["record_len"].astype(np.int64)
         plen = e["payload_len"].astype(np.int64)
         align = self._ctx.backend.direct_align
-        bulk = np.where(plen >= LARGE_PAYLOAD, plen - plen % align, 0)  # bytes read straight into the target
+        zstd = e["codec"] == Codec.ZSTD
+        # bytes read straight into the target (a compressed payload's go through the bounce buffer: it is decoded)
+        bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
         # record ends its run (its payload's bulk is the run's one read into a target).
         breaks = np.ones(len(e), bool)
@@ -286,6 +292,8 @@ class PackedLoad:
                     expected[r0:r1],
                     e["payload_len"][r0:r1].tolist(),
                     e["payload_checksum"][r0:r1],
+                    e["stored_len"][r0:r1].tolist(),
+                    zstd[r0:r1],
                 )
             )
             lo = hi
@@ -339,7 +347,7 @@ class PackedLoad:
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
             starts = at_a[cand] + HEADER_BYTES
-            ends = starts + np.asarray(plen)[cand]
+            ends = starts + np.asarray(chunk.stored_len)[cand]
             sources: list[memoryview | ctypes.Array[ctypes.c_char]] = [
                 mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())
             ]
@@ -350,8 +358,16 @@ class PackedLoad:
                 sources[k] = (ctypes.c_char * plen[i]).from_address(targets[i])
             passed = np.frombuffer(b"".join([_h128(src) for src in sources]), "V16") == chunk.payload_checksum[cand]
             ok = cand[passed].tolist()
+            zstd = chunk.zstd
             for i in cand[passed & (bulk == 0)].tolist():
-                _memmove(targets[i], addr + at[i], plen[i])
+                if not zstd[i]:
+                    _memmove(targets[i], addr + at[i], plen[i])
+                    continue
+                try:
+                    start = at[i] + HEADER_BYTES
+                    zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
+                except CorruptRecord:  # (the general path reads it again and names it: `decode`)
+                    ok.remove(i)
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
                 served = set(ok)
@@ -483,6 +499,11 @@ def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int, alone:
     if alone and not small.any():
         return small
     return small | (host & (n <= DIRECT_MAX) & (addr % align == 0))
+
+
+def _target(addr: int, n: int) -> memoryview:
+    """The n bytes of target memory at `addr` as a writable memoryview."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
 def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:
