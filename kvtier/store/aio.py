@@ -78,7 +78,7 @@ def _address(buf: memoryview | bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-def _views(iov: list[tuple[int, int]]) -> list[memoryview]:
+def views_of(iov: list[tuple[int, int]]) -> list[memoryview]:
     """The memory of an iov as views, for a read done synchronously (rare: a full queue, a read cut short)."""
     return [memoryview((ctypes.c_char * n).from_address(a)).cast("B") for a, n in iov]
 
@@ -145,23 +145,23 @@ class AioContext:
             if err != errno.EAGAIN:
                 self._pending_bytes -= sum(op.nbytes for op in rest)
                 raise OSError(err, f"io_submit: {os.strerror(err)}", ops[done].file.path)
-            self._ready += [(op, op.file.preadv_into(_views(op.iov), op.offset)) for op in rest]  # no room: now
+            self._ready += [(op, op.file.preadv_into(views_of(op.iov), op.offset)) for op in rest]  # no room: now
             return
 
     def complete(self) -> list[tuple[ReadOp, int]]:
         """Wait for at least one pending read; the finished ones with the bytes each read (possibly none, after a
         failed read: call again while `pending`). Raises the first failure once nothing is in flight."""
         if self._ready:
-            done, self._ready = self._ready, []
-            self._pending_bytes -= sum(op.nbytes for op, _ in done)
-            return done
+            ready, self._ready = self._ready, []
+            self._pending_bytes -= sum(op.nbytes for op, _ in ready)
+            return ready
         done: list[tuple[ReadOp, int]] = []
         if self._inflight:
             got = _syscall(_GETEVENTS, self._id, 1, 2 * DEPTH, self._events_at, None)
             if got < 0:
-                err = ctypes.get_errno()
-                if err != errno.EINTR:
-                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
+                errnum = ctypes.get_errno()
+                if errnum != errno.EINTR:
+                    raise OSError(errnum, f"io_getevents: {os.strerror(errnum)}")
                 got = 0
             for data, _, n, _ in _EVENT.iter_unpack(self._events[: got * _EVENT.size]):
                 op = self._inflight.pop(data)
@@ -170,12 +170,12 @@ class AioContext:
                     self._error = self._error or OSError(-n, os.strerror(-n), op.file.path)
                     continue
                 if 0 < n < op.nbytes:  # cut short inside the file: the rest synchronously, until end of file
-                    n += op.file.preadv_into(skip_bytes(_views(op.iov), n), op.offset + n)
+                    n += op.file.preadv_into(skip_bytes(views_of(op.iov), n), op.offset + n)
                 done.append((op, n))
         if not self._inflight and self._error is not None:
-            err, self._error = self._error, None
+            failed, self._error = self._error, None
             self._ready.clear()
-            raise err
+            raise failed
         return done
 
     def drain(self) -> None:

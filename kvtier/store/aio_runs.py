@@ -1,6 +1,7 @@
-"""A load's runs read through native AIO in waves, from one thread, each record checked as soon as its bytes are in.
+"""A load's runs read in waves, from one thread, each record checked as soon as its bytes are in.
 
-Contract (`WaveRead(ctx, runs, buffers, plan, place, check, more=None).run()`):
+Contract (`WaveRead(reads, runs, buffers, plan, place, check, more=None).run()`; `reads`: a submit strategy,
+`kvtier.store.submit`, native AIO or the read pool's threads):
 - `more`, if given, returns the load's other runs; it is called once, after the reads of `runs` are submitted (or at
   once if `runs` has none to read): a load looks up its other keys while the disk reads its first.
 - Every run is read once, cut into pieces of about AIO_PIECE_BYTES (`split_read`), with at most AIO_WINDOW_BYTES
@@ -36,6 +37,7 @@ from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.store import aio
 from kvtier.store.extent import Run, Scatter
 from kvtier.store.io import AlignedBuffer, BufferPool, SegmentFile, readable, split_read
+from kvtier.store.submit import Reads
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -91,7 +93,7 @@ class WaveRead(Generic[J, R]):
 
     def __init__(
         self,
-        ctx: aio.AioContext,
+        ctx: Reads,
         runs: Sequence[Run[J]],
         buffers: BufferPool,
         plan: Plan[J, R],

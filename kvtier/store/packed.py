@@ -1,20 +1,21 @@
 """A load's small records looked up, read and checked as arrays: numpy per batch where the general path steps
 through Python per record.
 
-Contract (`PackedLoad(ctx, txn, aio_ctx, segment, namespace_reason)`, one load, one thread):
+Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
-  their reads through `aio_ctx`; it returns the numbers of the others. It serves a request whose target is a cpu
-  tensor and whose record is a v2 record stored as is with an xxh3 checksum, live in a live namespace, with the
-  request's layout digest and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX
-  with a target at an address O_DIRECT takes: a large payload is read straight into its target, as the general
-  path reads it (the bytes move once), its unaligned tail through the bounce buffer. A first `add` whose requests
-  hold no small record serves nothing (a load of large records alone is the general path's: it cuts large runs
-  into pieces read in parallel). A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError
-  before anything is read, as the general path does. From a `LoadBatch` it reads the columns (keys encoded from
-  them, targets as pool addresses) and builds a request only for an object it does not serve.
+  their reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it
+  returns the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record
+  stored as is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest
+  and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX with a target at an address
+  O_DIRECT takes: a large payload is read straight into its target, as the general path reads it (the bytes move
+  once), its unaligned tail through the bounce buffer. A first `add` whose requests hold no small record serves
+  nothing (a load of large records alone is the general path's: it cuts large runs into pieces read in parallel). A
+  target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the
+  general path does. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
+  builds a request only for an object it does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
   `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
-  there) and copies each good small one into its target; returns the encoded
+  there) and copies each good small one into its target (a compressed one decoded into it); returns the encoded
   keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
   holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
 - What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -47,16 +49,16 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvtier.core.forms import Reason
+from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest
+from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import aio
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, encode_key, key_suffix
+from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, key_suffix
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -65,7 +67,9 @@ from kvtier.store.record import (
     RECORD_ALIGNMENT,
     Codec,
     Flags,
+    zstd_decompress_into,
 )
+from kvtier.store.submit import Reads
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
     import torch
@@ -88,7 +92,8 @@ class _Chunk:
     large, where its payload starts in the run, its target's address and the payload's bulk read straight into it.
     Per record, in file order: its request number, encoded key, target address, where it starts in the buffer, the
     bytes its run must read to hold it, its run, the bytes of its payload read into its target (0: small), the
-    header its key and index entry imply, its payload length and checksum."""
+    header its key and index entry imply, its payload length and checksum, its stored length and whether it is stored
+    compressed."""
 
     files: list[SegmentFile]
     starts: list[int]
@@ -105,6 +110,8 @@ class _Chunk:
     expected: np.ndarray
     payload_len: list[int]
     payload_checksum: np.ndarray
+    stored_len: list[int]
+    zstd: np.ndarray
     buf: AlignedBuffer | None = None
     got: list[int] = dataclasses.field(default_factory=list)
     left: int = 0
@@ -117,11 +124,11 @@ class PackedLoad:
         self,
         ctx: StoreContext,
         txn: lmdb.Transaction,
-        aio_ctx: aio.AioContext,
+        reads: Reads,
         segment: Callable[[int], SegmentFile],
         namespace_reason: Callable[[lmdb.Transaction, bytes], Reason],
     ) -> None:
-        self._ctx, self._txn, self._aio = ctx, txn, aio_ctx
+        self._ctx, self._txn, self._reads = ctx, txn, reads
         self._segment, self._namespace_reason = segment, namespace_reason
         self._ns_ok: dict[bytes, bool] = {}
         self._waiting: deque[_Chunk] = deque()  # planned, not yet submitted
@@ -157,7 +164,7 @@ class PackedLoad:
         return self._hits, self._failed
 
     def close(self) -> None:
-        self._aio.drain()
+        self._reads.drain()
         for chunk in self._reading:
             assert chunk.buf is not None
             self._ctx.buffers.release(chunk.buf)
@@ -190,13 +197,13 @@ class PackedLoad:
             (seals == e["seal"])
             & (e["version"] == FORMAT_VERSION)
             & (e["state"] == RecordState.LIVE)
-            & (e["codec"] == Codec.NONE)
+            # stored as is, or compressed (decoded from the bounce buffer into the target once its checksum passes)
+            & (((e["codec"] == Codec.NONE) & (e["stored_len"] == lengths)) | (e["codec"] == Codec.ZSTD))
             & ((e["flags"] & Flags.XXH3) != 0)
             & (e["payload_len"] == lengths)
-            & (e["stored_len"] == lengths)
             & (e["record_len"] == e["stored_len"] + HEADER_BYTES)
             # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
-            & ((lengths < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
+            & ((e["stored_len"] < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
         if all(len(d) == 16 for d in digests):  # (another length never matches: the general path says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
@@ -233,7 +240,9 @@ class PackedLoad:
         end = off + e["record_len"].astype(np.int64)
         plen = e["payload_len"].astype(np.int64)
         align = self._ctx.backend.direct_align
-        bulk = np.where(plen >= LARGE_PAYLOAD, plen - plen % align, 0)  # bytes read straight into the target
+        zstd = e["codec"] == Codec.ZSTD
+        # bytes read straight into the target (a compressed payload's go through the bounce buffer: it is decoded)
+        bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
         # record ends its run (its payload's bulk is the run's one read into a target).
         breaks = np.ones(len(e), bool)
@@ -286,6 +295,8 @@ class PackedLoad:
                     expected[r0:r1],
                     e["payload_len"][r0:r1].tolist(),
                     e["payload_checksum"][r0:r1],
+                    e["stored_len"][r0:r1].tolist(),
+                    zstd[r0:r1],
                 )
             )
             lo = hi
@@ -303,7 +314,7 @@ class PackedLoad:
             chunk.got = [-1] * len(chunk.sizes)
             chunk.left = len(chunk.sizes)
             self._reading.append(chunk)
-            self._aio.submit(
+            self._reads.submit(
                 [
                     aio.ReadOp(f, [(addr + b, n)] if d is None else _iov(addr + b, n, d), at, (chunk, k))
                     for k, (f, at, b, n, d) in enumerate(
@@ -316,7 +327,7 @@ class PackedLoad:
         """Until every read of the oldest chunk out is in (others' as they come)."""
         chunk = self._reading[0]
         while chunk.left:
-            for op, n in self._aio.complete():
+            for op, n in self._reads.complete():
                 c, k = op.tag
                 c.got[k] = n
                 c.left -= 1
@@ -339,8 +350,10 @@ class PackedLoad:
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
             starts = at_a[cand] + HEADER_BYTES
-            ends = starts + np.asarray(plen)[cand]
-            sources = [mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+            ends = starts + np.asarray(chunk.stored_len)[cand]
+            sources: list[memoryview | ctypes.Array[ctypes.c_char]] = [
+                mv[a:b] for a, b in zip(starts.tolist(), ends.tolist())
+            ]
             bulk = chunk.bulk[cand]
             for k in np.flatnonzero(bulk).tolist():  # a large payload: its tail after its bulk, hashed in the target
                 i, n = int(cand[k]), int(bulk[k])
@@ -348,8 +361,16 @@ class PackedLoad:
                 sources[k] = (ctypes.c_char * plen[i]).from_address(targets[i])
             passed = np.frombuffer(b"".join([_h128(src) for src in sources]), "V16") == chunk.payload_checksum[cand]
             ok = cand[passed].tolist()
+            zstd = chunk.zstd
             for i in cand[passed & (bulk == 0)].tolist():
-                _memmove(targets[i], addr + at[i], plen[i])
+                if not zstd[i]:
+                    _memmove(targets[i], addr + at[i], plen[i])
+                    continue
+                try:
+                    start = at[i] + HEADER_BYTES
+                    zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
+                except CorruptRecord:  # (the general path reads it again and names it: `decode`)
+                    ok.remove(i)
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
                 served = set(ok)
@@ -399,21 +420,44 @@ def _wanted(
     address), and the numbers of the others; StoreRequestError for a target that is not a non-empty contiguous
     uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
-    n = np.fromiter((out.numel() for out in outs), np.int64, len(outs))
-    addr = np.fromiter((out.data_ptr() for out in outs), np.int64, len(outs))
-    cpu = np.fromiter((out.is_cpu and not (device and device(out)) for out in outs), bool, len(outs))
+    count = len(outs)
+    # (callables mapped, not a generator per column: these run per object of every load)
+    n = np.fromiter(map(_numel, outs), np.int64, count)
+    addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
+    cpu = np.fromiter(map(_is_cpu, outs), bool, count)
+    if device is not None:
+        cpu &= np.fromiter((not device(out) for out in outs), bool, count)
     taken = _taken(cpu, n, addr, align, alone)
     mine = np.flatnonzero(taken).tolist()
-    reqs = [requests[i] for i in mine]
+    keys = [requests[i].key for i in mine]
     wanted = _Wanted(
         [first + i for i in mine],
-        [encode_key(r.key) for r in reqs],
-        [r.key.namespace for r in reqs],
+        _encoded(keys),
+        [k.namespace for k in keys],
         addr[taken].tolist(),
         n[taken].astype(np.uint64),
-        [r.layout_digest for r in reqs],
+        [requests[i].layout_digest for i in mine],
     )
     return wanted, (np.flatnonzero(~taken) + first).tolist()
+
+
+# not torch.Tensor.numel: this module loads before torch does (a daemon listens first)
+_numel = operator.methodcaller("numel")
+_data_ptr = operator.methodcaller("data_ptr")
+_is_cpu = operator.attrgetter("is_cpu")
+
+
+def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
+    """`encode_key` of each key, the bytes after the block hash built once per group of the load (a form is an
+    enum whose hash is a Python call: looked up per group, not per key)."""
+    suffixes: dict[str, tuple[CacheForm, bytes]] = {}
+    out: list[bytes] = []
+    for k in keys:
+        known = suffixes.get(k.group)
+        if known is None or known[0] is not k.form:
+            known = suffixes[k.group] = (k.form, key_suffix(k.group, k.form))
+        out.append(k.namespace + k.block_hash + known[1])
+    return out
 
 
 def _batch_wanted(
@@ -459,6 +503,11 @@ def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int, alone:
     if alone and not small.any():
         return small
     return small | (host & (n <= DIRECT_MAX) & (addr % align == 0))
+
+
+def _target(addr: int, n: int) -> memoryview:
+    """The n bytes of target memory at `addr` as a writable memoryview."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
 def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:

@@ -8,19 +8,18 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import lmdb
 
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey
-from kvtier.store import aio
 from kvtier.store.aio_runs import BounceShare, RunRead, WaveRead
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.devsum import device_checksum
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP, Run, Scatter, copy_out, plan_runs, scatter
+from kvtier.store.extent import Run, Scatter, copy_out, plan_runs, scatter
 from kvtier.store.header_check import AnyHeader, ExpectedHeaders, check_v1, fault, header_good
 from kvtier.store.index import IndexEntry, RecordState, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
@@ -37,6 +36,7 @@ from kvtier.store.record import (
 )
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 from kvtier.store.segments import segment_name
+from kvtier.store.submit import Reads, close_reads, open_reads, run_gap
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
     import torch
@@ -64,20 +64,11 @@ class Reader:
         # cost milliseconds, as much as a thousand small records take to read.
         ctx.executor("read")
 
-    @property
-    def _packed_reads(self) -> bool:
-        """Whether a load reads through native AIO, the packed path first: wherever segments are O_DIRECT, a GDS
-        store too. Per target, not per store: device targets are left to the general path, which reads them by GDS."""
-        return self._ctx.backend.direct
-
     def take_load_resources(self) -> None:
-        """Where loads read through native AIO, set up a context and fault in the packed path's bounce buffers
-        now (`packed.take_buffers`): a daemon's first restore otherwise pays both."""
-        if self._packed_reads:
-            ctx = aio.acquire()
-            if ctx is not None:
-                aio.release(ctx)
-                take_buffers(self._ctx)
+        """Fault in the packed path's bounce buffers now (`packed.take_buffers`) and, where loads read through
+        native AIO, set up a context: a daemon's first restore otherwise pays both."""
+        close_reads(open_reads(self._ctx))
+        take_buffers(self._ctx)
 
     # ----------------------------------------------------------------- lookups
 
@@ -153,24 +144,20 @@ class Reader:
         """
         outcome = LoadOutcome([], [], [])
         with self._ctx.index.read() as txn:
-            aio_ctx = aio.acquire() if self._packed_reads else None
-            if aio_ctx is None:
-                self._load(txn, requests, more, outcome)
-            else:
-                self._load_packed(txn, aio_ctx, requests, more, outcome)
+            self._load_packed(txn, open_reads(self._ctx), requests, more, outcome)
         return outcome
 
     def _load_packed(
         self,
         txn: lmdb.Transaction,
-        aio_ctx: aio.AioContext,
+        reads: Reads,
         requests: Sequence[LoadRequest],
         more: MoreRequests | None,
         outcome: LoadOutcome,
     ) -> None:
-        """What `PackedLoad` serves through it, then the rest (and any that failed its checks) through the
+        """What `PackedLoad` serves through `reads`, then the rest (and any that failed its checks) through the
         general path, each answer in its request's place."""
-        packed = PackedLoad(self._ctx, txn, aio_ctx, self.segment, self._namespace_reason)
+        packed = PackedLoad(self._ctx, txn, reads, self.segment, self._namespace_reason)
         n = len(requests)
         extra: Sequence[LoadRequest] = ()
         try:
@@ -182,7 +169,7 @@ class Reader:
             outcome.hits, failed = packed.finish()
         finally:
             packed.close()
-            aio.release(aio_ctx)
+            close_reads(reads)
         if none_small:  # the general path alone, calling `more` as it does (once the first reads are out)
             self._load(txn, requests, more, outcome)
             return
@@ -272,8 +259,9 @@ class Reader:
         bytes are in `buf`; buf is None where the payload went straight into `job.out` (a large record read
         into its target, or a GDS read). `header` is the parsed header with `headers=True`, else None where the
         record's header passed the header check (`header_check`). Runs of nearby records are one
-        scattered read each; runs and GDS reads are spread over the read pool. `more`, if given, is called once
-        for the rest of the jobs: through native AIO once the first jobs' reads are on their way, else first."""
+        scattered read each, through the store's submit strategy (`submit`); GDS reads go to the read pool.
+        `more`, if given, is called once for the rest of the jobs, once the first jobs' reads are on their way
+        (on a GDS store first: the device jobs are chosen from all of them)."""
         backend = self._ctx.backend
         if more is not None and backend.gpu_direct:  # the device jobs are chosen from all of them
             jobs, more = [*jobs, *more()], None
@@ -284,59 +272,33 @@ class Reader:
         if device:
             chosen = {id(j) for j in device}
             jobs = [j for j in jobs if id(j) not in chosen]
-        # Host targets through native AIO wherever segments are O_DIRECT; device targets by GDS on the read pool.
-        aio_ctx = aio.acquire() if backend.direct and (jobs or more is not None) else None
-        if aio_ctx is not None:
-            on_device = self._ctx.executor("read").map(lambda j: self._read_unit(j, visit, headers, expect), device)
-            try:
-                host = WaveRead(
-                    aio_ctx,
-                    _runs(jobs, AIO_RUN_GAP),
-                    self._ctx.buffers,
-                    self._plan_run,
-                    _place,
-                    lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, expect, first, stop),
-                    more=None if more is None else lambda: _runs(expect.add(more()), AIO_RUN_GAP),
-                ).run()
-            finally:
-                aio.release(aio_ctx)
-            return [*host, *(r for rs in on_device for r in rs)]
-        if more is not None:  # the thread path (no native AIO here, or a buffered backend) reads them all at once
-            jobs = [*jobs, *expect.add(more())]
-        # With every read in flight at once (native AIO) another read costs less than the bytes of a gap; with a
-        # few threads, reading across gaps is what keeps the disk busy.
-        units: list[Run[ReadJob] | ReadJob] = [*_runs(jobs, MAX_RUN_GAP), *device]
-        lanes = min(len(units), max(1, self._ctx.config.read_threads))
-        if lanes <= 1:
-            return [r for u in units for r in self._read_unit(u, visit, headers, expect)]
-        # Each lane takes the next unit as it finishes one (a list iterator's next is atomic under the GIL), so a
-        # slow read holds up only its own lane, and the reads reach the disk in file order.
-        pending = iter(units)
-        done = self._ctx.executor("read").map(
-            lambda _: [r for u in pending for r in self._read_unit(u, visit, headers, expect)], range(lanes)
-        )
-        return [r for lane in done for r in lane]
-
-    def _read_unit(
-        self, unit: Run[ReadJob] | ReadJob, visit: Visit, headers: bool, expect: ExpectedHeaders
-    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
-        if isinstance(unit, ReadJob):
-            try:
-                self._read_device(unit, expect)
-                visit(unit, None, None, 0)
-                return [(unit, None)]
-            except CorruptRecord as exc:
-                return [(unit, exc)]
-        planned = self._plan_run(unit)
-        if isinstance(planned, list):
-            return planned
-        share = BounceShare(self._ctx.buffers.acquire(planned[2].bounce_bytes), 1)
+        # Device targets by GDS on the read pool; host targets through the submit strategy (`submit.open_reads`).
+        on_device = self._ctx.executor("read").map(lambda j: self._read_device_job(j, visit, expect), device)
+        reads = open_reads(self._ctx)
+        gap = run_gap(reads)
         try:
-            rr = _place(*planned, share, 0)
-            got = unit.start + rr.seg.preadv_into(rr.views, unit.start)
-            return self._check_run(rr, got, visit, headers, expect)
+            host = WaveRead(
+                reads,
+                _runs(jobs, gap),
+                self._ctx.buffers,
+                self._plan_run,
+                _place,
+                lambda rr, got, first, stop: self._check_run(rr, got, visit, headers, expect, first, stop),
+                more=None if more is None else lambda: _runs(expect.add(more()), gap),
+            ).run()
         finally:
-            self._ctx.buffers.release(share.buf)
+            close_reads(reads)
+        return [*host, *(r for rs in on_device for r in rs)]
+
+    def _read_device_job(
+        self, job: ReadJob, visit: Visit, expect: ExpectedHeaders
+    ) -> list[tuple[ReadJob, CorruptRecord | None]]:
+        try:
+            self._read_device(job, expect)
+            visit(job, None, None, 0)
+            return [(job, None)]
+        except CorruptRecord as exc:
+            return [(job, exc)]
 
     def _plan_run(
         self, run: Run[ReadJob]
@@ -464,10 +426,11 @@ class Reader:
             self._files.clear()
 
 
-class ReadJob(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class ReadJob:
     """One record to read: the request's index, its key and entry, where its payload goes (None: nowhere), and its
-    key as the index spells it where the caller has it (b"": encoded when needed). A tuple: one is made per object
-    of every load."""
+    key as the index spells it where the caller has it (b"": encoded when needed). Slots, not a dict: one is made per
+    object of every load the general path reads."""
 
     index: int
     key: ObjectKey
@@ -530,7 +493,7 @@ def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: i
 def _host_view(out: torch.Tensor | None, n: int) -> memoryview:
     """The first n bytes of a cpu target as a writable memoryview (a scattered read's destination)."""
     assert out is not None
-    return memoryview(out.numpy())[:n]
+    return out.numpy().data[:n]
 
 
 def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) -> None:
@@ -542,7 +505,7 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
     tail = e.payload_len - took
     if tail:
         ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
-    _check_sums(e, memoryview(out.numpy()), out, 0)
+    _check_sums(e, out.numpy().data, out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
@@ -553,12 +516,12 @@ def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None,
     entry = job.entry
     if entry.codec is _ZSTD:
         if out.is_cpu:
-            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(out.numpy()))
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], out.numpy().data)
         else:
             import torch
 
             plain = torch.empty(entry.payload_len, dtype=torch.uint8)
-            zstd_decompress_into(buf.mv[at : at + entry.stored_len], memoryview(plain.numpy()))
+            zstd_decompress_into(buf.mv[at : at + entry.stored_len], plain.numpy().data)
             out.copy_(plain)
     elif out.is_cpu:  # copy_out's cpu case, inline: this runs per object of every load
         _memmove(out.data_ptr(), buf.addr + at, entry.payload_len)

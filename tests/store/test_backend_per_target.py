@@ -5,41 +5,16 @@ and cuFile's read is a positional read of the segment file. Every other step is 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig, aio, packed
-from kvtier.store.io import GdsBackend, PosixBackend, SegmentFile
+from support.read_paths import CpuGds
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
 
 SIZES = [512 + 37 * i for i in range(24)]  # small records: the packed path's
-
-
-class CpuGds(GdsBackend):
-    """GdsBackend's decisions with the device stood in: no kvikio import, cuFile's read replaced."""
-
-    def __init__(self, align: int) -> None:
-        PosixBackend.__init__(self, direct=True, align=align)
-        self.name = "gds"
-        self.device: set[int] = set()  # data_ptr()s of the tensors standing for device memory
-        self.device_reads = 0
-
-    def device_io(self, t: torch.Tensor) -> bool:
-        return t.data_ptr() in self.device
-
-    def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
-        self.device_reads += 1
-        fd = os.open(seg.path, os.O_RDONLY)  # buffered: cuFile takes any offset
-        try:
-            data = os.pread(fd, out.numel(), offset)
-        finally:
-            os.close(fd)
-        out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return len(data)
 
 
 @pytest.fixture(autouse=True)

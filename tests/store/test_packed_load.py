@@ -80,6 +80,22 @@ def test_small_records_are_served_by_the_packed_path(small, served) -> None:
     assert served == [N]
 
 
+def test_compressed_records_are_served_and_decoded_by_the_packed_path(tmp_path, served) -> None:
+    root = str(tmp_path / "store")
+    sizes = [300, 3000, 50_000, 200_000]  # stored compressed in fewer bytes; the larger targets are aligned slots
+    plain = [torch.arange(n, dtype=torch.int64).div(61 + n % 7, rounding_mode="floor").to(torch.uint8) for n in sizes]
+    with DiskStore(root, writer=True) as s:
+        ns = s.register_namespace(VK, codecs={CacheForm.SWA: "zstd"})
+        keys = [make_key(ns, f"z{i}", "swa", CacheForm.SWA) for i in range(len(sizes))]
+        s.store_many([(k, p, DIGEST) for k, p in zip(keys, plain)])
+        assert all(r.entry.stored_len < r.entry.payload_len for r in s.records(keys))
+    with DiskStore(root) as s:
+        outs = [slot_like(n) for n in sizes]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * len(sizes)
+    assert all(torch.equal(o, p) for o, p in zip(outs, plain))
+    assert served == [len(sizes)]  # every one read, checked and decoded by the packed path
+
+
 @pytest.mark.parametrize(
     "where, quarantined",
     [

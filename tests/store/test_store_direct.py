@@ -39,10 +39,10 @@ def test_large_payloads_land_in_aligned_targets_in_the_same_read(store_root, rea
     with DiskStore(root) as s:
         assert _load(s, keys, outs) == [Reason.OK] * len(SIZES)
     assert all(torch.equal(o, make_payload(f"d{i}", n)) for i, (o, n) in enumerate(zip(outs, SIZES)))
-    # One run, one scattered read; through native AIO the packed path (kvtier.store.packed) reads the load, a run
-    # ending with each large record: a read per large record.
+    # The packed path (kvtier.store.packed) reads the load through either submit strategy, a run ending with each
+    # large record: a read per large record.
     large = [n >= 4096 for n in SIZES]
-    assert len(scattered_reads) == (sum(large) if read_path == "aio" else 1)
+    assert len(scattered_reads) == sum(large)
     direct = {o.data_ptr() for o, big in zip(outs, large) if big}
     assert direct <= {p for iov in scattered_reads for p in _addresses(iov)}  # each went straight into its target
     assert outs[3].data_ptr() not in {p for iov in scattered_reads for p in _addresses(iov)}  # small: bounced

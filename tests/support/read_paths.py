@@ -1,14 +1,18 @@
 """The store's two read paths, for tests that must hold on both: native AIO from one thread (O_DIRECT on Linux)
 and threads (where AIO is refused, or the backend is buffered). `read_path` is parametrized over them;
-`scattered_reads` records the target memory (address, length) of every read either path issues."""
+`scattered_reads` records the target memory (address, length) of every read either path issues. `CpuGds` stands a
+GDS backend in on a machine without a GPU: a set of cpu tensors counts as device memory."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import torch
 
 from kvtier.store import aio
-from kvtier.store.io import SegmentFile
+from kvtier.store.io import GdsBackend, PosixBackend, SegmentFile
 
 
 @pytest.fixture(params=["aio", "threads"])
@@ -41,3 +45,26 @@ def scattered_reads(read_path, monkeypatch) -> list[list[tuple[int, int]]]:
     monkeypatch.setattr(SegmentFile, "preadv_into", reading)
     monkeypatch.setattr(aio.AioContext, "submit", submitting)
     return seen
+
+
+class CpuGds(GdsBackend):
+    """GdsBackend's decisions with the device stood in: no kvikio import, cuFile's read replaced."""
+
+    def __init__(self, align: int) -> None:
+        PosixBackend.__init__(self, direct=True, align=align)
+        self.name = "gds"
+        self.device: set[int] = set()  # data_ptr()s of the tensors standing for device memory
+        self.device_reads = 0
+
+    def device_io(self, t: torch.Tensor) -> bool:
+        return t.data_ptr() in self.device
+
+    def read_device(self, seg: SegmentFile, out: torch.Tensor, offset: int) -> int:
+        self.device_reads += 1
+        fd = os.open(seg.path, os.O_RDONLY)  # buffered: cuFile takes any offset
+        try:
+            data = os.pread(fd, out.numel(), offset)
+        finally:
+            os.close(fd)
+        out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return len(data)
