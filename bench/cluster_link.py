@@ -542,19 +542,17 @@ def main() -> None:
 
 
 def write_report(path: pathlib.Path, doc: dict, argv: str) -> None:
-    """As bench/run_all.py writes its reports (bench/report.py reads every such file): the section `cluster_link`."""
+    """The run with where and when it ran (bench/run_all.py's machine facts), its figures under `cluster_link`.
+    Not in run_all's report shape (no `sections`): bench/report.py's pages are built from run_all's reports."""
     sys.path.insert(0, str(REPO / "bench"))  # run_all imports its sibling report.py by name
     from bench.run_all import git_commit, machine
 
     report = {
+        "bench": "cluster_link",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "commit": git_commit(),
         "machine": machine("/var/tmp"),
         "argv": argv,
-        "sections": {"cluster_link": doc},
+        "cluster_link": doc,
     }
     path.write_text(json.dumps(report, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
