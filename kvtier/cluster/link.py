@@ -70,8 +70,8 @@ class ClientLink:
     def _probe_while_open(self, client: MooncakeClient) -> None:
         """Keep the link's health at most `probe_s` old: when no call has had an answer for `probe_s` (an idle
         node, or one whose calls fail at once while it is marked down), one probe; at most one per `probe_s`.
-        A data call that ran out of time wakes it at once (`Breaker.suspect`): at most one such probe per
-        `lookup_timeout_s`, since a probe waits out its own deadline before the next."""
+        A data call that ran out of time wakes it at once (`Breaker.suspect`): at most as often as calls time out,
+        and a lane's calls run one after another, so at most one per lane per deadline."""
         every = self.cfg.probe_s
         wake = client.breaker.wake
         was_up = True
