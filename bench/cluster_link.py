@@ -556,3 +556,7 @@ def write_report(path: pathlib.Path, doc: dict, argv: str) -> None:
         "cluster_link": doc,
     }
     path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
