@@ -36,7 +36,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # support.mooncake_loopback: where the master binary is
 
-from bench.pagecache import drop_cache_tree  # noqa: E402
+from bench.pagecache import dd_direct_s, drop_cache_tree  # noqa: E402
 
 A_ADDR, B_ADDR = "10.233.40.1", "10.233.40.2"
 MASTER_PORT, METADATA_PORT, ADMIN_PORT, LINK_PORT = 50051, 8080, 9003, 5201
@@ -343,32 +343,94 @@ def raw_get_s(keys, object_bytes: int, repeat: int) -> float:
     return best
 
 
+def resident_fraction(root: str) -> float:
+    """Of the pages of the files under `root`, the fraction in this machine's page cache now (mmap + mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = cached = 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(d, name)
+            size = os.path.getsize(path)
+            if not size:
+                continue
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    raise OSError(ctypes.get_errno(), f"mmap {path}")
+                try:
+                    if libc.mincore(addr, size, vec) != 0:
+                        raise OSError(ctypes.get_errno(), f"mincore {path}")
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+            total += pages
+            cached += sum(v & 1 for v in vec)
+    return cached / total if total else 0.0
+
+
 def role_get(args: argparse.Namespace) -> None:
     """Node 2: restore every object from the cluster (across the link) through the tier, then Mooncake's raw gets
-    of the same objects, then the same objects from its own disk, cold and warm."""
+    of the same objects, then the same objects from its own disk, cold and warm.
+
+    States, matched and said in the output: the cluster's objects live in the holders' RAM (Mooncake segments
+    are memory: there is no colder state on that side), and a fresh client's first load also makes its
+    connections to the holders (`cluster_first_s`); `cluster_s` is the best load of a client that has loaded
+    before. The disk's cold read is the store as it runs (O_DIRECT where the filesystem takes it) with the
+    page cache of its files dropped first and checked empty (`disk_cold_resident`); its warm read is the same
+    store opened with buffered I/O after one read filled the page cache (`disk_warm_resident`): RAM against RAM.
+    `device_direct_s` is `dd iflag=direct` of the same files: what the device itself gives a cold read (on a
+    virtual disk the host's cache may serve it)."""
     from kvtier.cluster import ClusterTier
-    from kvtier.store import DiskStore
+    from kvtier.store import DiskStore, StoreConfig
 
     vk, keys, payloads = _objects(args.objects, args.object_bytes)
     outs = [torch.empty_like(p) for p in payloads]
     tier = ClusterTier(_cfg(B_ADDR))
+    cluster_first_s = _timed_load(tier, keys, outs)
     cluster_s = min(_timed_load(tier, keys, outs) for _ in range(args.repeat))
     ok = all(torch.equal(o, p) for o, p in zip(outs, payloads))
     tier.close()
-    doc = {"cluster_s": cluster_s, "bitwise": ok, "raw_s": raw_get_s(keys, args.object_bytes, args.repeat)}
+    doc = {
+        "cluster_first_s": cluster_first_s,
+        "cluster_s": cluster_s,
+        "bitwise": ok,
+        "raw_s": raw_get_s(keys, args.object_bytes, args.repeat),
+    }
     if args.disk:
         disk = DiskStore(args.disk, writer=True)
         disk.register_namespace(vk)
         if disk.has(keys[:1], [DIGEST])[0].value != 0:  # not there yet (the first rate's run)
             disk.store_many(list(zip(keys, payloads, [DIGEST] * len(keys))))
-        cold = []
+        cold, resident = [], []
         for _ in range(args.repeat):
             drop_cache_tree(disk.root)
+            resident.append(resident_fraction(disk.root))
             cold.append(_timed_load(disk, keys, outs))
-        _timed_load(disk, keys, outs)  # fills the page cache
-        warm = min(_timed_load(disk, keys, outs) for _ in range(args.repeat))
+        doc.update(disk_cold_s=min(cold), disk_cold_resident=max(resident), disk_cold_io=disk.io_backend)
+        root = disk.root
         disk.close()
-        doc.update(disk_cold_s=min(cold), disk_warm_s=warm)
+        buffered = DiskStore(args.disk, StoreConfig(io_backend="buffered"), readonly=True)
+        _timed_load(buffered, keys, outs)  # fills the page cache
+        doc.update(
+            disk_warm_resident=resident_fraction(root),
+            disk_warm_s=min(_timed_load(buffered, keys, outs) for _ in range(args.repeat)),
+            disk_warm_io=buffered.io_backend,
+        )
+        buffered.close()
+        drop_cache_tree(root)
+        files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".seg")]
+        doc["device_direct_s"] = sum(dd_direct_s(f) for f in files) if files else None
     print(json.dumps(doc))
 
 
@@ -413,19 +475,30 @@ def link_level(args: argparse.Namespace) -> dict:
                         raise SystemExit("bench/cluster_link: node 2 restored other bytes than node 1 put")
                     restore_gbps = total * 8 / got["cluster_s"] / 1e9
                     raw_gbps = total * 8 / got["raw_s"] / 1e9
+                    device = got["device_direct_s"]
                     runs.append(
                         {
                             "shaped": link.rate,
                             "shaper": link.shaper,
                             "qdisc": link.qdisc(),
                             "link_gbps": round(gbps, 3),
+                            # the cluster side: holders' RAM; a warm client (best of --repeat) and a fresh one
+                            "cluster_state": "holder RAM (Mooncake segments are memory), client warm",
                             "restore_MBps": round(total / got["cluster_s"] / 1e6, 1),
+                            "restore_first_MBps": round(total / got["cluster_first_s"] / 1e6, 1),
                             "ratio_to_link": round(restore_gbps / gbps, 3),
                             "mooncake_raw_MBps": round(total / got["raw_s"] / 1e6, 1),
                             "raw_ratio_to_link": round(raw_gbps / gbps, 3),
                             "ratio_to_raw": round(restore_gbps / raw_gbps, 3),
+                            # the disk side: cold = page cache dropped (resident fraction measured), the store's
+                            # own I/O; warm = buffered reads with the files in the page cache (RAM, as the holders)
+                            "disk_cold_state": f"page cache dropped, {got['disk_cold_io']} reads",
+                            "disk_cold_resident": round(got["disk_cold_resident"], 3),
                             "disk_cold_MBps": round(total / got["disk_cold_s"] / 1e6, 1),
+                            "disk_warm_state": f"files in the page cache, {got['disk_warm_io']} reads",
+                            "disk_warm_resident": round(got["disk_warm_resident"], 3),
                             "disk_warm_MBps": round(total / got["disk_warm_s"] / 1e6, 1),
+                            "device_direct_MBps": round(total / device / 1e6, 1) if device else None,
                             "ratio_to_disk_cold": round(got["disk_cold_s"] / got["cluster_s"], 3),
                             "ratio_to_disk_warm": round(got["disk_warm_s"] / got["cluster_s"], 3),
                         }
@@ -435,8 +508,8 @@ def link_level(args: argparse.Namespace) -> dict:
             "object_bytes": args.object_bytes,
             "put_MBps": round(total / put["put_s"] / 1e6, 1),
             "runs": runs,
-            "note": "two network namespaces joined by a veth pair on one machine: the link is shaped by tc netem, "
-            "but both ends, the master and the holders share this machine's cores",
+            "note": "two network namespaces joined by a veth pair on one machine: the link is shaped by tc (the "
+            "shaper says which qdisc), but both ends, the master and the holders share this machine's cores",
         }
     finally:
         link.close()
@@ -456,12 +529,33 @@ def main() -> None:
     ap.add_argument("--objects", type=int, default=128)
     ap.add_argument("--object-bytes", type=int, default=1 << 20)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", default="", help="Also write the report (with machine, date, commit) to this file.")
     add_args(ap)
     args = ap.parse_args()
     if args.role:
         {"holder": role_holder, "put": role_put, "get": role_get}[args.role](args)
         return
-    print(json.dumps(link_level(args)))
+    doc = link_level(args)
+    print(json.dumps(doc))
+    if args.out and "skipped" not in doc:
+        write_report(pathlib.Path(args.out), doc, " ".join(sys.argv[1:]))
+
+
+def write_report(path: pathlib.Path, doc: dict, argv: str) -> None:
+    """The run with where and when it ran (bench/run_all.py's machine facts), its figures under `cluster_link`.
+    Not in run_all's report shape (no `sections`): bench/report.py's pages are built from run_all's reports."""
+    sys.path.insert(0, str(REPO / "bench"))  # run_all imports its sibling report.py by name
+    from bench.run_all import git_commit, machine
+
+    report = {
+        "bench": "cluster_link",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": git_commit(),
+        "machine": machine("/var/tmp"),
+        "argv": argv,
+        "cluster_link": doc,
+    }
+    path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.cluster.bytes_copy import cpu_copy
 from kvtier.cluster.stats import Counters
 from kvtier.core.errors import KvtierError
 from kvtier.core.tier import ObjectKey
@@ -57,8 +58,9 @@ class BackgroundWriter:
                 self._counters.add("dropped", len(items))
                 return False
             self._bytes += nbytes
-        # Copies outside the lock: the caller's tensors are pool slots that may be reused once it returns.
-        copies = [(k, p.detach().to("cpu", copy=True).view(-1), d) for k, p, d in items]
+        # Copies outside the lock: the caller's tensors are pool slots that may be reused once it returns. By
+        # numpy in this thread (bytes_copy): torch's copy stalls on busy cores, and this runs inside a load.
+        copies = [(k, cpu_copy(p), d) for k, p, d in items]
         with self._cond:
             self._jobs.append(_Job(kind, run, copies, nbytes))
             self._counters.add("queued", len(items))

@@ -2,8 +2,12 @@
 
 A lane is one worker thread and one lock. A caller that cannot get the lock, or whose call does not
 finish, within its deadline gets `ClusterUnavailable`; a call past its deadline keeps the lock until it
-really returns, so the buffers it writes into are never handed to the next caller meanwhile. After a
-failure the lane stays "down" for `retry_s`: calls fail at once, then one call probes.
+really returns, so the buffers it writes into are never handed to the next caller meanwhile.
+
+A slow answer is not a dead cluster: on a loaded host an existence call can miss a short deadline while the
+master is fine. So a lane's timeout is a miss for that call only, and it asks the link's prober to probe at
+once; only a probe (`Probes`) without an answer in time, or an answer made of error codes, marks the cluster
+down. While down, calls fail at once for `retry_s`, then one is let through.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -24,10 +28,10 @@ T = TypeVar("T")
 class Breaker:
     """Shared by a client's lanes: what the cluster's last answer said, and the fail-fast window after a failure.
 
-    `up` is the outcome of the last call that got an answer or ran out of time (a call refused at once while
-    the cluster is marked down says nothing new); the link's prober keeps that answer at most `probe_s` old
-    on an idle node. One failure anywhere marks the cluster down: calls fail at once for `retry_s`, then
-    one is let through to probe; it stays down until a call succeeds.
+    `up` is the outcome of the last evidence: a call that got an answer, or a probe that ran out of time (a
+    data call that ran out of time only `suspect`s, which wakes the prober). The link's prober keeps that
+    evidence at most `probe_s` old on an idle node. Once down, calls fail at once for `retry_s`, then one is
+    let through; it stays down until a call succeeds.
     """
 
     def __init__(self, retry_s: float) -> None:
@@ -37,6 +41,7 @@ class Breaker:
         self._answered_at = time.monotonic()
         self.why = ""  # why the last failure failed ("" while up)
         self._lock = threading.Lock()
+        self.wake = threading.Event()  # set by `suspect`: the prober probes now instead of at its next turn
 
     @property
     def up(self) -> bool:
@@ -63,6 +68,11 @@ class Breaker:
             self._healthy = False
             self.why = why
 
+    def suspect(self) -> None:
+        """A data call got no answer in time: not evidence by itself (a loaded host is slow, not down), so the
+        prober is asked to probe now; its answer, or its lack of one, decides."""
+        self.wake.set()
+
     def succeeded(self) -> None:
         with self._lock:
             self._answered_at = time.monotonic()
@@ -72,7 +82,8 @@ class Breaker:
 
 
 class Lane:
-    """One worker thread; at most one call in flight, each bounded by its caller's deadline."""
+    """One worker thread; at most one call in flight, each bounded by its caller's deadline. A timeout is a
+    miss for that call and a `suspect` (see Breaker), never by itself a dead cluster."""
 
     def __init__(self, name: str, breaker: Breaker) -> None:
         self.name = name
@@ -81,15 +92,12 @@ class Lane:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-cluster-{name}")
 
     @contextlib.contextmanager
-    def hold(self, deadline: float, probe: bool = False) -> Iterator[Calls]:
+    def hold(self, deadline: float) -> Iterator[Calls]:
         """Own the lane (and its buffers) until the block ends; yields `Calls` bounded by `deadline` (monotonic):
-        `run(fn)`, or `start(fn)` then `wait(future)` to overlap the worker's next call with the caller's work.
-
-        A `probe` is let through while the cluster is marked down: it is how the link learns it is back."""
-        if not probe:
-            self._breaker.check(self.name)
+        `run(fn)`, or `start(fn)` then `wait(future)` to overlap the worker's next call with the caller's work."""
+        self._breaker.check(self.name)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._breaker.failed(f"{self.name}: an earlier call still runs past its deadline")
+            self._breaker.suspect()
             raise ClusterUnavailable(f"cluster {self.name}: an earlier call is still running past its deadline")
         calls = Calls(self.name, self._pool, self._breaker, deadline)
         try:
@@ -135,9 +143,53 @@ class Calls:
         try:
             return fut.result(timeout=max(0.0, self.deadline - time.monotonic()))
         except FutureTimeout:
-            self._breaker.failed(f"{self.name}: no answer within the deadline")
+            self._breaker.suspect()
             raise ClusterUnavailable(f"cluster {self.name}: no answer within the deadline") from None
 
     def __call__(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker and return its result."""
         return self.wait(self.start(fn))
+
+
+class Probes:
+    """The health check's calls, each bounded by its deadline: one that gets no answer in time marks the cluster
+    down (the evidence a stopped or unreachable master gives), and they run while it is marked down.
+
+    A probe writes into no buffer, so one still running past its deadline holds nothing, and the next probe runs
+    beside it on another thread (at most `at_once` at a time; beyond that the cluster is down). That matters when
+    the master comes back: a call made while it was gone can sit in the client's reconnect for seconds, and a
+    probe queued behind it would keep saying "down" all that while."""
+
+    def __init__(self, breaker: Breaker, at_once: int = 4) -> None:
+        self._breaker = breaker
+        self._at_once = at_once
+        self._pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="kvtier-cluster-probe")
+        self._live: list[Future] = []
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], T], deadline: float) -> T:
+        """`fn()` on a probe thread; ClusterUnavailable, the cluster marked down, without an answer by `deadline`."""
+        with self._lock:
+            self._live = [f for f in self._live if not f.done()]
+            if len(self._live) >= self._at_once:
+                why = f"probe: {len(self._live)} earlier probes still wait for an answer"
+                self._breaker.failed(why)
+                raise ClusterUnavailable(f"cluster {why}")
+            try:
+                fut = self._pool.submit(fn)
+            except RuntimeError:  # closed: the client is going away
+                raise ClusterUnavailable("cluster probe: closed") from None
+            self._live.append(fut)
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self._breaker.failed("probe: no answer within the deadline")
+            raise ClusterUnavailable("cluster probe: no answer within the deadline") from None
+
+    def close(self, deadline: float) -> bool:
+        """Take no more probes; wait until `deadline` (monotonic) for those still running. True when none runs."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            live = list(self._live)
+        _, running = wait(live, timeout=max(0.0, deadline - time.monotonic()))
+        return not running

@@ -69,11 +69,18 @@ class ClientLink:
 
     def _probe_while_open(self, client: MooncakeClient) -> None:
         """Keep the link's health at most `probe_s` old: when no call has had an answer for `probe_s` (an idle
-        node, or one whose calls fail at once while it is marked down), one probe. At most one per `probe_s`."""
+        node, or one whose calls fail at once while it is marked down), one probe; at most one per `probe_s`.
+        A data call that ran out of time wakes it at once (`Breaker.suspect`): at most as often as calls time out,
+        and a lane's calls run one after another, so at most one per lane per deadline."""
         every = self.cfg.probe_s
+        wake = client.breaker.wake
         was_up = True
-        while not self._closed.wait(max(0.01, every - client.breaker.quiet_s)):
-            if client.breaker.quiet_s < every:
+        while not self._closed.is_set():
+            woken = wake.wait(max(0.01, every - client.breaker.quiet_s))
+            wake.clear()
+            if self._closed.is_set():
+                return
+            if not woken and client.breaker.quiet_s < every:
                 continue  # traffic answered meanwhile: that is the health
             try:
                 client.probe()
@@ -116,6 +123,8 @@ class ClientLink:
     def close(self) -> None:
         """Close the client; an attempt still blocked in Mooncake's setup is left to end on its own (daemon thread)."""
         self._closed.set()
+        if self._client is not None:
+            self._client.breaker.wake.set()  # the prober waits on it
         self._thread.join(timeout=1.0)
         if self._client is not None:
             self._client.close()

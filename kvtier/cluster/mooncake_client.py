@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvtier.cluster.errors import ClusterSetupError, ClusterUnavailable
-from kvtier.cluster.lane import Breaker, Calls, Lane
+from kvtier.cluster.lane import Breaker, Calls, Lane, Probes
 from kvtier.core.cluster_config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,9 @@ class MooncakeClient:
         self._put_buf = _Staging(self._client, cfg.staging_bytes)
         self.breaker = Breaker(cfg.retry_s)
         self._lookup = Lane("lookup", self.breaker)
+        # The probe has threads of its own: it neither waits behind a lookup nor delays one, and a call still
+        # running past its deadline does not hide the master's health from it.
+        self._probes = Probes(self.breaker)
         self._get = Lane("get", self.breaker)
         self._put = Lane("put", self.breaker)
 
@@ -115,11 +118,11 @@ class MooncakeClient:
         """One existence call for a name no writer uses, let through even while the cluster is marked down:
         the answer (or the lack of one within lookup_timeout_s) is the link's health. True when it answered."""
         name = f"{self.cfg.key_prefix}/probe"
+        deadline = time.monotonic() + self.cfg.lookup_timeout_s
         try:
-            with self._lookup.hold(time.monotonic() + self.cfg.lookup_timeout_s, probe=True) as run:
-                (code,) = run(lambda: self._client.batch_is_exist([name]))
+            (code,) = self._probes.run(lambda: self._client.batch_is_exist([name]), deadline)
         except ClusterUnavailable:
-            return False  # the lane marked the breaker down with its reason
+            return False  # Probes marked the breaker down, with its reason
         self._judge(code not in (0, 1), f"probe answered error code {code}")
         return code in (0, 1)
 
@@ -225,6 +228,8 @@ class MooncakeClient:
         client open for good: tearing it down under that call crashes the process."""
         deadline = time.monotonic() + wait_s
         busy = [lane.name for lane in (self._lookup, self._get, self._put) if not lane.close(deadline)]
+        if not self._probes.close(deadline):
+            busy.append("probe")
         if busy:
             log.warning("mooncake client left open: %s still running after %gs", ", ".join(busy), wait_s)
             _LEFT_OPEN.append(self._client)

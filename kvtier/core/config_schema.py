@@ -395,13 +395,17 @@ KEYS: tuple[Key, ...] = (
         pattern=r"[^/]+",
     ),
     Key("cluster.replicas", Kind.INTEGER, 1, "Copies of each object in the cluster.", minimum=1, maximum=16),
-    _seconds("cluster.lookup_timeout_s", 0.2, "One batched existence call."),
+    _seconds(
+        "cluster.lookup_timeout_s",
+        0.2,
+        "One batched existence call: past it, a miss for that lookup only; a probe past it marks the cluster down.",
+    ),
     _seconds("cluster.load_timeout_s", 5.0, "One batch of gets."),
     _seconds("cluster.put_timeout_s", 10.0, "One batch of background puts."),
     _seconds(
         "cluster.retry_s",
         2.0,
-        "After a failure, calls answer unavailable at once for this long before one probes again.",
+        "Once the cluster is marked down, calls answer unavailable at once for this long before one is tried.",
     ),
     _seconds(
         "cluster.probe_s",

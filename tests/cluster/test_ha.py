@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Client
-from support.cluster_nodes import cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import FAULT_TUNING, cluster_stats, start_node, wait_for, wait_written_through
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
 
@@ -42,8 +42,8 @@ def test_two_nodes_leader_killed_node2_hits_again_within_20s(ha_cluster: Mooncak
     work = tmp_path / "work"
     work.mkdir()
     save_prompts(work, {"p61": tokens, "p62": prompt(62, BLOCKS * H + 3)})
-    node1 = start_node(tmp_path, "node1", ha_cluster)
-    node2 = start_node(tmp_path, "node2", ha_cluster, promote=False)
+    node1 = start_node(tmp_path, "node1", ha_cluster, **FAULT_TUNING)
+    node2 = start_node(tmp_path, "node2", ha_cluster, promote=False, **FAULT_TUNING)
     client = Client(node2.socket, name="ha test")
     try:
         before = run_engine(node1, work, "offload", "p61")["p61"]["written"]

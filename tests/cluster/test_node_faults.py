@@ -17,7 +17,15 @@ from kvtier.cluster.header import HEADER_BYTES
 from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
 from kvtier.core.tier import ObjectKey
-from support.cluster_nodes import audit_cli, cluster_config, cluster_stats, start_node, wait_for, wait_written_through
+from support.cluster_nodes import (
+    FAULT_TUNING,
+    audit_cli,
+    cluster_config,
+    cluster_stats,
+    start_node,
+    wait_for,
+    wait_written_through,
+)
 from support.e2e_harness import PROFILE, H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster, mooncake_cluster
 
@@ -40,8 +48,8 @@ def _prompts(tmp_path: Path, *seeds: int) -> tuple[Path, dict]:
 
 
 def _two_nodes(tmp_path: Path, cluster: MooncakeCluster, work: Path, *names: str):
-    node1 = start_node(tmp_path, "node1", cluster)
-    node2 = start_node(tmp_path, "node2", cluster)
+    node1 = start_node(tmp_path, "node1", cluster, **FAULT_TUNING)
+    node2 = start_node(tmp_path, "node2", cluster, **FAULT_TUNING)
     wrote = run_engine(node1, work, "offload", *names)
     wait_written_through(node1, sum(w["written"] for w in wrote.values()))
     return node1, node2
@@ -69,7 +77,7 @@ def test_master_killed_misses_without_hang_local_hits_served_then_reconnects(
         # own disk's copy of the prefix
         assert node1.terminate() == 0
         t0 = time.monotonic()
-        node1 = start_node(tmp_path, "node1", own_cluster)
+        node1 = start_node(tmp_path, "node1", own_cluster, **FAULT_TUNING)
         assert time.monotonic() - t0 < 30
         got, took = _timed(node1, work, "p31")
         assert got["hit_tokens"] == BLOCKS * H and got["loaded_objects"] > 0 and took < ENGINE_BOUND_S, got

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection
-from support.cluster_nodes import audit_cli, cluster_stats, kvtier_cli, start_node, wait_for, wait_written_through
+from support.cluster_nodes import (
+    FAULT_TUNING,
+    audit_cli,
+    cluster_stats,
+    kvtier_cli,
+    start_node,
+    wait_for,
+    wait_written_through,
+)
 from support.daemon import child_env
 from support.e2e_harness import H, Oracle, prompt, run_engine, save_prompts
 from support.mooncake_loopback import MooncakeCluster
@@ -71,8 +79,8 @@ def test_node2_restores_from_the_cluster_bitwise_and_survives_a_holder_kill(
     replicas 1: the dead holder's objects are misses; node 2 recomputes what it lost, still bitwise."""
     tokens = {"p0": prompt(21, BLOCKS * H + 17), "p1": prompt(22, BLOCKS * H + 9)}
     work = _work(tmp_path, **tokens)
-    node1, s1 = _offload_on_node1(tmp_path, own_cluster, work, *tokens, replicas=replicas)
-    node2 = start_node(tmp_path, "node2", own_cluster, replicas=replicas)
+    node1, s1 = _offload_on_node1(tmp_path, own_cluster, work, *tokens, replicas=replicas, **FAULT_TUNING)
+    node2 = start_node(tmp_path, "node2", own_cluster, replicas=replicas, **FAULT_TUNING)
     try:
         # the first restore on node 2, with every holder alive: the whole prefix, from the cluster
         got = run_engine(node2, work, "continue", "p0")["p0"]

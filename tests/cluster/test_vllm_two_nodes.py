@@ -1,7 +1,7 @@
 """Two cluster nodes under real vLLM engines (issue 40): node B restores node A's prefix through its daemon.
 
-Each node is a `kvtier serve` whose `[cluster]` table names the cluster's endpoints and, for this loaded
-machine, a longer `lookup_timeout_s` (endpoints_only); every other cluster key is its default. The daemons and
+Each node is a `kvtier serve` whose `[cluster]` table names the cluster's endpoints only (cluster_toml): every
+other cluster key is its default, `lookup_timeout_s` included. The daemons and
 the Mooncake cluster run from this suite's Python (it has Mooncake); the engines run from the vLLM venv
 (tests/vllm/run.sh builds it; it has no Mooncake and needs none: an engine talks to its node's daemon over the
 unix socket only). Each engine is a process of its own, so engine B starts with nothing in RAM and everything
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from support.cluster_nodes import cluster_stats, wait_written_through
+from kvtier.wire import Connection
+from support.cluster_nodes import cluster_stats, cluster_toml, wait_written_through
 from support.daemon import ROOT, DaemonProc
 from support.mooncake_loopback import MooncakeCluster
 
@@ -32,6 +33,7 @@ BLOCK_SIZE = 32  # support.vllm_engine_run.BLOCK_SIZE (not imported: that module
 VOCAB = 512  # support.vllm_tiny_model.VOCAB
 WINDOW_CHUNKS = 2  # Gemma2's window of 64 tokens in 32-token chunks
 PREFIX_CHUNKS = 4
+REQUEST_KEYS = 2 * PREFIX_CHUNKS  # the prompt's whole chunks, one key per chunk in each of the two groups
 ENGINE_TIMEOUT_S = 300
 KVTIER_TIER = "KvtierSecondaryTier"
 
@@ -82,6 +84,12 @@ def run_engine(py: str, work: Path, name: str, model: Path, prompts: list[list[i
     return json.loads(out.read_text())
 
 
+def engine_rows(node: DaemonProc) -> list:
+    """The daemon's per-namespace counters of engines' tier ops (`kvtier status`'s engines)."""
+    with Connection(node.socket, timeout_s=10.0, name="cluster test") as conn:
+        return conn.stats().engines
+
+
 def tier_counter(run: dict, name: str, tier: str) -> float:
     """Sum of vLLM's `tiering_<name>` over labels naming `tier` (vLLM labels tiers "<index>:<type>")."""
     return sum(v for k, v in run["metrics"].items() if k.startswith(f"tiering_{name}{{") and k.endswith(f":{tier}}}"))
@@ -96,16 +104,6 @@ def kvtier_counter(run: dict, name: str, **labels: str) -> float:
         if metric == f"kvtier_{name}" and want <= set(filter(None, rest.rstrip("}").split(","))):
             total += value
     return total
-
-
-def endpoints_only(cluster: MooncakeCluster) -> str:
-    """A `[cluster]` table with the endpoints and one deadline; every other key is its default.
-
-    `lookup_timeout_s` (default 0.2 s) is raised: on the shared 2-core machine, under other tests' load, a
-    loopback existence call was seen to take longer than 0.2 s, which marks the cluster down for `retry_s`
-    and makes engine B's lookup a miss. A deadline decides only when a slow answer counts as none."""
-    table = f'[cluster]\nenabled = true\nmaster = "{cluster.master}"\nmetadata = "{cluster.metadata}"\n'
-    return table + "lookup_timeout_s = 2.0\n"
 
 
 @pytest.mark.timeout(1200)  # three engine processes (each imports vLLM) and two daemons on a loaded 2-core machine
@@ -123,7 +121,7 @@ def test_node_b_restores_node_a_prefix_through_its_daemon(own_cluster: MooncakeC
     nodes = {name: tmp_path / name for name in ("node-a", "node-b")}
     for home in nodes.values():
         home.mkdir()
-    node_a = DaemonProc(nodes["node-a"], extra_toml=endpoints_only(own_cluster))
+    node_a = DaemonProc(nodes["node-a"], extra_toml=cluster_toml(own_cluster))
     node_b = None
     try:
         stored = run_engine(py, tmp_path, "engine-a", model, [prompt], node_a.socket)
@@ -134,7 +132,7 @@ def test_node_b_restores_node_a_prefix_through_its_daemon(own_cluster: MooncakeC
         # Node A is stopped: node B can get the prefix only from the cluster.
         assert node_a.terminate() == 0
 
-        node_b = DaemonProc(nodes["node-b"], extra_toml=endpoints_only(own_cluster))
+        node_b = DaemonProc(nodes["node-b"], extra_toml=cluster_toml(own_cluster))
         restored = run_engine(py, tmp_path, "engine-b", model, [prompt], node_b.socket)
         hits = tier_counter(restored, "chunk_hits", KVTIER_TIER)
         assert hits == PREFIX_CHUNKS + WINDOW_CHUNKS, restored["metrics"]
@@ -144,6 +142,13 @@ def test_node_b_restores_node_a_prefix_through_its_daemon(own_cluster: MooncakeC
         assert kvtier_counter(restored, "load_chunks", outcome="ok") == PREFIX_CHUNKS + WINDOW_CHUNKS
         stats = cluster_stats(node_b)
         assert stats["local_hits"] == 0 and stats["cluster_hits"] == PREFIX_CHUNKS + WINDOW_CHUNKS, stats
+        # One remote lookup for B's request, not a loop: vLLM asks the tier again every engine step while the
+        # request waits (each a RETRY, counted as asking_daemon), but the tier asked the daemon once, for all of
+        # the request's keys (every chunk of both groups), and the daemon asked the cluster once.
+        (engine_row,) = [row for row in engine_rows(node_b) if row.engine == "vllm"]
+        assert engine_row.lookups == REQUEST_KEYS, engine_row
+        assert stats["cluster"]["lookups"] == REQUEST_KEYS, stats
+        assert sum(stats["cluster"]["lookup_latency"]["counts"]) == 1, stats
         # Generated tokens and their logprobs, bit for bit, as the run that never offloaded.
         assert restored["results"] == reference["results"]
         assert node_b.terminate() == 0

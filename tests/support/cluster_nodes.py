@@ -35,20 +35,23 @@ def cluster_config(cluster: MooncakeCluster, **kw: object) -> ClusterConfig:
     return ClusterConfig(**{**base, **kw})
 
 
+# Short deadlines and small buffers for the fault tests, which kill or stop parts of the cluster and wait for
+# the node to notice: passed by those tests by name, so a node that is not given them runs on the defaults.
+FAULT_TUNING: dict[str, object] = dict(
+    staging_bytes="4MiB",
+    transfer_buffer_bytes="4MiB",
+    lookup_timeout_s=0.5,
+    load_timeout_s=2.0,
+    put_timeout_s=5.0,
+    retry_s=0.5,
+)
+
+
 def cluster_toml(cluster: MooncakeCluster, **kw: object) -> str:
-    """A `[cluster]` table for `cluster`: test-sized buffers and short deadlines; what goes down to the cluster
-    (`write_through`) is the default unless a test sets it."""
+    """A `[cluster]` table naming `cluster`'s endpoints (master or etcd, metadata, admin) and `kw`; every other
+    key is its default, as a user's node would have it (fault tests pass FAULT_TUNING)."""
     values: dict[str, object] = dict(
-        enabled=True,
-        master=cluster.master,
-        metadata=cluster.metadata,
-        staging_bytes="4MiB",
-        transfer_buffer_bytes="4MiB",
-        lookup_timeout_s=0.5,
-        load_timeout_s=2.0,
-        put_timeout_s=5.0,
-        retry_s=0.5,
-        admin=cluster.admin,
+        enabled=True, master=cluster.master, metadata=cluster.metadata, admin=cluster.admin
     )
     if cluster.etcd_endpoint:
         values["etcd"] = cluster.etcd_endpoint
