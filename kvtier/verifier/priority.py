@@ -55,7 +55,7 @@ def _threads() -> list[int]:
 
 
 def _sched_batch(tid: int) -> str:
-    """"batch", or why not: "idle" (it stays SCHED_IDLE), "unchanged"."""
+    """The policy the thread has now: "batch", or "idle" (a SCHED_IDLE it could not leave), or "unchanged"."""
     try:
         os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
         return "batch"

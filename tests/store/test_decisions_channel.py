@@ -4,7 +4,6 @@ never waited on by the sender once no applier holds the lock."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
