@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.store.decisions import Decision, Reply, decode_decision, decode_reply, encode
 from kvtier.store.errors import StoreError
+from kvtier.store.gil import applying
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,10 @@ class DecisionServer:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        with applying():  # its loops over a decision's items yield the GIL to the process's load threads
+            self._serve_until_stopped()
+
+    def _serve_until_stopped(self) -> None:
         last_clean = time.monotonic()
         while not self._stop.is_set():
             worked = False
@@ -222,6 +227,7 @@ class DecisionServer:
             try:
                 for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".req")):
                     self._serve(name)
+                    os.sched_yield()  # between decisions, the GIL to the process's load threads (kvtier.store.gil)
                     worked = True
                 if time.monotonic() - last_clean > 60.0:
                     self._clean()
