@@ -123,8 +123,9 @@ def run(
 def exit_without_teardown(code: int) -> NoReturn:
     """Exit the verifier process once `run` has returned, skipping the interpreter's teardown.
 
-    Why: with torch loaded that teardown costs about a quarter of a CPU-second, and a SCHED_IDLE process gets
-    next to no CPU while every CPU is busy (beside CPU burners on every core its exit took minutes).
+    Why: with torch loaded that teardown costs a good part of a CPU-second, and a nice-19 process gets only a
+    small share of CPUs that are busy at normal priority (at SCHED_IDLE, which it used to take, its exit took
+    minutes beside CPU burners on every core).
     Nothing is left to tear down by then: the store is closed, the status saved, the lock goes with the process."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
