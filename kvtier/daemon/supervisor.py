@@ -7,8 +7,8 @@ that spawns the child must be the long-lived one: the child's parent-death signa
 
 A child that runs but stopped making progress (its published heartbeat older than `hung_after_s`, e.g.
 stuck in a lock wait, or stopped) is killed and restarted like one that exited. A child whose heartbeat is old
-but which is running (not stopped, and its CPU time grew by `CPU_BUSY_S` in the last `CPU_WINDOW_S`) is starved,
-not hung: the verifier runs at the lowest priority, and beside CPUs busy at normal priority one step of it
+but which is running (its CPU time grew by `CPU_BUSY_S` in the last `CPU_WINDOW_S`: a stopped one's does not) is
+starved, not hung: the verifier runs at the lowest priority, and beside CPUs busy at normal priority one step of it
 (a maintenance pass) may take longer than `hung_after_s`; killing it then would restart it from its start for
 ever, and the store would never be evicted or compacted. Past `STARVED_LIMIT` times `hung_after_s` it is killed
 whatever its CPU (a child spinning in a loop that never publishes).
@@ -171,9 +171,11 @@ class Supervisor:
             self._cpu.popleft()
 
     def _running(self, pid: int, now: float) -> bool:
-        """Not stopped, and its CPU time grew by CPU_BUSY_S since the oldest sample of the last CPU_WINDOW_S."""
+        """Its CPU time grew by CPU_BUSY_S since the oldest sample of the last CPU_WINDOW_S (and it is no zombie)."""
         got = _cpu_and_state(pid)
-        if got is None or got[1] in "tTZX" or not self._cpu:
+        # CPU growth decides, not the state letter of the moment: a child stopped for a moment (a debugger's
+        # break, a freeze between two steps) still grew; one stopped for the whole window did not
+        if got is None or got[1] in "ZX" or not self._cpu:
             return False
         return got[0] - self._cpu[0][1] >= CPU_BUSY_S
 
