@@ -157,10 +157,10 @@ class Readers:
                     self.samples[label][-1].append(dt)
 
     def stop(self) -> None:
+        """Stop the threads; the store stays open for the applier, which commits into it until it stops."""
         self._stop.set()
         for t in self._threads:
             t.join()
-        self.store.close()
 
 
 def _paired_ratio(with_: list[list[float]], without: list[list[float]]) -> float:
@@ -244,7 +244,7 @@ def breakdown(windows: list[list[float]], activity: list[Activity], without_p99_
 def run(args: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvtier-bench-verifier-", dir=args.root)
     root = os.path.join(work, "store")
-    proc = server = None
+    proc = server = readers = None
     try:
         keys, payloads = build(root, args.records, args.size, args.segment_bytes)
         readers = Readers(root, keys, payloads, args.readers, args.batch)
@@ -305,8 +305,8 @@ def run(args: argparse.Namespace) -> dict:
                 not args.until_worked or _worked(actions, args.records) or windows >= 4 * args.windows
             ):
                 break
-        # The readers first: the idle-priority verifier cannot run its exit while they hold the CPUs. Then the
-        # verifier, before the applier: its last decisions (its status, sealing its segment) still find it.
+        # The readers first: the low-priority verifier gets little CPU for its exit while they hold the CPUs. Then
+        # the verifier, before the applier: its last decisions (its status, sealing its segment) still find it.
         readers.stop()
         os.kill(proc.pid, signal.SIGCONT)
         proc.terminate()
@@ -351,6 +351,8 @@ def run(args: argparse.Namespace) -> dict:
             proc.wait(timeout=30)
         if server is not None:
             server.stop()
+        if readers is not None:
+            readers.store.close()  # after the applier, whose last decisions (the verifier's exit) commit into it
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -398,7 +400,7 @@ def main() -> None:
     quick = "--quick" in sys.argv[1:]
     if quick:  # its sizes are defaults: options given beside it still win
         p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
-        p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200)
+        p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200, offload_progress_s=30.0)
     args = p.parse_args()
     args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
     out = run(args) if args.only != "offloads" else {}
@@ -406,7 +408,7 @@ def main() -> None:
         off = argparse.Namespace(
             root=args.root, **{k[len("offload_") :]: v for k, v in vars(args).items() if k.startswith("offload_")}
         )
-        out["durable_offloads"] = verifier_offloads.run(off)
+        out["durable_offloads"] = verifier_offloads.measure(off)
     print(json.dumps(out))
 
 

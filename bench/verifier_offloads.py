@@ -53,6 +53,8 @@ from kvtier.store import DiskStore, StoreConfig  # noqa: E402
 
 VK = VersionKey("bench-verifier-offloads", "w0", "abi", "comp", "idx", "fp8")
 HOG = "while True: pass"
+P99_RATIO_MAX = 1.25  # issue 43's acceptance: stopping's p99 over the control's ...
+MAX_MS = 1000.0  # ... and the slowest durable offload, with the verifier stopped at random
 
 
 def build(root: str, n: int, size: int, segment_bytes: int) -> int:
@@ -224,105 +226,219 @@ def _present_or_tombstoned(root: str, namespace: bytes) -> int:
         return n
 
 
-def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-offloads-", dir=args.root))
-    root = str(work / "store")
-    profile = load_profile("ref-tiny")
-    hogs: list[subprocess.Popen[bytes]] = []
-    proc = notify = None
-    try:
-        record_bytes = build(root, args.records, args.size, args.segment_bytes)
-        budget = int(record_bytes * 0.6)  # the verifier evicts, then compacts the half-dead segments, at once
-        proc, sock, notify = _start_daemon(work, budget)
-        with Client(sock) as watch:
+class Node:
+    """A built store served by a real daemon with its supervised verifier running, and CPU hogs; closed with the
+    daemon SIGKILLed (what was acknowledged durable must be in the store) and the work directory removed."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="kvtier-bench-offloads-", dir=args.root))
+        self.root = str(self.work / "store")
+        self.hogs: list[subprocess.Popen[bytes]] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.notify: socket.socket | None = None
+        self.watch: Client | None = None
+        try:
+            record_bytes = build(self.root, args.records, args.size, args.segment_bytes)
+            budget = int(record_bytes * 0.6)  # the verifier evicts, then compacts the half-dead segments, at once
+            self.proc, self.sock, self.notify = _start_daemon(self.work, budget)
+            self.watch = Client(self.sock)
             deadline = time.monotonic() + 120
-            while not ((v := watch.stats().verifier).running and v.pid == v.verifier_pid):
+            while not ((v := self.watch.stats().verifier).running and v.pid == v.verifier_pid):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the supervised verifier did not start")
                 time.sleep(0.05)
-            with DiskStore(root, StoreConfig(io_backend="buffered"), readonly=True) as s:
-                ns = next(n for n, e in s.namespaces().items() if e.version_key != VK)
+            with DiskStore(self.root, StoreConfig(io_backend="buffered"), readonly=True) as s:
+                self.ns = next(n for n, e in s.namespaces().items() if e.version_key != VK)
+            self.hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
+        except BaseException:
+            self.close()
+            raise
 
-            def verifier_pid() -> int | None:
-                v = watch.stats().verifier
-                return v.pid if v.state == "running" else None
+    def verifier_pid(self) -> int | None:
+        assert self.watch is not None
+        v = self.watch.stats().verifier
+        return v.pid if v.state == "running" else None
 
-            hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
-            off = Offloader(sock, profile, args.blocks)
-            off.start()
-            stop_stopper, active, counts = threading.Event(), threading.Event(), [0]
-            stopper = threading.Thread(
-                target=_stopper, args=(verifier_pid, stop_stopper, active, random.Random(43), counts), daemon=True
-            )
-            stopper.start()
-            windows = 0
-            try:
-                compacted = False
-                # more ABBA groups (up to 3x the windows) until the verifier has compacted: it compacts at its
-                # maintenance passes, 30 s apart, so it may not have by the windows' end
-                while windows < args.windows or (not compacted and windows < 3 * args.windows):
-                    for label in ("control", "stopping", "stopping", "control"):
-                        off.label = None
-                        pid = verifier_pid()
-                        if label == "stopping":
-                            if pid is not None:
-                                _signal(pid, signal.SIGCONT)
-                            active.set()
-                        else:
-                            active.clear()
-                            time.sleep(0.55)  # the stopper's last stop has ended (it lasts at most 0.5 s)
-                            if pid is not None and _signal(pid, signal.SIGSTOP):
-                                _wait_stopped(pid)
-                        off.label = label
-                        time.sleep(args.window_s)
-                        windows += 1
-                    compacted = watch.stats().verifier.actions.get("relocated", 0) > 0
-                off.label = None
-            finally:
-                active.clear()
-                stop_stopper.set()
-                stopper.join()
-                if (pid := verifier_pid()) is not None:
-                    _signal(pid, signal.SIGCONT)
-                off.stop()
-            doc = watch.stats()
-        for h in hogs:
+    def actions(self) -> dict[str, int]:
+        assert self.watch is not None
+        return dict(self.watch.stats().verifier.actions)
+
+    def kill_daemon(self) -> None:
+        for h in self.hogs:
             h.kill()
-        proc.kill()  # kill -9: what was acknowledged durable must be in the store
-        proc.wait()
-        kept = _present_or_tombstoned(root, ns)
-        stopping, control = _stats(off.samples["stopping"]), _stats(off.samples["control"])
-        stopping["all_durable"], control["all_durable"] = (_stats(off.persisted[k]) for k in ("stopping", "control"))
-        ratio = {
-            k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")
-        }
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        self.kill_daemon()
+        if self.notify is not None:
+            self.notify.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _force_idle(pid: int) -> None:
+    """Put every thread of `pid` under SCHED_IDLE (the policy the verifier ran at before): the baseline's side."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:
+            continue
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+PROGRESS_ACTIONS = ("evicted", "relocated", "segments_unlinked", "verified")
+
+
+def progress(args: argparse.Namespace, policy: str) -> dict:
+    """The verifier's eviction and compaction per minute over `args.progress_s`, running free (never stopped)
+    beside the engine's durable offloads and the CPU hogs, at the product's policy ("batch") or forced to
+    SCHED_IDLE from outside ("idle", as it ran before; re-forced if the supervisor restarts it)."""
+    node = Node(args)
+    try:
+        off = Offloader(node.sock, load_profile("ref-tiny"), args.blocks)
+        off.start()
+        try:
+            forced: set[int] = set()
+            cpu: dict[int, float] = {}  # CPU seconds each verifier process got in the part (a restart: a new pid)
+            t0 = time.monotonic()
+            before = node.actions()
+            start_pid = node.verifier_pid()
+            start_cpu = _cpu_s(start_pid) if start_pid is not None else 0.0
+            first: dict[str, float | None] = dict.fromkeys(("evicted", "relocated"))
+            while (elapsed := time.monotonic() - t0) < args.progress_s:
+                pid = node.verifier_pid()
+                if policy == "idle" and pid is not None and pid not in forced:
+                    _force_idle(pid)
+                    forced.add(pid)
+                if pid is not None:
+                    got = _cpu_s(pid) - (start_cpu if pid == start_pid else 0.0)
+                    cpu[pid] = max(cpu.get(pid, 0.0), got)  # a process gone reads 0: keep what it had
+                now = node.actions()
+                for k in first:
+                    if first[k] is None and now.get(k, 0) > before.get(k, 0):
+                        first[k] = round(elapsed, 1)
+                time.sleep(0.5)  # a sample of the verifier's published counters
+            after = node.actions()
+            minutes = (time.monotonic() - t0) / 60.0
+        finally:
+            off.stop()
         return {
-            "windows": windows,
-            "window_s": args.window_s,
+            "policy": policy,
+            "seconds": args.progress_s,
             "cpu_hogs": args.hogs,
-            "blocks_per_offload": args.blocks,
-            "random_stops": counts[0],
-            "stopping": stopping,
-            "control": control,
-            "p50_ratio": ratio["p50_ms"],
-            "p99_ratio": ratio["p99_ms"],
-            "max_ratio": ratio["max_ms"],
+            **{f"{k}_per_min": round((after.get(k, 0) - before.get(k, 0)) / minutes, 1) for k in PROGRESS_ACTIONS},
+            "verifier_cpu_s_per_min": round(sum(cpu.values()) / minutes, 2),
+            "first_evicted_s": first["evicted"],
+            "first_relocated_s": first["relocated"],
             "acknowledged_objects": off.acked_objects,
-            "acknowledged_lost": max(0, off.acked_objects - kept),
             "not_durable_objects": off.not_durable,
-            "errors": off.errors,
-            "verifier_restarts": doc.verifier.restarts,
-            "verifier_actions": doc.verifier.actions,
         }
     finally:
-        for h in hogs:
-            h.kill()
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if notify is not None:
-            notify.close()
-        shutil.rmtree(work, ignore_errors=True)
+        node.close()
+
+
+def run(args: argparse.Namespace) -> dict:
+    node = Node(args)
+    try:
+        profile = load_profile("ref-tiny")
+        verifier_pid = node.verifier_pid
+        off = Offloader(node.sock, profile, args.blocks)
+        off.start()
+        stop_stopper, active, counts = threading.Event(), threading.Event(), [0]
+        stopper = threading.Thread(
+            target=_stopper, args=(verifier_pid, stop_stopper, active, random.Random(43), counts), daemon=True
+        )
+        stopper.start()
+        windows = 0
+        t0 = time.monotonic()
+        before = node.actions()
+        try:
+            compacted = False
+            # more ABBA groups (up to 3x the windows) until the verifier has compacted: it compacts at its
+            # maintenance passes, 30 s apart, so it may not have by the windows' end
+            while windows < args.windows or (not compacted and windows < 3 * args.windows):
+                for label in ("control", "stopping", "stopping", "control"):
+                    off.label = None
+                    pid = verifier_pid()
+                    if label == "stopping":
+                        if pid is not None:
+                            _signal(pid, signal.SIGCONT)
+                        active.set()
+                    else:
+                        active.clear()
+                        time.sleep(0.55)  # the stopper's last stop has ended (it lasts at most 0.5 s)
+                        if pid is not None and _signal(pid, signal.SIGSTOP):
+                            _wait_stopped(pid)
+                    off.label = label
+                    time.sleep(args.window_s)
+                    windows += 1
+                compacted = node.actions().get("relocated", 0) > 0
+            off.label = None
+        finally:
+            active.clear()
+            stop_stopper.set()
+            stopper.join()
+            if (pid := verifier_pid()) is not None:
+                _signal(pid, signal.SIGCONT)
+            off.stop()
+        assert node.watch is not None
+        doc = node.watch.stats()
+        elapsed = time.monotonic() - t0
+        node.kill_daemon()  # kill -9: what was acknowledged durable must be in the store
+        kept = _present_or_tombstoned(node.root, node.ns)
+    finally:
+        node.close()
+    stopping, control = _stats(off.samples["stopping"]), _stats(off.samples["control"])
+    stopping["all_durable"], control["all_durable"] = (_stats(off.persisted[k]) for k in ("stopping", "control"))
+    ratio = {k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")}
+    lost = max(0, off.acked_objects - kept)
+    acceptance = {
+        "p99_ratio": {"value": ratio["p99_ms"], "baseline_p99_ms": control.get("p99_ms"), "target_max": P99_RATIO_MAX},
+        "max_ms": {"value": stopping.get("max_ms"), "target_max": MAX_MS},
+        "acknowledged_lost": {"value": lost, "of": off.acked_objects, "target_max": 0},
+    }
+    for a in acceptance.values():
+        a["met"] = a["value"] is not None and a["value"] <= a["target_max"]
+    return {
+        "windows": windows,
+        "window_s": args.window_s,
+        "cpu_hogs": args.hogs,
+        "blocks_per_offload": args.blocks,
+        "random_stops": counts[0],
+        "stopping": stopping,
+        "control": control,
+        "p50_ratio": ratio["p50_ms"],
+        "p50_ratio_baseline_ms": control.get("p50_ms"),
+        "p99_ratio": ratio["p99_ms"],
+        "p99_ratio_baseline_ms": control.get("p99_ms"),
+        "max_ratio": ratio["max_ms"],
+        "max_ratio_baseline_ms": control.get("max_ms"),
+        "acknowledged_objects": off.acked_objects,
+        "acknowledged_lost": lost,
+        "not_durable_objects": off.not_durable,
+        "errors": off.errors,
+        "verifier_restarts": doc.verifier.restarts,
+        "verifier_actions": doc.verifier.actions,
+        "verifier_actions_per_min": {
+            k: round((doc.verifier.actions.get(k, 0) - before.get(k, 0)) / (elapsed / 60.0), 1)
+            for k in PROGRESS_ACTIONS
+        },
+        "acceptance": acceptance,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -333,6 +449,29 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}segment-bytes", type=int, default=4 << 20)
     p.add_argument(f"--{prefix}blocks", type=int, default=2, help="blocks per durable offload")
     p.add_argument(f"--{prefix}hogs", type=int, default=2, help="CPU hogs at normal priority")
+    p.add_argument(
+        f"--{prefix}progress-s",
+        type=float,
+        default=60.0,
+        help="seconds the verifier runs free per policy for `progress` (a fresh store each; 0: no progress part)",
+    )
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """`progress` (the verifier forced to SCHED_IDLE, as before, then at the product's policy, each on a fresh
+    store), then the ABBA windows with random stops (`run`)."""
+    out: dict = {}
+    if args.progress_s > 0:
+        sides = {policy: progress(args, policy) for policy in ("idle", "batch")}
+        base = sides["idle"]
+        ratios = {}
+        for k in ("evicted", "relocated", "verifier_cpu_s"):
+            b, n = base[f"{k}_per_min"], sides["batch"][f"{k}_per_min"]
+            ratios[f"{k}_per_min_ratio"] = round(n / b, 2) if b else None  # None: the baseline did none
+            ratios[f"{k}_per_min_baseline"] = b
+        out["progress"] = {**sides, **ratios}
+    out.update(run(args))
+    return out
 
 
 def main() -> None:
@@ -341,8 +480,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--root", default=None)
     if "--quick" in sys.argv[1:]:
-        p.set_defaults(windows=8, window_s=1.0, records=1200)
-    print(json.dumps(run(p.parse_args())))
+        p.set_defaults(windows=8, window_s=1.0, records=1200, progress_s=30.0)
+    print(json.dumps(measure(p.parse_args())))
 
 
 if __name__ == "__main__":

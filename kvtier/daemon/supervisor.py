@@ -6,11 +6,17 @@ terminal's signals reach it only through us. `poll()` is called from the daemon'
 that spawns the child must be the long-lived one: the child's parent-death signal follows that thread).
 
 A child that runs but stopped making progress (its published heartbeat older than `hung_after_s`, e.g.
-stuck in a lock wait) is killed and restarted like one that exited.
+stuck in a lock wait, or stopped) is killed and restarted like one that exited. A child whose heartbeat is old
+but which is running (its CPU time grew by `CPU_BUSY_S` in the last `CPU_WINDOW_S`: a stopped one's does not) is
+starved, not hung: the verifier runs at the lowest priority, and beside CPUs busy at normal priority one step of it
+(a maintenance pass) may take longer than `hung_after_s`; killing it then would restart it from its start for
+ever, and the store would never be evicted or compacted. Past `STARVED_LIMIT` times `hung_after_s` it is killed
+whatever its CPU (a child spinning in a loop that never publishes).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -24,6 +30,11 @@ from kvtier.core.verifier_status import PARENT_PID_ENV
 log = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 60.0  # a child that ran this long resets the backoff
+CPU_WINDOW_S = 10.0  # a child whose heartbeat is old but whose CPU time grew within this long ...
+CPU_BUSY_S = 0.02  # ... by at least this much (more than its idle threads' wake-ups ever add up to) is starved
+CPU_SAMPLE_S = 0.5  # the child's CPU time is sampled at most this often
+STARVED_LIMIT = 10.0  # a heartbeat older than this many hung_after_s is a hang, whatever the CPU
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +74,9 @@ class Supervisor:
         self._stopped = False
         self.restarts = 0
         self.last_exit: int | None = None
+        self.starved_spared = 0  # times an old heartbeat was forgiven because the child was using CPU
+        self._cpu: collections.deque[tuple[float, float]] = collections.deque()  # (monotonic, CPU s) of the child
+        self._spared_this_child = False
 
     def start(self) -> None:
         self._stopped = False
@@ -85,6 +99,8 @@ class Supervisor:
             return
         self._started_at = time.monotonic()
         self._next_start = None
+        self._cpu.clear()
+        self._spared_this_child = False
         log.info("%s started (pid %d)", self.name, self._proc.pid)
 
     def _schedule(self) -> None:
@@ -99,6 +115,8 @@ class Supervisor:
         now = time.monotonic()
         if self._proc is not None:
             code = self._proc.poll()
+            if code is None:
+                self._sample_cpu(self._proc.pid, now)
             if code is None and self._hung(now):
                 self._proc.kill()
                 code = self._proc.wait()
@@ -127,9 +145,39 @@ class Supervisor:
         age = now - self._started_at if age is None else age
         if age < self.hung_after_s:
             return False
+        if age < STARVED_LIMIT * self.hung_after_s and self._running(self._proc.pid, now):
+            if not self._spared_this_child:
+                log.warning(
+                    "%s (pid %d): no heartbeat for %.0fs but using CPU: starved, not hung; left running",
+                    self.name,
+                    self._proc.pid,
+                    age,
+                )
+                self._spared_this_child = True
+            self.starved_spared += 1
+            return False
         self.hung_kills += 1
         log.error("%s (pid %d) made no progress for %.0fs; killing it to restart", self.name, self._proc.pid, age)
         return True
+
+    def _sample_cpu(self, pid: int, now: float) -> None:
+        if self._cpu and now - self._cpu[-1][0] < CPU_SAMPLE_S:
+            return
+        got = _cpu_and_state(pid)
+        if got is None:
+            return
+        self._cpu.append((now, got[0]))
+        while len(self._cpu) > 1 and self._cpu[1][0] <= now - CPU_WINDOW_S:  # keep one sample a window old
+            self._cpu.popleft()
+
+    def _running(self, pid: int, now: float) -> bool:
+        """Its CPU time grew by CPU_BUSY_S since the oldest sample of the last CPU_WINDOW_S (and it is no zombie)."""
+        got = _cpu_and_state(pid)
+        # CPU growth decides, not the state letter of the moment: a child stopped for a moment (a debugger's
+        # break, a freeze between two steps) still grew; one stopped for the whole window did not
+        if got is None or got[1] in "ZX" or not self._cpu:
+            return False
+        return got[0] - self._cpu[0][1] >= CPU_BUSY_S
 
     def signal(self, signum: int) -> None:
         """Forward a signal (SIGHUP: reload rates) to the running child."""
@@ -164,3 +212,13 @@ class Supervisor:
             state = "backoff"
         next_in = max(0.0, self._next_start - now) if self._next_start is not None else None
         return SupervisorState(state, self._proc.pid if self._proc else None, self.restarts, self.last_exit, next_in)
+
+
+def _cpu_and_state(pid: int) -> tuple[float, str] | None:
+    """User + system CPU seconds of every thread of `pid`, and its state letter (T: stopped); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK, fields[0]

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.store.decisions import Decision, Reply, decode_decision, decode_reply, encode
 from kvtier.store.errors import StoreError
+from kvtier.store.gil import applying
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,19 @@ SPOOL_DIR = "decisions"
 APPLIER_LOCK = "applier.lock"
 POLL_S = 0.005  # how often the applier looks for requests, and a sender for its reply (at most)
 REPLY_TIMEOUT_S = 30.0
+PROBE_S = 1.0  # while waiting for a reply, how often a sender asks whether an applier still holds the lock
+STOP_GRACE_S = 2.0  # how long a stopping sender still waits for a reply (its last status), then none at all
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
 
 
 class DaemonUnavailable(StoreError):
     """A decision was sent and no daemon answered it (the daemon stopped, or is not applying decisions)."""
+
+
+_NO_APPLIER = (
+    "the kvtier daemon stopped applying the verifier's decisions: the verifier retries; restart it to run without "
+    "a daemon"
+)
 
 
 def spool_dir(root: str) -> str:
@@ -57,61 +66,113 @@ def applier_pid(root: str) -> int | None:
     return None if kind == fcntl.F_UNLCK else pid
 
 
-class DecisionClient:
-    """The verifier's side: send a decision and wait for the daemon's reply (bounded by `timeout_s`)."""
+class SenderStopping(DaemonUnavailable):
+    """The sender is stopping (its stop event is set): the decision was not sent, or its reply no longer waited for."""
 
-    def __init__(self, root: str, *, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+
+class DecisionClient:
+    """The verifier's side: send a decision and wait for the daemon's reply (bounded by `timeout_s`).
+
+    The wait ends early, with `DaemonUnavailable`, when no other process holds the applier's lock (probed every
+    `PROBE_S` while waiting), and with `SenderStopping` once `stop` is set: a send already waiting then gets
+    `stop_grace_s` more for its reply (the last status a stopping verifier saves), and every later send is
+    refused at once, so a stopping sender ends within that grace whatever the daemon does. A send that found no
+    applier, or that the daemon left unanswered for `timeout_s` (its lock held, its applier thread gone or
+    stuck), makes the next sends fail at once for another `timeout_s`: a sender must not pile requests up behind
+    a dead applier and wait the whole timeout for each.
+
+    The probe asks the kernel (F_GETLK), which never reports a lock of the asking process itself: an applier in
+    the sender's own process (tests, a bench playing the daemon) is not seen by it, and only its replies count."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        timeout_s: float = REPLY_TIMEOUT_S,
+        stop: threading.Event | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+    ) -> None:
         self.root = root
         self.dir = spool_dir(root)
         self.timeout_s = timeout_s
+        self.stop = stop
+        self.stop_grace_s = stop_grace_s
         self._seq = 0
         self._lock = threading.Lock()
+        self._stopping_at: float | None = None  # when this client first saw `stop` set
+        self._unanswered_until = 0.0  # after a send timed out: refuse to send until then
         self.sent = 0
 
     def daemon(self) -> int | None:
         return applier_pid(self.root)
 
+    def _deadline(self, deadline: float, now: float) -> float:
+        """`deadline`, brought forward to the stop grace's end once `stop` is set."""
+        if self.stop is None or not self.stop.is_set():
+            return deadline
+        if self._stopping_at is None:
+            self._stopping_at = now
+        return min(deadline, self._stopping_at + self.stop_grace_s)
+
     def send(self, decision: Decision) -> Any:
+        now = time.monotonic()
+        if self._deadline(now + self.timeout_s, now) <= now:
+            raise SenderStopping("the verifier is stopping: its decision was not sent (the daemon applies none now)")
+        if now < self._unanswered_until:
+            raise DaemonUnavailable(
+                f"the kvtier daemon left a decision unanswered for {self.timeout_s:g}s: not sending more until "
+                f"{self._unanswered_until - now:.0f}s from now; check `kvtier status`"
+            )
         with self._lock:
             self._seq += 1
             name = f"{os.getpid()}-{self._seq:012d}"
         tmp = os.path.join(self.dir, f".{name}")
         with open(tmp, "wb") as f:
             f.write(encode(decision))
-        os.rename(tmp, os.path.join(self.dir, name + ".req"))
-        reply_path = os.path.join(self.dir, name + ".rep")
-        deadline = time.monotonic() + self.timeout_s
-        wait = 0.0005
-        next_probe = time.monotonic() + 1.0
-        while True:
-            try:
-                with open(reply_path, "rb") as f:
-                    raw = f.read()
-                break
-            except FileNotFoundError:
-                pass
-            now = time.monotonic()
-            if now >= next_probe:  # a daemon that went away will not answer: say so now, not at the deadline
-                next_probe = now + 1.0
-                if self.daemon() is None:
-                    _unlink(os.path.join(self.dir, name + ".req"))
-                    raise DaemonUnavailable(
-                        "the kvtier daemon stopped applying the verifier's decisions: the verifier retries; "
-                        "restart it to run without a daemon"
-                    )
-            if now >= deadline:
-                _unlink(os.path.join(self.dir, name + ".req"))
-                raise DaemonUnavailable(
-                    f"the kvtier daemon did not apply a decision within {self.timeout_s:g}s: check `kvtier status`"
-                )
-            time.sleep(wait)  # a poll for the reply file: nothing else to wait on across processes
-            wait = min(wait * 2, POLL_S)
-        _unlink(reply_path)
+        request = os.path.join(self.dir, name + ".req")
+        os.rename(tmp, request)
+        raw = self._wait_reply(os.path.join(self.dir, name + ".rep"), request)
         reply = decode_reply(raw)
         self.sent += 1
         if reply.error:
             raise StoreError(f"the daemon could not apply the verifier's decision: {reply.error}")
         return reply.value
+
+    def _wait_reply(self, reply_path: str, request: str) -> bytes:
+        """The reply's bytes (the reply file removed), or a typed error with the request taken back."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        wait = 0.0005
+        next_probe = start + PROBE_S
+        while True:
+            try:
+                with open(reply_path, "rb") as f:
+                    raw = f.read()
+                _unlink(reply_path)
+                return raw
+            except FileNotFoundError:
+                pass
+            now = time.monotonic()
+            if now >= next_probe:  # a daemon that went away will not answer: say so now, not at the deadline
+                next_probe = now + PROBE_S
+                if self.daemon() is None:
+                    _unlink(request)
+                    self._unanswered_until = now + self.timeout_s
+                    raise DaemonUnavailable(_NO_APPLIER)
+            if now >= self._deadline(deadline, now):
+                _unlink(request)
+                if self._stopping_at is not None:
+                    raise SenderStopping("the verifier is stopping: it no longer waits for the daemon's reply")
+                self._unanswered_until = now + self.timeout_s
+                raise DaemonUnavailable(
+                    f"the kvtier daemon did not apply a decision within {self.timeout_s:g}s: check `kvtier status`"
+                )
+            # a poll for the reply file (nothing else to wait on across processes), cut short by a stop
+            if self.stop is not None and not self.stop.is_set():
+                self.stop.wait(wait)
+            else:
+                time.sleep(wait)
+            wait = min(wait * 2, POLL_S)
 
 
 class DecisionServer:
@@ -153,6 +214,10 @@ class DecisionServer:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        with applying():  # its loops over a decision's items yield the GIL to the process's load threads
+            self._serve_until_stopped()
+
+    def _serve_until_stopped(self) -> None:
         last_clean = time.monotonic()
         while not self._stop.is_set():
             worked = False
@@ -162,6 +227,7 @@ class DecisionServer:
             try:
                 for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".req")):
                     self._serve(name)
+                    os.sched_yield()  # between decisions, the GIL to the process's load threads (kvtier.store.gil)
                     worked = True
                 if time.monotonic() - last_clean > 60.0:
                     self._clean()

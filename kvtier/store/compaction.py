@@ -17,6 +17,7 @@ from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
 from kvtier.store.extent import ExtentPlan, write_extent
+from kvtier.store.gil import Yielder
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
@@ -254,8 +255,10 @@ class Compaction:
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
         moved = [0] * len(batches)
+        pause = Yielder()  # the daemon's loads share this process's GIL with the applier
         for i, batch in enumerate(batches):
             for m in batch:
+                pause()
                 raw = txn.get(m.key, db=obj_db)
                 cur = entry_or_none(raw) if raw is not None else None
                 if (

@@ -16,6 +16,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
+from kvtier.store.gil import Yielder
 from kvtier.store.index import (
     IndexEntry,
     RecordState,
@@ -95,7 +96,9 @@ class Maintenance:
             served.clear()  # (run again after the map grew)
             ledger = Ledger(index, txn)
             n = 0
+            pause = Yielder()  # the daemon's loads share this process's GIL with the applier
             for key, raw_key in pairs:
+                pause()
                 raw = txn.get(raw_key, db=index.obj)
                 if raw is None:
                     continue
@@ -149,9 +152,11 @@ class Maintenance:
 
         def put(txn: lmdb.Transaction) -> tuple[int, bytes]:
             n = 0
+            pause = Yielder()
             with txn.cursor(db=index.gone) as cur:
                 more = cur.set_range(start) if start else cur.first()
                 for _ in range(scan):
+                    pause()
                     if not more:
                         return n, b""
                     try:
@@ -255,7 +260,9 @@ class Maintenance:
         index = self._ctx.index
 
         def stamp(txn: lmdb.Transaction) -> None:
+            pause = Yielder()
             for raw_key, raw in d.rows:
+                pause()
                 cur = txn.get(raw_key, db=index.obj)
                 if cur is not None and bytes(cur) == raw:  # unchanged since the read
                     entry = IndexEntry.unpack(raw)

@@ -33,16 +33,18 @@ def store_exists(root: str | Path) -> bool:
     return os.path.isdir(os.path.join(root, INDEX_DIR))
 
 
-def open_store(root: str | Path, *, readonly: bool = False) -> DiskStore:
+def open_store(root: str | Path, *, readonly: bool = False, stop: threading.Event | None = None) -> DiskStore:
     """A non-writer store for maintenance or audit: O_DIRECT reads where the filesystem allows, else buffered.
 
     For maintenance beside a running daemon (its decision applier is live), the index is opened read-only and
     every change is sent to the daemon (`kvtier.store.decisions`): this process never holds the index's write
-    lock, so stopping it at any moment delays no write of the daemon's. With no daemon it writes itself."""
+    lock, so stopping it at any moment delays no write of the daemon's. With no daemon it writes itself. Once
+    `stop` is set, a decision's reply is waited for only briefly (`kvtier.store.channel.STOP_GRACE_S`), so a
+    stopping verifier never waits on a daemon whose applier is gone."""
     if not store_exists(root):
         raise StoreNotFound(f"no kvtier store at {root} (no {INDEX_DIR}/): pass the --store the daemon uses")
     daemon = None if readonly else applier_pid(str(root))
-    decisions = DecisionClient(str(root)) if daemon is not None else None
+    decisions = DecisionClient(str(root), stop=stop) if daemon is not None else None
     if decisions is not None:
         log.info("the daemon (pid %d) applies this process's index changes", daemon)
     try:
@@ -87,13 +89,18 @@ def run(
         if not _lock_instance(root, stop):
             return 0
         prio = lower_priority()
-        store = open_store(root)
+        store = open_store(root, stop=stop)
         try:
             verifier = Verifier(store, settings)
             if stop.is_set():
                 return 0
+
+            def request_stop(*_: object) -> None:
+                stop.set()  # the decision channel's waits end with it
+                verifier.request_stop()
+
             for s in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(s, lambda *_: verifier.request_stop())
+                signal.signal(s, request_stop)
             signal.signal(signal.SIGHUP, lambda *_: _reload(verifier, config, overrides))
             log.info(
                 "verifier on %s (pid %d, %s, rate %d B/s, %d B/s while the disk is busy)",
@@ -116,8 +123,9 @@ def run(
 def exit_without_teardown(code: int) -> NoReturn:
     """Exit the verifier process once `run` has returned, skipping the interpreter's teardown.
 
-    Why: with torch loaded that teardown costs about a quarter of a CPU-second, and a SCHED_IDLE process gets
-    next to no CPU while every CPU is busy (beside CPU burners on every core its exit took minutes).
+    Why: with torch loaded that teardown costs a good part of a CPU-second, and a nice-19 process gets only a
+    small share of CPUs that are busy at normal priority (at SCHED_IDLE, which it used to take, its exit took
+    minutes beside CPU burners on every core).
     Nothing is left to tear down by then: the store is closed, the status saved, the lock goes with the process."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

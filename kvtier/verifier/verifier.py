@@ -106,6 +106,9 @@ class Verifier:
                 try:
                     worked = self.step()
                 except (KvtierError, OSError, lmdb.Error) as exc:  # transient: log, back off, go on
+                    if self.stop_event.is_set():  # a step cut short by the stop (its decisions refused): no fault
+                        log.info("verifier step ended by the stop: %s", exc)
+                        break
                     log.exception("verifier step failed: %s", exc)
                     worked = False
                 self._save()

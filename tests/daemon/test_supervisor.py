@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.daemon import supervisor
 from kvtier.daemon.supervisor import Supervisor
 
 
@@ -92,3 +93,39 @@ def test_a_child_whose_heartbeat_stops_is_killed_and_restarted(tmp_path: Path) -
     with pytest.raises(ProcessLookupError):
         os.kill(first, 0)
     sup.stop(1.0)
+
+
+def test_a_child_with_an_old_heartbeat_that_uses_cpu_is_starved_not_hung_until_the_limit(monkeypatch) -> None:
+    """A low-priority verifier on busy CPUs publishes late but runs: killing it would restart its maintenance pass
+    for ever. Stopped (SIGSTOP) it is hung; and past STARVED_LIMIT x hung_after_s it is hung whatever its CPU."""
+    monkeypatch.setattr(supervisor, "CPU_WINDOW_S", 1.0)
+    monkeypatch.setattr(supervisor, "CPU_SAMPLE_S", 0.05)
+    monkeypatch.setattr(supervisor, "STARVED_LIMIT", 20.0)
+    hung_after_s = 0.5
+    sup = Supervisor(
+        "t",
+        [sys.executable, "-c", "while True: pass"],
+        backoff_s=0.05,
+        heartbeat_age=lambda pid: 5.0,
+        hung_after_s=hung_after_s,
+    )
+    sup.start()
+    first = sup.state().pid
+    assert first is not None
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:  # past hung_after_s, heartbeat 5 s old, spinning: left running
+            sup.poll()
+            assert sup.state().pid == first and sup.hung_kills == 0
+            time.sleep(0.02)  # the daemon's main loop polls at intervals too
+        assert sup.starved_spared > 0
+        os.kill(first, signal.SIGSTOP)  # stopped: no CPU, state T
+        _until(lambda: (sup.poll(), sup.state().pid != first)[1])
+        assert sup.hung_kills == 1
+        _until(lambda: (sup.poll(), sup.state().pid is not None)[1])
+        second = sup.state().pid
+        monkeypatch.setattr(supervisor, "STARVED_LIMIT", 5.0)  # the 5 s heartbeat is now past the limit
+        _until(lambda: (sup.poll(), sup.state().pid not in (None, second))[1])
+        assert sup.hung_kills == 2
+    finally:
+        sup.stop(1.0)

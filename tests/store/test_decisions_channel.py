@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,7 +23,7 @@ from kvtier.store import (
     StoreError,
     encode_key,
 )
-from kvtier.store.channel import applier_pid, spool_dir
+from kvtier.store.channel import SenderStopping, applier_pid, spool_dir
 from kvtier.store.decisions import Drop, Quarantine
 from kvtier.store.errors import QuarantineReason
 from support.store_helpers import DIGEST, VK, make_key, make_payload
@@ -99,6 +100,10 @@ def test_a_sender_with_no_applier_is_told_so_not_left_waiting(tmp_path) -> None:
         client.send(Quarantine(b"k", 1))
     assert time.monotonic() - t0 < 5.0  # the applier's lock is probed, not the deadline waited out
     assert not [n for n in os.listdir(spool_dir(root)) if n.endswith(".req")]  # its request taken back
+    t1 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="not sending more"):  # and it stops sending for a while
+        client.send(Quarantine(b"k", 1))
+    assert time.monotonic() - t1 < 0.1
 
 
 def test_another_process_sees_the_applier_by_its_lock(served) -> None:
@@ -106,3 +111,63 @@ def test_another_process_sees_the_applier_by_its_lock(served) -> None:
     code = f"from kvtier.store.channel import applier_pid; print(applier_pid({root!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) == os.getpid()
+
+
+_HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX); "
+_HOLD += "print('held', flush=True); sys.stdin.read()"
+
+
+@pytest.fixture
+def unanswered(tmp_path):
+    """A store whose applier lock another process holds and whose requests nobody answers: a daemon whose
+    applier thread is gone or stuck."""
+    root = str(tmp_path / "store")
+    DiskStore(root, writer=True).close()
+    os.makedirs(spool_dir(root))
+    lock = os.path.join(spool_dir(root), "applier.lock")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, lock], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        assert applier_pid(root) == holder.pid
+        yield root
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _requests(root: str) -> list[str]:
+    return [n for n in os.listdir(spool_dir(root)) if n.endswith(".req")]
+
+
+def test_a_sender_left_unanswered_stops_sending_for_a_while(unanswered) -> None:
+    client = DecisionClient(unanswered, timeout_s=0.5)
+    with pytest.raises(DaemonUnavailable, match="did not apply a decision within"):
+        client.send(Quarantine(b"k", 1))
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="not sending more"):
+        client.send(Quarantine(b"k", 1))
+    assert time.monotonic() - t0 < 0.1  # refused at once, not another timeout waited out
+    assert _requests(unanswered) == []  # nothing written, and the unanswered request taken back
+
+
+def test_a_stop_cuts_a_reply_wait_short_and_refuses_later_sends(unanswered) -> None:
+    stop = threading.Event()
+    client = DecisionClient(unanswered, timeout_s=30.0, stop=stop, stop_grace_s=0.3)
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(SenderStopping):
+        client.send(Quarantine(b"k", 1))
+    assert 0.2 <= time.monotonic() - t0 < 5.0  # the grace after the stop, not the 30 s timeout
+    t1 = time.monotonic()
+    with pytest.raises(SenderStopping):
+        client.send(Quarantine(b"k", 1))
+    assert time.monotonic() - t1 < 0.1 and _requests(unanswered) == []
+
+
+def test_a_stopping_sender_still_gets_a_live_applier_s_reply_within_its_grace(served) -> None:
+    root, _, server, keys = served
+    stop = threading.Event()
+    stop.set()
+    client = DecisionClient(root, stop=stop, stop_grace_s=5.0)
+    assert client.send(Quarantine(encode_key(keys[0]), int(QuarantineReason.PAYLOAD))) is True  # its last status
+    assert server.applied == 1
