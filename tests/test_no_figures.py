@@ -85,6 +85,9 @@ def comment_blocks(path: Path) -> list[tuple[int, str]]:
 # A page may state a constant, a default or a test's bound that reads like a figure: (page, text) -> the code that
 # holds it, so the page can be checked against it. Measurements never go here.
 PAGE_CONSTANTS: dict[tuple[str, str], str] = {
+    ("cluster.md", "0.94 MiB"): "deepseek-v4-flash's history bytes per block: its groups' object_bytes, not a run",
+    ("cluster.md", "13.9 MiB"): "deepseek-v4-flash's state bytes per checkpoint: its groups' object_bytes, not a run",
+    ("cluster.md", "0.2 s"): "cluster.lookup_timeout_s's default in kvtier/core/config_schema.py",
     ("verifier.md", "0.1 s"): "tests/verifier/test_footprint.py: the bound it holds a stop's CPU time under",
     ("verifier.md", "50 ms"): "kvtier/verifier/busy.py SAMPLE_S: how often the busy probe samples, at most",
     ("verifier.md", "1 MiB/s"): "kvtier/verifier/busy.py OTHERS_BUSY_BYTES_PER_S: what makes a disk busy",
