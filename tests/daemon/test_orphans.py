@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,12 +100,24 @@ def _kill_and_check(daemon: subprocess.Popen[bytes], store: Path, gone_within_s:
         time.sleep(0.02)  # polling a real condition (the orphan's exit)
 
 
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The daemons a test started: any still running when it ends (a failure, pytest-timeout) is killed."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
-def test_no_verifier_outlives_a_killed_daemon(tmp_path: Path) -> None:
+def test_no_verifier_outlives_a_killed_daemon(tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> None:
     # Calibration: how long this machine takes from the daemon's start to the verifier's process, and from that
     # to the verifier's prctl (its lock file is created right after it); killed once it holds the lock.
     t0 = time.monotonic()
     daemon, store = _start(tmp_path / "calibrate")
+    started.append(daemon)
     spawned = _wait_for("verifier process", lambda: _verifiers_of(store), t0 + START_LIMIT_S, daemon)
     armed = _wait_for("verifier lock", (store / "verifier.lock").exists, spawned + START_LIMIT_S, daemon)
     to_spawn, to_prctl = spawned - t0, armed - spawned
@@ -120,6 +133,7 @@ def test_no_verifier_outlives_a_killed_daemon(tmp_path: Path) -> None:
         after = 1.3 * to_prctl * i / max(1, later - 1)
         t0 = time.monotonic()
         daemon, store = _start(tmp_path / f"k{i}")
+        started.append(daemon)
         seen = _wait_for("verifier process", lambda: _verifiers_of(store), t0 + 10 * to_spawn + 10, daemon)  # noqa: B023
         while time.monotonic() < seen + after and daemon.poll() is None:
             time.sleep(0.002)  # the chosen moment of the kill: a point in time, not a condition
