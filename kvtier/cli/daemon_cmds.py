@@ -139,7 +139,7 @@ def _check_profiles(cfg: DaemonConfig) -> None:
 
 def _check_paths(cfg: DaemonConfig) -> None:
     """The socket's folder and the store root must be folders this user can write: else one line naming the key."""
-    for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store_root)):
+    for key, folder in (("server.socket", cfg.server.socket.parent), ("store.root", cfg.store.root)):
         if key == "store.root":
             check_store_parent(cfg)  # after the socket's folder: the user mode's ./.kvtier holds both
         try:

@@ -172,9 +172,9 @@ def check_o_direct(root: Path) -> Check:
 
 
 def check_free_space(cfg: DaemonConfig) -> Check:
-    where = _existing(cfg.store_root)
+    where = _existing(cfg.store.root)
     free = shutil.disk_usage(where).free
-    used = _tree_bytes(cfg.store_root)
+    used = _tree_bytes(cfg.store.root)
     room = cfg.store.budget_bytes - used
     detail = f"{format_bytes(free)} free on {where}; store budget {format_bytes(cfg.store.budget_bytes)}"
     if room > free:
@@ -336,7 +336,7 @@ def run_checks(config_path: str | None, mode: str | None, engine_pythons: Iterab
         lambda: check_memory(cfg),
         lambda: check_huge_pages(cfg),
         lambda: check_aio(cfg.store.io_threads),
-        lambda: check_o_direct(cfg.store_root),
+        lambda: check_o_direct(cfg.store.root),
         lambda: check_free_space(cfg),
         lambda: check_socket(cfg),
         lambda: check_cluster(cfg),

@@ -183,7 +183,7 @@ def check_device(cfg: DaemonConfig) -> str:
 
 def check_store_parent(cfg: DaemonConfig) -> None:
     """A store root that does not exist yet is made only inside a folder that does (or with create = true)."""
-    root = cfg.store_root
+    root = cfg.store.root
     if cfg.store.create or root.exists() or root.parent.exists():
         return  # a parent that is a file, or not ours to write, is _check_paths' to name
     raise ConfigError(

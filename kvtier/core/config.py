@@ -39,12 +39,13 @@ from kvtier.core.config_schema import (
 )
 from kvtier.core.errors import ConfigError
 from kvtier.core.events_config import EventsConfig
-from kvtier.core.store_config import StoreConfig
+from kvtier.core.store_config import DaemonStoreConfig, StoreConfig
 
 __all__ = [
     "MODES",
     "AdmissionConfig",
     "DaemonConfig",
+    "DaemonStoreConfig",
     "EventsConfig",
     "MetricsConfig",
     "PoolConfig",
@@ -148,7 +149,7 @@ class MetricsConfig:
 RECORDS: dict[str, type] = {
     "server": ServerConfig,
     "pool": PoolConfig,
-    "store": StoreConfig,
+    "store": DaemonStoreConfig,
     "verifier": VerifierConfig,
     "metrics": MetricsConfig,
     "admission": AdmissionConfig,
@@ -165,7 +166,7 @@ class DaemonConfig:
     profiles: tuple[str, ...]
     server: ServerConfig
     pool: PoolConfig
-    store: StoreConfig
+    store: DaemonStoreConfig
     verifier: VerifierConfig
     metrics: MetricsConfig
     admission: AdmissionConfig
@@ -194,14 +195,6 @@ class DaemonConfig:
             return self.mode
         holder = getattr(self, key.section) if key.section else self
         return getattr(holder, key.attr)
-
-    @property
-    def store_root(self) -> Path:
-        """The store's folder: a daemon's config always has one (both modes' defaults name it; only a
-        StoreConfig built in code, for a store opened by path, leaves it unset)."""
-        if self.store.root is None:
-            raise ConfigError("no store.root: set it in the config", key="store.root", source=self.source)
-        return self.store.root
 
     def values(self) -> dict[str, Any]:
         """Every key's value (dotted name -> typed value), in the schema's order."""

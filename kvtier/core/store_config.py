@@ -61,6 +61,15 @@ class StoreConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DaemonStoreConfig(StoreConfig):
+    """`[store]` as the daemon's config holds it: the same knobs, and a root that is always set, because both
+    modes' defaults name one and a file can only replace it. Only a StoreConfig built in code (a store opened by
+    path) goes without one."""
+
+    root: Path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoreLimits:
     """The byte budget and per-form quotas the writer enforces, as it published them in the index (0: none)."""
 

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.client import Client
 from kvtier.core.forms import Route
@@ -25,6 +26,13 @@ def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli", *args], env=child_env(), capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def daemon(shared_daemon: DaemonProc) -> DaemonProc:
+    """One daemon for the tests that only read it: each writes prompts of its own seed, and checks counters that
+    only grow (a daemon start is most of what each would cost alone)."""
+    return shared_daemon
 
 
 def test_status_text_and_json(daemon: DaemonProc) -> None:

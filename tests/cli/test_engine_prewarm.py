@@ -37,9 +37,11 @@ def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonProc(tmp_path)
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    # One daemon for the module: each test makes a checkpoint of its own (random weights), so its namespaces are
+    # its own, and a daemon start is most of what a test here would cost alone.
+    d = DaemonProc(tmp_path_factory.mktemp("daemon"))
     try:
         yield d
     finally:
@@ -75,7 +77,7 @@ def test_prewarm_and_explain_an_engine_namespace(daemon: DaemonProc, tmp_path: P
         ("vllm.g0.full", CHUNKS, CHUNKS * CHUNK, CHUNKS),
         ("vllm.g1.swa64", CHUNKS, CHUNKS * CHUNK, 2),
     ]
-    with DiskStore(str(tmp_path / "store"), readonly=True) as s:
+    with DiskStore(str(daemon.tmp / "store"), readonly=True) as s:
         infos = s.records(keys)
         io_backend = s.io_backend
     assert all(i is not None and i.entry.pin_until >= before + 290 for i in infos)  # pinned for ttl_s

@@ -86,41 +86,45 @@ def test_a_renewing_client_keeps_its_slots_however_long(tmp_path: Path) -> None:
         d.terminate()
 
 
-def test_no_client_can_write_a_sealed_slot(tmp_path: Path) -> None:
-    d = DaemonProc(tmp_path, pools=SMALL_POOLS)
+@pytest.fixture(scope="module")
+def sealing_daemon(tmp_path_factory: pytest.TempPathFactory):
+    """One daemon for the two seal tests: they write prompts of their own seeds and need no pool pressure."""
+    d = DaemonProc(tmp_path_factory.mktemp("sealing"), pools=SMALL_POOLS)
     try:
-        with Client(d.socket) as a:
-            a.attach("ref-tiny")
-            _offload(a, 1, 2)
-            write_into_sealed_slot(d.socket, tokens_for(1, 2, H), GROUP, 0, tmp_path)
-            result = a.lookup(tokens_for(1, 2, H))
-            out = torch.empty_like(_want(1, 2, 0))
-            assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
+        yield d
     finally:
         d.terminate()
 
 
-def test_seal_checks_the_bytes_that_really_arrived(tmp_path: Path) -> None:
+def test_no_client_can_write_a_sealed_slot(sealing_daemon: DaemonProc, tmp_path: Path) -> None:
+    d = sealing_daemon
+    with Client(d.socket) as a:
+        a.attach("ref-tiny")
+        _offload(a, 1, 2)
+        write_into_sealed_slot(d.socket, tokens_for(1, 2, H), GROUP, 0, tmp_path)
+        result = a.lookup(tokens_for(1, 2, H))
+        out = torch.empty_like(_want(1, 2, 0))
+        assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
+
+
+def test_seal_checks_the_bytes_that_really_arrived(sealing_daemon: DaemonProc) -> None:
     """A client that claims whole objects but stages fewer bytes gets partial_block; nothing is cached."""
     import os
 
-    d = DaemonProc(tmp_path, pools=SMALL_POOLS)
-    try:
-        with Client(d.socket) as c:
-            c.attach("ref-tiny")
-            hashes = c.hashes(tokens_for(5, 1, H))
-            reply: P.OffloadOk = c._call(P.Offload(hashes, [GROUP], [[0]]))
-            nbytes = PROFILE.group(GROUP).object_bytes(H)
-            fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
-            os.write(fd, b"\1" * (nbytes // 2))
-            try:
-                with pytest.raises(Exception, match="sealed after 1024 of 2048 bytes"):
-                    c._call(P.Seal(reply.offload_id, False, [nbytes]), send_fds=[fd])
-            finally:
-                os.close(fd)
-            assert c.lookup(tokens_for(5, 1, H)).check_vector.route(GROUP, 0) is Route.RECOMPUTE
-    finally:
-        d.terminate()
+    d = sealing_daemon
+    with Client(d.socket) as c:
+        c.attach("ref-tiny")
+        hashes = c.hashes(tokens_for(5, 1, H))
+        reply: P.OffloadOk = c._call(P.Offload(hashes, [GROUP], [[0]]))
+        nbytes = PROFILE.group(GROUP).object_bytes(H)
+        fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
+        os.write(fd, b"\1" * (nbytes // 2))
+        try:
+            with pytest.raises(Exception, match="sealed after 1024 of 2048 bytes"):
+                c._call(P.Seal(reply.offload_id, False, [nbytes]), send_fds=[fd])
+        finally:
+            os.close(fd)
+        assert c.lookup(tokens_for(5, 1, H)).check_vector.route(GROUP, 0) is Route.RECOMPUTE
 
 
 @pytest.mark.parametrize("a_state", ["stopped", "killed"])

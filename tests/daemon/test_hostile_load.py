@@ -27,7 +27,7 @@ MAX_CONNECTIONS = 64
 MAX_FRAME = 8 * 2**20
 MAX_BUFFERED = 16 * 2**20
 RSS_BOUND = 96 * 2**20  # growth over the RSS before the storm, with max_buffered_bytes = 16 MiB (docs/hardening.md)
-PROBE_BOUND_S = 5.0  # measured worst 0.66-1.44 s on a slow 2-core VM shared with the attackers (docs/hardening.md)
+PROBE_BOUND_S = 5.0  # room for a small machine whose cores the attackers share; the test prints the worst
 STORM_S = 12.0
 _FORK = multiprocessing.get_context("fork")  # the attackers: forked before they start any thread
 
