@@ -138,10 +138,14 @@ def test_stopping_the_verifier_at_any_moment_delays_no_durable_offload(tmp_path:
                 lambda: (p := _verifier_pid(watcher)) not in (None, first) and p, 2 * HUNG_AFTER_S + 30, "no restart"
             )
             assert restarted != first
-            doc = watcher.stats().verifier
-            assert doc.restarts >= 1
-            # It really worked between the stops, and only through the daemon.
-            assert doc.actions.get("verified", 0) > 0 and doc.actions.get("evicted", 0) > 0, doc.actions
+            assert watcher.stats().verifier.restarts >= 1
+            # It really works (verifies, and evicts the swa over its quota), and only through the daemon. Waited for:
+            # at nice 19 beside a busy suite, the stops above may have left it no CPU to finish a sweep in.
+            _wait(
+                lambda: (a := watcher.stats().verifier.actions).get("verified", 0) > 0 and a.get("evicted", 0) > 0,
+                120,
+                "the verifier neither verified nor evicted through the daemon",
+            )
         stop_flag.set()
         d.proc.kill()  # kill -9: every object acknowledged durable is in the store
         d.proc.wait()
