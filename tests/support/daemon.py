@@ -79,7 +79,11 @@ class DaemonProc:
         )
         self.messages: list[str] = []
         if wait_ready:  # READY=1 comes once the pools are ready (the socket serves the store before that)
-            self.wait_for("READY=1", timeout=60)
+            try:
+                self.wait_for("READY=1", timeout=60)
+            except BaseException:
+                self.close()  # the caller never gets this object to close: a daemon left here outlives the test
+                raise
 
     def recv_notify(self, timeout: float) -> str | None:
         self.notify.settimeout(timeout)
