@@ -22,6 +22,7 @@ NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 PAGES = 64  # more than the default test pools' memfds take, each rounded up to whole 2 MiB pages
 
 pytestmark = [
+    pytest.mark.alone,  # vm.nr_hugepages is the host's: another worker's test reserving pages races it
     pytest.mark.skipif(os.geteuid() != 0, reason="reserving hugetlb pages (vm.nr_hugepages) needs root"),
     pytest.mark.skipif(
         hugepages.read_host().shmem_enabled in hugepages.SHMEM_GRANTS,

@@ -113,6 +113,7 @@ def test_fio_reads_with_the_geometry_of_kvtiers_loads() -> None:
     assert "filename=/x/a\\:b.seg" in job  # fio splits file names at an unescaped colon
 
 
+@pytest.mark.alone  # vm.nr_hugepages is the host's: a test on another worker reserving or giving back pages races it
 @pytest.mark.skipif(shutil.which("fio") is None, reason=fio_limit.INSTALL)
 def test_fio_reads_a_real_file_cold_and_says_which_memory(tmp_path: Path) -> None:
     path = tmp_path / "seg"

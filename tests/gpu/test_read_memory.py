@@ -96,6 +96,7 @@ def _reserved(pages: int) -> Iterator[None]:
         NR_HUGEPAGES.write_text(str(before))
 
 
+@pytest.mark.alone  # vm.nr_hugepages is the host's: a test on another worker reserving or giving back pages races it
 @pytest.mark.skipif(os.geteuid() != 0, reason="reserving hugetlb pages (vm.nr_hugepages) needs root")
 def test_where_shmem_thp_is_refused_reserved_hugetlb_pages_make_a_sealed_shareable_pool(
     monkeypatch: pytest.MonkeyPatch,
