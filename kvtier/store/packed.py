@@ -1,15 +1,14 @@
-"""A load's small records looked up, read and checked as arrays: numpy per batch where the general path steps
-through Python per record.
+"""A load's records looked up, read and checked as arrays: numpy per batch where the general path steps through
+Python per record.
 
 Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
   their reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it
   returns the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record
   stored as is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest
-  and payload length, and either small (payload < LARGE_PAYLOAD) or large up to DIRECT_MAX with a target at an address
-  O_DIRECT takes: a large payload is read straight into its target, as the general path reads it (the bytes move
-  once), its unaligned tail through the bounce buffer. A first `add` whose requests hold no small record serves
-  nothing (a load of large records alone is the general path's: it cuts large runs into pieces read in parallel). A
+  and payload length, and either small (payload < LARGE_PAYLOAD) or large with a target at an address O_DIRECT
+  takes: a large payload is read straight into its target (the bytes move once), in pieces of PIECE_BYTES, its
+  unaligned tail through the bounce buffer. A
   target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the
   general path does. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
   builds a request only for an object it does not serve.
@@ -31,9 +30,12 @@ CHUNK_BYTES so no read is longer, and read CHUNK_BYTES at a time with at most IN
 returns what it holds together (as virtual disks do) reads the next chunk while this thread checks the last. A load
 holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked), however many records it asks
 for. A run ends with each large record (its read is bounce bytes, the payload's aligned bulk into the target, the
-tail into the bounce buffer), so no read needs more than three buffers. Large records ride along because the general
-path after this one is a second round of lookups, planning and reads, which a ref-tiny restore (a few 8-16 KB SWA
-records among hundreds of small ones) would otherwise pay for a handful of records.
+tail into the bounce buffer), cut where its bytes cross a multiple of PIECE_BYTES. A chunk that reads into its targets
+holds few bounce bytes, so past the IN_FLIGHT chunks more of them go while their reads fit in WINDOW_BYTES (and the
+AIO queue has room): a load of large records keeps the disk's queue as deep as fio's reads at that request size and
+depth (`bench/fio_limit.py`, `bench/store.py`), and each record is checked (its xxh3 over its target) as soon as its
+chunk is in, while the disk reads the chunks after it. Large records are this path's, alone or among small ones: the
+general path after this one is a second round of lookups, planning and reads.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import aio
+from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
@@ -78,7 +81,10 @@ CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple
 IN_FLIGHT = 2  # chunks read at once
 EARLY_KEYS = 128  # a load's first keys are looked up and their reads sent before the rest are looked up
 RUN_GAP = AIO_RUN_GAP  # records at most this far apart are read together
-DIRECT_MAX = 1 << 20  # the largest payload this path reads straight into its target (larger: the general path's)
+# A large payload's read is cut into pieces of this size (the request size fio is held to, `bench/fio_limit.py`), and
+# chunks that read into their targets are sent while fewer than WINDOW_BYTES are in flight (its queue depth).
+PIECE_BYTES = AIO_PIECE_BYTES
+WINDOW_BYTES = AIO_WINDOW_BYTES
 
 _h64 = xxhash.xxh3_64_intdigest
 _h128 = xxhash.xxh3_128_digest
@@ -112,6 +118,7 @@ class _Chunk:
     payload_checksum: np.ndarray
     stored_len: list[int]
     zstd: np.ndarray
+    reads: int = 0  # bytes the chunk's reads ask for (bounce and bulk)
     buf: AlignedBuffer | None = None
     got: list[int] = dataclasses.field(default_factory=list)
     left: int = 0
@@ -138,13 +145,13 @@ class PackedLoad:
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
-        align, alone = backend.direct_align, first == 0  # (a first batch of large records: not ours)
+        align = backend.direct_align
         # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, align, alone, device)
+            wanted, rest = _batch_wanted(requests, first, align, device)
         else:
-            wanted, rest = _wanted(requests, first, align, alone, device)
+            wanted, rest = _wanted(requests, first, align, device)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -297,6 +304,7 @@ class PackedLoad:
                     e["payload_checksum"][r0:r1],
                     e["stored_len"][r0:r1].tolist(),
                     zstd[r0:r1],
+                    total,
                 )
             )
             lo = hi
@@ -305,31 +313,47 @@ class PackedLoad:
     # ----------------------------------------------------------------- reading and checking
 
     def _submit(self) -> None:
-        """Send the next chunks' reads while fewer than IN_FLIGHT are out."""
-        while self._waiting and len(self._reading) < IN_FLIGHT:
-            chunk = self._waiting.popleft()
-            # (every chunk's buffer of one size: a load of any length reuses those `take_buffers` faulted in)
-            buf = chunk.buf = self._ctx.buffers.acquire(max(CHUNK_BYTES, chunk.bases[-1] + chunk.sizes[-1]))
-            addr = buf.addr
-            chunk.got = [-1] * len(chunk.sizes)
-            chunk.left = len(chunk.sizes)
-            self._reading.append(chunk)
-            self._reads.submit(
-                [
-                    aio.ReadOp(f, [(addr + b, n)] if d is None else _iov(addr + b, n, d), at, (chunk, k))
-                    for k, (f, at, b, n, d) in enumerate(
-                        zip(chunk.files, chunk.starts, chunk.bases, chunk.sizes, chunk.direct)
-                    )
-                ]
+        """Send the next chunks' reads while fewer than IN_FLIGHT are out, or (a chunk that reads into its targets)
+        while its reads fit in the window and the queue."""
+        reads, waiting, reading = self._reads, self._waiting, self._reading
+        while waiting and (
+            len(reading) < IN_FLIGHT
+            or (
+                waiting[0].reads > sum(waiting[0].sizes)  # (bulk read into targets: its bounce bytes are few)
+                and reads.pending_bytes + waiting[0].reads <= WINDOW_BYTES
+                and reads.pending < aio.DEPTH
             )
+        ):
+            chunk = waiting.popleft()
+            need = chunk.bases[-1] + chunk.sizes[-1]
+            # (a chunk of small runs takes a buffer of one size: a load of any length reuses those `take_buffers`
+            # faulted in; one that reads into its targets needs only its headers' and tails' bytes)
+            buf = chunk.buf = self._ctx.buffers.acquire(need if chunk.reads > need else max(CHUNK_BYTES, need))
+            addr = buf.addr
+            chunk.got = [b + d[2] if d else b for b, d in zip(chunk.sizes, chunk.direct)]  # cut short: less
+            ops: list[aio.ReadOp] = []
+            for k, (f, at, b, n, d) in enumerate(
+                zip(chunk.files, chunk.starts, chunk.bases, chunk.sizes, chunk.direct)
+            ):
+                if d is None:
+                    ops.append(aio.ReadOp(f, [(addr + b, n)], at, (chunk, k, 0, n)))
+                else:
+                    ops += [
+                        aio.ReadOp(f, iov, at + rel, (chunk, k, rel, size))
+                        for iov, rel, size in _pieces(_iov(addr + b, n, d), PIECE_BYTES)
+                    ]
+            chunk.left = len(ops)
+            reading.append(chunk)
+            reads.submit(ops)
 
     def _wait_oldest(self) -> None:
         """Until every read of the oldest chunk out is in (others' as they come)."""
         chunk = self._reading[0]
         while chunk.left:
             for op, n in self._reads.complete():
-                c, k = op.tag
-                c.got[k] = n
+                c, k, rel, size = op.tag
+                if n < size:  # cut short (end of file): the run holds its bytes up to there
+                    c.got[k] = min(c.got[k], rel + n)
                 c.left -= 1
 
     def _check(self, chunk: _Chunk) -> None:
@@ -414,11 +438,10 @@ def take_buffers(ctx: StoreContext) -> None:
 
 
 def _wanted(
-    requests: Sequence[LoadRequest], first: int, align: int, alone: bool, device: Callable[[torch.Tensor], bool] | None
+    requests: Sequence[LoadRequest], first: int, align: int, device: Callable[[torch.Tensor], bool] | None
 ) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (`_taken`: a cpu target, small or up to DIRECT_MAX at an `align`ed
-    address), and the numbers of the others; StoreRequestError for a target that is not a non-empty contiguous
-    uint8 tensor."""
+    """The requests this path may serve (`_taken`: a cpu target, small or at an `align`ed address), and the
+    numbers of the others; StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
     count = len(outs)
     # (callables mapped, not a generator per column: these run per object of every load)
@@ -427,7 +450,7 @@ def _wanted(
     cpu = np.fromiter(map(_is_cpu, outs), bool, count)
     if device is not None:
         cpu &= np.fromiter((not device(out) for out in outs), bool, count)
-    taken = _taken(cpu, n, addr, align, alone)
+    taken = _taken(cpu, n, addr, align)
     mine = np.flatnonzero(taken).tolist()
     keys = [requests[i].key for i in mine]
     wanted = _Wanted(
@@ -461,7 +484,7 @@ def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
 
 
 def _batch_wanted(
-    batch: LoadBatch, first: int, align: int, alone: bool, device: Callable[[torch.Tensor], bool] | None
+    batch: LoadBatch, first: int, align: int, device: Callable[[torch.Tensor], bool] | None
 ) -> tuple[_Wanted, list[int]]:
     """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
     group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and `_taken`. Any other
@@ -478,7 +501,7 @@ def _batch_wanted(
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
         flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = _taken(inside & cpu[g_of], nbytes[g_of], base[g_of] + start, align, alone)
+    served = _taken(inside & cpu[g_of], nbytes[g_of], base[g_of] + start, align)
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
     suffix = [key_suffix(g.name, g.form) for g in groups]
@@ -495,14 +518,10 @@ def _batch_wanted(
     return wanted, rest.tolist()
 
 
-def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int, alone: bool) -> np.ndarray:
+def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int) -> np.ndarray:
     """Which targets (`host`: in host memory this path may write; `n` bytes at `addr`) this path serves: small
-    ones, and large ones up to DIRECT_MAX at an `align`ed address (read straight into); none of them where they
-    come `alone` (a load's first requests) and none is small: a load of large records alone is the general path's."""
-    small = host & (n < LARGE_PAYLOAD)
-    if alone and not small.any():
-        return small
-    return small | (host & (n <= DIRECT_MAX) & (addr % align == 0))
+    ones, and large ones at an `align`ed address (read straight into)."""
+    return host & ((n < LARGE_PAYLOAD) | (addr % align == 0))
 
 
 def _target(addr: int, n: int) -> memoryview:
@@ -516,6 +535,32 @@ def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]
     the bulk into the target, the rest into the buffer after the bytes before it."""
     start, target, bulk = direct
     return [(at, start), (target, bulk), (at + start, n - start)] if n > start else [(at, start), (target, bulk)]
+
+
+def _pieces(iov: list[tuple[int, int]], piece: int) -> list[tuple[list[tuple[int, int]], int, int]]:
+    """A read's iov cut where its bytes cross a multiple of `piece` (from the read's start): (iov, where the piece
+    starts in the read, its bytes) each. A last piece under a quarter of `piece` joins the one before (a record's
+    header and tail beside its payload are no read of their own). The cuts keep O_DIRECT's alignment: `piece` is a
+    multiple of it, and so is every iov entry's address and length but the last's length."""
+    total = sum(n for _, n in iov)
+    cuts = list(range(piece, total, piece))
+    if cuts and total - cuts[-1] < piece // 4:
+        cuts.pop()
+    out: list[tuple[list[tuple[int, int]], int, int]] = []
+    cur: list[tuple[int, int]] = []
+    start = pos = 0
+    bounds = iter([*cuts, total])
+    bound = next(bounds)
+    for addr, n in iov:
+        while n:
+            take = min(n, bound - pos)
+            cur.append((addr, take))
+            addr, n, pos = addr + take, n - take, pos + take
+            if pos == bound:
+                out.append((cur, start, pos - start))
+                cur, start = [], pos
+                bound = next(bounds, total)
+    return out
 
 
 def _flat_pool(g: TargetGroup) -> bool:

@@ -162,15 +162,15 @@ class Reader:
         extra: Sequence[LoadRequest] = ()
         try:
             rest = packed.add(requests, 0)
-            none_small = len(rest) == n
-            if more is not None and not none_small:
+            none_taken = len(rest) == n
+            if more is not None and not none_taken:
                 extra = more()
                 rest += packed.add(extra, n)
             outcome.hits, failed = packed.finish()
         finally:
             packed.close()
             close_reads(reads)
-        if none_small:  # the general path alone, calling `more` as it does (once the first reads are out)
+        if none_taken:  # the general path alone, calling `more` as it does (once the first reads are out)
             self._load(txn, requests, more, outcome)
             return
         outcome.reasons = [_OK] * (n + len(extra))

@@ -334,13 +334,8 @@ def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wr
     for ga, gb in zip(a.groups, b.groups):
         assert torch.equal(ga.tensor, gb.tensor)
     # A request was built (once or twice) only for what the packed path did not serve: a slot past the end of its
-    # pool, a record its checks refused (a miss, a stale digest) and the general path answered, or any record of a
-    # load whose slots in their pools are all large (the general path's alone).
-    any_small = any(names[g] != "big" and how != "short" for g, _, how in picks)
-    served = [
-        r is Reason.OK and how == "ok" and (any_small or names[g] != "big")
-        for (g, _, how), r in zip(picks, packed_reasons)
-    ]
+    # pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
+    served = [r is Reason.OK and how == "ok" for (_, _, how), r in zip(picks, packed_reasons)]
     assert len(set(built)) == len(picks) - sum(served)
 
 
@@ -397,12 +392,49 @@ def test_large_records_among_small_ones_are_read_straight_into_their_targets(mix
     assert targets <= set(submitted)  # the bytes moved once: disk to target
 
 
-def test_large_records_alone_take_the_general_path(mixed_large, served) -> None:
+def test_large_records_alone_are_read_straight_into_their_targets(mixed_large, served, submitted) -> None:
     root, keys = mixed_large
     with DiskStore(root) as s:
         reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
-    assert reasons == [Reason.OK] * len(LARGE) and served == [0]
+    assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
     assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
+    assert {o.data_ptr() for o in outs} <= set(submitted)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch) -> list[tuple[int, int]]:
+    """Large payloads cut into 4 KiB pieces (the mixed records' payloads hold up to four), chunks of about a
+    record, at most 128 KiB in flight; each read's (bytes asked, bytes in flight before it) as submitted."""
+    monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
+    monkeypatch.setattr(packed, "WINDOW_BYTES", 128 << 10)
+    seen: list[tuple[int, int]] = []
+    real = aio.AioContext.submit
+
+    def submit(self, ops):
+        pending = self.pending_bytes
+        for op in ops:
+            seen.append((sum(n for _, n in op.iov), pending))
+            pending += seen[-1][0]
+        return real(self, ops)
+
+    monkeypatch.setattr(aio.AioContext, "submit", submit)
+    return seen
+
+
+def test_a_large_payload_is_read_in_pieces_within_the_window(mixed_large, served, small_pieces) -> None:
+    root, keys = mixed_large
+    with DiskStore(root) as s:
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
+    assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
+    assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
+    assert len(small_pieces) > 2 * len(LARGE)  # cut: a 16 KiB payload is four reads
+    # (a piece may hold a quarter piece more: a record's header and tail are no read of their own)
+    assert max(n for n, _ in small_pieces) <= 4096 + 1024 + HEADER_BYTES
+    # More than IN_FLIGHT chunks (each under 24 KiB: a record and the gap before it) are out at once, as many as fit
+    # in the window and no more.
+    most = max(n + p for n, p in small_pieces)
+    assert 2 * (24 << 10) < most <= 128 << 10
 
 
 def test_a_large_target_off_the_direct_alignment_takes_the_general_path(mixed_large, served) -> None:
@@ -444,8 +476,11 @@ def test_a_damaged_large_record_fails_alone_and_is_quarantined(mixed_large, serv
         assert entry.state is RecordState.QUARANTINED and entry.quarantine is quarantined
 
 
-def test_a_cut_inside_a_large_payload_fails_it_and_those_after(mixed_large, served) -> None:
+@pytest.mark.parametrize("pieces", [False, True])
+def test_a_cut_inside_a_large_payload_fails_it_and_those_after(mixed_large, served, monkeypatch, pieces) -> None:
     root, keys = mixed_large
+    if pieces:  # the cut falls inside one of the payload's pieces, the ones after it read nothing
+        monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
     with DiskStore(root) as s:
         entries = [s.records([k])[0].entry for k in keys]
         victim = LARGE[len(LARGE) // 2]
