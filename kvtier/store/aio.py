@@ -33,7 +33,7 @@ import os
 import platform
 import struct
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.store.io import SegmentFile, skip_bytes
 
@@ -174,20 +174,31 @@ class AioContext:
                 done.append((op, n))
         if not self._inflight and self._error is not None:
             failed, self._error = self._error, None
+            self._pending_bytes -= sum(op.nbytes for op, _ in self._ready)
             self._ready.clear()
             raise failed
         return done
 
     def drain(self) -> None:
         """Wait out every read in flight and forget them (the caller's buffers must outlive the reads)."""
-        while self._inflight:
-            try:
-                self.complete()
-            except OSError:
-                pass
-        self._ready.clear()
-        self._error = None
-        self._pending_bytes = 0
+        drain(self)
+
+
+class _Completes(Protocol):
+    @property
+    def pending(self) -> int: ...
+    def complete(self) -> list[tuple[ReadOp, int]]: ...
+
+
+def drain(reads: _Completes) -> None:
+    """Wait out every read of a submit strategy (this module's context, or `submit.ThreadReads`) and forget them and
+    any failure: `complete()` until nothing is pending, what it raises dropped (the caller is already on its way out
+    of a failed load, or has nothing in flight)."""
+    while reads.pending:
+        try:
+            reads.complete()
+        except Exception:  # (a failure is raised once nothing is in flight: the loop ends after it)
+            pass
 
 
 _numbers = _SYSCALLS.get(platform.machine()) if os.name == "posix" and platform.system() == "Linux" else None

@@ -120,13 +120,7 @@ class ThreadReads:
         return done
 
     def drain(self) -> None:
-        while self._inflight:
-            try:
-                self.complete()
-            except Exception:  # (forgotten: the caller is already on its way out of a failed load)
-                pass
-        self._error = None
-        self._pending_bytes = 0
+        aio.drain(self)
 
 
 def open_reads(ctx: StoreContext) -> Reads:
