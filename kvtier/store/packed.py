@@ -2,16 +2,16 @@
 Python per record.
 
 Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
-- `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits
-  their reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it
-  returns the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record
-  stored as is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest
-  and payload length, and either small (payload < LARGE_PAYLOAD) or large with a target at an address O_DIRECT
-  takes: a large payload is read straight into its target (the bytes move once), in pieces of PIECE_BYTES, its
-  unaligned tail through the bounce buffer. A
-  target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything is read, as the
-  general path does. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
-  builds a request only for an object it does not serve.
+- `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits their
+  reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it returns
+  the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record stored as
+  is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest and payload
+  length, small (payload < LARGE_PAYLOAD) or large: a large payload whose target is at an address O_DIRECT takes is read
+  straight into it (the bytes move once), in pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; one
+  whose target is not is read into the bounce buffer and copied once checked. A target that is not a non-empty
+  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a `LoadBatch`
+  it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only for an object it
+  does not serve.
 - `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
   `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
   there) and copies each good small one into its target (a compressed one decoded into it); returns the encoded
@@ -146,13 +146,12 @@ class PackedLoad:
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
-        align = backend.direct_align
         # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, align, device)
+            wanted, rest = _batch_wanted(requests, first, device)
         else:
-            wanted, rest = _wanted(requests, first, align, device)
+            wanted, rest = _wanted(requests, first, device)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -249,8 +248,10 @@ class PackedLoad:
         plen = e["payload_len"].astype(np.int64)
         align = self._ctx.backend.direct_align
         zstd = e["codec"] == Codec.ZSTD
-        # bytes read straight into the target (a compressed payload's go through the bounce buffer: it is decoded)
-        bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd, plen - plen % align, 0)
+        # Bytes read straight into the target: a large payload's aligned bulk where the target is at an address
+        # O_DIRECT takes (else the payload goes through the bounce buffer, as a compressed one does: it is decoded).
+        direct_ok = np.asarray(targets, np.int64) % align == 0
+        bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd & direct_ok, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
         # record ends its run (its payload's bulk is the run's one read into a target).
         breaks = np.ones(len(e), bool)
@@ -439,9 +440,9 @@ def take_buffers(ctx: StoreContext) -> None:
 
 
 def _wanted(
-    requests: Sequence[LoadRequest], first: int, align: int, device: Callable[[torch.Tensor], bool] | None
+    requests: Sequence[LoadRequest], first: int, device: Callable[[torch.Tensor], bool] | None
 ) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (`_taken`: a cpu target, small or at an `align`ed address), and the
+    """The requests this path may serve (a cpu target), and the
     numbers of the others; StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
     count = len(outs)
@@ -451,7 +452,7 @@ def _wanted(
     cpu = np.fromiter(map(_is_cpu, outs), bool, count)
     if device is not None:
         cpu &= np.fromiter((not device(out) for out in outs), bool, count)
-    taken = _taken(cpu, n, addr, align)
+    taken = cpu
     mine = np.flatnonzero(taken).tolist()
     keys = [requests[i].key for i in mine]
     wanted = _Wanted(
@@ -485,10 +486,10 @@ def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
 
 
 def _batch_wanted(
-    batch: LoadBatch, first: int, align: int, device: Callable[[torch.Tensor], bool] | None
+    batch: LoadBatch, first: int, device: Callable[[torch.Tensor], bool] | None
 ) -> tuple[_Wanted, list[int]]:
     """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
-    group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and `_taken`. Any other
+    group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and in host memory. Any other
     object's request is built and its target checked as `_wanted` checks it."""
     groups = batch.groups
     whole = np.array([_flat_pool(g) for g in groups], bool)
@@ -502,7 +503,7 @@ def _batch_wanted(
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
         flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = _taken(inside & cpu[g_of], nbytes[g_of], base[g_of] + start, align)
+    served = inside & cpu[g_of]
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
     suffix = [key_suffix(g.name, g.form) for g in groups]
@@ -517,12 +518,6 @@ def _batch_wanted(
         [digest[g] for g in g_mine],
     )
     return wanted, rest.tolist()
-
-
-def _taken(host: np.ndarray, n: np.ndarray, addr: np.ndarray, align: int) -> np.ndarray:
-    """Which targets (`host`: in host memory this path may write; `n` bytes at `addr`) this path serves: small
-    ones, and large ones at an `align`ed address (read straight into)."""
-    return host & ((n < LARGE_PAYLOAD) | (addr % align == 0))
 
 
 def _target(addr: int, n: int) -> memoryview:

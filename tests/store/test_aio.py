@@ -16,6 +16,7 @@ from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason, StoreConfig, aio
 from kvtier.store import aio_runs as waves_mod
+from kvtier.store import packed as packed_mod
 from kvtier.store import reader as reader_mod
 from kvtier.store import submit as submit_mod
 from kvtier.store.io import AlignedBuffer, PosixBackend
@@ -171,18 +172,11 @@ def test_a_refused_io_setup_leaves_the_process_reading_with_threads(tmp_path, mo
     assert aio._refused and aio.acquire() is None
 
 
-def _off_direct(n: int) -> torch.Tensor:
-    """A zeroed n-byte target 64 bytes past a 4096-byte boundary: O_DIRECT cannot read into it, so its large record
-    is the general path's, whose waves these tests watch (the packed path reads into aligned targets)."""
-    buf = torch.zeros(n + 8192, dtype=torch.uint8)
-    at = (64 - buf.data_ptr()) % 4096
-    return buf[at : at + n]
-
-
 @pytest.fixture
 def waves(monkeypatch):
     """A window of 4 pieces of 16 KiB, with a log of what the AIO context is asked to do and when records are
-    checked: ("submit", pieces), ("complete", pieces) and ("check", records, pieces in flight)."""
+    checked: ("submit", pieces), ("complete", pieces) and ("check", records, pieces in flight). The packed path
+    declines every request, so the general path's waves (which read v1 records and `Reader.read`'s) read them."""
     log: list[tuple] = []
     real_submit, real_complete = aio.AioContext.submit, aio.AioContext.complete
     real_check = reader_mod.Reader._check_run
@@ -206,6 +200,9 @@ def waves(monkeypatch):
     monkeypatch.setattr(aio.AioContext, "submit", submit)
     monkeypatch.setattr(aio.AioContext, "complete", complete)
     monkeypatch.setattr(reader_mod.Reader, "_check_run", check_run)
+    monkeypatch.setattr(
+        packed_mod.PackedLoad, "add", lambda self, requests, first: [*range(first, first + len(requests))]
+    )
     monkeypatch.setattr(waves_mod, "AIO_PIECE_BYTES", 16 << 10)
     monkeypatch.setattr(waves_mod, "AIO_WINDOW_BYTES", 64 << 10)
     return log
@@ -224,7 +221,7 @@ def test_a_window_is_refilled_before_the_reads_it_finished_are_checked(tmp_path,
     next one reads."""
     keys, _ = _one_extent(str(tmp_path), 48, 6000)
     with DiskStore(str(tmp_path)) as s:
-        outs = [_off_direct(6000) for _ in keys]
+        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
         reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
     assert reasons == [Reason.OK] * 48
     assert all(o.equal(make_payload(f"w{i}", 6000)) for i, o in enumerate(outs))
@@ -244,7 +241,7 @@ def _reverse_asks(root: str, waves: list, monkeypatch, early: int, wrong: int) -
     )
     keys, _ = _one_extent(root, 48, 6000)
     asked = [*keys[::-1], make_key(keys[0].namespace, "never stored")]
-    return [LoadRequest(k, _off_direct(6000 - (i == wrong)), DIGEST) for i, k in enumerate(asked)]
+    return [LoadRequest(k, torch.zeros(6000 - (i == wrong), dtype=torch.uint8), DIGEST) for i, k in enumerate(asked)]
 
 
 def _answered_as_asked(requests: list[LoadRequest], reasons: list[Reason], wrong: int) -> None:
@@ -291,8 +288,8 @@ def test_a_load_with_nothing_to_read_first_still_asks_for_the_rest(tmp_path, ctx
     """The first requests all missing (no read goes out for them): `more` is called anyway, and its keys load,
     through native AIO and through the thread path alike."""
     keys, _ = _one_extent(str(tmp_path), 4, 6000)
-    outs = [_off_direct(6000) for _ in keys]
-    missing = LoadRequest(make_key(keys[0].namespace, "never stored"), _off_direct(6000), DIGEST)
+    outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
+    missing = LoadRequest(make_key(keys[0].namespace, "never stored"), torch.zeros(6000, dtype=torch.uint8), DIGEST)
     with DiskStore(str(tmp_path), StoreConfig(io_backend=backend)) as s:
         assert s.io_backend == backend
         reasons = s.load_into([missing], lambda: [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
@@ -308,7 +305,7 @@ def test_the_last_pieces_of_a_load_wait_so_the_rest_is_checked_while_they_read(
     monkeypatch.setattr(waves_mod, "AIO_WINDOW_BYTES", 1 << 20)
     keys, _ = _one_extent(str(tmp_path), 48, 6000)
     with DiskStore(str(tmp_path)) as s:
-        outs = [_off_direct(6000) for _ in keys]
+        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
         assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * 48
     submits = [e[1] for e in waves if e[0] == "submit"]
     assert len(submits) == 2 and 1 <= submits[1] <= submits[0] // 4
@@ -327,7 +324,7 @@ def test_faults_in_an_early_wave_and_in_the_last_fail_only_their_records(tmp_pat
     flip_payload_bit(root, entries[2], 100, 3)
     os.truncate(segment_path(root, entries[0].segment), entries[47].payload_offset + 10)
     with DiskStore(root) as s:
-        outs = [_off_direct(6000) for _ in keys]
+        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
         reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
         quarantine = [r.entry.quarantine for r in s.records([keys[2], keys[47]])]
     assert reasons == [Reason.OK] * 2 + [Reason.CORRUPT] + [Reason.OK] * 44 + [Reason.CORRUPT]

@@ -437,15 +437,18 @@ def test_a_large_payload_is_read_in_pieces_within_the_window(mixed_large, served
     assert 2 * (24 << 10) < most <= 128 << 10
 
 
-def test_a_large_target_off_the_direct_alignment_takes_the_general_path(mixed_large, served) -> None:
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buffer(
+    mixed_large, served, submitted, alone
+) -> None:
     root, keys = mixed_large
     odd = slot_like(MIXED_SIZES[1] + 64)[64:]  # 64 bytes past a page: no O_DIRECT target
+    asks = [] if alone else [LoadRequest(keys[0], slot_like(MIXED_SIZES[0]), DIGEST)]
     with DiskStore(root) as s:
-        reasons = s.load_into(
-            [LoadRequest(keys[0], slot_like(MIXED_SIZES[0]), DIGEST), LoadRequest(keys[1], odd, DIGEST)]
-        )
-    assert reasons == [Reason.OK, Reason.OK] and served == [1]
+        reasons = s.load_into([*asks, LoadRequest(keys[1], odd, DIGEST)])
+    assert reasons == [Reason.OK] * (len(asks) + 1) and served == [len(asks) + 1]
     assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1]))
+    assert odd.data_ptr() not in submitted  # read into the bounce buffer, copied once checked
 
 
 @pytest.mark.parametrize(
