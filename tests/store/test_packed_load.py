@@ -368,20 +368,25 @@ def _slot_load(store: DiskStore, keys, sizes, picks=None) -> tuple[list[Reason],
 
 
 @pytest.fixture
-def submitted(monkeypatch) -> list[int]:
-    """The address of every buffer a read went into."""
-    seen: list[int] = []
+def submits(monkeypatch) -> list[tuple[list[aio.ReadOp], int]]:
+    """Every batch of reads the AIO context is handed, with the bytes in flight when it was."""
+    seen: list[tuple[list[aio.ReadOp], int]] = []
     real = aio.AioContext.submit
 
     def submit(self, ops):
-        seen.extend(address for op in ops for address, n in op.iov if n)
+        seen.append((list(ops), self.pending_bytes))
         return real(self, ops)
 
     monkeypatch.setattr(aio.AioContext, "submit", submit)
     return seen
 
 
-def test_large_records_among_small_ones_are_read_straight_into_their_targets(mixed_large, served, submitted) -> None:
+def _addresses(submits) -> set[int]:
+    """The address of every buffer a read went into."""
+    return {a for ops, _ in submits for op in ops for a, n in op.iov if n}
+
+
+def test_large_records_among_small_ones_are_read_straight_into_their_targets(mixed_large, served, submits) -> None:
     root, keys = mixed_large
     with DiskStore(root) as s:
         reasons, outs = _slot_load(s, keys, MIXED_SIZES)
@@ -389,37 +394,26 @@ def test_large_records_among_small_ones_are_read_straight_into_their_targets(mix
     assert all(torch.equal(o, make_payload(f"x{i}", n)) for i, (o, n) in enumerate(zip(outs, MIXED_SIZES)))
     assert served == [len(keys)]
     targets = {o.data_ptr() for i, o in enumerate(outs) if i in LARGE}
-    assert targets <= set(submitted)  # the bytes moved once: disk to target
+    assert targets <= _addresses(submits)  # the bytes moved once: disk to target
 
 
-def test_large_records_alone_are_read_straight_into_their_targets(mixed_large, served, submitted) -> None:
+def test_large_records_alone_are_read_straight_into_their_targets(mixed_large, served, submits) -> None:
     root, keys = mixed_large
     with DiskStore(root) as s:
         reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
     assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
     assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
-    assert {o.data_ptr() for o in outs} <= set(submitted)
+    assert {o.data_ptr() for o in outs} <= _addresses(submits)
 
 
 @pytest.fixture
-def small_pieces(monkeypatch) -> list[tuple[int, int]]:
+def small_pieces(monkeypatch, submits) -> list[tuple[list[aio.ReadOp], int]]:
     """Large payloads cut into 4 KiB pieces (the mixed records' payloads hold up to four), chunks of about a
-    record, at most 128 KiB in flight; each read's (bytes asked, bytes in flight before it) as submitted."""
+    record, at most 128 KiB in flight; the reads as submitted."""
     monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
     monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
     monkeypatch.setattr(packed, "WINDOW_BYTES", 128 << 10)
-    seen: list[tuple[int, int]] = []
-    real = aio.AioContext.submit
-
-    def submit(self, ops):
-        pending = self.pending_bytes
-        for op in ops:
-            seen.append((sum(n for _, n in op.iov), pending))
-            pending += seen[-1][0]
-        return real(self, ops)
-
-    monkeypatch.setattr(aio.AioContext, "submit", submit)
-    return seen
+    return submits
 
 
 def test_a_large_payload_is_read_in_pieces_within_the_window(mixed_large, served, small_pieces) -> None:
@@ -428,18 +422,19 @@ def test_a_large_payload_is_read_in_pieces_within_the_window(mixed_large, served
         reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
     assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
     assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
-    assert len(small_pieces) > 2 * len(LARGE)  # cut: a 16 KiB payload is four reads
+    sizes = [sum(n for _, n in op.iov) for ops, _ in small_pieces for op in ops]
+    assert len(sizes) > 2 * len(LARGE)  # cut: a 16 KiB payload is four reads
     # (a piece may hold a quarter piece more: a record's header and tail are no read of their own)
-    assert max(n for n, _ in small_pieces) <= 4096 + 1024 + HEADER_BYTES
+    assert max(sizes) <= 4096 + 1024 + HEADER_BYTES
     # More than IN_FLIGHT chunks (each under 24 KiB: a record and the gap before it) are out at once, as many as fit
     # in the window and no more.
-    most = max(n + p for n, p in small_pieces)
+    most = max(pending + sum(n for op in ops for _, n in op.iov) for ops, pending in small_pieces)
     assert 2 * (24 << 10) < most <= 128 << 10
 
 
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buffer(
-    mixed_large, served, submitted, alone
+    mixed_large, served, submits, alone
 ) -> None:
     root, keys = mixed_large
     odd = slot_like(MIXED_SIZES[1] + 64)[64:]  # 64 bytes past a page: no O_DIRECT target
@@ -448,7 +443,7 @@ def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buff
         reasons = s.load_into([*asks, LoadRequest(keys[1], odd, DIGEST)])
     assert reasons == [Reason.OK] * (len(asks) + 1) and served == [len(asks) + 1]
     assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1]))
-    assert odd.data_ptr() not in submitted  # read into the bounce buffer, copied once checked
+    assert odd.data_ptr() not in _addresses(submits)  # read into the bounce buffer, copied once checked
 
 
 @pytest.mark.parametrize(
