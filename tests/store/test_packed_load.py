@@ -397,38 +397,31 @@ def test_large_records_among_small_ones_are_read_straight_into_their_targets(mix
     assert targets <= _addresses(submits)  # the bytes moved once: disk to target
 
 
-def test_large_records_alone_are_read_straight_into_their_targets(mixed_large, served, submits) -> None:
+@pytest.mark.parametrize("pieces", [False, True])
+def test_large_records_alone_are_read_straight_into_their_targets(
+    mixed_large, served, submits, monkeypatch, pieces
+) -> None:
+    """With `pieces`: large payloads cut into 4 KiB pieces (the mixed records' payloads hold up to four), chunks
+    of about a record, at most 128 KiB in flight."""
+    if pieces:
+        monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
+        monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
+        monkeypatch.setattr(packed, "WINDOW_BYTES", 128 << 10)
     root, keys = mixed_large
     with DiskStore(root) as s:
         reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
     assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
     assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
     assert {o.data_ptr() for o in outs} <= _addresses(submits)
-
-
-@pytest.fixture
-def small_pieces(monkeypatch, submits) -> list[tuple[list[aio.ReadOp], int]]:
-    """Large payloads cut into 4 KiB pieces (the mixed records' payloads hold up to four), chunks of about a
-    record, at most 128 KiB in flight; the reads as submitted."""
-    monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
-    monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
-    monkeypatch.setattr(packed, "WINDOW_BYTES", 128 << 10)
-    return submits
-
-
-def test_a_large_payload_is_read_in_pieces_within_the_window(mixed_large, served, small_pieces) -> None:
-    root, keys = mixed_large
-    with DiskStore(root) as s:
-        reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
-    assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
-    assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
-    sizes = [sum(n for _, n in op.iov) for ops, _ in small_pieces for op in ops]
+    if not pieces:
+        return
+    sizes = [sum(n for _, n in op.iov) for ops, _ in submits for op in ops]
     assert len(sizes) > 2 * len(LARGE)  # cut: a 16 KiB payload is four reads
     # (a piece may hold a quarter piece more: a record's header and tail are no read of their own)
     assert max(sizes) <= 4096 + 1024 + HEADER_BYTES
     # More than IN_FLIGHT chunks (each under 24 KiB: a record and the gap before it) are out at once, as many as fit
     # in the window and no more.
-    most = max(pending + sum(n for op in ops for _, n in op.iov) for ops, pending in small_pieces)
+    most = max(pending + sum(n for op in ops for _, n in op.iov) for ops, pending in submits)
     assert 2 * (24 << 10) < most <= 128 << 10
 
 
