@@ -49,6 +49,7 @@ from slots import slot_targets  # noqa: E402
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
+from kvtier.core.hugepages import HUGE_PAGE, hugetlb_bytes, read_host  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 from kvtier.gpu import CacheManager  # noqa: E402
@@ -255,14 +256,22 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
     fio_mbps: list[float] = []
     no_fio = missing()
     geo = geometry()
-    buffers = HugeBuffers(geo)
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")) as d:
+    # the daemon's pools start while fio's pages and theirs are reserved: both sides read into the same memory (a
+    # page more per pool: a pool's memfd is its budget plus alignment)
+    pool_bytes = sum(hugetlb_bytes(int(v), HUGE_PAGE) + HUGE_PAGE for v in pools.values())
+    buffers = HugeBuffers(geo, kvtier_bytes=pool_bytes)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")) as d,
+        buffers,
+    ):
         tmp = Path(d)
         store, segments = tmp / "store", tmp / "store" / "segments"
         spans: list[list[tuple[Path, int, int]]] = []  # per prefix: (segment file, offset, bytes) its offload wrote
+        free = read_host().hugetlb_free
         proc, sock, notify = _start(tmp, profile.name, pools)
+        pool_pages = free - read_host().hugetlb_free  # the hugetlb pages the daemon's pools took
         try:
-            with Client(sock) as c, buffers:
+            with Client(sock) as c:
                 c.attach(profile.name)
                 before: dict[Path, int] = {}
                 for seed, toks in enumerate(prefixes):
@@ -292,6 +301,7 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
         "bytes": want,
         "MBps": round(max(restore_mbps), 1),
         "fresh_daemon_MBps": round(want / fresh_s / 1e6, 1),
+        "pool_hugetlb_pages": pool_pages,  # 0: the daemon's pools are on small pages (or THP), not reserved ones
     }
     if no_fio:
         return {**out, "fio": {"missing": no_fio}, "round_MBps": [round(r) for r in restore_mbps]}

@@ -65,13 +65,17 @@ def _meminfo(field: str) -> int:
 
 
 class HugeBuffers:
-    """fio's buffer memory for one run: hugetlb pages where free or reservable, else small pages (says which)."""
+    """fio's buffer memory for one run: hugetlb pages where free or reservable, else small pages (says which).
 
-    def __init__(self, geo: Geometry) -> None:
+    `kvtier_bytes` reserves pages for kvtier's side too (its load targets, or the daemon's pools, made while the
+    reservation holds), so that both sides read into the same kind of memory: pool memory takes the host's free
+    reserved hugetlb pages where shmem refuses transparent huge pages (`kvtier.core.hugepages.shared_pages`)."""
+
+    def __init__(self, geo: Geometry, kvtier_bytes: int = 0) -> None:
         page = hugepages.HUGE_PAGE
         # fio's shmhuge segment: iodepth buffers of the request size in whole huge pages, plus two (its alignment
         # and header: with one fewer fio finds no huge pages)
-        self.pages = -(-geo.request_bytes * geo.depth // page) + 2
+        self.pages = -(-geo.request_bytes * geo.depth // page) + 2 + -(-kvtier_bytes // page)
         self.iomem = "malloc"
         self.memory = "malloc: 4 KiB pages (no hugetlb pages free, and not root to reserve them)"
         self._restore: int | None = None
@@ -87,8 +91,9 @@ class HugeBuffers:
         self._restore = before
         if _meminfo("HugePages_Free") >= self.pages:  # the kernel may find fewer contiguous 2 MiB pages than asked
             self._use(f"{self.pages} hugetlb pages reserved for the run and given back after it")
-        else:
+        else:  # given back at once: kvtier's side must not have huge pages that fio's lacks
             self.memory = "malloc: 4 KiB pages (the kernel could not reserve enough hugetlb pages)"
+            self.__exit__()
         return self
 
     def _use(self, why: str) -> None:

@@ -23,6 +23,11 @@ _CPU = torch.device("cpu")
 def slot_targets(sizes: Sequence[int], device: torch.device = _CPU) -> list[torch.Tensor]:
     """One zeroed view per size, carved in order from one pool on `device`, each aligned as a daemon's slot of that
     size is (`slot_stride`: 4096 B from 4 KiB on)."""
+    return slot_pool(sizes, device)[0]
+
+
+def slot_pool(sizes: Sequence[int], device: torch.device = _CPU) -> tuple[list[torch.Tensor], str]:
+    """`slot_targets`' views and how their pool got its pages (`Pool.pages`: thp, hugetlb, small, or device)."""
     strides = [slot_stride(n) for n in sizes]
     total = sum(strides)
     pool = allocate_pool("bench-targets", CacheForm.COMPRESSED, total, slot_stride(total), device)
@@ -32,4 +37,4 @@ def slot_targets(sizes: Sequence[int], device: torch.device = _CPU) -> list[torc
     for n, stride in zip(sizes, strides):
         views.append(memory[at : at + n])
         at += stride
-    return views
+    return views, pool.pages

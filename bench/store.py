@@ -32,9 +32,11 @@ import torch
 import xxhash
 from fio_limit import Geometry, HugeBuffers, fio_read, geometry, missing
 from pagecache import drop_cache_tree
-from slots import slot_targets
+from slots import slot_pool
 
 from kvtier.core import CacheForm, VersionKey
+from kvtier.core.hugepages import HUGE_PAGE
+from kvtier.core.layout import slot_stride
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import SEGMENTS_DIR, DiskStore, StoreConfig
 
@@ -75,10 +77,10 @@ def segment_spans(root: str) -> list[tuple[str, int, int]]:
 
 def store_pass(
     work: str, record: int, count: int, args: argparse.Namespace, limit: Limit | None, fio_first: bool
-) -> tuple[float, float, str, float | None]:
+) -> tuple[float, float, str, float | None, str]:
     """Write `count` records with store_many, reopen, read them all back cold with load_into and verify the bytes;
     fio reads the store's segment files before or after (`fio_first`). Returns write and read seconds, the
-    backend, and fio's MB/s (None without fio)."""
+    backend, fio's MB/s (None without fio), and how the load targets' pool got its pages."""
     root = os.path.join(work, "store")
     vk = VersionKey("bench", "w", "abi", "c", "i", "fp8")
     payloads = [torch.randint(0, 256, (record,), dtype=torch.uint8) for _ in range(4)]
@@ -101,7 +103,7 @@ def store_pass(
     if backend == "buffered":
         drop_cache_tree(os.path.join(root, SEGMENTS_DIR))
     with DiskStore(root, cfg) as store:
-        outs = slot_targets([record] * args.batch)
+        outs, pages = slot_pool([record] * args.batch)
         bad = 0
         t0 = time.perf_counter()
         for idx in batches:
@@ -114,7 +116,7 @@ def store_pass(
     if limit is not None and not fio_first:
         fio_mbps = fio_read(segment_spans(root), limit.geo, limit.buffers).MBps
     shutil.rmtree(root)
-    return write_s, read_s, backend, fio_mbps
+    return write_s, read_s, backend, fio_mbps, pages
 
 
 def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -168,7 +170,9 @@ def main() -> None:
     raw_w, st_w, st_r, fio_r, small_rand, small_seq = [], [], [], [], [], []
     no_fio = missing()
     geo = geometry()
-    buffers = HugeBuffers(geo)
+    # the load targets' pages are reserved beside fio's: both sides read into the same kind of memory (a page more:
+    # the targets' memfd is their slots plus alignment)
+    buffers = HugeBuffers(geo, kvtier_bytes=args.batch * slot_stride(record) + HUGE_PAGE)
     try:
         with buffers:
             limit = None if no_fio else Limit(geo, buffers)
@@ -177,7 +181,8 @@ def main() -> None:
                 small_rand.append(rand)
                 small_seq.append(seq)
                 raw_w.append(raw_write(work, args.record_mib, count))
-                w, rd, backend, fio_mbps = store_pass(work, record, count, args, limit, fio_first=r % 4 in (1, 2))
+                fio_first = r % 4 in (1, 2)
+                w, rd, backend, fio_mbps, pages = store_pass(work, record, count, args, limit, fio_first)
                 st_w.append(w)
                 st_r.append(rd)
                 if fio_mbps is not None:
@@ -216,6 +221,7 @@ def main() -> None:
         "small_seq_load_objects_per_s": round(max(small_seq)),
         "record_MiB": args.record_mib,
         "backend": backend,
+        "targets_pages": pages,
         "bytes": total,
         "batch": args.batch,
         "io_threads": args.io_threads,
