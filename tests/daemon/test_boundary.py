@@ -40,78 +40,73 @@ def _want(seed: int, blocks: int, block: int) -> torch.Tensor:
     return caches_for(PROFILE, seed, blocks)[GROUP][block]
 
 
-def test_an_expired_lease_reads_stale_never_another_prefix(tmp_path: Path) -> None:
-    d = DaemonProc(tmp_path, top_toml="lease_ttl_s = 1\n", pools=SMALL_POOLS)
-    try:
-        with Client(d.socket, heartbeat=False) as a, Client(d.socket) as b:
-            a.attach("ref-tiny")
-            b.attach("ref-tiny")
-            _offload(a, 1, 2)
-            result = a.lookup(tokens_for(1, 2, H))
-            assert result.check_vector.route(GROUP, 0) is Route.REUSE
-            out = torch.empty_like(_want(1, 2, 0))
-            assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
-            view = a.read(result, GROUP, 0)
-            # A stops renewing; B fills the pool with other prefixes until A's slot is reused
-            fill_until_stale(lambda seed: _offload(b, seed, 4), a, result, GROUP, 0)
-            with pytest.raises(StaleHandle):
-                a.read_into(result, GROUP, 0, out)
-            with pytest.raises(StaleHandle):
-                a.read(result, GROUP, 0)
-            # the earlier view now shows other bytes: it was documented valid only while the lease held
-            assert not torch.equal(view, _want(1, 2, 0))
-    finally:
-        d.terminate()
-
-
-def test_a_renewing_client_keeps_its_slots_however_long(tmp_path: Path) -> None:
-    d = DaemonProc(tmp_path, top_toml="lease_ttl_s = 1\n", pools=SMALL_POOLS)
-    try:
-        with Client(d.socket) as a, Client(d.socket) as b:  # A's heartbeat renews every ttl/3
-            a.attach("ref-tiny")
-            b.attach("ref-tiny")
-            _offload(a, 1, 2)
-            result = a.lookup(tokens_for(1, 2, H))
-            started, seed = time.monotonic(), 100
-            while time.monotonic() - started < 4:  # four TTLs of B filling the pool
-                _offload(b, seed, 4)
-                seed += 1
-            assert seed - 100 > 8, "B did not write enough to press on the pool"
-            out = torch.empty_like(_want(1, 2, 0))
-            for block in (0, 1):
-                out = torch.empty_like(_want(1, 2, block))
-                assert torch.equal(a.read_into(result, GROUP, block, out), _want(1, 2, block))
-            assert a.renew() > 0
-    finally:
-        d.terminate()
-
-
 @pytest.fixture(scope="module")
-def sealing_daemon(tmp_path_factory: pytest.TempPathFactory):
-    """One daemon for the two seal tests: they write prompts of their own seeds and need no pool pressure."""
-    d = DaemonProc(tmp_path_factory.mktemp("sealing"), pools=SMALL_POOLS)
+def lease_daemon(tmp_path_factory: pytest.TempPathFactory):
+    """One daemon for the lease and seal tests: small pools and one-second leases. Each test writes prompts of its
+    own seeds (the expired lease 1, the renewing client 2, the sealed slot 3, the short seal 5; the fills 100+ and
+    1000+) and asserts only on those, so what an earlier test left in the pools changes none of them."""
+    d = DaemonProc(tmp_path_factory.mktemp("leases"), top_toml="lease_ttl_s = 1\n", pools=SMALL_POOLS)
     try:
         yield d
     finally:
         d.terminate()
 
 
-def test_no_client_can_write_a_sealed_slot(sealing_daemon: DaemonProc, tmp_path: Path) -> None:
-    d = sealing_daemon
-    with Client(d.socket) as a:
+def test_an_expired_lease_reads_stale_never_another_prefix(lease_daemon: DaemonProc) -> None:
+    d = lease_daemon
+    with Client(d.socket, heartbeat=False) as a, Client(d.socket) as b:
         a.attach("ref-tiny")
+        b.attach("ref-tiny")
         _offload(a, 1, 2)
-        write_into_sealed_slot(d.socket, tokens_for(1, 2, H), GROUP, 0, tmp_path)
         result = a.lookup(tokens_for(1, 2, H))
+        assert result.check_vector.route(GROUP, 0) is Route.REUSE
         out = torch.empty_like(_want(1, 2, 0))
         assert torch.equal(a.read_into(result, GROUP, 0, out), _want(1, 2, 0))
+        view = a.read(result, GROUP, 0)
+        # A stops renewing; B fills the pool with other prefixes until A's slot is reused
+        fill_until_stale(lambda seed: _offload(b, seed, 4), a, result, GROUP, 0)
+        with pytest.raises(StaleHandle):
+            a.read_into(result, GROUP, 0, out)
+        with pytest.raises(StaleHandle):
+            a.read(result, GROUP, 0)
+        # the earlier view now shows other bytes: it was documented valid only while the lease held
+        assert not torch.equal(view, _want(1, 2, 0))
 
 
-def test_seal_checks_the_bytes_that_really_arrived(sealing_daemon: DaemonProc) -> None:
+def test_a_renewing_client_keeps_its_slots_however_long(lease_daemon: DaemonProc) -> None:
+    d = lease_daemon
+    with Client(d.socket) as a, Client(d.socket) as b:  # A's heartbeat renews every ttl/3
+        a.attach("ref-tiny")
+        b.attach("ref-tiny")
+        _offload(a, 2, 2)
+        result = a.lookup(tokens_for(2, 2, H))
+        started, seed = time.monotonic(), 100
+        while time.monotonic() - started < 4:  # four TTLs of B filling the pool
+            _offload(b, seed, 4)
+            seed += 1
+        assert seed - 100 > 8, "B did not write enough to press on the pool"
+        for block in (0, 1):
+            out = torch.empty_like(_want(2, 2, block))
+            assert torch.equal(a.read_into(result, GROUP, block, out), _want(2, 2, block))
+        assert a.renew() > 0
+
+
+def test_no_client_can_write_a_sealed_slot(lease_daemon: DaemonProc, tmp_path: Path) -> None:
+    d = lease_daemon
+    with Client(d.socket) as a:
+        a.attach("ref-tiny")
+        _offload(a, 3, 2)
+        write_into_sealed_slot(d.socket, tokens_for(3, 2, H), GROUP, 0, tmp_path)
+        result = a.lookup(tokens_for(3, 2, H))
+        out = torch.empty_like(_want(3, 2, 0))
+        assert torch.equal(a.read_into(result, GROUP, 0, out), _want(3, 2, 0))
+
+
+def test_seal_checks_the_bytes_that_really_arrived(lease_daemon: DaemonProc) -> None:
     """A client that claims whole objects but stages fewer bytes gets partial_block; nothing is cached."""
     import os
 
-    d = sealing_daemon
+    d = lease_daemon
     with Client(d.socket) as c:
         c.attach("ref-tiny")
         hashes = c.hashes(tokens_for(5, 1, H))
@@ -127,10 +122,12 @@ def test_seal_checks_the_bytes_that_really_arrived(sealing_daemon: DaemonProc) -
         assert c.lookup(tokens_for(5, 1, H)).check_vector.route(GROUP, 0) is Route.RECOMPUTE
 
 
-@pytest.mark.parametrize("a_state", ["stopped", "killed"])
-def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_state: str) -> None:
+# durable_wait_s: with A stopped, B's offload waits all of it and then reports A's objects (so short: the wait's end
+# is what is proved); with A killed, it bounds only the daemon's noticing the closed connection (so long).
+@pytest.mark.parametrize(("a_state", "wait_s"), [("stopped", 2), ("killed", 8)])
+def test_durable_covers_objects_another_connection_reserved(tmp_path: Path, a_state: str, wait_s: int) -> None:
     store = tmp_path / "store"
-    d = DaemonProc(tmp_path, top_toml="durable_wait_s = 8\n", pools=SMALL_POOLS, store_root=store)
+    d = DaemonProc(tmp_path, top_toml=f"durable_wait_s = {wait_s}\n", pools=SMALL_POOLS, store_root=store)
     a, reserved = start_reserver(d.socket, tokens_for(7, 4, H), ["c4", "c16"], tmp_path)
     try:
         assert reserved == 8

@@ -4,14 +4,17 @@ exit 0."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier.client import Client
 from kvtier.store import DiskStore, StoreConfig
-from support.daemon import DaemonProc
+from support.daemon import DaemonProc, child_env
 
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["path-socket", "abstract-socket"])
@@ -42,7 +45,36 @@ def test_sigterm_with_clients_connected_exits_0_within_bound(daemon: DaemonProc)
     attached.close()
 
 
-def test_sighup_reloads_quotas_and_rates(daemon: DaemonProc) -> None:
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon for the refused second daemon, then the reload (which ends it): the first only reads it, and runs
+    before the reload in the file's order (the order a worker runs a module's tests in)."""
+    d = DaemonProc(tmp_path_factory.mktemp("serving"))
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def test_second_daemon_on_a_live_socket_is_refused(serving: DaemonProc) -> None:
+    daemon = serving
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 2 and "another daemon is serving" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    )
+    with Client(daemon.socket) as c:  # the first one is untouched
+        assert c.stats().daemon.health == "ok"
+
+
+def test_sighup_reloads_quotas_and_rates(serving: DaemonProc) -> None:
+    """Last on the module's daemon: it rewrites the config (broken, at the end) and stops the daemon."""
+    daemon = serving
     with Client(daemon.socket) as c:
         before = c.stats().reloadable
     text = daemon.config.read_text().replace('budget_bytes = "256MiB"', 'budget_bytes = "300MiB"')
@@ -67,23 +99,3 @@ def test_sighup_reloads_quotas_and_rates(daemon: DaemonProc) -> None:
     with Client(daemon.socket) as c:
         assert c.stats().reloadable.verifier_rate_bytes_per_s == 5 * 2**20
     assert daemon.terminate() == 0
-
-
-def test_second_daemon_on_a_live_socket_is_refused(daemon: DaemonProc, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from support.daemon import child_env
-
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert (
-        out.returncode == 2 and "another daemon is serving" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    )
-    with Client(daemon.socket) as c:  # the first one is untouched
-        assert c.stats().daemon.health == "ok"

@@ -216,28 +216,33 @@ def test_socket_mode(shared_daemon: DaemonProc) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
-@pytest.mark.parametrize(("allowed", "expect"), [("[]", "PermissionDenied permission_denied"), ("[54321]", "ok")])
-def test_peer_credentials(tmp_path: Path, allowed: str, expect: str) -> None:
-    """SO_PEERCRED: a uid outside allowed_uids / allowed_gids is refused even where the file mode lets it connect."""
+def test_peer_credentials(tmp_path: Path) -> None:
+    """SO_PEERCRED: a uid outside allowed_uids / allowed_gids is refused even where the file mode lets it connect,
+    and a uid in the list is admitted. One daemon allows uid 54321: 54321 asks (admitted), then 54322 (refused)."""
     public = Path(tempfile.mkdtemp(prefix="kvtier-peer-"))
     public.chmod(0o755)
     d = DaemonProc(
-        tmp_path, socket_path=public / "kvtier.sock", server_toml=f'socket_mode = "0666"\nallowed_uids = {allowed}\n'
+        tmp_path, socket_path=public / "kvtier.sock", server_toml='socket_mode = "0666"\nallowed_uids = [54321]\n'
     )
-    code = (
-        "import os\n"
-        "from kvtier.client import Client\n"  # imported first: the stdlib may be unreadable to uid 54321
-        "os.setgid(54321); os.setuid(54321)\n"
-        "try:\n"
-        f"    Client({str(d.socket)!r}).stats(); print('ok')\n"
-        "except Exception as e:\n"
-        "    print(type(e).__name__, getattr(e, 'code', ''))\n"
-    )
-    try:
+
+    def stats_as(uid: int) -> str:
+        code = (
+            "import os\n"
+            "from kvtier.client import Client\n"  # imported first: the stdlib may be unreadable to that uid
+            f"os.setgid({uid}); os.setuid({uid})\n"
+            "try:\n"
+            f"    Client({str(d.socket)!r}).stats(); print('ok')\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, getattr(e, 'code', ''))\n"
+        )
         out = subprocess.run(
             [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60, cwd="/"
         )
-        assert out.stdout.strip() == expect, out.stderr
+        return out.stdout.strip() or out.stderr
+
+    try:
+        assert stats_as(54321) == "ok"
+        assert stats_as(54322) == "PermissionDenied permission_denied"
     finally:
         assert d.terminate() == 0
         shutil.rmtree(public, ignore_errors=True)

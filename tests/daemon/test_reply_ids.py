@@ -8,6 +8,7 @@ a lookup or a `TierClient.load_into` of record B came back OK with record A's by
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,6 +34,17 @@ def _key(i: int) -> ObjectKey:
 
 def _payload(i: int) -> torch.Tensor:
     return torch.randint(0, 256, (OBJ,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon for the module: each test freezes and resumes it, and uses prompts or records of its own (seeds
+    1-2 of ref-tiny, a lookup that misses, records of the tier's own namespace), so none sees another's state."""
+    d = DaemonProc(tmp_path_factory.mktemp("reply-ids"))
+    try:
+        yield d
+    finally:
+        d.close()
 
 
 def test_client_after_a_frozen_daemon(daemon: DaemonProc) -> None:

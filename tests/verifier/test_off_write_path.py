@@ -14,6 +14,7 @@ from pathlib import Path
 from kvtier.client import Client
 from kvtier.core import CacheForm, Reason
 from kvtier.core.profile import load_profile
+from kvtier.daemon.supervisor import CPU_WINDOW_S
 from kvtier.store import DecisionServer, DiskStore, StoreConfig, StoreFull
 from kvtier.store.record import record_length
 from support.daemon import DaemonProc
@@ -35,8 +36,11 @@ from support.workload import caches_for, tokens_for
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens
 SWA_RECORD = 160 + PROFILE.group("swa").object_bytes(H)
-HUNG_AFTER_S = 20.0  # above what the verifier takes to start (torch imported, store opened) on a loaded machine
-OFFLOAD_BOUND_S = 2.0  # far below the long stop here (23 s): a wait on the verifier would show
+# The supervisor kills a verifier whose heartbeat is this old only if its CPU time also stood still for its CPU window:
+# a verifier still starting (importing torch) or starved at nice 19 uses CPU and is spared, and a stopped one is
+# killed once both have passed. So the window itself: a longer one only makes the long stop below longer.
+HUNG_AFTER_S = CPU_WINDOW_S
+OFFLOAD_BOUND_S = 2.0  # far below the long stop here (LONG_STOP_S): a wait on the verifier would show
 LONG_STOP_S = HUNG_AFTER_S + 3.0
 
 
