@@ -506,7 +506,11 @@ class Client(Connection):
         (at most the connection's timeout) so that no heartbeat outlives the client."""
         self._stop.set()
         beat = self._beat
-        if beat is not None and beat is not threading.current_thread():
+        # Only a running heartbeat is joined: a signal (Ctrl-C) raised while attach() was starting it leaves a
+        # thread that never ran, or whose start was cut off before it said so, and join() raises RuntimeError on
+        # such a thread, which would replace the KeyboardInterrupt unwinding the caller. One that never ran
+        # stops at its first wait, as the stop event is set above.
+        if beat is not None and beat is not threading.current_thread() and beat.is_alive():
             beat.join(self.timeout_s)
         if self.attachment is not None:
             for pool in self.attachment.pools.values():

@@ -72,6 +72,6 @@ class AccessTimes:
             self._stop = True
             thread, self._thread = self._thread, None
         self._wake.set()
-        if thread is not None:
+        if thread is not None and thread.is_alive():  # a start cut off by a signal left a thread join() refuses
             thread.join()
         self.flush()

@@ -72,7 +72,9 @@ def test_on_this_machine_every_line_is_true(tmp_path: Path) -> None:
 
 
 def test_a_live_daemon_makes_the_socket_line_ok(tmp_path: Path) -> None:
-    daemon = DaemonProc(tmp_path)  # returns once the daemon serves
+    # returns once the daemon serves; an engine-only one (no profiles, so no pools and no torch on its pool
+    # thread): the socket line asks only whether a daemon answers on the socket
+    daemon = DaemonProc(tmp_path, profiles=())
     try:
         _, c = _doctor(tmp_path, "--config", str(daemon.config))
     finally:

@@ -128,19 +128,22 @@ def _random_op(d: Driver, rng: random.Random, owner: int, held: list[tuple[PoolL
         d.bump()
 
 
-def test_ten_thousand_random_operations_never_move_the_pools() -> None:
+def test_three_thousand_random_operations_never_move_the_pools() -> None:
+    """Three thousand operations pass through every path (reads through leases, evictions, recovers, expiries)
+    hundreds of times each, as the floors below check; the invariants are checked ten times on the way, as they
+    were over the longer run this replaced."""
     d = Driver()
     rng = random.Random(20260501)
     held: list[tuple[PoolLookup, int]] = []
-    for n in range(10_000):
+    for n in range(3_000):
         _random_op(d, rng, n % 3, held)
-        if n % 1000 == 999:
+        if n % 300 == 299:
             d.invariants()
     d.invariants()
     c = d.m.counters()
     assert d.checked_reads > 1000  # the run really read through leases
-    assert sum(f.evictions for f in c.forms.values()) > 100
-    assert sum(f.recovers_ok for f in c.forms.values()) > 10
+    assert sum(f.evictions for f in c.forms.values()) > 1000
+    assert sum(f.recovers_ok for f in c.forms.values()) > 100
     assert c.leases_expired > 0 and c.writes_expired + sum(f.writes_aborted for f in c.forms.values()) > 0
 
 
