@@ -167,5 +167,8 @@ class PoolStart:
         not adopted is freed here. Adopted pools are the backend's to close."""
         with self._lock:
             self._closing = True
-        if self._thread is not None:
+        # A thread still loading torch has built nothing and builds nothing once it sees `_closing`: not waited
+        # for (an import cannot be interrupted; on a busy node it can outlast a SIGTERM's patience). It is a
+        # daemon thread, so the process exits under it.
+        if self._thread is not None and self._warmed.is_set():
             self._thread.join(timeout_s)

@@ -127,6 +127,23 @@ def test_a_lookup_is_answered_while_torch_is_still_held_back(tmp_path: Path) -> 
     assert "Traceback" not in (tmp_path / "daemon.log").read_text()
 
 
+def test_sigterm_while_torch_is_still_loading_exits_without_waiting_for_it(tmp_path: Path) -> None:
+    """The pool thread is held inside its warm-up for the whole test: SIGTERM ends the daemon cleanly well before
+    its `shutdown_timeout_s` of 20 s (the old close joined that thread for all of it)."""
+    hold = tmp_path / "hold-torch"
+    os.mkfifo(hold)
+    daemon = DaemonProc(tmp_path, env={"KVTIER_HOLD_TORCH": str(hold)}, wait_ready=False)  # shutdown_timeout_s 20
+    try:
+        connect(daemon, 60.0).close()  # listening, the warm-up held
+        assert "torch_loaded" not in daemon_info(daemon).startup
+        t0 = time.monotonic()
+        assert daemon.terminate(timeout=45) == 0, daemon.read_log()
+        assert time.monotonic() - t0 < 12, "SIGTERM waited for the held warm-up"
+    finally:
+        release(hold)
+        daemon.close()
+
+
 def connect(daemon: DaemonProc, deadline_s: float) -> DaemonStore:
     """An engine's store on the daemon, polling until its socket answers (it listens once the store is open)."""
     deadline = time.monotonic() + deadline_s
