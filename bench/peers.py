@@ -23,7 +23,11 @@ bytes only). Its reads and the O_DIRECT opens among them are counted in its own 
 
 The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes back to back,
 written once, page cache dropped first (`raw_device.dd_MBps`; each store's `cold_read_of_dd` is its cold read
-over that: what the disk leaves to gain). And kvtier's layout with none of kvtier's work: every batch's byte
+over that), and the disk's limit: fio reading the same file with O_DIRECT through libaio at the request size and
+queue depth of kvtier's large loads, into huge-page buffers where it can have them (`bench/fio_limit.py`, the
+store section's limit too; `raw_device.fio_MBps`, and `raw_device.fio` says how; each store's
+`cold_read_of_fio` is its cold read over that: what the disk leaves to gain). Without fio, or with `--no-fio`,
+`raw_device.fio.missing` says why. And kvtier's layout with none of kvtier's work: every batch's byte
 span in each segment read, cold, in kvtier's own piece size (2 MiB) of O_DIRECT reads all in flight at once
 through native AIO, one batch after another, with no lookup, check or copy, after kvtier's cold read or (every
 other round) before it (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what
@@ -31,14 +35,16 @@ kvtier's own work costs). `layout_over_peer` is that read over each peer's cold 
 faster than the peer on this disk with its layout, in batches of 32.
 
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
-`--repeat` times, in reverse order every other round (the dd pass always between them); each
-store's best pass is reported, and kvtier's throughput over each peer's (ratio > 1: kvtier faster).
+`--repeat` times, in reverse order every other round (dd and fio always between them, in turn first); each
+store's best pass is reported, each raw read's best, and kvtier's throughput over each peer's (ratio > 1: kvtier
+faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -59,6 +65,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fio_limit import Geometry, HugeBuffers, fio_read, geometry  # noqa: E402
+from fio_limit import missing as fio_missing  # noqa: E402
 from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
 from slots import slot_targets  # noqa: E402
 
@@ -606,7 +614,18 @@ def dd_pass(raw: Path) -> float:
     return dd_direct_s(raw)
 
 
-def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps: float) -> dict:
+def fio_pass(raw: Path, geo: Geometry, buffers: HugeBuffers) -> float | str:
+    """fio's MB/s reading the raw file cold at kvtier's request size and depth (`bench/fio_limit.py`); where fio
+    fails, why (the stores' figures still stand: the run reports the limit missing, not another one)."""
+    try:
+        return fio_read([(raw, 0, raw.stat().st_size // 4096 * 4096)], geo, buffers).MBps
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def summarize(
+    store: str, passes: list[dict], restart: dict, total: int, dd_mbps: float, fio_mbps: float | None
+) -> dict:
     good = [p for p in passes if "error" not in p]
     if not good:
         return {"error": passes[-1]["error"]}
@@ -631,6 +650,7 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
         "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
         "cold_read_of_dd": round(total / best("cold_read_s") / MB / dd_mbps, 2),
+        **({} if fio_mbps is None else {"cold_read_of_fio": round(total / best("cold_read_s") / MB / fio_mbps, 2)}),
         **layout,
         "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
         "flipped_byte": last["flipped_byte"],
@@ -685,6 +705,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="Alternate the stores' passes; report each one's best.")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="Directory on the filesystem to measure.")
     ap.add_argument("--timeout", type=float, default=300, help="Seconds one store's phase may take.")
+    ap.add_argument(
+        "--no-fio",
+        action="store_true",
+        help="Leave the fio limit out (raw_device.fio says so); fio reserves hugetlb pages as root.",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("main", "restart"), help=argparse.SUPPRESS)
@@ -700,27 +725,53 @@ def main() -> None:
     passes: dict[str, list[dict]] = {s: [] for s in args.stores}
     restarts: dict[str, dict] = {}
     dd_s: list[float] = []
+    fio_r: list[float | str] = []
+    no_fio = "left out (--no-fio)" if args.no_fio else fio_missing()
+    geo = geometry()
+    buffers = HugeBuffers(geo)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     try:
         raw = raw_file(work / "raw.bin", w)
-        for r in range(args.repeat):
-            order = args.stores if r % 2 == 0 else args.stores[::-1]
-            for k, store in enumerate(order):
-                if k == len(order) // 2:
-                    dd_s.append(dd_pass(raw))
-                root = work / f"{store}-{r}"
-                passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
-                if r == args.repeat - 1:
-                    restarts[store] = (
-                        run_child(store, "restart", root, args)
-                        if "error" not in passes[store][-1]
-                        else {"error": "no store to restart"}
-                    )
-                shutil.rmtree(root, ignore_errors=True)
+        with buffers if no_fio is None else contextlib.nullcontext(buffers):
+            for r in range(args.repeat):
+                order = args.stores if r % 2 == 0 else args.stores[::-1]
+                for k, store in enumerate(order):
+                    if k == len(order) // 2:  # the raw device between the stores: dd, then fio (odd rounds: fio first)
+                        if r % 2 == 0:
+                            dd_s.append(dd_pass(raw))
+                        if no_fio is None:
+                            fio_r.append(fio_pass(raw, geo, buffers))
+                        if r % 2 == 1:
+                            dd_s.append(dd_pass(raw))
+                    root = work / f"{store}-{r}"
+                    passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
+                    if r == args.repeat - 1:
+                        restarts[store] = (
+                            run_child(store, "restart", root, args)
+                            if "error" not in passes[store][-1]
+                            else {"error": "no store to restart"}
+                        )
+                    shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     dd_mbps = w.total_bytes / min(dd_s) / MB
-    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps) for s in args.stores}
+    fio_ok = [f for f in fio_r if isinstance(f, float)]
+    fio_failed = [f for f in fio_r if isinstance(f, str)]
+    fio_mbps = max(fio_ok) if fio_ok else None
+    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps, fio_mbps) for s in args.stores}
+    fio: dict = (
+        {"missing": no_fio or f"fio failed in every round: {fio_failed[-1]}"}
+        if fio_mbps is None
+        else {
+            "ioengine": "libaio",
+            "direct": True,
+            **geo.describe(),
+            "memory": buffers.memory,
+            "what": "fio --rw=read of the same file as dd, cold (O_DIRECT), at kvtier's request size and depth, "
+            "best of the rounds",
+            **({"failed_rounds": fio_failed} if fio_failed else {}),
+        }
+    )
     print(
         json.dumps(
             {
@@ -728,6 +779,8 @@ def main() -> None:
                 "raw_device": {
                     "dd_MBps": round(dd_mbps, 1),
                     "what": "dd iflag=direct bs=4M, every object's bytes in one file, cold, best of the rounds",
+                    **({} if fio_mbps is None else {"fio_MBps": round(fio_mbps, 1)}),
+                    "fio": fio,
                 },
                 "batch": BATCH,
                 "io_threads": IO_THREADS,

@@ -317,6 +317,18 @@ def _peer_rows(sections: dict) -> list[Row]:
                     "",
                 )
             )
+        if "fio_MBps" in p.get("raw_device", {}) and "cold_read_of_fio" in ps:
+            out.append(
+                _vs(
+                    f"peer_of_fio_{peer}",
+                    f"same objects: cold read over fio, kvtier's request size and depth "
+                    f"({_fmt(p['raw_device']['fio_MBps'])} MB/s)",
+                    f"{ks['cold_read_of_fio']:.2f}",
+                    peer,
+                    f"{ps['cold_read_of_fio']:.2f}",
+                    "",
+                )
+            )
         for short, label, field in (
             ("flip", "one byte of an object flipped", "flipped_byte"),
             ("cut", "object's file truncated", "truncated_file"),
@@ -497,7 +509,9 @@ The disk's limit for the store's cold read and the DSV4 restore is fio (`apt-get
 same segment bytes with O_DIRECT through libaio, at the request size and queue depth kvtier's loads use (taken
 from the store's read path), into hugetlb buffers where it can have them (as root `bench/fio_limit.py` reserves
 the few it needs for the run and gives them back); the line names which memory fio read into. Without fio
-`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order.
+`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order. The peers
+section runs the same fio over one file of every object's bytes back to back (the file its dd line reads),
+between the stores in every round, and puts each store's cold read over it beside the LMCache and diskcache lines.
 
 The target column comes from `bench/targets.toml`, the one file of acceptance lines: `run_all.py` checks
 each against the run and prints met, missed or n/a (with why: the section did not run, the figure is absent, or
