@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -614,13 +613,17 @@ def dd_pass(raw: Path) -> float:
     return dd_direct_s(raw)
 
 
-def fio_pass(raw: Path, geo: Geometry, buffers: HugeBuffers) -> float | str:
-    """fio's MB/s reading the raw file cold at kvtier's request size and depth (`bench/fio_limit.py`); where fio
-    fails, why (the stores' figures still stand: the run reports the limit missing, not another one)."""
-    try:
-        return fio_read([(raw, 0, raw.stat().st_size // 4096 * 4096)], geo, buffers).MBps
-    except RuntimeError as exc:
-        return str(exc)
+def fio_pass(raw: Path, geo: Geometry) -> dict:
+    """fio reading the raw file cold at kvtier's request size and depth (`bench/fio_limit.py`): its MB/s and the
+    memory it read into; where fio fails, why (the stores' figures still stand: the run reports the limit missing,
+    not another one). Its huge pages are taken for this read alone: held across the stores' passes, a reservation
+    of the host's hugetlb pages is what another process setting vm.nr_hugepages meanwhile takes away."""
+    with HugeBuffers(geo) as buffers:
+        try:
+            got = fio_read([(raw, 0, raw.stat().st_size // 4096 * 4096)], geo, buffers)
+            return {"MBps": got.MBps, "memory": buffers.memory}
+        except RuntimeError as exc:
+            return {"error": str(exc), "memory": buffers.memory}
 
 
 def summarize(
@@ -725,48 +728,46 @@ def main() -> None:
     passes: dict[str, list[dict]] = {s: [] for s in args.stores}
     restarts: dict[str, dict] = {}
     dd_s: list[float] = []
-    fio_r: list[float | str] = []
+    fio_r: list[dict] = []
     no_fio = "left out (--no-fio)" if args.no_fio else fio_missing()
     geo = geometry()
-    buffers = HugeBuffers(geo)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     try:
         raw = raw_file(work / "raw.bin", w)
-        with buffers if no_fio is None else contextlib.nullcontext(buffers):
-            for r in range(args.repeat):
-                order = args.stores if r % 2 == 0 else args.stores[::-1]
-                for k, store in enumerate(order):
-                    if k == len(order) // 2:  # the raw device between the stores: dd, then fio (odd rounds: fio first)
-                        if r % 2 == 0:
-                            dd_s.append(dd_pass(raw))
-                        if no_fio is None:
-                            fio_r.append(fio_pass(raw, geo, buffers))
-                        if r % 2 == 1:
-                            dd_s.append(dd_pass(raw))
-                    root = work / f"{store}-{r}"
-                    passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
-                    if r == args.repeat - 1:
-                        restarts[store] = (
-                            run_child(store, "restart", root, args)
-                            if "error" not in passes[store][-1]
-                            else {"error": "no store to restart"}
-                        )
-                    shutil.rmtree(root, ignore_errors=True)
+        for r in range(args.repeat):
+            order = args.stores if r % 2 == 0 else args.stores[::-1]
+            for k, store in enumerate(order):
+                if k == len(order) // 2:  # the raw device between the stores: dd, then fio (odd rounds: fio first)
+                    if r % 2 == 0:
+                        dd_s.append(dd_pass(raw))
+                    if no_fio is None:
+                        fio_r.append(fio_pass(raw, geo))
+                    if r % 2 == 1:
+                        dd_s.append(dd_pass(raw))
+                root = work / f"{store}-{r}"
+                passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
+                if r == args.repeat - 1:
+                    restarts[store] = (
+                        run_child(store, "restart", root, args)
+                        if "error" not in passes[store][-1]
+                        else {"error": "no store to restart"}
+                    )
+                shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     dd_mbps = w.total_bytes / min(dd_s) / MB
-    fio_ok = [f for f in fio_r if isinstance(f, float)]
-    fio_failed = [f for f in fio_r if isinstance(f, str)]
-    fio_mbps = max(fio_ok) if fio_ok else None
+    fio_best = max((f for f in fio_r if "MBps" in f), key=lambda f: f["MBps"], default=None)
+    fio_failed = [f["error"] for f in fio_r if "error" in f]
+    fio_mbps = None if fio_best is None else fio_best["MBps"]
     stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps, fio_mbps) for s in args.stores}
     fio: dict = (
         {"missing": no_fio or f"fio failed in every round: {fio_failed[-1]}"}
-        if fio_mbps is None
+        if fio_best is None
         else {
             "ioengine": "libaio",
             "direct": True,
             **geo.describe(),
-            "memory": buffers.memory,
+            "memory": fio_best["memory"],
             "what": "fio --rw=read of the same file as dd, cold (O_DIRECT), at kvtier's request size and depth, "
             "best of the rounds",
             **({"failed_rounds": fio_failed} if fio_failed else {}),
