@@ -31,8 +31,9 @@ store section's limit too; `raw_device.fio_MBps`, and `raw_device.fio` says how;
 span in each segment read, cold, in kvtier's own piece size (2 MiB) of O_DIRECT reads all in flight at once
 through native AIO, one batch after another, with no lookup, check or copy, after kvtier's cold read or (every
 other round) before it (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what
-kvtier's own work costs). `layout_over_peer` is that read over each peer's cold read: the most kvtier could be
-faster than the peer on this disk with its layout, in batches of 32.
+kvtier's own work costs; `layout_read_of_fio` is it over fio: what reading a batch at a time costs).
+`layout_over_peer` is that read over each peer's cold read: the most kvtier could be faster than the peer on
+this disk with its layout, in batches of 32.
 
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
 `--repeat` times, in reverse order every other round (dd and fio always between them, in turn first); each
@@ -648,6 +649,8 @@ def summarize(
             "layout_read_MBps": round(total / best("layout_read_s") / MB, 1),
             "cold_read_of_layout": round(best("layout_read_s") / best("cold_read_s"), 2),
         }
+        if fio_mbps is not None:  # how near the disk's limit a batch-at-a-time read gets with no work of kvtier's
+            layout["layout_read_of_fio"] = round(total / best("layout_read_s") / MB / fio_mbps, 2)
     return {
         "write_ack_MBps": round(total / best("ack_s") / MB, 1),
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
