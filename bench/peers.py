@@ -15,7 +15,8 @@ bytes only). Its reads and the O_DIRECT opens among them are counted in its own 
 * write: every object, in batches (the truncation target alone, last); `ack` is when the store says it has them,
   `durable` adds an fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
 * cold read: page cache of the store's files dropped (fsync + posix_fadvise DONTNEED), every object
-  read back in batches and compared with what was written;
+  read back in batches and compared with what was written (`cold_read_cpu_s`: the store process's CPU seconds,
+  every thread's, over the timed reads; `--cprofile DIR` writes a cProfile of them per store and round);
 * integrity: one byte of a stored object flipped in the store's file, a second object's file
   truncated in the middle of its bytes, both read back: "detects", "returns wrong bytes silently"
   or "error";
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import hashlib
 import json
 import logging
@@ -484,7 +486,7 @@ STORE_CLASSES = {c.name: c for c in (KvtierStore, DiskcacheStore, LmcacheStore)}
 # ----------------------------------------------------------------------------------------------- phases
 
 
-def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = False) -> dict:
+def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = False, profile: str = "") -> dict:
     """Write, cold read (verified), then flip a byte and truncate a file and read both back. kvtier's layout read
     goes after the cold read, or before it with `layout_first` (the rounds alternate: a disk may serve bytes read
     a moment ago faster)."""
@@ -501,11 +503,17 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
         layout_s = layout() if layout is not None and layout_first else None
         drop_cache_tree(root)
 
-        read_s, wrong, missing = 0.0, 0, 0
+        read_s, cpu_s, wrong, missing = 0.0, 0.0, 0, 0
+        prof = cProfile.Profile() if profile else None
         for idx in w.batches(everything):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
+            if prof is not None:
+                prof.enable()
             views = s.read_view(idx)
+            if prof is not None:
+                prof.disable()
             read_s += time.perf_counter() - t0
+            cpu_s += time.process_time() - c0
             for i, v in zip(idx, views):
                 if v is None:
                     missing += 1
@@ -515,6 +523,8 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
                 s.release_views()
 
         cold_counts = s.read_counts() if isinstance(s, LmcacheStore) else {}
+        if prof is not None:
+            prof.dump_stats(profile)
         if layout is not None and not layout_first:
             layout_s = layout()
 
@@ -532,6 +542,7 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
         "ack_s": ack_s,
         "durable_s": durable_s,
         "cold_read_s": read_s,
+        "cold_read_cpu_s": cpu_s,
         "layout_read_s": layout_s,
         "read_wrong": wrong,
         "read_missing": missing,
@@ -560,7 +571,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # copies on 2 shared cores: intra-op threads only contend with the stores' I/O threads
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
     if args.phase == "main":
-        result = phase_main(args.store, Path(args.root), w, args.layout_first)
+        result = phase_main(args.store, Path(args.root), w, args.layout_first, args.profile_to)
     else:
         result = phase_restart(args.store, Path(args.root), w)
     Path(args.out).write_text(json.dumps(result))
@@ -656,6 +667,8 @@ def summarize(
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
         "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
         "cold_read_of_dd": round(total / best("cold_read_s") / MB / dd_mbps, 2),
+        # the store process's CPU seconds (every thread's) over its cold reads, least of the rounds
+        "cold_read_cpu_s": round(best("cold_read_cpu_s"), 3),
         **({} if fio_mbps is None else {"cold_read_of_fio": round(total / best("cold_read_s") / MB / fio_mbps, 2)}),
         **layout,
         "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
@@ -716,7 +729,13 @@ def main() -> None:
         action="store_true",
         help="Leave the fio limit out (raw_device.fio says so); fio reserves hugetlb pages as root.",
     )
+    ap.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="Write a cProfile of each store's timed cold reads to DIR/<store>-<round>.prof (pstats).",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-to", default="", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("main", "restart"), help=argparse.SUPPRESS)
     ap.add_argument("--layout-first", action="store_true", help=argparse.SUPPRESS)
@@ -748,7 +767,10 @@ def main() -> None:
                     if r % 2 == 1:
                         dd_s.append(dd_pass(raw))
                 root = work / f"{store}-{r}"
-                passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
+                extra = ["--layout-first"] if r % 2 else []
+                if args.cprofile:
+                    extra += ["--profile-to", str(Path(args.cprofile).resolve() / f"{store}-{r}.prof")]
+                passes[store].append(run_child(store, "main", root, args, *extra))
                 if r == args.repeat - 1:
                     restarts[store] = (
                         run_child(store, "restart", root, args)
