@@ -747,6 +747,8 @@ def main() -> None:
         return
 
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
+    if args.cprofile:
+        Path(args.cprofile).mkdir(parents=True, exist_ok=True)
     passes: dict[str, list[dict]] = {s: [] for s in args.stores}
     restarts: dict[str, dict] = {}
     dd_s: list[float] = []

@@ -5,6 +5,7 @@ read builds native-AIO reads itself), so a change there that the benchmark does 
 from __future__ import annotations
 
 import json
+import pstats
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,9 @@ import fio_limit  # bench/fio_limit.py: the message the bench reports where fio 
 
 def test_kvtier_reads_back_what_it_wrote_and_its_layout_read_runs(tmp_path: Path) -> None:
     # (no fio: it reserves the host's hugetlb pages, which tests on other workers reserve and give back)
-    args = ("--stores", "kvtier", "--tokens", "512", "--repeat", "1", "--no-fio", "--dir", str(tmp_path))
+    prof = tmp_path / "prof"
+    args = ("--stores", "kvtier", "--tokens", "512", "--repeat", "1", "--no-fio", "--cprofile", str(prof))
+    args += ("--dir", str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "bench/peers.py", *args], capture_output=True, text=True, timeout=180, cwd=REPO
     )
@@ -31,6 +34,10 @@ def test_kvtier_reads_back_what_it_wrote_and_its_layout_read_runs(tmp_path: Path
     assert kvtier["read_back_correct"] is True and kvtier["cold_read_MBps"] > 0
     assert kvtier["restart"]["finds_its_data"] is True
     assert json.loads(proc.stdout)["raw_device"]["fio"] == {"missing": "left out (--no-fio)"}
+    # the profile is of the timed cold reads: kvtier's load path, and the CPU they took is reported
+    assert kvtier["cold_read_cpu_s"] > 0
+    profiled = {f"{Path(file).name}:{name}" for file, _, name in pstats.Stats(str(prof / "kvtier-0.prof")).stats}
+    assert "store.py:load_into" in profiled, sorted(profiled)[:20]
     ctx = aio.acquire()
     if ctx is not None and kvtier["io_backend"] == "odirect":  # the layout read goes through native AIO
         aio.release(ctx)
