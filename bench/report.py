@@ -500,7 +500,8 @@ PAGE_INTRO = """\
 after another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a
 markdown table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick`
 is shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
-are installed into `bench/.venv-peers` on first use, never into kvtier's dependencies. Each line below
+are installed into `bench/.venv-peers` on first use, every package at the version `bench/peers-constraints.txt`
+pins, never into kvtier's dependencies. Each line below
 puts kvtier's figure beside its baseline's own figure from the same run and the ratio between them; read the
 ratios rather than the absolute figures, which move with the disk and the CPU (the calibration says which
 kind of CPU a report ran on).

@@ -20,9 +20,10 @@ written into latest.json (`targets`). `--thp both` (root) runs the sections unde
 under advise, the host's setting restored after; by default they run under the host's setting, recorded.
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
-script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch); never in
-the project's dependencies. Writes bench/results/latest.json and bench/results/restore_vs_recompute.png, then
-docs/benchmarks.md and the README's key results from them (bench/report.py).
+script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch; then every package
+at the version bench/peers-constraints.txt pins); never in the project's dependencies. Writes
+bench/results/latest.json and bench/results/restore_vs_recompute.png, then docs/benchmarks.md and the README's
+key results from them (bench/report.py).
 
 Usage: python bench/run_all.py [--quick] [--only SECTION ...] [--skip SECTION ...] [--dir DIR] [--thp host|both]
 """
