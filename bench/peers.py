@@ -15,7 +15,8 @@ bytes only). Its reads and the O_DIRECT opens among them are counted in its own 
 * write: every object, in batches (the truncation target alone, last); `ack` is when the store says it has them,
   `durable` adds an fsync of every file the store made (kvtier's write is durable when it returns: the two are equal);
 * cold read: page cache of the store's files dropped (fsync + posix_fadvise DONTNEED), every object
-  read back in batches and compared with what was written;
+  read back in batches and compared with what was written (`cold_read_cpu_s`: the store process's CPU seconds,
+  every thread's, over the timed reads; `--cprofile DIR` writes a cProfile of them per store and round);
 * integrity: one byte of a stored object flipped in the store's file, a second object's file
   truncated in the middle of its bytes, both read back: "detects", "returns wrong bytes silently"
   or "error";
@@ -23,22 +24,29 @@ bytes only). Its reads and the O_DIRECT opens among them are counted in its own 
 
 The raw device in the same run: `dd iflag=direct bs=4M` reading a file of every object's bytes back to back,
 written once, page cache dropped first (`raw_device.dd_MBps`; each store's `cold_read_of_dd` is its cold read
-over that: what the disk leaves to gain). And kvtier's layout with none of kvtier's work: every batch's byte
+over that), and the disk's limit: fio reading the same file with O_DIRECT through libaio at the request size and
+queue depth of kvtier's large loads, into huge-page buffers where it can have them (`bench/fio_limit.py`, the
+store section's limit too; `raw_device.fio_MBps`, and `raw_device.fio` says how; each store's
+`cold_read_of_fio` is its cold read over that: what the disk leaves to gain). Without fio, or with `--no-fio`,
+`raw_device.fio.missing` says why. And kvtier's layout with none of kvtier's work: every batch's byte
 span in each segment read, cold, in kvtier's own piece size (2 MiB) of O_DIRECT reads all in flight at once
 through native AIO, one batch after another, with no lookup, check or copy, after kvtier's cold read or (every
 other round) before it (`kvtier.layout_read_MBps`; `cold_read_of_layout` is the cold read over it: what
-kvtier's own work costs). `layout_over_peer` is that read over each peer's cold read: the most kvtier could be
-faster than the peer on this disk with its layout, in batches of 32.
+kvtier's own work costs; `layout_read_of_fio` is it over fio: what reading a batch at a time costs).
+`layout_over_peer` is that read over each peer's cold read: the most kvtier could be faster than the peer on
+this disk with its layout, in batches of 32.
 
 torch runs one intra-op thread in every store's process. Passes alternate between the stores
-`--repeat` times, in reverse order every other round (the dd pass always between them); each
-store's best pass is reported, and kvtier's throughput over each peer's (ratio > 1: kvtier faster).
+`--repeat` times, in reverse order every other round (dd and fio always between them, in turn first); each
+store's best pass is reported, each raw read's best, and kvtier's throughput over each peer's (ratio > 1: kvtier
+faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import hashlib
 import json
 import logging
@@ -59,6 +67,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fio_limit import Geometry, HugeBuffers, fio_read, geometry  # noqa: E402
+from fio_limit import missing as fio_missing  # noqa: E402
 from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
 from slots import slot_targets  # noqa: E402
 
@@ -476,7 +486,7 @@ STORE_CLASSES = {c.name: c for c in (KvtierStore, DiskcacheStore, LmcacheStore)}
 # ----------------------------------------------------------------------------------------------- phases
 
 
-def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = False) -> dict:
+def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = False, profile: str = "") -> dict:
     """Write, cold read (verified), then flip a byte and truncate a file and read both back. kvtier's layout read
     goes after the cold read, or before it with `layout_first` (the rounds alternate: a disk may serve bytes read
     a moment ago faster)."""
@@ -493,11 +503,17 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
         layout_s = layout() if layout is not None and layout_first else None
         drop_cache_tree(root)
 
-        read_s, wrong, missing = 0.0, 0, 0
+        read_s, cpu_s, wrong, missing = 0.0, 0.0, 0, 0
+        prof = cProfile.Profile() if profile else None
         for idx in w.batches(everything):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
+            if prof is not None:
+                prof.enable()
             views = s.read_view(idx)
+            if prof is not None:
+                prof.disable()
             read_s += time.perf_counter() - t0
+            cpu_s += time.process_time() - c0
             for i, v in zip(idx, views):
                 if v is None:
                     missing += 1
@@ -507,6 +523,8 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
                 s.release_views()
 
         cold_counts = s.read_counts() if isinstance(s, LmcacheStore) else {}
+        if prof is not None:
+            prof.dump_stats(profile)
         if layout is not None and not layout_first:
             layout_s = layout()
 
@@ -524,6 +542,7 @@ def phase_main(store_name: str, root: Path, w: Workload, layout_first: bool = Fa
         "ack_s": ack_s,
         "durable_s": durable_s,
         "cold_read_s": read_s,
+        "cold_read_cpu_s": cpu_s,
         "layout_read_s": layout_s,
         "read_wrong": wrong,
         "read_missing": missing,
@@ -552,7 +571,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # copies on 2 shared cores: intra-op threads only contend with the stores' I/O threads
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
     if args.phase == "main":
-        result = phase_main(args.store, Path(args.root), w, args.layout_first)
+        result = phase_main(args.store, Path(args.root), w, args.layout_first, args.profile_to)
     else:
         result = phase_restart(args.store, Path(args.root), w)
     Path(args.out).write_text(json.dumps(result))
@@ -606,7 +625,22 @@ def dd_pass(raw: Path) -> float:
     return dd_direct_s(raw)
 
 
-def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps: float) -> dict:
+def fio_pass(raw: Path, geo: Geometry) -> dict:
+    """fio reading the raw file cold at kvtier's request size and depth (`bench/fio_limit.py`): its MB/s and the
+    memory it read into; where fio fails, why (the stores' figures still stand: the run reports the limit missing,
+    not another one). Its huge pages are taken for this read alone: held across the stores' passes, a reservation
+    of the host's hugetlb pages is what another process setting vm.nr_hugepages meanwhile takes away."""
+    with HugeBuffers(geo) as buffers:
+        try:
+            got = fio_read([(raw, 0, raw.stat().st_size // 4096 * 4096)], geo, buffers)
+            return {"MBps": got.MBps, "memory": buffers.memory}
+        except RuntimeError as exc:
+            return {"error": str(exc), "memory": buffers.memory}
+
+
+def summarize(
+    store: str, passes: list[dict], restart: dict, total: int, dd_mbps: float, fio_mbps: float | None
+) -> dict:
     good = [p for p in passes if "error" not in p]
     if not good:
         return {"error": passes[-1]["error"]}
@@ -626,11 +660,16 @@ def summarize(store: str, passes: list[dict], restart: dict, total: int, dd_mbps
             "layout_read_MBps": round(total / best("layout_read_s") / MB, 1),
             "cold_read_of_layout": round(best("layout_read_s") / best("cold_read_s"), 2),
         }
+        if fio_mbps is not None:  # how near the disk's limit a batch-at-a-time read gets with no work of kvtier's
+            layout["layout_read_of_fio"] = round(total / best("layout_read_s") / MB / fio_mbps, 2)
     return {
         "write_ack_MBps": round(total / best("ack_s") / MB, 1),
         "write_durable_MBps": round(total / best("durable_s") / MB, 1),
         "cold_read_MBps": round(total / best("cold_read_s") / MB, 1),
         "cold_read_of_dd": round(total / best("cold_read_s") / MB / dd_mbps, 2),
+        # the store process's CPU seconds (every thread's) over its cold reads, least of the rounds
+        "cold_read_cpu_s": round(best("cold_read_cpu_s"), 3),
+        **({} if fio_mbps is None else {"cold_read_of_fio": round(total / best("cold_read_s") / MB / fio_mbps, 2)}),
         **layout,
         "read_back_correct": all(p["read_wrong"] == 0 and p["read_missing"] == 0 for p in good),
         "flipped_byte": last["flipped_byte"],
@@ -685,7 +724,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="Alternate the stores' passes; report each one's best.")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="Directory on the filesystem to measure.")
     ap.add_argument("--timeout", type=float, default=300, help="Seconds one store's phase may take.")
+    ap.add_argument(
+        "--no-fio",
+        action="store_true",
+        help="Leave the fio limit out (raw_device.fio says so); fio reserves hugetlb pages as root.",
+    )
+    ap.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="Write a cProfile of each store's timed cold reads to DIR/<store>-<round>.prof (pstats).",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-to", default="", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("main", "restart"), help=argparse.SUPPRESS)
     ap.add_argument("--layout-first", action="store_true", help=argparse.SUPPRESS)
@@ -697,19 +747,32 @@ def main() -> None:
         return
 
     w = Workload(load_profile(args.profile), args.tokens, args.checkpoint_every)
+    if args.cprofile:
+        Path(args.cprofile).mkdir(parents=True, exist_ok=True)
     passes: dict[str, list[dict]] = {s: [] for s in args.stores}
     restarts: dict[str, dict] = {}
     dd_s: list[float] = []
+    fio_r: list[dict] = []
+    no_fio = "left out (--no-fio)" if args.no_fio else fio_missing()
+    geo = geometry()
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     try:
         raw = raw_file(work / "raw.bin", w)
         for r in range(args.repeat):
             order = args.stores if r % 2 == 0 else args.stores[::-1]
             for k, store in enumerate(order):
-                if k == len(order) // 2:
-                    dd_s.append(dd_pass(raw))
+                if k == len(order) // 2:  # the raw device between the stores: dd, then fio (odd rounds: fio first)
+                    if r % 2 == 0:
+                        dd_s.append(dd_pass(raw))
+                    if no_fio is None:
+                        fio_r.append(fio_pass(raw, geo))
+                    if r % 2 == 1:
+                        dd_s.append(dd_pass(raw))
                 root = work / f"{store}-{r}"
-                passes[store].append(run_child(store, "main", root, args, *(["--layout-first"] if r % 2 else [])))
+                extra = ["--layout-first"] if r % 2 else []
+                if args.cprofile:
+                    extra += ["--profile-to", str(Path(args.cprofile).resolve() / f"{store}-{r}.prof")]
+                passes[store].append(run_child(store, "main", root, args, *extra))
                 if r == args.repeat - 1:
                     restarts[store] = (
                         run_child(store, "restart", root, args)
@@ -720,7 +783,23 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     dd_mbps = w.total_bytes / min(dd_s) / MB
-    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps) for s in args.stores}
+    fio_best = max((f for f in fio_r if "MBps" in f), key=lambda f: f["MBps"], default=None)
+    fio_failed = [f["error"] for f in fio_r if "error" in f]
+    fio_mbps = None if fio_best is None else fio_best["MBps"]
+    stores = {s: summarize(s, passes[s], restarts[s], w.total_bytes, dd_mbps, fio_mbps) for s in args.stores}
+    fio: dict = (
+        {"missing": no_fio or f"fio failed in every round: {fio_failed[-1]}"}
+        if fio_best is None
+        else {
+            "ioengine": "libaio",
+            "direct": True,
+            **geo.describe(),
+            "memory": fio_best["memory"],
+            "what": "fio --rw=read of the same file as dd, cold (O_DIRECT), at kvtier's request size and depth, "
+            "best of the rounds",
+            **({"failed_rounds": fio_failed} if fio_failed else {}),
+        }
+    )
     print(
         json.dumps(
             {
@@ -728,6 +807,8 @@ def main() -> None:
                 "raw_device": {
                     "dd_MBps": round(dd_mbps, 1),
                     "what": "dd iflag=direct bs=4M, every object's bytes in one file, cold, best of the rounds",
+                    **({} if fio_mbps is None else {"fio_MBps": round(fio_mbps, 1)}),
+                    "fio": fio,
                 },
                 "batch": BATCH,
                 "io_threads": IO_THREADS,

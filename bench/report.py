@@ -317,6 +317,18 @@ def _peer_rows(sections: dict) -> list[Row]:
                     "",
                 )
             )
+        if "fio_MBps" in p.get("raw_device", {}) and "cold_read_of_fio" in ps:
+            out.append(
+                _vs(
+                    f"peer_of_fio_{peer}",
+                    f"same objects: cold read over fio, kvtier's request size and depth "
+                    f"({_fmt(p['raw_device']['fio_MBps'])} MB/s)",
+                    f"{ks['cold_read_of_fio']:.2f}",
+                    peer,
+                    f"{ps['cold_read_of_fio']:.2f}",
+                    "",
+                )
+            )
         for short, label, field in (
             ("flip", "one byte of an object flipped", "flipped_byte"),
             ("cut", "object's file truncated", "truncated_file"),
@@ -488,7 +500,8 @@ PAGE_INTRO = """\
 after another on the same filesystem, each beside its baseline in the same run, prints a JSON report and a
 markdown table, and writes `bench/results/latest.json` and `bench/results/restore_vs_recompute.png`. `--quick`
 is shorter; `--only` and `--skip` choose sections. The peers (python-diskcache and LMCache's `LocalDiskBackend`)
-are installed into `bench/.venv-peers` on first use, never into kvtier's dependencies. Each line below
+are installed into `bench/.venv-peers` on first use, every package at the version `bench/peers-constraints.txt`
+pins, never into kvtier's dependencies. Each line below
 puts kvtier's figure beside its baseline's own figure from the same run and the ratio between them; read the
 ratios rather than the absolute figures, which move with the disk and the CPU (the calibration says which
 kind of CPU a report ran on).
@@ -497,7 +510,9 @@ The disk's limit for the store's cold read and the DSV4 restore is fio (`apt-get
 same segment bytes with O_DIRECT through libaio, at the request size and queue depth kvtier's loads use (taken
 from the store's read path), into hugetlb buffers where it can have them (as root `bench/fio_limit.py` reserves
 the few it needs for the run and gives them back); the line names which memory fio read into. Without fio
-`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order.
+`run_all.py` says so first and those lines have no limit. Each pair of reads alternates in ABBA order. The peers
+section runs the same fio over one file of every object's bytes back to back (the file its dd line reads),
+between the stores in every round, and puts each store's cold read over it beside the LMCache and diskcache lines.
 
 The target column comes from `bench/targets.toml`, the one file of acceptance lines: `run_all.py` checks
 each against the run and prints met, missed or n/a (with why: the section did not run, the figure is absent, or

@@ -20,9 +20,10 @@ written into latest.json (`targets`). `--thp both` (root) runs the sections unde
 under advise, the host's setting restored after; by default they run under the host's setting, recorded.
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
-script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch); never in
-the project's dependencies. Writes bench/results/latest.json and bench/results/restore_vs_recompute.png, then
-docs/benchmarks.md and the README's key results from them (bench/report.py).
+script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch; then every package
+at the version bench/peers-constraints.txt pins); never in the project's dependencies. Writes
+bench/results/latest.json and bench/results/restore_vs_recompute.png, then docs/benchmarks.md and the README's
+key results from them (bench/report.py).
 
 Usage: python bench/run_all.py [--quick] [--only SECTION ...] [--skip SECTION ...] [--dir DIR] [--thp host|both]
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -51,6 +53,8 @@ RESULTS = BENCH / "results"
 PEERS_VENV = BENCH / ".venv-peers"
 TORCH = "torch==2.13.0"  # the CPU wheel; installed before LMCache so that it is never replaced
 PEERS = ("lmcache==0.5.6", "diskcache", "matplotlib")
+# every package of the peers venv pinned: pip has nothing to choose, so it neither backtracks nor drifts
+PEERS_CONSTRAINTS = BENCH / "peers-constraints.txt"
 SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers", "cluster")
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 BOTH = ("never", "advise")  # the distributions' default, and the setting that gives shared memory huge pages
@@ -73,7 +77,8 @@ def _tail(text: str, lines: int = 3) -> str:
 def ensure_peers_venv(venv: Path = PEERS_VENV) -> dict:
     """Create or reuse the peers venv; returns what it holds and why anything is missing."""
     marker = venv / "kvtier-peers.json"
-    wanted = {"torch": TORCH, "peers": list(PEERS)}
+    pins = hashlib.sha256(PEERS_CONSTRAINTS.read_bytes()).hexdigest()[:16]
+    wanted = {"torch": TORCH, "peers": list(PEERS), "constraints": pins}
     if marker.exists() and json.loads(marker.read_text()).get("wanted") == wanted:
         return json.loads(marker.read_text())
     t0 = time.perf_counter()
@@ -83,11 +88,16 @@ def ensure_peers_venv(venv: Path = PEERS_VENV) -> dict:
     res = _pip(venv, TORCH)
     if res.returncode:
         raise RuntimeError(f"cannot install {TORCH} into {venv}: {_tail(res.stderr)}")
-    for pkg in PEERS:
-        res = _pip(venv, pkg)
-        if res.returncode:
-            state["missing"][pkg.split("=")[0]] = f"pip install {pkg} failed: {_tail(res.stderr)}"
-    res = _pip(venv, "-e", str(ROOT))  # kvtier and its runtime deps, for the kvtier side of bench/peers.py
+    pinned = ("-c", str(PEERS_CONSTRAINTS))
+    # the peers and kvtier (with its runtime deps, for the kvtier side of bench/peers.py) in one resolution; only
+    # where that fails, one peer at a time, so that the peers which do install are measured and the others named
+    res = _pip(venv, *pinned, *PEERS, "-e", str(ROOT))
+    if res.returncode:
+        for pkg in PEERS:
+            res = _pip(venv, *pinned, pkg)
+            if res.returncode:
+                state["missing"][pkg.split("=")[0]] = f"pip install {pkg} failed: {_tail(res.stderr)}"
+        res = _pip(venv, *pinned, "-e", str(ROOT))
     if res.returncode:
         raise RuntimeError(f"cannot install kvtier into {venv}: {_tail(res.stderr)}")
     probe = subprocess.run(
