@@ -351,6 +351,7 @@ def progress(args: argparse.Namespace, policy: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_start = os.getloadavg()[0]  # others' work on a shared machine moves every figure: say how much there was
     node = Node(args)
     try:
         profile = load_profile("ref-tiny")
@@ -438,6 +439,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "acceptance": acceptance,
         "load_average": os.getloadavg()[0],
+        "load_average_start": load_start,
     }
 
 
