@@ -21,6 +21,7 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
+from kvtier.store.gil import DurableFirst
 from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 
@@ -387,6 +388,7 @@ class Index:
         self.path = path
         self.readonly = readonly
         self._gate = _Gate()
+        self.writers = DurableFirst()  # the daemon's durable batches commit before the applier's decisions
         try:
             self.env = lmdb.open(
                 path,
@@ -489,6 +491,7 @@ class Index:
     def update(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run fn in a write transaction and commit; on MapFullError grow the map and run it again. Durable when
         it returns: the commit's meta page is synced (`sync`) once the write lock is free for the next writer."""
+        self.writers.before_write()
         while True:
             txn = self._enter(write=True)
             try:
