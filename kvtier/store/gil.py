@@ -9,6 +9,9 @@ running, so a waiting thread takes it then; `bench/verifier.py`'s writing window
 
 Only on the applier's thread (inside `applying()`): the same loops run in a verifier with no daemon, at the
 lowest priority, where a yield of the CPU on a busy machine would cost it a wait for every other task.
+
+`DurableFirst` orders the same thread's write transactions after the daemon's durable batches (the index's
+`writers`): a decision's commit holds LMDB's write lock through its sync, and a durable offload waits for it.
 """
 
 from __future__ import annotations
@@ -50,3 +53,44 @@ class Yielder:
         if self._on and time.perf_counter() - self._at >= self._every:
             os.sched_yield()  # releases the GIL around the call: a thread waiting for it takes it now
             self._at = time.perf_counter()
+
+
+HOLD_BACK_S = 1.0  # the longest the applier holds back one write transaction: the verifier's decisions still go on
+
+
+def on_applier_thread() -> bool:
+    return bool(getattr(_local, "on", False))
+
+
+class DurableFirst:
+    """Durable writes before the applier's: while a batch is being made durable in this process (its segment
+    bytes synced, then its index commit, `durable()`), the applier's thread holds back its next write
+    transaction, up to `max_wait_s`, so the batch's commit finds LMDB's write lock free rather than behind a
+    decision's commit and its sync. A transaction the applier already began is not cut short: a batch waits for
+    at most that one."""
+
+    def __init__(self, max_wait_s: float = HOLD_BACK_S) -> None:
+        self._cond = threading.Condition()
+        self._durable = 0
+        self.max_wait_s = max_wait_s
+        self.held_back = 0  # how many of the applier's transactions waited for a durable batch
+
+    @contextlib.contextmanager
+    def durable(self) -> Iterator[None]:
+        with self._cond:
+            self._durable += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._durable -= 1
+                self._cond.notify_all()
+
+    def before_write(self) -> None:
+        """Called before a write transaction: on the applier's thread, wait while a durable batch is under way."""
+        if not on_applier_thread():
+            return
+        with self._cond:
+            if self._durable:
+                self.held_back += 1
+                self._cond.wait_for(lambda: self._durable == 0, timeout=self.max_wait_s)

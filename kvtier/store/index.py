@@ -21,6 +21,7 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
+from kvtier.store.gil import DurableFirst
 from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 
@@ -387,6 +388,7 @@ class Index:
         self.path = path
         self.readonly = readonly
         self._gate = _Gate()
+        self.writers = DurableFirst()  # the daemon's durable batches commit before the applier's decisions
         try:
             self.env = lmdb.open(
                 path,
@@ -398,8 +400,12 @@ class Index:
                 # read transactions of the load path's threads reuse their reader slots instead of taking
                 # LMDB's shared reader-table lock for a new one (which the verifier's reader checks also take)
                 max_spare_txns=16,
+                # A commit syncs its data pages before it writes the meta page that points at them (never a torn
+                # index), but leaves that page's own sync to `update`, after the write lock is released: the
+                # lock, which every other writer (the daemon's durable offloads) waits for, then covers one sync
+                # a commit, not two. The next commit's data sync covers an unsynced meta page too.
                 sync=True,
-                metasync=True,
+                metasync=False,
                 max_readers=256,
                 subdir=True,
             )
@@ -483,13 +489,15 @@ class Index:
         log.info("lmdb map size now %d bytes", self.env.info()["map_size"])
 
     def update(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run fn in a write transaction and commit; on MapFullError grow the map and run it again."""
+        """Run fn in a write transaction and commit; on MapFullError grow the map and run it again. Durable when
+        it returns: the commit's meta page is synced (`sync`) once the write lock is free for the next writer."""
+        self.writers.before_write()
         while True:
             txn = self._enter(write=True)
             try:
                 result = fn(txn)
                 txn.commit()
-                return result
+                break
             except lmdb.MapFullError:
                 txn.abort()
             except BaseException:
@@ -498,6 +506,14 @@ class Index:
             finally:
                 self._gate.leave()
             self._resize(self.env.info()["map_size"] * 2)
+        self.sync()
+        return result
+
+    def sync(self) -> None:
+        """Make every commit so far durable (its meta page synced; fdatasync, outside any write lock). Needed
+        before a file the last commits stopped referencing is removed: the index on disk must never point at
+        it after a crash."""
+        self.env.sync(True)
 
     def namespace(self, txn: lmdb.Transaction, ns: bytes) -> NamespaceEntry | None:
         raw = txn.get(ns, db=self.ns)

@@ -98,7 +98,12 @@ class Writer:
         return todo, namespaces
 
     def _write_batch(self, items: list[Item], namespaces: dict[bytes, NamespaceEntry]) -> None:
-        """Cut the batch into extents (in order), build and write them on the pool, sync once, commit once."""
+        """Cut the batch into extents (in order), build and write them on the pool, sync once, commit once. The
+        applier's thread holds back its decisions' commits meanwhile (`DurableFirst`)."""
+        with self._ctx.index.writers.durable():
+            self._write_batch_durably(items, namespaces)
+
+    def _write_batch_durably(self, items: list[Item], namespaces: dict[bytes, NamespaceEntry]) -> None:
         appender = self.appender
         now = time.time()
         extents = _cut_extents(items, self._ctx.config.segment_bytes)
