@@ -11,8 +11,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 from kvtier.core.errors import KvtierError
@@ -65,6 +66,18 @@ def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> Ve
     return dataclasses.replace(base, **overrides)
 
 
+def off_handler(fn: Callable[[], object]) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that runs `fn` on a thread of its own. A handler runs on the main thread between two of its
+    bytecodes, and the main thread may then be inside `Event.wait` of an Event that `fn` sets, holding its
+    Condition's lock: setting it from there waits for a lock its own thread holds, for ever (a verifier that then
+    ignored SIGTERM was found so)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        threading.Thread(target=fn, name="kvtier-signal", daemon=True).start()
+
+    return handler
+
+
 def run(
     root: str | Path, config: str | Path | None, overrides: Mapping[str, Any], *, wait_for_store_s: float = 600.0
 ) -> int:
@@ -72,7 +85,7 @@ def run(
     settings = load_settings(config, overrides)
     _die_with_parent()
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, off_handler(stop.set)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if not store_exists(root):
             log.warning("no store at %s yet: waiting up to %.0fs for the daemon to create it", root, wait_for_store_s)
@@ -95,13 +108,13 @@ def run(
             if stop.is_set():
                 return 0
 
-            def request_stop(*_: object) -> None:
+            def request_stop() -> None:
                 stop.set()  # the decision channel's waits end with it
                 verifier.request_stop()
 
             for s in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(s, request_stop)
-            signal.signal(signal.SIGHUP, lambda *_: _reload(verifier, config, overrides))
+                signal.signal(s, off_handler(request_stop))
+            signal.signal(signal.SIGHUP, off_handler(lambda: _reload(verifier, config, overrides)))
             log.info(
                 "verifier on %s (pid %d, %s, rate %d B/s, %d B/s while the disk is busy)",
                 store.root,

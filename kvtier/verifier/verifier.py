@@ -77,7 +77,7 @@ class Verifier:
         self.wake.set()
 
     def reload(self, settings: VerifierSettings) -> None:
-        """Take new rates and limits at the next step (called from a signal handler)."""
+        """Take new rates and limits at the next step (called on a SIGHUP's own thread, `process.off_handler`)."""
         self._pending_settings = settings
         self.wake.set()
 
