@@ -442,17 +442,16 @@ def take_buffers(ctx: StoreContext) -> None:
 def _wanted(
     requests: Sequence[LoadRequest], first: int, device: Callable[[torch.Tensor], bool] | None
 ) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (a cpu target), and the
-    numbers of the others; StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
+    """The requests this path may serve (those with a host-memory target), and the numbers of the others;
+    StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
     outs = [flat_uint8(r.out) for r in requests]
     count = len(outs)
     # (callables mapped, not a generator per column: these run per object of every load)
     n = np.fromiter(map(_numel, outs), np.int64, count)
     addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
-    cpu = np.fromiter(map(_is_cpu, outs), bool, count)
+    taken = np.fromiter(map(_is_cpu, outs), bool, count)
     if device is not None:
-        cpu &= np.fromiter((not device(out) for out in outs), bool, count)
-    taken = cpu
+        taken &= np.fromiter((not device(out) for out in outs), bool, count)
     mine = np.flatnonzero(taken).tolist()
     keys = [requests[i].key for i in mine]
     wanted = _Wanted(
