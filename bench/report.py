@@ -138,7 +138,9 @@ def _store_rows(sections: dict) -> list[Row]:
         ),
         _vs(
             "store_read",
-            f"store cold read of {s['record_MiB']} MiB records, MB/s",
+            f"store cold read of {s['record_MiB']} MiB records"
+            + (f" into {mem}" if (mem := _memory(s.get("targets_pages"))) else "")
+            + ", MB/s",
             s["read_MBps"],
             *_limit(s, "read_ratio_to_fio", "fio_read_MBps"),
         ),
@@ -198,13 +200,24 @@ def _daemon_rows(sections: dict) -> list[Row]:
     rs = dm.get("dsv4_restore")
     if rs:
         label = (
-            f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool via the daemon, MB/s "
+            f"{rs['tokens'] // 1024}K-token {dm['profile']} prefix restored into the pool"
+            # (0 pages: not hugetlb, so THP or small pages: not named)
+            + (f" ({mem})" if (mem := _memory("hugetlb" if rs.get("pool_hugetlb_pages") else None)) else "")
+            + " via the daemon, MB/s "
             f"(a daemon just started: {_fmt(rs['fresh_daemon_MBps'])})"
         )
         baseline, figure, ratio = _limit(rs, "ratio_to_fio", "fio_MBps")
         median = " (median of ABBA pairs)" if ratio else ""
         out.append(_vs("dsv4_restore", label, rs["MBps"], baseline + ", same bytes", figure, ratio + median))
     return out
+
+
+def _memory(pages: str | None) -> str:
+    """What memory kvtier's side read into, where the run says (`bench/fio_limit.HugeBuffers` reserves hugetlb pages
+    for both sides as root); '' for a run that did not record it."""
+    if not pages:
+        return ""
+    return "reserved hugetlb pages" if pages == "hugetlb" else f"{pages}-page memory"
 
 
 def _verifier_rows(sections: dict) -> list[Row]:
