@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -112,20 +111,12 @@ def test_durable_offload_survives_a_restart_and_recovers_from_disk(tmp_path: Pat
         assert d.terminate() == 0
 
 
-@pytest.fixture(scope="module")
-def small_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """One small-pool daemon for the two eviction tests: prompts of their own seeds (4 and 100-139; 5 and 200-239),
-    every lease released by the end of each, and eviction counted as a difference."""
-    d = DaemonProc(
-        tmp_path_factory.mktemp("small"),
-        pools='compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n',
-    )
-    yield d
-    d.close()
+# The two eviction tests share one small-pool daemon (`shared_small_daemon`): prompts of their own seeds (4 and
+# 100-139; 5 and 200-239), every lease released by the end of each, and eviction counted as a difference.
 
 
-def test_killed_client_leases_are_released_and_slots_evictable(small_pools: DaemonProc) -> None:
-    daemon = small_pools
+def test_killed_client_leases_are_released_and_slots_evictable(shared_small_daemon: DaemonProc) -> None:
+    daemon = shared_small_daemon
     _result(_engine(daemon, "write", "4", "3"))
     holder = _engine(daemon, "hold", "4", "3")
     held = json.loads(holder.stdout.readline())
@@ -145,9 +136,9 @@ def test_killed_client_leases_are_released_and_slots_evictable(small_pools: Daem
         c.release(r)
 
 
-def test_leased_objects_are_never_evicted(small_pools: DaemonProc) -> None:
+def test_leased_objects_are_never_evicted(shared_small_daemon: DaemonProc) -> None:
     """The control for the test above: while a lease is held, the same pressure does not take its slots."""
-    daemon = small_pools
+    daemon = shared_small_daemon
     with Client(daemon.socket) as c:
         c.attach("ref-tiny")
         evictions = c.stats().forms["compressed"].evictions

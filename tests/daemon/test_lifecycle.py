@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,19 +44,12 @@ def test_sigterm_with_clients_connected_exits_0_within_bound(daemon: DaemonProc)
     attached.close()
 
 
-@pytest.fixture(scope="module")
-def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """One daemon for the refused second daemon, then the reload (which ends it): the first only reads it, and runs
-    before the reload in the file's order (the order a worker runs a module's tests in)."""
-    d = DaemonProc(tmp_path_factory.mktemp("serving"))
-    try:
-        yield d
-    finally:
-        d.close()
+# The refused second daemon and then the reload (which ends it) share one daemon (`shared_daemon`): the first only
+# reads it, and runs before the reload in the file's order (the order a worker runs a module's tests in).
 
 
-def test_second_daemon_on_a_live_socket_is_refused(serving: DaemonProc) -> None:
-    daemon = serving
+def test_second_daemon_on_a_live_socket_is_refused(shared_daemon: DaemonProc) -> None:
+    daemon = shared_daemon
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(daemon.config)],
         env=child_env(),
@@ -72,9 +64,9 @@ def test_second_daemon_on_a_live_socket_is_refused(serving: DaemonProc) -> None:
         assert c.stats().daemon.health == "ok"
 
 
-def test_sighup_reloads_quotas_and_rates(serving: DaemonProc) -> None:
+def test_sighup_reloads_quotas_and_rates(shared_daemon: DaemonProc) -> None:
     """Last on the module's daemon: it rewrites the config (broken, at the end) and stops the daemon."""
-    daemon = serving
+    daemon = shared_daemon
     with Client(daemon.socket) as c:
         before = c.stats().reloadable
     text = daemon.config.read_text().replace('budget_bytes = "256MiB"', 'budget_bytes = "300MiB"')

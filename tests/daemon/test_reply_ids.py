@@ -8,7 +8,6 @@ a lookup or a `TierClient.load_into` of record B came back OK with record A's by
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,18 +35,12 @@ def _payload(i: int) -> torch.Tensor:
     return torch.randint(0, 256, (OBJ,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """One daemon for the module: each test freezes and resumes it, and uses prompts or records of its own (seeds
-    1-2 of ref-tiny, a lookup that misses, records of the tier's own namespace), so none sees another's state."""
-    d = DaemonProc(tmp_path_factory.mktemp("reply-ids"))
-    try:
-        yield d
-    finally:
-        d.close()
+# One daemon for the module (`shared_daemon`): each test freezes and resumes it, and uses prompts or records of its
+# own (seeds 1-2 of ref-tiny, a lookup that misses, records of the tier's own namespace), so none sees another's state.
 
 
-def test_client_after_a_frozen_daemon(daemon: DaemonProc) -> None:
+def test_client_after_a_frozen_daemon(shared_daemon: DaemonProc) -> None:
+    daemon = shared_daemon
     profile = load_profile("ref-tiny")
     h = profile.hash_block_tokens
     with Client(daemon.socket) as writer:
@@ -72,7 +65,8 @@ def test_client_after_a_frozen_daemon(daemon: DaemonProc) -> None:
             c.release(result)
 
 
-def test_lookup_deadline_costs_a_miss_not_the_call_timeout(daemon: DaemonProc) -> None:
+def test_lookup_deadline_costs_a_miss_not_the_call_timeout(shared_daemon: DaemonProc) -> None:
+    daemon = shared_daemon
     with Client(daemon.socket, timeout_s=30.0, lookup_timeout_s=0.3) as c:
         c.attach("ref-tiny")
         with frozen(daemon):
@@ -83,7 +77,8 @@ def test_lookup_deadline_costs_a_miss_not_the_call_timeout(daemon: DaemonProc) -
         assert c.lookup([0] * 512).hit_tokens == 0
 
 
-def test_tier_client_after_a_frozen_daemon(daemon: DaemonProc) -> None:
+def test_tier_client_after_a_frozen_daemon(shared_daemon: DaemonProc) -> None:
+    daemon = shared_daemon
     with TierClient(daemon.socket, VKEY, GROUPS, staging_bytes=OBJ, timeout_s=1.0) as t:
         t.store_many([(_key(i), _payload(i), DIGEST) for i in (1, 2)])
         out = torch.zeros(OBJ, dtype=torch.uint8)

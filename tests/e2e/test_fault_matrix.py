@@ -30,7 +30,7 @@ from kvtier.store import DiskStore, StoreLimits
 from kvtier.store.index import IndexEntry, encode_key
 from kvtier.verifier import Verifier, VerifierSettings, open_store
 from support.corrupt import flip_payload_bit
-from support.daemon import DaemonProc, wait_leases_released
+from support.daemon import SMALL_POOLS, DaemonProc, wait_leases_released
 from support.e2e_harness import PROFILE, H, Oracle, save_prompts, start_engine
 from support.fault_cases import BLOCKS, CP, a_prompt, b_prompt, bitwise, file_row, offload, serve
 from support.fault_table import FaultRows
@@ -332,7 +332,7 @@ def test_client_killed_while_holding_leases(tmp_path: Path, oracle: Oracle, faul
     work = tmp_path / "work"
     work.mkdir()
     save_prompts(work, {"held": b_prompt(51)})
-    d = DaemonProc(tmp_path, pools='compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n')
+    d = DaemonProc(tmp_path, pools=SMALL_POOLS)
     try:
         offload(d, 51)
         holder = start_engine(d, work, "hold", "held")

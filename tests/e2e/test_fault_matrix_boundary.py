@@ -17,13 +17,11 @@ from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import RefEngine
 from kvtier.wire import messages as P
 from support.boundary import fill_until_stale, frozen, start_reserver, write_into_sealed_slot
-from support.daemon import DaemonProc
+from support.daemon import SMALL_POOLS, DaemonProc
 from support.e2e_harness import PROFILE, H, Oracle
 from support.fault_cases import BLOCKS, CP, a_prompt, b_prompt, bitwise, file_row, offload, serve
 from support.fault_table import FaultRows
 from support.workload import caches_for, tokens_for
-
-SMALL_POOLS = 'compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n'
 
 
 def _restart(d: DaemonProc, tmp: Path) -> DaemonProc:

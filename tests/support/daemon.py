@@ -27,6 +27,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Pools of a few dozen ref-tiny blocks, so that eviction is easy to force.
+SMALL_POOLS = 'compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n'
+
+
 class DaemonProc:
     """A running daemon: its process, socket, config file and the notify socket it reports to."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support.daemon import DaemonProc
+from support.daemon import SMALL_POOLS, DaemonProc
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
 @pytest.fixture
 def small_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     """Pools of a few dozen blocks, so eviction is easy to force."""
-    d = DaemonProc(tmp_path, pools='compressed = "64KiB"\nindexer = "16KiB"\ntail = "64KiB"\nswa = "128KiB"\n')
+    d = DaemonProc(tmp_path, pools=SMALL_POOLS)
     yield d
     d.close()
 
@@ -28,5 +28,13 @@ def small_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
 @pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     d = DaemonProc(tmp_path_factory.mktemp("daemon"))
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def shared_small_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """`small_daemon` for a whole module: its tests must not depend on one another's pool contents."""
+    d = DaemonProc(tmp_path_factory.mktemp("small"), pools=SMALL_POOLS)
     yield d
     d.close()
