@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fio_limit import HugeBuffers, fio_read, geometry, missing  # noqa: E402
+from fio_limit import HugeBuffers, described, fio_read, geometry, missing  # noqa: E402
 from pagecache import drop_cache_tree  # noqa: E402
 from slots import slot_targets  # noqa: E402
 
@@ -307,14 +307,12 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
         return {**out, "fio": {"missing": no_fio}, "round_MBps": [round(r) for r in restore_mbps]}
     return {
         **out,
-        "fio": {
-            "ioengine": "libaio",
-            "direct": True,
-            **geo.describe(),
-            "memory": buffers.memory,
-            "bytes": sum(n for _, _, n in spans[0]),
-            "what": "fio --rw=read over the segment bytes each prefix's offload wrote, cold (O_DIRECT), ABBA",
-        },
+        "fio": described(
+            geo,
+            buffers.memory,
+            "fio --rw=read over the segment bytes each prefix's offload wrote, cold (O_DIRECT), ABBA",
+            bytes=sum(n for _, _, n in spans[0]),
+        ),
         "fio_MBps": round(max(fio_mbps), 1),
         "ratio_to_fio": round(float(np.median(np.array(restore_mbps) / np.array(fio_mbps))), 2),
         "round_ratios": [round(r / t, 2) for r, t in zip(restore_mbps, fio_mbps)],

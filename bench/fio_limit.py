@@ -125,6 +125,12 @@ def job_file(path: str | Path, offset: int, nbytes: int, geo: Geometry, iomem: s
     )
 
 
+def described(geo: Geometry, memory: str, what: str, **more: object) -> dict:
+    """How a bench's fio limit was read, for its JSON: the engine and O_DIRECT of `job_file`, the geometry, the
+    memory fio read into, and what it read."""
+    return {"ioengine": "libaio", "direct": True, **geo.describe(), "memory": memory, **more, "what": what}
+
+
 def fio_read(spans: Sequence[tuple[str | Path, int, int]], geo: Geometry, buffers: HugeBuffers) -> FioRead:
     """fio's bytes and seconds reading `spans` (offsets and sizes 4096-aligned) cold with O_DIRECT, one fio
     process per span, one after another (one job at a time: fio takes every job's buffers when it starts)."""

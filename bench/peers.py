@@ -67,7 +67,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fio_limit import Geometry, HugeBuffers, fio_read, geometry  # noqa: E402
+from fio_limit import Geometry, HugeBuffers, described, fio_read, geometry  # noqa: E402
 from fio_limit import missing as fio_missing  # noqa: E402
 from pagecache import dd_direct_s, drop_cache_file, drop_cache_tree  # noqa: E402
 from slots import slot_targets  # noqa: E402
@@ -790,15 +790,13 @@ def main() -> None:
     fio: dict = (
         {"missing": no_fio or f"fio failed in every round: {fio_failed[-1]}"}
         if fio_best is None
-        else {
-            "ioengine": "libaio",
-            "direct": True,
-            **geo.describe(),
-            "memory": fio_best["memory"],
-            "what": "fio --rw=read of the same file as dd, cold (O_DIRECT), at kvtier's request size and depth, "
+        else described(
+            geo,
+            fio_best["memory"],
+            "fio --rw=read of the same file as dd, cold (O_DIRECT), at kvtier's request size and depth, "
             "best of the rounds",
             **({"failed_rounds": fio_failed} if fio_failed else {}),
-        }
+        )
     )
     print(
         json.dumps(

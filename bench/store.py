@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 import xxhash
-from fio_limit import Geometry, HugeBuffers, fio_read, geometry, missing
+from fio_limit import Geometry, HugeBuffers, described, fio_read, geometry, missing
 from pagecache import drop_cache_tree
 from slots import slot_pool
 
@@ -194,13 +194,11 @@ def main() -> None:
     fio: dict = (
         {"missing": no_fio}
         if no_fio
-        else {
-            "ioengine": "libaio",
-            "direct": True,
-            **geo.describe(),
-            "memory": buffers.memory,
-            "what": "fio --rw=read over the store's segment files, cold (O_DIRECT), ABBA with the store's read",
-        }
+        else described(
+            geo,
+            buffers.memory,
+            "fio --rw=read over the store's segment files, cold (O_DIRECT), ABBA with the store's read",
+        )
     )
     out = {
         "write_MBps": round(total / min(st_w) / MB, 1),
