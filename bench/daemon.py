@@ -49,7 +49,7 @@ from slots import slot_targets  # noqa: E402
 from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
-from kvtier.core.hugepages import HUGE_PAGE, hugetlb_bytes, read_host  # noqa: E402
+from kvtier.core.hugepages import read_host  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 from kvtier.gpu import CacheManager  # noqa: E402
@@ -256,10 +256,8 @@ def bench_dsv4_restore(profile: ModelProfile, tokens: int, rounds: int) -> dict:
     fio_mbps: list[float] = []
     no_fio = missing()
     geo = geometry()
-    # the daemon's pools start while fio's pages and theirs are reserved: both sides read into the same memory (a
-    # page more per pool: a pool's memfd is its budget plus alignment)
-    pool_bytes = sum(hugetlb_bytes(int(v), HUGE_PAGE) + HUGE_PAGE for v in pools.values())
-    buffers = HugeBuffers(geo, kvtier_bytes=pool_bytes)
+    # the daemon's pools start while fio's pages and theirs are reserved: both sides read into the same memory
+    buffers = HugeBuffers(geo, kvtier_pools=[int(v) for v in pools.values()])
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")) as d,
         buffers,

@@ -67,15 +67,16 @@ def _meminfo(field: str) -> int:
 class HugeBuffers:
     """fio's buffer memory for one run: hugetlb pages where free or reservable, else small pages (says which).
 
-    `kvtier_bytes` reserves pages for kvtier's side too (its load targets, or the daemon's pools, made while the
-    reservation holds), so that both sides read into the same kind of memory: pool memory takes the host's free
-    reserved hugetlb pages where shmem refuses transparent huge pages (`kvtier.core.hugepages.shared_pages`)."""
+    `kvtier_pools` (bytes of each) reserves pages for kvtier's side too (its load targets, or the daemon's pools,
+    made while the reservation holds), so that both sides read into the same kind of memory: pool memory takes the
+    host's free reserved hugetlb pages where shmem refuses transparent huge pages
+    (`kvtier.core.hugepages.shared_pages`)."""
 
-    def __init__(self, geo: Geometry, kvtier_bytes: int = 0) -> None:
+    def __init__(self, geo: Geometry, kvtier_pools: Sequence[int] = ()) -> None:
         page = hugepages.HUGE_PAGE
         # fio's shmhuge segment: iodepth buffers of the request size in whole huge pages, plus two (its alignment
-        # and header: with one fewer fio finds no huge pages)
-        self.pages = -(-geo.request_bytes * geo.depth // page) + 2 + -(-kvtier_bytes // page)
+        # and header: with one fewer fio finds no huge pages); a pool's memfd is its bytes plus alignment: a page more
+        self.pages = -(-geo.request_bytes * geo.depth // page) + 2 + sum(-(-n // page) + 1 for n in kvtier_pools)
         self.iomem = "malloc"
         self.memory = "malloc: 4 KiB pages (no hugetlb pages free, and not root to reserve them)"
         self._restore: int | None = None

@@ -35,7 +35,6 @@ from pagecache import drop_cache_tree
 from slots import slot_pool
 
 from kvtier.core import CacheForm, VersionKey
-from kvtier.core.hugepages import HUGE_PAGE
 from kvtier.core.layout import slot_stride
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import SEGMENTS_DIR, DiskStore, StoreConfig
@@ -170,9 +169,8 @@ def main() -> None:
     raw_w, st_w, st_r, fio_r, small_rand, small_seq = [], [], [], [], [], []
     no_fio = missing()
     geo = geometry()
-    # the load targets' pages are reserved beside fio's: both sides read into the same kind of memory (a page more:
-    # the targets' memfd is their slots plus alignment)
-    buffers = HugeBuffers(geo, kvtier_bytes=args.batch * slot_stride(record) + HUGE_PAGE)
+    # the load targets' pages are reserved beside fio's: both sides read into the same kind of memory
+    buffers = HugeBuffers(geo, kvtier_pools=[args.batch * slot_stride(record)])
     try:
         with buffers:
             limit = None if no_fio else Limit(geo, buffers)
