@@ -12,7 +12,10 @@ only by chance on a loaded machine; here it is placed there on purpose, in one o
   process exits with it parked), and the signal is raised while `start()` would wait for it to report in.
 
 `signal.raise_signal` runs the Python handler before it returns, so the KeyboardInterrupt is raised right there,
-not at some later instruction. The script says on stderr that it fired, so a test can tell a run where the
+not at some later instruction. Python's own Ctrl-C handler is put back first: a process started from a
+non-interactive shell's background job inherits SIGINT ignored, and Python then leaves it ignored, so the
+signal would do nothing (a terminal's Ctrl-C reaches a process that does not ignore it). The script says on
+stderr that it fired, so a test can tell a run where the
 moment never came (the thread renamed, say) from one that survived it.
 """
 
@@ -36,6 +39,7 @@ def _fire(mode: str) -> None:
 
 
 def install(mode: str) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fired = False
 
     if mode == "before-spawn":
