@@ -88,7 +88,7 @@ def pool_bytes_metric(address: str) -> float:
 def test_serves_the_store_before_its_pools_are_ready(tmp_path: Path) -> None:
     hold = tmp_path / "hold-pools"
     os.mkfifo(hold)
-    daemon = DaemonProc(tmp_path, pools=POOLS, env={"KVTIER_HOLD_POOLS": str(hold)}, wait_ready=False)
+    daemon = DaemonProc(tmp_path, pools=POOLS, env={"KVTIER_HOLD_POOLS": str(hold)}, wait_ready=False, fresh=True)
     attached: list[object] = []
     try:
         doc = stats(daemon.socket)
@@ -135,7 +135,7 @@ def test_serves_the_store_before_its_pools_are_ready(tmp_path: Path) -> None:
 
 
 def test_engine_only_node_allocates_no_pools(tmp_path: Path) -> None:
-    daemon = DaemonProc(tmp_path, pools=POOLS, profiles=())
+    daemon = DaemonProc(tmp_path, pools=POOLS, profiles=(), fresh=True)
     try:
         doc = stats(daemon.socket)
         assert doc.daemon is not None and doc.daemon.pools == "none" and doc.daemon.health == "ok"

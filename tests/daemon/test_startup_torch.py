@@ -100,7 +100,7 @@ def test_a_lookup_is_answered_while_torch_is_still_held_back(tmp_path: Path) -> 
 
     hold = tmp_path / "hold-torch"
     os.mkfifo(hold)
-    daemon = DaemonProc(tmp_path, env={"KVTIER_HOLD_TORCH": str(hold)}, wait_ready=False)
+    daemon = DaemonProc(tmp_path, env={"KVTIER_HOLD_TORCH": str(hold)}, wait_ready=False, fresh=True)
     engine: DaemonStore | None = None
     try:
         engine = connect(daemon, 60.0)
@@ -132,7 +132,8 @@ def test_sigterm_while_torch_is_still_loading_exits_without_waiting_for_it(tmp_p
     its `shutdown_timeout_s` of 20 s (the old close joined that thread for all of it)."""
     hold = tmp_path / "hold-torch"
     os.mkfifo(hold)
-    daemon = DaemonProc(tmp_path, env={"KVTIER_HOLD_TORCH": str(hold)}, wait_ready=False)  # shutdown_timeout_s 20
+    # (a fresh interpreter: torch must still be loading; shutdown_timeout_s is 20)
+    daemon = DaemonProc(tmp_path, env={"KVTIER_HOLD_TORCH": str(hold)}, wait_ready=False, fresh=True)
     try:
         connect(daemon, 60.0).close()  # listening, the warm-up held
         assert "torch_loaded" not in daemon_info(daemon).startup

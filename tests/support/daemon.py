@@ -1,4 +1,7 @@
-"""A real `kvtier serve` subprocess on a temporary socket, with a datagram socket standing in for systemd's.
+"""A real `kvtier serve` process on a temporary socket, with a datagram socket standing in for systemd's.
+
+It is forked from the worker's warm server (`support.warm_start`: torch and kvtier already imported) unless
+`fresh=True` asks for a fresh interpreter, as systemd starts one: the tests of the daemon's start-up ask for that.
 
 Shared by the daemon, CLI and e2e tests (import as `support.daemon`; pyproject puts `tests/` on the path).
 """
@@ -14,6 +17,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from support.warm_start import WarmProc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +55,7 @@ class DaemonProc:
         verifier: str = 'mode = "off"\n',
         env: dict[str, str] | None = None,
         wait_ready: bool = True,
+        fresh: bool = False,
     ) -> None:
         self.tmp = tmp
         self.socket = socket_path or tmp / "kvtier.sock"
@@ -74,13 +80,14 @@ class DaemonProc:
         if watchdog_usec is not None:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
         self.log = open(tmp / "daemon.log", "wb")  # noqa: SIM115  (the daemon writes it until close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "-v", "serve", "--config", str(self.config)],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,
-        )
+        argv = ["-v", "serve", "--config", str(self.config)]
+        self.proc: subprocess.Popen[bytes] | WarmProc
+        if fresh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli", *argv], env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp
+            )
+        else:
+            self.proc = WarmProc(argv, env=env, cwd=tmp, out=tmp / "daemon.log")
         self.messages: list[str] = []
         if wait_ready:  # READY=1 comes once the pools are ready (the socket serves the store before that)
             try:
