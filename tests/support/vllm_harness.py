@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import multiprocessing
-import multiprocessing.context
 import os
 import random
 import subprocess
@@ -21,6 +19,7 @@ from support.corrupt import flip_payload_bit
 from support.vllm_engine_run import BLOCK_SIZE
 from support.vllm_engine_run import main as engine_main
 from support.vllm_tiny_model import VOCAB, write_checkpoint
+from support.warm_start import forkserver
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 240
@@ -75,23 +74,13 @@ def new_checkpoint(path: Path, seed: int, arch: str = "llama") -> str:
     return str(write_checkpoint(path, seed, arch))
 
 
-_FORK_SERVER: multiprocessing.context.ForkServerContext | None = None
-
-
-def _engine_processes() -> multiprocessing.context.ForkServerContext:
-    """Engines start from a fork server that imported vLLM once: each engine still runs in a new process of
-    its own (forked from a server that holds imported modules only, never an engine or a tier), without
-    paying vLLM's import (~7 s on 2 cores) every time."""
-    global _FORK_SERVER
-    if _FORK_SERVER is None:
-        os.environ.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu"
-        )  # the server's env is every engine's
-        _FORK_SERVER = multiprocessing.get_context("forkserver")
-        _FORK_SERVER.set_forkserver_preload(
-            ["support.vllm_engine_run", "vllm", "vllm.inputs", "kvtier.integrations.vllm"]
-        )
-    return _FORK_SERVER
+# The engines' environment, set before any process forks from the worker's forkserver: the server's env is every
+# engine's (as it is each daemon's before that daemon sets its own).
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu")
+# Engines start from the worker's fork server (support.warm_start, which the daemons share), which imports vLLM once:
+# each engine still runs in a new process of its own (forked from a server that holds imported modules only, never an
+# engine or a tier), without paying vLLM's import every time.
+_ENGINES = forkserver("support.vllm_engine_run", "vllm", "vllm.inputs", "kvtier.integrations.vllm")
 
 
 def _engine_process(spec: str, out: str, log: str) -> None:
@@ -119,9 +108,7 @@ def run_engine(
     spec, out, log = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     doc = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "secondary_tiers": tiers}
     spec.write_text(json.dumps({**doc, "engine_args": engine_args or {}, "shutdown": shutdown}))
-    proc = _engine_processes().Process(
-        target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}"
-    )
+    proc = _ENGINES.Process(target=_engine_process, args=(str(spec), str(out), str(log)), name=f"engine-{name}")
     proc.start()
     proc.join(ENGINE_TIMEOUT_S)
     if proc.exitcode is None:

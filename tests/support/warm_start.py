@@ -29,7 +29,20 @@ from pathlib import Path
 
 _CTX = multiprocessing.get_context("forkserver")
 # What `kvtier serve` imports before it serves (a module missing here is imported by each fork, as before).
-_CTX.set_forkserver_preload(["torch", "kvtier.cli.main", "kvtier.daemon.service", "kvtier.daemon.backend", __name__])
+_PRELOAD = ["torch", "kvtier.cli.main", "kvtier.daemon.service", "kvtier.daemon.backend", __name__]
+
+
+def forkserver(*modules: str) -> multiprocessing.context.ForkServerContext:
+    """The worker's forkserver (multiprocessing keeps one a process, shared by every user of it), its preload grown by
+    `modules`. What is asked for before the server's first fork is imported once, in the server; a module asked for
+    later is imported by each fork itself. Harnesses that fork other processes from it (the vLLM engines) ask for
+    theirs at import, before any test starts one."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _CTX.set_forkserver_preload(list(_PRELOAD))
+    return _CTX
+
+
+forkserver()
 
 # A fresh interpreter's dispositions (Python sets SIGINT's handler, ignores SIGPIPE and SIGXFSZ); the forkserver
 # leaves its own (SIGINT ignored, a SIGCHLD handler) in its children.
@@ -72,7 +85,7 @@ class WarmProc:
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, out: Path) -> None:
         self.args = ["kvtier", *argv]
         # daemon=True: a test that never stops it does not hold its worker's exit (multiprocessing joins the others)
-        self._proc = _CTX.Process(target=_run, args=(list(argv), dict(env), str(cwd), str(out)), daemon=True)
+        self._proc = forkserver().Process(target=_run, args=(list(argv), dict(env), str(cwd), str(out)), daemon=True)
         self._proc.start()
         assert self._proc.pid is not None
         self.pid: int = self._proc.pid
