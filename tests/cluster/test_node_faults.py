@@ -30,7 +30,7 @@ from support.e2e_harness import PROFILE, H, Oracle, prompt, run_engine, save_pro
 from support.mooncake_loopback import MooncakeCluster, mooncake_cluster
 
 BLOCKS = 12
-CP_BLOCKS = 4  # state checkpoints every 4 blocks (tests/e2e/engine_proc.py)
+CP_BLOCKS = 4  # state checkpoints every 4 blocks (tests/support/engine_proc.py)
 ENGINE_BOUND_S = 60  # an engine run (process start, restore, continue) on this loaded 2-core machine
 
 

@@ -4,38 +4,28 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import support.workload
 from kvtier.client import Client
 from kvtier.core.forms import Route
 from kvtier.core.profile import load_profile
 from support.daemon import DaemonProc, child_env, wait_leases_released
+from support.warm_start import WarmProc
 from support.workload import caches_for, compare, tokens_for
 
-WORKLOAD = str(Path(support.workload.__file__))
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens
 
 
-def _engine(d: DaemonProc, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, WORKLOAD, str(d.socket), *args],
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _engine(d: DaemonProc, *args: str) -> WarmProc:
+    return WarmProc([str(d.socket), *args], env=child_env(), cwd=Path.cwd(), out=None, entry="support.workload:main")
 
 
-def _result(proc: subprocess.Popen[str]) -> dict:
+def _result(proc: WarmProc) -> dict:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])

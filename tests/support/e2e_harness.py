@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +13,8 @@ from kvtier.refmodel import RefModel
 from kvtier.refmodel.engine import recompute
 from support.daemon import DaemonProc, child_env
 from support.engine_proc import CHECKPOINT_EVERY
+from support.warm_start import WarmProc
 
-ENGINE = str(Path(__file__).with_name("engine_proc.py"))
 PROFILE = load_profile("ref-tiny")
 H = PROFILE.hash_block_tokens
 VOCAB = 256
@@ -38,15 +36,15 @@ def save_prompts(work: Path, prompts: dict[str, np.ndarray]) -> None:
 
 def start_engine(
     d: DaemonProc, work: Path, role: str, *names: str, profile: str = "ref-tiny", weights: str = ""
-) -> subprocess.Popen[str]:
-    """An engine process; `weights` (a weights digest) runs the model at that version of the profile."""
-    return subprocess.Popen(
-        [sys.executable, ENGINE, str(d.socket), profile, str(work), role, *names],
+) -> WarmProc:
+    """An engine process (forked warm, `support.warm_start`); `weights` (a weights digest) runs the model at that
+    version of the profile."""
+    return WarmProc(
+        [str(d.socket), profile, str(work), role, *names],
         env=child_env(ENGINE_WEIGHTS_DIGEST=weights) if weights else child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        cwd=Path.cwd(),
+        out=None,
+        entry="support.engine_proc:main",
     )
 
 
@@ -57,7 +55,7 @@ def run_engine(
     return engine_reports(d, start_engine(d, work, role, *names, profile=profile, weights=weights), role)
 
 
-def engine_reports(d: DaemonProc, proc: subprocess.Popen[str], role: str, stdin: str | None = None) -> dict[str, dict]:
+def engine_reports(d: DaemonProc, proc: WarmProc, role: str, stdin: str | None = None) -> dict[str, dict]:
     """Wait for an engine process to finish (after writing `stdin` to it); its JSON report per prompt name."""
     out, err = proc.communicate(stdin, timeout=120)
     assert proc.returncode == 0, f"engine {role} failed:\n{err}\ndaemon log:\n{d.read_log()[-3000:]}"

@@ -8,6 +8,7 @@
 
 PROFILE is a bundled name or a TOML path; the client attaches to that profile's name, or to its canary with
 PROFILE@canary. With ENGINE_WEIGHTS_DIGEST set the model is that version of the profile (a rollout's new weights).
+The tests fork it warm (`e2e_harness.start_engine`, `support.warm_start`) with these arguments as sys.argv.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def emit(doc: dict) -> None:
     print(json.dumps(doc), flush=True)
 
 
-def main(argv: list[str]) -> None:
-    socket_path, profile_arg, workdir, role, *names = argv
+def main() -> None:
+    socket_path, profile_arg, workdir, role, *names = sys.argv[1:]
     torch.set_num_threads(1)
     profile_arg, _, version = profile_arg.partition("@")
     profile = engine_profile(load_profile(profile_arg))
@@ -79,4 +80,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

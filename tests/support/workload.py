@@ -4,7 +4,7 @@ Client.
 Run as a script it is one engine process: `workload.py SOCKET write SEED BLOCKS` offloads a prefix,
 looks it up, loads and compares every object it reads; `read SEED BLOCKS [SEED BLOCKS ...]` checks
 prefixes other processes wrote; `hold SEED BLOCKS` takes leases and waits (to be killed).
-Each prints one JSON line.
+Each prints one JSON line. The tests fork it warm (`support.warm_start`) with these arguments as sys.argv.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def _lookup_and_check(client: Client, profile: ModelProfile, seed: int, n_blocks
     return {"hit_tokens": hit, "checked": checked, "recovered": recover, "loaded": report.loaded_objects}
 
 
-def main(argv: list[str]) -> None:
+def main() -> None:
     from kvtier.core.profile import load_profile
 
-    socket_path, role, *rest = argv
+    socket_path, role, *rest = sys.argv[1:]
     profile = load_profile("ref-tiny")
     with Client(socket_path, name=f"workload {role}") as client:
         client.attach("ref-tiny")
@@ -93,4 +93,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
