@@ -43,26 +43,24 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import operator
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
 import xxhash
 
-from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT
-from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.loadbatch import LoadBatch
+from kvtier.core.tier import LoadRequest
 from kvtier.store import aio
 from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
-from kvtier.store.context import StoreContext, flat_uint8
+from kvtier.store.context import StoreContext
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, key_suffix
+from kvtier.store.index import ENTRY_V2_DTYPE, RecordState
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -74,9 +72,8 @@ from kvtier.store.record import (
     zstd_decompress_into,
 )
 from kvtier.store.submit import Reads
-
-if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
-    import torch
+from kvtier.store.wanted import Wanted, batch_wanted
+from kvtier.store.wanted import wanted as want
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -93,7 +90,7 @@ _memmove = ctypes.memmove
 
 
 @dataclasses.dataclass(slots=True)
-class _Chunk:
+class Chunk:
     """Runs read into one bounce buffer (`buf`, taken when submitted). Per run: its file, where it starts there and
     in the buffer, its bytes in the buffer, the bytes read (-1 while in flight), and where its last record is
     large, where its payload starts in the run, its target's address and the payload's bulk read straight into it.
@@ -139,8 +136,8 @@ class PackedLoad:
         self._ctx, self._txn, self._reads = ctx, txn, reads
         self._segment, self._namespace_reason = segment, namespace_reason
         self._ns_ok: dict[bytes, bool] = {}
-        self._waiting: deque[_Chunk] = deque()  # planned, not yet submitted
-        self._reading: deque[_Chunk] = deque()
+        self._waiting: deque[Chunk] = deque()  # planned, not yet submitted
+        self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
         self._failed: list[int] = []
 
@@ -149,9 +146,9 @@ class PackedLoad:
         # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, device)
+            wanted, rest = batch_wanted(requests, first, device)
         else:
-            wanted, rest = _wanted(requests, first, device)
+            wanted, rest = want(requests, first, device)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -180,7 +177,7 @@ class PackedLoad:
 
     # ----------------------------------------------------------------- planning
 
-    def _plan(self, w: _Wanted) -> list[int]:
+    def _plan(self, w: Wanted) -> list[int]:
         """Look the requests up and queue the chunks of those this path serves; the numbers of the others."""
         txn = self._txn
         raw = w.raw
@@ -221,7 +218,7 @@ class PackedLoad:
         taken = set(ours)
         return [n for i, n in enumerate(w.numbers) if i not in taken] + gone
 
-    def _queue(self, e: np.ndarray, w: _Wanted, ours: list[int]) -> list[int]:
+    def _queue(self, e: np.ndarray, w: Wanted, ours: list[int]) -> list[int]:
         """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours`; the numbers of
         records whose segment is gone."""
         files: dict[int, SegmentFile | None] = {}
@@ -250,7 +247,9 @@ class PackedLoad:
         zstd = e["codec"] == Codec.ZSTD
         # Bytes read straight into the target: a large payload's aligned bulk where the target is at an address
         # O_DIRECT takes (else the payload goes through the bounce buffer, as a compressed one does: it is decoded).
-        direct_ok = np.asarray(targets, np.int64) % align == 0
+        # (a target address of 0 is no target: a scan's records are visited in the bounce buffer, `scan.PackedScan`)
+        target_at = np.asarray(targets, np.int64)
+        direct_ok = (target_at % align == 0) & (target_at != 0)
         bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd & direct_ok, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
         # record ends its run (its payload's bulk is the run's one read into a target).
@@ -287,7 +286,7 @@ class PackedLoad:
             bases = np.concatenate(([0], np.cumsum(run_bounce[lo:hi])[:-1]))
             runs = run_of[r0:r1] - lo
             self._waiting.append(
-                _Chunk(
+                Chunk(
                     [files[s] for s in seg[first[lo:hi]].tolist()],  # type: ignore[misc]
                     run_start[lo:hi].tolist(),
                     bases.tolist(),
@@ -358,7 +357,7 @@ class PackedLoad:
                     c.got[k] = min(c.got[k], rel + n)
                 c.left -= 1
 
-    def _check(self, chunk: _Chunk) -> None:
+    def _check(self, chunk: Chunk) -> None:
         """Check each record of a chunk read in, copy the good ones out, give the buffer back."""
         buf = chunk.buf
         assert buf is not None
@@ -406,29 +405,6 @@ class PackedLoad:
             self._ctx.buffers.release(buf)
 
 
-@dataclasses.dataclass(slots=True)
-class _Wanted:
-    """Requests this path may serve, as columns: request numbers, encoded keys, namespaces, target addresses,
-    target sizes (the payload lengths asked for) and layout digests."""
-
-    numbers: list[int]
-    raw: list[bytes]
-    namespaces: list[bytes]
-    targets: list[int]
-    lengths: np.ndarray
-    digests: list[bytes]
-
-    def part(self, lo: int, hi: int) -> _Wanted:
-        return _Wanted(
-            self.numbers[lo:hi],
-            self.raw[lo:hi],
-            self.namespaces[lo:hi],
-            self.targets[lo:hi],
-            self.lengths[lo:hi],
-            self.digests[lo:hi],
-        )
-
-
 def take_buffers(ctx: StoreContext) -> None:
     """Fault in the bounce buffers a load of this path holds at most (IN_FLIGHT + 1 of CHUNK_BYTES) and leave them
     in the store's pool, so a long-lived process's first restore does not pay their pages: touching a fresh buffer costs
@@ -437,86 +413,6 @@ def take_buffers(ctx: StoreContext) -> None:
     for buf in buffers:
         buf.tensor.zero_()
         ctx.buffers.release(buf)
-
-
-def _wanted(
-    requests: Sequence[LoadRequest], first: int, device: Callable[[torch.Tensor], bool] | None
-) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (those with a host-memory target), and the numbers of the others;
-    StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
-    outs = [flat_uint8(r.out) for r in requests]
-    count = len(outs)
-    # (callables mapped, not a generator per column: these run per object of every load)
-    n = np.fromiter(map(_numel, outs), np.int64, count)
-    addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
-    taken = np.fromiter(map(_is_cpu, outs), bool, count)
-    if device is not None:
-        taken &= np.fromiter((not device(out) for out in outs), bool, count)
-    mine = np.flatnonzero(taken).tolist()
-    keys = [requests[i].key for i in mine]
-    wanted = _Wanted(
-        [first + i for i in mine],
-        _encoded(keys),
-        [k.namespace for k in keys],
-        addr[taken].tolist(),
-        n[taken].astype(np.uint64),
-        [requests[i].layout_digest for i in mine],
-    )
-    return wanted, (np.flatnonzero(~taken) + first).tolist()
-
-
-# not torch.Tensor.numel: this module loads before torch does (a daemon listens first)
-_numel = operator.methodcaller("numel")
-_data_ptr = operator.methodcaller("data_ptr")
-_is_cpu = operator.attrgetter("is_cpu")
-
-
-def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
-    """`encode_key` of each key, the bytes after the block hash built once per group of the load (a form is an
-    enum whose hash is a Python call: looked up per group, not per key)."""
-    suffixes: dict[str, tuple[CacheForm, bytes]] = {}
-    out: list[bytes] = []
-    for k in keys:
-        known = suffixes.get(k.group)
-        if known is None or known[0] is not k.form:
-            known = suffixes[k.group] = (k.form, key_suffix(k.group, k.form))
-        out.append(k.namespace + k.block_hash + known[1])
-    return out
-
-
-def _batch_wanted(
-    batch: LoadBatch, first: int, device: Callable[[torch.Tensor], bool] | None
-) -> tuple[_Wanted, list[int]]:
-    """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
-    group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and in host memory. Any other
-    object's request is built and its target checked as `_wanted` checks it."""
-    groups = batch.groups
-    whole = np.array([_flat_pool(g) for g in groups], bool)
-    cpu = np.array([g.tensor.is_cpu and not (device and device(g.tensor)) for g in groups], bool)
-    nbytes = np.array([g.nbytes for g in groups], np.int64)
-    stride = np.array([g.stride for g in groups], np.int64)
-    size = np.array([g.tensor.numel() for g in groups], np.int64)
-    base = np.array([g.tensor.data_ptr() for g in groups], np.int64)
-    g_of, slots = batch.group_of, batch.slots
-    start = slots * stride[g_of]
-    inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
-    for i in np.flatnonzero(~inside).tolist():
-        flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = inside & cpu[g_of]
-    mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
-    g_mine = g_of[mine].tolist()
-    suffix = [key_suffix(g.name, g.form) for g in groups]
-    digest = [g.layout_digest for g in groups]
-    ns, hashes = batch.namespace, batch.hashes
-    wanted = _Wanted(
-        (mine + first).tolist(),
-        [ns + hashes[i] + suffix[g] for i, g in zip(mine.tolist(), g_mine)],
-        [ns] * len(mine),
-        (base[g_of[mine]] + start[mine]).tolist(),
-        nbytes[g_of[mine]].astype(np.uint64),
-        [digest[g] for g in g_mine],
-    )
-    return wanted, rest.tolist()
 
 
 def _target(addr: int, n: int) -> memoryview:
@@ -556,14 +452,6 @@ def _pieces(iov: list[tuple[int, int]], piece: int) -> list[tuple[list[tuple[int
                 cur, start = [], pos
                 bound = next(bounds, total)
     return out
-
-
-def _flat_pool(g: TargetGroup) -> bool:
-    """Whether slices of the group's pool are the flat, contiguous, non-empty uint8 targets this path needs."""
-    t = g.tensor
-    import torch
-
-    return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT

@@ -35,6 +35,7 @@ from kvtier.store.record import (
     zstd_decompress_into,
 )
 from kvtier.store.record_v1 import V1_HEADER_BYTES
+from kvtier.store.scan import PackedScan, ScanItem, ScanVisit
 from kvtier.store.segments import segment_name
 from kvtier.store.submit import Reads, close_reads, open_reads, run_gap
 
@@ -246,6 +247,22 @@ class Reader:
                 outcome.faults.append((job.key, exc.reason))
                 reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
+
+    def scan(
+        self, txn: lmdb.Transaction, items: Sequence[ScanItem], visit: ScanVisit, *, headers: bool = False
+    ) -> list[tuple[int, CorruptRecord]]:
+        """Read and check `items`' records with no target through the batch pipeline (`scan.PackedScan` states the
+        contract): `visit` gets each good one while its bytes are in the bounce buffer; returns the bad ones, by
+        their number in `items`, each with its quarantine reason. `txn` is the caller's read transaction, in which
+        it looked the records up: it keeps their segments from being unlinked while they are read."""
+        reads = open_reads(self._ctx)
+        scan = PackedScan(self._ctx, txn, reads, self.segment, self._namespace_reason, visit, headers)
+        try:
+            scan.add_items(items)
+            return scan.finish_scan()
+        finally:
+            scan.close()
+            close_reads(reads)
 
     def read(
         self,
