@@ -1,25 +1,27 @@
-"""A load's records looked up, read and checked as arrays: numpy per batch where the general path steps through
-Python per record.
+"""A load's records looked up, read and checked as arrays: numpy per batch, not Python steps per record.
 
 Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits their
   reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it returns
-  the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record stored as
-  is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest and payload
-  length, small (payload < LARGE_PAYLOAD) or large: a large payload whose target is at an address O_DIRECT takes is read
-  straight into it (the bytes move once), in pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; one
-  whose target is not is read into the bounce buffer and copied once checked. A target that is not a non-empty
-  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a `LoadBatch`
-  it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only for an object it
-  does not serve.
-- `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
-  `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
-  there) and copies each good small one into its target (a compressed one decoded into it); returns the encoded
-  keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
-  holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
-- What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
-  path, which looks the key up again in the same transaction, reads and checks the record again and says why it
-  fails: this path only ever accepts a record, so quarantine and every miss reason stay in one place.
+  the numbers of the others. It serves a request whose target is a cpu tensor (not one a GDS backend reads) and whose
+  record is live in a live namespace, with the request's layout digest and payload length: a v2 record stored as is or
+  zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2 record with only a device
+  checksum, or a large payload that does not start 4096-aligned is taken too and checked on its own (`record_check`).
+  A large v2 payload whose target is at an address O_DIRECT takes is read straight into it (the bytes move once), in
+  pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into the bounce buffer and
+  copied once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before
+  anything is read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
+  builds a request only for an object it does not serve.
+- `finish()` waits for every read, checks every record (not cut short, its header by `header_check.headers_good`, the
+  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one
+  into its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on
+  its own, on the bytes already read (`record_check.check_record`): served if good, else named. Returns the encoded
+  keys of those it served and the faults, (request number, CorruptRecord naming the quarantine reason), a segment that
+  cannot be opened among them. A large record that fails leaves its target holding the bytes read: the caller must
+  not use a slot whose load was not `ok`.
+- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, a
+  device target) is the caller's to answer (`Reader`'s general path, which names why from the index; it reads only
+  device targets).
 - `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,
@@ -57,10 +59,10 @@ from kvtier.core.tier import LoadRequest
 from kvtier.store import aio
 from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
 from kvtier.store.context import StoreContext
-from kvtier.store.errors import CorruptRecord
+from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, RecordState
+from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -69,8 +71,10 @@ from kvtier.store.record import (
     RECORD_ALIGNMENT,
     Codec,
     Flags,
+    payload_checksum,
     zstd_decompress_into,
 )
+from kvtier.store.record_check import check_record, entry_rows
 from kvtier.store.submit import Reads
 from kvtier.store.wanted import Wanted, batch_wanted
 from kvtier.store.wanted import wanted as want
@@ -116,6 +120,7 @@ class Chunk:
     payload_checksum: np.ndarray
     stored_len: list[int]
     zstd: np.ndarray
+    odd: np.ndarray  # checked one by one (`record_check`): a v1 record, a device checksum only, a failed fast check
     reads: int = 0  # bytes the chunk's reads ask for (bounce and bulk)
     buf: AlignedBuffer | None = None
     got: list[int] = dataclasses.field(default_factory=list)
@@ -139,7 +144,7 @@ class PackedLoad:
         self._waiting: deque[Chunk] = deque()  # planned, not yet submitted
         self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
-        self._failed: list[int] = []
+        self._faults: list[tuple[int, CorruptRecord]] = []
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
@@ -155,7 +160,7 @@ class PackedLoad:
                 self._submit()
         return rest
 
-    def finish(self) -> tuple[list[bytes], list[int]]:
+    def finish(self) -> tuple[list[bytes], list[tuple[int, CorruptRecord]]]:
         while self._reading:
             self._wait_oldest()
             chunk = self._reading.popleft()
@@ -165,7 +170,7 @@ class PackedLoad:
                 self._reading.appendleft(chunk)  # close() gives its buffer back
                 raise
             self._check(chunk)
-        return self._hits, self._failed
+        return self._hits, self._faults
 
     def close(self) -> None:
         self._reads.drain()
@@ -214,29 +219,61 @@ class PackedLoad:
         else:
             ok[:] = False
         ours = [shaped[k] for k in np.flatnonzero(ok).tolist()]
-        gone = self._queue(e[ok], w, ours)
         taken = set(ours)
-        return [n for i, n in enumerate(w.numbers) if i not in taken] + gone
+        odd, odd_rows = self._odd(values, w, taken)
+        rows = np.concatenate((e[ok], odd_rows)) if odd else e[ok]
+        self._queue(rows, w, ours + odd, np.arange(len(rows)) >= len(ours))
+        taken.update(odd)
+        return [n for i, n in enumerate(w.numbers) if i not in taken]
 
-    def _queue(self, e: np.ndarray, w: Wanted, ours: list[int]) -> list[int]:
-        """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours`; the numbers of
-        records whose segment is gone."""
+    def _odd(self, values: Sequence[bytes | memoryview], w: Wanted, taken: set[int]) -> tuple[list[int], np.ndarray]:
+        """The requests the columnar rules above leave out whose record a load still serves, checked one by one
+        where their chunk is read (`record_check`): a v1 record, one that carries only a device checksum, a large one
+        whose payload does not start where O_DIRECT can read it into a target. Those with no record, a record
+        another request or a lookup answers for (not live, another layout or length, a corrupt index value, a
+        retired namespace) are left to the caller, which names why without reading."""
+        ns_ok = self._ns_ok
+        picked: list[int] = []
+        entries: list[IndexEntry] = []
+        for i, v in enumerate(values):
+            if not v or i in taken or not ns_ok[w.namespaces[i]]:
+                continue
+            try:
+                entry = IndexEntry.unpack(v)
+            except CorruptRecord:
+                continue
+            if (
+                entry.state is RecordState.LIVE
+                and entry.layout_digest == w.digests[i]
+                and entry.payload_len == int(w.lengths[i])
+                and (entry.codec is Codec.ZSTD or entry.stored_len == entry.payload_len)
+            ):
+                picked.append(i)
+                entries.append(entry)
+        return picked, entry_rows(entries)
+
+    def _queue(self, e: np.ndarray, w: Wanted, ours: list[int], odd: np.ndarray) -> None:
+        """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours` (`odd`: those
+        checked one by one); a record whose segment is gone is a fault, named as opening it names it."""
         files: dict[int, SegmentFile | None] = {}
+        gone: dict[int, CorruptRecord] = {}
         for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma)
             try:
                 files[seg_id] = self._segment(seg_id)
-            except CorruptRecord:  # the general path reads it again and faults it
+            except CorruptRecord as exc:
                 files[seg_id] = None
+                gone[seg_id] = exc
         pick = np.asarray(ours, np.int64)
-        gone: list[int] = []
         if None in files.values():
             here = np.fromiter((files[s] is not None for s in e["segment"].tolist()), bool, len(e))
-            gone = [w.numbers[i] for i in pick[~here].tolist()]
-            e, pick = e[here], pick[here]
+            self._faults += [
+                (w.numbers[i], gone[s]) for i, s in zip(pick[~here].tolist(), e["segment"][~here].tolist())
+            ]
+            e, pick, odd = e[here], pick[here], odd[here]
         if not len(e):
-            return gone
+            return
         order = np.lexsort((e["offset"], e["segment"]))
-        e = e[order]
+        e, odd = e[order], odd[order]
         o = pick[order].tolist()  # (one pass over the lists: the requests of `e`'s records, in file order)
         raw, targets, numbers = [w.raw[i] for i in o], [w.targets[i] for i in o], [w.numbers[i] for i in o]
         seg = e["segment"]
@@ -249,16 +286,18 @@ class PackedLoad:
         # O_DIRECT takes (else the payload goes through the bounce buffer, as a compressed one does: it is decoded).
         # (a target address of 0 is no target: a scan's records are visited in the bounce buffer, `scan.PackedScan`)
         target_at = np.asarray(targets, np.int64)
-        direct_ok = (target_at % align == 0) & (target_at != 0)
+        direct_ok = (target_at % align == 0) & (target_at != 0) & ~odd
         bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd & direct_ok, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
-        # record ends its run (its payload's bulk is the run's one read into a target).
+        # record ends its run (its payload's bulk is the run's one read into a target). A record asked again starts a
+        # run of its own: the copy before it may have its payload's bulk read into its target, not the bounce buffer.
         breaks = np.ones(len(e), bool)
         breaks[1:] = (
             (seg[1:] != seg[:-1])
             | (off[1:] - end[:-1] > RUN_GAP)
             | (off[1:] // CHUNK_BYTES != off[:-1] // CHUNK_BYTES)
             | (bulk[:-1] > 0)
+            | (off[1:] < end[:-1])
         )
         first = np.flatnonzero(breaks)
         run_of = np.cumsum(breaks) - 1
@@ -305,11 +344,11 @@ class PackedLoad:
                     e["payload_checksum"][r0:r1],
                     e["stored_len"][r0:r1].tolist(),
                     zstd[r0:r1],
+                    odd[r0:r1],
                     total,
                 )
             )
             lo = hi
-        return gone
 
     # ----------------------------------------------------------------- reading and checking
 
@@ -365,12 +404,13 @@ class PackedLoad:
             mv = buf.mv
             at_a = chunk.at
             at = at_a.tolist()
-            good = (np.asarray(chunk.got)[chunk.run_of] >= chunk.need) & (at_a % RECORD_ALIGNMENT == 0)
+            whole = np.asarray(chunk.got)[chunk.run_of] >= chunk.need
+            good = whole & (at_a % RECORD_ALIGNMENT == 0) & ~chunk.odd
             if good.all():  # (the common case: every record read whole, no gather of the expected headers)
                 good = headers_good(mv, at_a, chunk.expected)
             else:
-                whole = np.flatnonzero(good)
-                good[whole] = headers_good(mv, at_a[whole], chunk.expected[whole])
+                fast = np.flatnonzero(good)
+                good[fast] = headers_good(mv, at_a[fast], chunk.expected[fast])
             cand = np.flatnonzero(good)
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
@@ -394,15 +434,46 @@ class PackedLoad:
                 try:
                     start = at[i] + HEADER_BYTES
                     zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
-                except CorruptRecord:  # (the general path reads it again and names it: `decode`)
+                except CorruptRecord:  # (named with the rest: `decode`)
                     ok.remove(i)
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
                 served = set(ok)
-                self._failed += [n for i, n in enumerate(chunk.numbers) if i not in served]
+                for i in range(len(at)):
+                    if i not in served:
+                        self._one(chunk, buf, i, bool(whole[i]))
         finally:
             chunk.buf = None
             self._ctx.buffers.release(buf)
+
+    def _one(self, chunk: Chunk, buf: AlignedBuffer, i: int, read_whole: bool) -> None:
+        """A record of the chunk the columnar check did not accept, checked on its own bytes (`record_check`): served
+        where it is good (copied or decoded into its target), else a fault naming why. It is looked up again in the
+        load's transaction (the same value); its key is decoded from the index's spelling."""
+        raw_key = chunk.keys[i]
+        try:
+            value = self._txn.get(raw_key, db=self._ctx.index.obj)
+            assert value is not None  # (found in this transaction when the load was planned)
+            entry, key, at = IndexEntry.unpack(value), decode_key(raw_key), int(chunk.at[i])
+            header_ok = False
+            if entry.record_version == FORMAT_VERSION and read_whole:  # (the batch compared only aligned headers)
+                header_ok = bool(headers_good(buf.mv, chunk.at[i : i + 1], chunk.expected[i : i + 1])[0])
+            target = _target(chunk.targets[i], entry.payload_len)
+            bulk = int(chunk.bulk[i])
+            if bulk and read_whole and header_ok:  # its payload's bulk was read into its target: checked there
+                _memmove(chunk.targets[i] + bulk, buf.addr + at + HEADER_BYTES, entry.payload_len - bulk)
+                if payload_checksum(target) != entry.payload_checksum:
+                    raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
+                self._hits.append(raw_key)
+                return
+            _, payload_at = check_record(entry, key, buf, at, read_whole, header_ok)
+            if entry.codec is Codec.ZSTD:
+                zstd_decompress_into(buf.mv[payload_at : payload_at + entry.stored_len], target)
+            else:
+                _memmove(chunk.targets[i], buf.addr + payload_at, entry.payload_len)
+            self._hits.append(raw_key)
+        except CorruptRecord as exc:
+            self._faults.append((chunk.numbers[i], exc))
 
 
 def take_buffers(ctx: StoreContext) -> None:

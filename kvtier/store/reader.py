@@ -156,8 +156,8 @@ class Reader:
         more: MoreRequests | None,
         outcome: LoadOutcome,
     ) -> None:
-        """What `PackedLoad` serves through `reads`, then the rest (and any that failed its checks) through the
-        general path, each answer in its request's place."""
+        """What `PackedLoad` serves through `reads` (and the faults it names), then the rest through the general
+        path, each answer in its request's place."""
         packed = PackedLoad(self._ctx, txn, reads, self.segment, self._namespace_reason)
         n = len(requests)
         extra: Sequence[LoadRequest] = ()
@@ -167,7 +167,7 @@ class Reader:
             if more is not None and not none_taken:
                 extra = more()
                 rest += packed.add(extra, n)
-            outcome.hits, failed = packed.finish()
+            outcome.hits, faults = packed.finish()
         finally:
             packed.close()
             close_reads(reads)
@@ -175,11 +175,17 @@ class Reader:
             self._load(txn, requests, more, outcome)
             return
         outcome.reasons = [_OK] * (n + len(extra))
-        rest = sorted(rest + failed)
+
+        def request(i: int) -> LoadRequest:  # (indexed, not listed: a LoadBatch builds a request only when asked)
+            return requests[i] if i < n else extra[i - n]
+
+        for i, exc in faults:
+            outcome.reasons[i] = exc.reason.miss_reason
+            outcome.faults.append((request(i).key, exc.reason))
         if rest:
+            rest.sort()
             general = LoadOutcome([], [], [])
-            # (indexed, not listed: a LoadBatch builds a request only for what is asked of it)
-            self._load(txn, [requests[i] if i < n else extra[i - n] for i in rest], None, general)
+            self._load(txn, [request(i) for i in rest], None, general)
             for i, reason in zip(rest, general.reasons):
                 outcome.reasons[i] = reason
             outcome.hits += general.hits

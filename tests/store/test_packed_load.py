@@ -439,6 +439,22 @@ def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buff
     assert odd.data_ptr() not in _addresses(submits)  # read into the bounce buffer, copied once checked
 
 
+def test_a_large_record_asked_twice_into_targets_of_each_kind_is_served_twice(mixed_large, served, submits) -> None:
+    """The same large record into a target off the direct alignment (its payload through the bounce buffer) and into
+    one on it (its payload's bulk straight into the target): each copy has its own run, so neither looks for its
+    payload where the other's read put it."""
+    root, keys = mixed_large
+    odd = slot_like(MIXED_SIZES[1] + 64)[64:]
+    aligned = slot_like(MIXED_SIZES[1])
+    with DiskStore(root) as s:
+        reasons = s.load_into([LoadRequest(keys[1], odd, DIGEST), LoadRequest(keys[1], aligned, DIGEST)])
+        states = [r.entry.state for r in s.records([keys[1]])]
+    assert reasons == [Reason.OK, Reason.OK] and served == [2]
+    assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1])) and torch.equal(aligned, odd)
+    assert states == [RecordState.LIVE]
+    assert aligned.data_ptr() in _addresses(submits) and odd.data_ptr() not in _addresses(submits)
+
+
 @pytest.mark.parametrize(
     "where, quarantined",
     [

@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.core import CacheForm, Reason, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
-from kvtier.store import DiskStore, IndexEntry, QuarantineReason, StoreConfig, aio, encode_key
+from kvtier.store import DiskStore, IndexEntry, QuarantineReason, StoreConfig, aio, encode_key, packed
 from support.corrupt import flip_bit, segment_path
 from support.read_paths import CpuGds
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
@@ -258,7 +258,14 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
     flip_bit(segment_path(root, entries[1].segment), entries[1].payload_offset + 7, 2)  # a payload byte
     outs = [torch.full((r["payload_len"],), FILL, dtype=torch.uint8) for r in recs]
     digests = [bytes.fromhex(r["layout_digest"]) for r in recs]
-    with _store(root, strategy) as s:
+    served: list[tuple[list[bytes], list]] = []  # what the batch pipeline answered: its hits and its named faults
+    finish = packed.PackedLoad.finish
+
+    def spy(self):
+        served.append(finish(self))
+        return served[-1]
+
+    with _store(root, strategy) as s, mock.patch.object(packed.PackedLoad, "finish", spy):
         if strategy == "gds":
             s.backend.device.update(o.data_ptr() for o in outs)  # v1 records are not GDS-ready: host reads
         reasons = s.load_into([LoadRequest(k, o, dg) for k, o, dg in zip(keys, outs, digests)])
@@ -269,6 +276,10 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
     assert states[:2] == [QR.HEADER, QR.PAYLOAD] and states[2:] == [None] * (len(recs) - 2)
     assert all(xxhash.xxh3_128_hexdigest(o.numpy().tobytes()) == r["xxh3_128"] for o, r in zip(outs[2:], recs[2:]))
     assert all((o == FILL).all() for o in outs[:2])  # v1 payloads go through the bounce buffer: never half-written
+    if strategy != "gds":  # host targets: every v1 record served, or its fault named, by the batch pipeline
+        assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
+        named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
+        assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
 
 
 # ----------------------------------------------------------------- scans: the verifier's checks and compaction's reads
