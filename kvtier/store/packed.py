@@ -152,6 +152,10 @@ class PackedLoad:
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
             wanted, rest = batch_wanted(requests, first, device)
+            if rest:  # objects its columns do not describe as host memory: their requests, taken as a list's are
+                built, left = want([requests[i - first] for i in rest], 0, device)
+                built.numbers = [rest[j] for j in built.numbers]
+                wanted, rest = wanted.joined(built), [rest[j] for j in left]
         else:
             wanted, rest = want(requests, first, device)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):

@@ -38,6 +38,16 @@ class Wanted:
     lengths: np.ndarray
     digests: list[bytes]
 
+    def joined(self, other: Wanted) -> Wanted:
+        return Wanted(
+            self.numbers + other.numbers,
+            self.raw + other.raw,
+            self.namespaces + other.namespaces,
+            self.targets + other.targets,
+            np.concatenate((self.lengths, other.lengths)),
+            self.digests + other.digests,
+        )
+
     def part(self, lo: int, hi: int) -> Wanted:
         return Wanted(
             self.numbers[lo:hi],
