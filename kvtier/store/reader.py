@@ -31,9 +31,9 @@ from kvtier.store.record import (
     Codec,
     Flags,
     RecordHeader,
-    payload_checksum,
     zstd_decompress_into,
 )
+from kvtier.store.record_check import check_sums
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 from kvtier.store.scan import PackedScan, ScanItem, ScanVisit
 from kvtier.store.segments import segment_name
@@ -262,9 +262,9 @@ class Reader:
         their number in `items`, each with its quarantine reason. `txn` is the caller's read transaction, in which
         it looked the records up: it keeps their segments from being unlinked while they are read."""
         reads = open_reads(self._ctx)
-        scan = PackedScan(self._ctx, txn, reads, self.segment, self._namespace_reason, visit, headers)
+        scan = PackedScan(self._ctx, txn, reads, self.segment, self._namespace_reason)
         try:
-            scan.add_items(items)
+            scan.add_items(items, visit, headers)
             return scan.finish_scan()
         finally:
             scan.close()
@@ -376,7 +376,7 @@ class Reader:
                     _finish_direct(job, buf, payload_at, took)
                     visit(job, header, None, 0)
                 else:
-                    _check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
+                    check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
                     visit(job, header, buf, payload_at)
                 results.append((job, None))
             except CorruptRecord as exc:
@@ -462,9 +462,6 @@ class ReadJob:
     raw_key: bytes = b""
 
 
-_XXH3 = int(Flags.XXH3)
-
-
 def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead[ReadJob]:
     """The run's views: its bounce bytes from `base` of the share's buffer, its direct payloads in their targets."""
     mv = share.buf.mv
@@ -503,16 +500,6 @@ def _gds_ready(entry: IndexEntry) -> bool:
     return entry.record_version == FORMAT_VERSION and entry.codec is Codec.NONE and bool(entry.flags & Flags.DEVSUM)
 
 
-def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
-    """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu.
-    `data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
-    if entry.flags & _XXH3:
-        if payload_checksum(data) != entry.payload_checksum:
-            raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
-        raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
-
-
 def _host_view(out: torch.Tensor | None, n: int) -> memoryview:
     """The first n bytes of a cpu target as a writable memoryview (a scattered read's destination)."""
     assert out is not None
@@ -528,7 +515,7 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
     tail = e.payload_len - took
     if tail:
         ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
-    _check_sums(e, out.numpy().data, out, 0)
+    check_sums(e, out.numpy().data, out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:

@@ -1,13 +1,13 @@
 """A scan: records read and checked by the batch pipeline with no target, each good one visited where it lies in the
 bounce buffer, each bad one named with its quarantine reason (the verifier's checks, compaction's relocation).
 
-Contract (`PackedScan(ctx, txn, reads, segment, namespace_reason, visit, headers=False)`, one scan, one thread, inside
+Contract (`PackedScan(ctx, txn, reads, segment, namespace_reason)` as a load's, one scan, one thread, inside
 the caller's read transaction, which keeps the records' segments from being unlinked meanwhile):
-- `add_items(items)` takes records already looked up (`ScanItem`: key, index entry, encoded key or b""), numbered in the
-  order given across calls, plans their runs and chunks as a load's (`packed.PackedLoad`) and submits the first
-  reads. Any record format the store reads is taken: v2 (its header by `header_check.headers_good`, a batch at once)
-  and v1 (`header_check.check_v1`); any state (the caller chose them); stored as is or compressed (the stored bytes
-  are checked, never decoded).
+- `add_items(items, visit, headers=False)`, once, takes records already looked up (`ScanItem`: key, index entry,
+  encoded key or b""), numbered in the order given, plans their runs and chunks as a load's (`packed.PackedLoad`) and
+  submits the first reads; no namespace is asked whether it is live (the caller chose the records). Any record format
+  the store reads is taken: v2 (its header by `header_check.headers_good`, a batch at once) and v1
+  (`header_check.check_v1`); any state; stored as is or compressed (the stored bytes are checked, never decoded).
 - `finish_scan()` waits for every read and checks each record: read whole, its header, then every payload checksum the
   record carries that the host computes (xxh3_128, else the device checksum on cpu). For a good one it calls
   `visit(number, header, mv, payload_at)` while its bytes are in `mv` (valid only during the call: the buffer is
@@ -27,20 +27,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import lmdb
 import numpy as np
 
-from kvtier.core.forms import Reason
 from kvtier.core.tier import ObjectKey
-from kvtier.store.context import StoreContext
 from kvtier.store.errors import CorruptRecord
 from kvtier.store.header_check import AnyHeader, headers_good
 from kvtier.store.index import IndexEntry, encode_key
-from kvtier.store.io import AlignedBuffer, SegmentFile
+from kvtier.store.io import AlignedBuffer
 from kvtier.store.packed import EARLY_KEYS, Chunk, PackedLoad
 from kvtier.store.record import FORMAT_VERSION
 from kvtier.store.record_check import check_record, entry_rows
-from kvtier.store.submit import Reads
 from kvtier.store.wanted import Wanted
 
 
@@ -61,30 +57,19 @@ ScanVisit = Callable[[int, "AnyHeader | None", memoryview, int], None]
 class PackedScan(PackedLoad):
     """One scan (the module docstring states the contract)."""
 
-    def __init__(
-        self,
-        ctx: StoreContext,
-        txn: lmdb.Transaction,
-        reads: Reads,
-        segment: Callable[[int], SegmentFile],
-        namespace_reason: Callable[[lmdb.Transaction, bytes], Reason],
-        visit: ScanVisit,
-        headers: bool = False,
-    ) -> None:
-        super().__init__(ctx, txn, reads, segment, namespace_reason)
-        self._visit, self._headers = visit, headers
-        self._items: list[ScanItem] = []
+    _visit: ScanVisit
+    _headers: bool
+    _items: Sequence[ScanItem]
 
-    def add_items(self, items: Sequence[ScanItem]) -> None:
-        first = len(self._items)
-        self._items += items
+    def add_items(self, items: Sequence[ScanItem], visit: ScanVisit, headers: bool = False) -> None:
+        self._visit, self._headers, self._items = visit, headers, items
         n = len(items)
         for lo, hi in ((0, min(n, EARLY_KEYS)), (EARLY_KEYS, n)):
             part = items[lo:hi]
             if not part:
                 continue
             raw = [it.raw_key or encode_key(it.key) for it in part]
-            w = Wanted(list(range(first + lo, first + hi)), raw, [], [0] * len(part), np.zeros(0, np.uint64), [])
+            w = Wanted(list(range(lo, hi)), raw, [], [0] * len(part), np.zeros(0, np.uint64), [])
             rows = entry_rows([it.entry for it in part])
             self._queue(rows, w, list(range(len(part))), np.zeros(len(part), bool))
             self._submit()

@@ -242,8 +242,9 @@ def test_every_strategy_answers_every_fault_case_as_the_model(damaged, tmp_path,
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # a real v1 store written by c307a27
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> None:
+def _v1_damaged(tmp_path) -> tuple[str, list[dict], list[ObjectKey]]:
+    """The v1 store unpacked, its first record's header and second record's payload each with a bit flipped: its
+    root, the manifest's records and their keys."""
     with tarfile.open(os.path.join(DATA, "v1-store.tar.gz")) as tar:
         tar.extractall(tmp_path, filter="data")
     with open(os.path.join(DATA, "v1-store.json")) as f:
@@ -256,6 +257,12 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
         entries = [r.entry for r in s.records(keys)]
     flip_bit(segment_path(root, entries[0].segment), entries[0].offset + 40, 1)  # a header byte
     flip_bit(segment_path(root, entries[1].segment), entries[1].payload_offset + 7, 2)  # a payload byte
+    return root, recs, keys
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> None:
+    root, recs, keys = _v1_damaged(tmp_path)
     outs = [torch.full((r["payload_len"],), FILL, dtype=torch.uint8) for r in recs]
     digests = [bytes.fromhex(r["layout_digest"]) for r in recs]
     served: list[tuple[list[bytes], list]] = []  # what the batch pipeline answered: its hits and its named faults
@@ -322,18 +329,7 @@ def test_verify_and_relocate_name_every_fault_through_every_strategy(damaged, tm
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_verify_names_v1_faults_through_every_strategy(tmp_path, native_aio, strategy) -> None:
-    with tarfile.open(os.path.join(DATA, "v1-store.tar.gz")) as tar:
-        tar.extractall(tmp_path, filter="data")
-    with open(os.path.join(DATA, "v1-store.json")) as f:
-        manifest = json.load(f)
-    root = str(tmp_path / "store")
-    ns = VersionKey(*manifest["version_key"]).namespace
-    recs = manifest["records"]
-    keys = [ObjectKey(ns, bytes.fromhex(r["block_hash"]), r["group"], CacheForm(r["form"])) for r in recs]
-    with DiskStore(root, readonly=True) as s:
-        entries = [r.entry for r in s.records(keys)]
-    flip_bit(segment_path(root, entries[0].segment), entries[0].offset + 40, 1)  # a header byte
-    flip_bit(segment_path(root, entries[1].segment), entries[1].payload_offset + 7, 2)  # a payload byte
+    root, recs, keys = _v1_damaged(tmp_path)
     with _store(root, strategy) as s:
         found = s.verify_many(keys)
         assert [r.failure for r in found] == [QR.HEADER, QR.PAYLOAD] + [None] * (len(recs) - 2)
