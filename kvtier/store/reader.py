@@ -194,7 +194,10 @@ class Reader:
     def _load(
         self, txn: lmdb.Transaction, requests: Sequence[LoadRequest], more: MoreRequests | None, outcome: LoadOutcome
     ) -> None:
-        """The general path: every request's lookup, read and checks a record at a time, any record format."""
+        """The general path: every request's lookup, read and checks a record at a time. It answers what the batch
+        pipeline (`PackedLoad`) does not take: from the index alone why there is nothing to read (missing, evicted,
+        quarantined, another layout or length, a corrupt index value, a retired namespace), and it reads the records
+        of device targets (by GDS on a GDS store, else through the bounce buffer and a copy)."""
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         keys: list[ObjectKey] = []
