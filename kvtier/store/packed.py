@@ -20,8 +20,8 @@ Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, on
   cannot be opened among them. A large record that fails leaves its target holding the bytes read: the caller must
   not use a slot whose load was not `ok`.
 - What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, a
-  device target) is the caller's to answer (`Reader`'s general path, which names why from the index; it reads only
-  device targets).
+  device target) is the caller's to answer (`Reader`'s general path, which names why from the index and reads the
+  records of device targets).
 - `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,

@@ -197,7 +197,8 @@ class Reader:
         """The general path: every request's lookup, read and checks a record at a time. It answers what the batch
         pipeline (`PackedLoad`) does not take: from the index alone why there is nothing to read (missing, evicted,
         quarantined, another layout or length, a corrupt index value, a retired namespace), and it reads the records
-        of device targets (by GDS on a GDS store, else through the bounce buffer and a copy)."""
+        of device targets (by GDS on a GDS store, else through the bounce buffer and a copy); a load of which the
+        pipeline takes none of the first requests comes here whole, `more` included (`_load_packed`)."""
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         keys: list[ObjectKey] = []
