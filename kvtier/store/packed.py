@@ -145,6 +145,7 @@ class PackedLoad:
         self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
         self._faults: list[tuple[int, CorruptRecord]] = []
+        self.elsewhere = 0  # requests left out for their target (not host memory the columns take), not their record
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
@@ -158,6 +159,7 @@ class PackedLoad:
                 wanted, rest = wanted.joined(built), [rest[j] for j in left]
         else:
             wanted, rest = want(requests, first, device)
+        self.elsewhere += len(rest)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)

@@ -163,7 +163,9 @@ class Reader:
         extra: Sequence[LoadRequest] = ()
         try:
             rest = packed.add(requests, 0)
-            none_taken = len(rest) == n
+            # (the general path takes a whole load only for its first requests' targets: device targets are read
+            # from all of the load's at once; a load of misses is the pipeline's, `more` included)
+            none_taken = len(rest) == n and packed.elsewhere > 0
             if more is not None and not none_taken:
                 extra = more()
                 rest += packed.add(extra, n)
@@ -198,7 +200,8 @@ class Reader:
         pipeline (`PackedLoad`) does not take: from the index alone why there is nothing to read (missing, evicted,
         quarantined, another layout or length, a corrupt index value, a retired namespace), and it reads the records
         of device targets (by GDS on a GDS store, else through the bounce buffer and a copy); a load of which the
-        pipeline takes none of the first requests comes here whole, `more` included (`_load_packed`)."""
+        pipeline takes none of the first requests, some of them device targets, comes here whole, `more` included
+        (`_load_packed`)."""
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         keys: list[ObjectKey] = []

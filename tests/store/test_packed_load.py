@@ -181,6 +181,20 @@ def test_more_is_called_once_and_answered_after_the_first(small, served) -> None
     assert served == [N]
 
 
+def test_a_load_whose_first_requests_all_miss_has_more_served_by_the_packed_path(small, served) -> None:
+    """First requests that are all misses send no read: `more` is called at once, and what it brings is the batch
+    pipeline's, not the general path's."""
+    root, keys = small
+    outs = [torch.empty(n, dtype=torch.uint8) for n in SIZES]
+    nowhere = [make_key(b"\0" * 16, f"nowhere{i}") for i in range(3)]
+    first = [LoadRequest(k, torch.empty(8, dtype=torch.uint8), DIGEST) for k in nowhere]
+    with DiskStore(root) as s:
+        reasons = s.load_into(first, lambda: [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+    assert reasons == [Reason.MISSING] * 3 + [Reason.OK] * N
+    assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in enumerate(outs))
+    assert served == [N]
+
+
 def test_bounce_memory_is_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch, served) -> None:
     chunk = 64 << 10
     monkeypatch.setattr(packed, "CHUNK_BYTES", chunk)
