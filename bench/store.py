@@ -11,7 +11,9 @@ size and queue depth kvtier's loads use, into huge-page buffers where it can hav
 MB/s beside it, `round_ratios` each round's pair. Without fio the read has no limit: `fio.missing` says so.
 
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
-(`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them).
+(`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them). `read_cpu_ms_per_object` and
+`small_load_cpu_us_per_object`: the CPU time of this process (all its threads) per object of the cold read and of the
+random small load, the least of the rounds.
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ def segment_spans(root: str) -> list[tuple[str, int, int]]:
 
 def store_pass(
     work: str, record: int, count: int, args: argparse.Namespace, limit: Limit | None, fio_first: bool
-) -> tuple[float, float, str, float | None, str]:
+) -> tuple[float, float, float, str, float | None, str]:
     """Write `count` records with store_many, reopen, read them all back cold with load_into and verify the bytes;
-    fio reads the store's segment files before or after (`fio_first`). Returns write and read seconds, the
-    backend, fio's MB/s (None without fio), and how the load targets' pool got its pages."""
+    fio reads the store's segment files before or after (`fio_first`). Returns write and read seconds, the CPU
+    seconds of the read (this process, every thread), the backend, fio's MB/s (None without fio), and how the load
+    targets' pool got its pages."""
     root = os.path.join(work, "store")
     vk = VersionKey("bench", "w", "abi", "c", "i", "fp8")
     payloads = [torch.randint(0, 256, (record,), dtype=torch.uint8) for _ in range(4)]
@@ -104,23 +107,24 @@ def store_pass(
     with DiskStore(root, cfg) as store:
         outs, pages = slot_pool([record] * args.batch)
         bad = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for idx in batches:
             reasons = store.load_into([LoadRequest(keys[i], outs[j], digest) for j, i in enumerate(idx)])
             bad += sum(r.name != "OK" for r in reasons)
-        read_s = time.perf_counter() - t0
+        read_s, read_cpu = time.perf_counter() - t0, time.process_time() - c0
         last = batches[-1]
         if bad or not all(torch.equal(outs[j], payloads[i % len(payloads)]) for j, i in enumerate(last)):
             raise SystemExit(f"{bad} of {count} records did not read back correctly")
     if limit is not None and not fio_first:
         fio_mbps = fio_read(segment_spans(root), limit.geo, limit.buffers).MBps
     shutil.rmtree(root)
-    return write_s, read_s, backend, fio_mbps, pages
+    return write_s, read_s, read_cpu, backend, fio_mbps, pages
 
 
-def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:
+def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float, float]:
     """1 KB records written in batches of 256; then 1,024 random ones loaded cold (O_DIRECT or page cache
-    dropped), in one load_into; and a sequential 1,024 (a prefix's blocks). Returns objects/s of each."""
+    dropped), in one load_into; and a sequential 1,024 (a prefix's blocks). Returns objects/s of each, and the
+    random load's CPU seconds (this process, every thread)."""
     root = os.path.join(work, "small")
     vk = VersionKey("bench-small", "w", "abi", "c", "i", "fp8")
     digest = b"S" * 16
@@ -132,7 +136,7 @@ def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:
         store.register_namespace(vk)
         for start in range(0, n, 256):
             store.store_many([(k, payload, digest) for k in keys[start : start + 256]])
-    rates = []
+    rates, cpu = [], []
     for pick in (random.Random(1).sample(range(n), want), list(range(n // 2, n // 2 + want))):
         if os.path.exists(os.path.join(root, SEGMENTS_DIR)):
             drop_cache_tree(os.path.join(root, SEGMENTS_DIR))
@@ -141,13 +145,14 @@ def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float]:
             requests = [LoadRequest(keys[i], o, digest) for i, o in zip(pick, outs)]  # the caller's part
             store.has(keys[:1], [digest])  # open the index outside the timing
             gc.collect()  # a full pass owed by what this process allocated before would land inside the timing
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             reasons = store.load_into(requests)
             rates.append(want / (time.perf_counter() - t0))
+            cpu.append(time.process_time() - c0)
             if any(r.name != "OK" for r in reasons) or not torch.equal(outs[-1], payload):
                 raise SystemExit("small records did not read back correctly")
     shutil.rmtree(root)
-    return rates[0], rates[1]
+    return rates[0], rates[1], cpu[0]
 
 
 def main() -> None:
@@ -167,6 +172,7 @@ def main() -> None:
     total = count * record
     work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.dir)
     raw_w, st_w, st_r, fio_r, small_rand, small_seq = [], [], [], [], [], []
+    read_cpu, small_cpu = [], []
     no_fio = missing()
     geo = geometry()
     # the load targets' pages are reserved beside fio's: both sides read into the same kind of memory
@@ -175,14 +181,16 @@ def main() -> None:
         with buffers:
             limit = None if no_fio else Limit(geo, buffers)
             for r in range(args.repeat):
-                rand, seq = small_pass(work, args)
+                rand, seq, rand_cpu = small_pass(work, args)
                 small_rand.append(rand)
+                small_cpu.append(rand_cpu)
                 small_seq.append(seq)
                 raw_w.append(raw_write(work, args.record_mib, count))
                 fio_first = r % 4 in (1, 2)
-                w, rd, backend, fio_mbps, pages = store_pass(work, record, count, args, limit, fio_first)
+                w, rd, rd_cpu, backend, fio_mbps, pages = store_pass(work, record, count, args, limit, fio_first)
                 st_w.append(w)
                 st_r.append(rd)
+                read_cpu.append(rd_cpu)
                 if fio_mbps is not None:
                     fio_r.append(fio_mbps)
     finally:
@@ -215,6 +223,10 @@ def main() -> None:
         ),
         "small_load_objects_per_s": round(max(small_rand)),
         "small_seq_load_objects_per_s": round(max(small_seq)),
+        # CPU of this process (every thread) per object: the cold read's per record, the random small load's per
+        # object; each the least of the rounds
+        "read_cpu_ms_per_object": round(min(read_cpu) / count * 1e3, 3),
+        "small_load_cpu_us_per_object": round(min(small_cpu) / 1024 * 1e6, 1),
         "record_MiB": args.record_mib,
         "backend": backend,
         "targets_pages": pages,

@@ -20,10 +20,11 @@ from kvtier.store.extent import ExtentPlan, write_extent
 from kvtier.store.gil import Yielder
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
-from kvtier.store.io import AlignedBuffer, SegmentFile
+from kvtier.store.io import SegmentFile
 from kvtier.store.maintenance import Maintenance
-from kvtier.store.reader import Reader, ReadJob
+from kvtier.store.reader import Reader
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
+from kvtier.store.scan import ScanItem
 from kvtier.store.segments import Appender, allocate_segment, seal_segment, segment_name
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
@@ -202,7 +203,7 @@ class Compaction:
         namespaces: dict[bytes, VersionKey] = {}
         failures: list[tuple[ObjectKey, QuarantineReason]] = []
         with index.read() as txn:
-            jobs: list[ReadJob] = []
+            items: list[ScanItem] = []
             for key in keys:
                 raw_key = encode_key(key)
                 raw = txn.get(raw_key, db=index.obj)
@@ -214,18 +215,18 @@ class Compaction:
                     if ns is None:
                         continue  # no version key to make the new extent self-describing: the record stays
                     namespaces[key.namespace] = ns.version_key
-                jobs.append(ReadJob(len(jobs), key, entry, None))
+                items.append(ScanItem(key, entry, raw_key))
 
-            def keep(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:
-                assert header is not None and buf is not None
+            def keep(number: int, header: AnyHeader | None, mv: memoryview, at: int) -> None:
+                assert header is not None
                 import torch
 
-                data = torch.frombuffer(bytearray(buf.mv[at : at + job.entry.stored_len]), dtype=torch.uint8)
-                copies.append(_Copy(encode_key(job.key), job.entry, _as_v2(header, job.entry), data))
+                item = items[number]
+                data = torch.frombuffer(bytearray(mv[at : at + item.entry.stored_len]), dtype=torch.uint8)
+                copies.append(_Copy(item.raw_key, item.entry, _as_v2(header, item.entry), data))
 
-            for job, exc in self._reader.read(jobs, keep, headers=True):
-                if exc is not None:
-                    failures.append((job.key, exc.reason))
+            for number, exc in self._reader.scan(txn, items, keep, headers=True):
+                failures.append((items[number].key, exc.reason))
         copies.sort(key=lambda c: (c.entry.segment, c.entry.offset))  # keep neighbours neighbours
         return copies, namespaces, failures
 

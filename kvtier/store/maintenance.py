@@ -26,8 +26,9 @@ from kvtier.store.index import (
     u64_key,
     unpack_time,
 )
-from kvtier.store.reader import Reader, ReadJob
+from kvtier.store.reader import Reader
 from kvtier.store.record import Codec
+from kvtier.store.scan import ScanItem
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +221,10 @@ class Maintenance:
         failures and stamp verified_at (clearing dirty) on the good ones in one write transaction."""
         index = self._ctx.index
         failures: list[tuple[ObjectKey, QuarantineReason]] = []
-        good: list[tuple[bytes, bytes, IndexEntry]] = []
-        slots: list[VerifyResult | None] = []
-        jobs: list[ReadJob] = []
-        raws: dict[int, bytes] = {}
+        slots: list[VerifyResult] = []
+        items: list[ScanItem] = []
+        at: list[int] = []  # each item's place in `slots`
+        raws: list[bytes] = []
         with index.read() as txn:
             for i, key in enumerate(keys):
                 raw_key = encode_key(key)
@@ -237,23 +238,22 @@ class Maintenance:
                 elif entry.state is RecordState.QUARANTINED:
                     slots.append(VerifyResult(QuarantineReason(entry.quarantine_reason).miss_reason))
                 else:
-                    slots.append(None)
-                    jobs.append(ReadJob(i, key, entry, None))
-                    raws[i] = bytes(raw)
-            for job, exc in self._reader.read(jobs, lambda *_: None):  # runs of records, checked, read nowhere
-                if exc is None:
-                    good.append((encode_key(job.key), raws[job.index], job.entry))
-                    slots[job.index] = VerifyResult(Reason.OK)
-                else:
-                    failures.append((job.key, exc.reason))
-                    slots[job.index] = VerifyResult(exc.reason.miss_reason, exc.reason)
-        results = [r for r in slots if r is not None]
+                    slots.append(VerifyResult(Reason.OK))
+                    items.append(ScanItem(key, entry, raw_key))
+                    at.append(i)
+                    raws.append(bytes(raw))
+            bad = self._reader.scan(txn, items, _nothing)  # runs of records, checked in the bounce buffer
+        for k, exc in bad:
+            failures.append((items[k].key, exc.reason))
+            slots[at[k]] = VerifyResult(exc.reason.miss_reason, exc.reason)
+        failed = {k for k, _ in bad}
+        good = [(it.raw_key, raws[k]) for k, it in enumerate(items) if k not in failed]
         if not apply:
-            return results
+            return slots
         self.quarantine_faults(failures)
         if good:
-            self._ctx.decide(Stamp([(raw_key, raw) for raw_key, raw, _ in good], time.time()))
-        return results
+            self._ctx.decide(Stamp(good, time.time()))
+        return slots
 
     def apply_stamp(self, d: Stamp) -> None:
         """Stamp verified_at and clear the dirty row of each record whose value is unchanged since its check."""
@@ -321,3 +321,7 @@ class Maintenance:
                 if len(out) >= limit:
                     break
         return out
+
+
+def _nothing(number: int, header: object, mv: memoryview, at: int) -> None:
+    """A verify's visit: the scan's checks are the verdict; the bytes go nowhere."""

@@ -1,25 +1,27 @@
-"""A load's records looked up, read and checked as arrays: numpy per batch where the general path steps through
-Python per record.
+"""A load's records looked up, read and checked as arrays: numpy per batch, not Python steps per record.
 
 Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits their
   reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it returns
-  the numbers of the others. It serves a request whose target is a cpu tensor and whose record is a v2 record stored as
-  is or zstd-compressed, with an xxh3 checksum, live in a live namespace, with the request's layout digest and payload
-  length, small (payload < LARGE_PAYLOAD) or large: a large payload whose target is at an address O_DIRECT takes is read
-  straight into it (the bytes move once), in pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; one
-  whose target is not is read into the bounce buffer and copied once checked. A target that is not a non-empty
-  contiguous uint8 tensor raises StoreRequestError before anything is read, as the general path does. From a `LoadBatch`
-  it reads the columns (keys encoded from them, targets as pool addresses) and builds a request only for an object it
-  does not serve.
-- `finish()` waits for every read, checks every record as the general path does (not cut short, its header by
-  `header_check.headers_good`, the payload's xxh3_128: a large one's over its target, after its tail is copied
-  there) and copies each good small one into its target (a compressed one decoded into it); returns the encoded
-  keys of those it served, and the numbers of records that failed. A large record that fails leaves its target
-  holding the bytes read, as the general path does: the caller must not use a slot whose load was not `ok`.
-- What it does not serve (not eligible, a failed check, a segment gone) is the caller's to load through the general
-  path, which looks the key up again in the same transaction, reads and checks the record again and says why it
-  fails: this path only ever accepts a record, so quarantine and every miss reason stay in one place.
+  the numbers of the others. It serves a request whose target is a cpu tensor (not one a GDS backend reads) and whose
+  record is live in a live namespace, with the request's layout digest and payload length: a v2 record stored as is or
+  zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2 record with only a device
+  checksum, or a large payload that does not start 4096-aligned is taken too and checked on its own (`record_check`).
+  A large v2 payload whose target is at an address O_DIRECT takes is read straight into it (the bytes move once), in
+  pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into the bounce buffer and
+  copied once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before
+  anything is read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
+  builds a request only for an object it does not serve.
+- `finish()` waits for every read, checks every record (not cut short, its header by `header_check.headers_good`, the
+  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one
+  into its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on
+  its own, on the bytes already read (`record_check.check_record`): served if good, else named. Returns the encoded
+  keys of those it served and the faults, (request number, CorruptRecord naming the quarantine reason), a segment that
+  cannot be opened among them. A large record that fails leaves its target holding the bytes read: the caller must
+  not use a slot whose load was not `ok`.
+- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, a
+  device target) is the caller's to answer (`Reader`'s general path, which names why from the index and reads the
+  records of device targets).
 - `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,
@@ -43,26 +45,24 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import operator
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
 import xxhash
 
-from kvtier.core.forms import CacheForm, Reason
+from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT
-from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest, ObjectKey
+from kvtier.core.loadbatch import LoadBatch
+from kvtier.core.tier import LoadRequest
 from kvtier.store import aio
 from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
-from kvtier.store.context import StoreContext, flat_uint8
-from kvtier.store.errors import CorruptRecord
+from kvtier.store.context import StoreContext
+from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, RecordState, key_suffix
+from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -71,12 +71,13 @@ from kvtier.store.record import (
     RECORD_ALIGNMENT,
     Codec,
     Flags,
+    payload_checksum,
     zstd_decompress_into,
 )
+from kvtier.store.record_check import check_record, entry_rows
 from kvtier.store.submit import Reads
-
-if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
-    import torch
+from kvtier.store.wanted import Wanted, batch_wanted
+from kvtier.store.wanted import wanted as want
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -93,7 +94,7 @@ _memmove = ctypes.memmove
 
 
 @dataclasses.dataclass(slots=True)
-class _Chunk:
+class Chunk:
     """Runs read into one bounce buffer (`buf`, taken when submitted). Per run: its file, where it starts there and
     in the buffer, its bytes in the buffer, the bytes read (-1 while in flight), and where its last record is
     large, where its payload starts in the run, its target's address and the payload's bulk read straight into it.
@@ -119,6 +120,7 @@ class _Chunk:
     payload_checksum: np.ndarray
     stored_len: list[int]
     zstd: np.ndarray
+    odd: np.ndarray  # checked one by one (`record_check`): a v1 record, a device checksum only, a failed fast check
     reads: int = 0  # bytes the chunk's reads ask for (bounce and bulk)
     buf: AlignedBuffer | None = None
     got: list[int] = dataclasses.field(default_factory=list)
@@ -139,26 +141,32 @@ class PackedLoad:
         self._ctx, self._txn, self._reads = ctx, txn, reads
         self._segment, self._namespace_reason = segment, namespace_reason
         self._ns_ok: dict[bytes, bool] = {}
-        self._waiting: deque[_Chunk] = deque()  # planned, not yet submitted
-        self._reading: deque[_Chunk] = deque()
+        self._waiting: deque[Chunk] = deque()  # planned, not yet submitted
+        self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
-        self._failed: list[int] = []
+        self._faults: list[tuple[int, CorruptRecord]] = []
+        self.elsewhere = 0  # requests left out for their target (not host memory the columns take), not their record
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
         # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
-            wanted, rest = _batch_wanted(requests, first, device)
+            wanted, rest = batch_wanted(requests, first, device)
+            if rest:  # objects its columns do not describe as host memory: their requests, taken as a list's are
+                built, left = want([requests[i - first] for i in rest], 0, device)
+                built.numbers = [rest[j] for j in built.numbers]
+                wanted, rest = wanted.joined(built), [rest[j] for j in left]
         else:
-            wanted, rest = _wanted(requests, first, device)
+            wanted, rest = want(requests, first, device)
+        self.elsewhere += len(rest)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
                 self._submit()
         return rest
 
-    def finish(self) -> tuple[list[bytes], list[int]]:
+    def finish(self) -> tuple[list[bytes], list[tuple[int, CorruptRecord]]]:
         while self._reading:
             self._wait_oldest()
             chunk = self._reading.popleft()
@@ -168,7 +176,7 @@ class PackedLoad:
                 self._reading.appendleft(chunk)  # close() gives its buffer back
                 raise
             self._check(chunk)
-        return self._hits, self._failed
+        return self._hits, self._faults
 
     def close(self) -> None:
         self._reads.drain()
@@ -180,7 +188,7 @@ class PackedLoad:
 
     # ----------------------------------------------------------------- planning
 
-    def _plan(self, w: _Wanted) -> list[int]:
+    def _plan(self, w: Wanted) -> list[int]:
         """Look the requests up and queue the chunks of those this path serves; the numbers of the others."""
         txn = self._txn
         raw = w.raw
@@ -217,29 +225,61 @@ class PackedLoad:
         else:
             ok[:] = False
         ours = [shaped[k] for k in np.flatnonzero(ok).tolist()]
-        gone = self._queue(e[ok], w, ours)
         taken = set(ours)
-        return [n for i, n in enumerate(w.numbers) if i not in taken] + gone
+        odd, odd_rows = self._odd(values, w, taken)
+        rows = np.concatenate((e[ok], odd_rows)) if odd else e[ok]
+        self._queue(rows, w, ours + odd, np.arange(len(rows)) >= len(ours))
+        taken.update(odd)
+        return [n for i, n in enumerate(w.numbers) if i not in taken]
 
-    def _queue(self, e: np.ndarray, w: _Wanted, ours: list[int]) -> list[int]:
-        """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours`; the numbers of
-        records whose segment is gone."""
+    def _odd(self, values: Sequence[bytes | memoryview], w: Wanted, taken: set[int]) -> tuple[list[int], np.ndarray]:
+        """The requests the columnar rules above leave out whose record a load still serves, checked one by one
+        where their chunk is read (`record_check`): a v1 record, one that carries only a device checksum, a large one
+        whose payload does not start where O_DIRECT can read it into a target. Those with no record, a record
+        another request or a lookup answers for (not live, another layout or length, a corrupt index value, a
+        retired namespace) are left to the caller, which names why without reading."""
+        ns_ok = self._ns_ok
+        picked: list[int] = []
+        entries: list[IndexEntry] = []
+        for i, v in enumerate(values):
+            if not v or i in taken or not ns_ok[w.namespaces[i]]:
+                continue
+            try:
+                entry = IndexEntry.unpack(v)
+            except CorruptRecord:
+                continue
+            if (
+                entry.state is RecordState.LIVE
+                and entry.layout_digest == w.digests[i]
+                and entry.payload_len == int(w.lengths[i])
+                and (entry.codec is Codec.ZSTD or entry.stored_len == entry.payload_len)
+            ):
+                picked.append(i)
+                entries.append(entry)
+        return picked, entry_rows(entries)
+
+    def _queue(self, e: np.ndarray, w: Wanted, ours: list[int], odd: np.ndarray) -> None:
+        """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours` (`odd`: those
+        checked one by one); a record whose segment is gone is a fault, named as opening it names it."""
         files: dict[int, SegmentFile | None] = {}
+        gone: dict[int, CorruptRecord] = {}
         for seg_id in set(e["segment"].tolist()):  # (not np.unique: its first call imports numpy.ma)
             try:
                 files[seg_id] = self._segment(seg_id)
-            except CorruptRecord:  # the general path reads it again and faults it
+            except CorruptRecord as exc:
                 files[seg_id] = None
+                gone[seg_id] = exc
         pick = np.asarray(ours, np.int64)
-        gone: list[int] = []
         if None in files.values():
             here = np.fromiter((files[s] is not None for s in e["segment"].tolist()), bool, len(e))
-            gone = [w.numbers[i] for i in pick[~here].tolist()]
-            e, pick = e[here], pick[here]
+            self._faults += [
+                (w.numbers[i], gone[s]) for i, s in zip(pick[~here].tolist(), e["segment"][~here].tolist())
+            ]
+            e, pick, odd = e[here], pick[here], odd[here]
         if not len(e):
-            return gone
+            return
         order = np.lexsort((e["offset"], e["segment"]))
-        e = e[order]
+        e, odd = e[order], odd[order]
         o = pick[order].tolist()  # (one pass over the lists: the requests of `e`'s records, in file order)
         raw, targets, numbers = [w.raw[i] for i in o], [w.targets[i] for i in o], [w.numbers[i] for i in o]
         seg = e["segment"]
@@ -250,16 +290,20 @@ class PackedLoad:
         zstd = e["codec"] == Codec.ZSTD
         # Bytes read straight into the target: a large payload's aligned bulk where the target is at an address
         # O_DIRECT takes (else the payload goes through the bounce buffer, as a compressed one does: it is decoded).
-        direct_ok = np.asarray(targets, np.int64) % align == 0
+        # (a target address of 0 is no target: a scan's records are visited in the bounce buffer, `scan.PackedScan`)
+        target_at = np.asarray(targets, np.int64)
+        direct_ok = (target_at % align == 0) & (target_at != 0) & ~odd
         bulk = np.where((plen >= LARGE_PAYLOAD) & ~zstd & direct_ok, plen - plen % align, 0)
         # Records never share bytes (the same one asked twice aside), so the one before ends the run so far; a large
-        # record ends its run (its payload's bulk is the run's one read into a target).
+        # record ends its run (its payload's bulk is the run's one read into a target). A record asked again starts a
+        # run of its own: the copy before it may have its payload's bulk read into its target, not the bounce buffer.
         breaks = np.ones(len(e), bool)
         breaks[1:] = (
             (seg[1:] != seg[:-1])
             | (off[1:] - end[:-1] > RUN_GAP)
             | (off[1:] // CHUNK_BYTES != off[:-1] // CHUNK_BYTES)
             | (bulk[:-1] > 0)
+            | (off[1:] < end[:-1])
         )
         first = np.flatnonzero(breaks)
         run_of = np.cumsum(breaks) - 1
@@ -287,7 +331,7 @@ class PackedLoad:
             bases = np.concatenate(([0], np.cumsum(run_bounce[lo:hi])[:-1]))
             runs = run_of[r0:r1] - lo
             self._waiting.append(
-                _Chunk(
+                Chunk(
                     [files[s] for s in seg[first[lo:hi]].tolist()],  # type: ignore[misc]
                     run_start[lo:hi].tolist(),
                     bases.tolist(),
@@ -306,11 +350,11 @@ class PackedLoad:
                     e["payload_checksum"][r0:r1],
                     e["stored_len"][r0:r1].tolist(),
                     zstd[r0:r1],
+                    odd[r0:r1],
                     total,
                 )
             )
             lo = hi
-        return gone
 
     # ----------------------------------------------------------------- reading and checking
 
@@ -358,7 +402,7 @@ class PackedLoad:
                     c.got[k] = min(c.got[k], rel + n)
                 c.left -= 1
 
-    def _check(self, chunk: _Chunk) -> None:
+    def _check(self, chunk: Chunk) -> None:
         """Check each record of a chunk read in, copy the good ones out, give the buffer back."""
         buf = chunk.buf
         assert buf is not None
@@ -366,12 +410,13 @@ class PackedLoad:
             mv = buf.mv
             at_a = chunk.at
             at = at_a.tolist()
-            good = (np.asarray(chunk.got)[chunk.run_of] >= chunk.need) & (at_a % RECORD_ALIGNMENT == 0)
+            whole = np.asarray(chunk.got)[chunk.run_of] >= chunk.need
+            good = whole & (at_a % RECORD_ALIGNMENT == 0) & ~chunk.odd
             if good.all():  # (the common case: every record read whole, no gather of the expected headers)
                 good = headers_good(mv, at_a, chunk.expected)
             else:
-                whole = np.flatnonzero(good)
-                good[whole] = headers_good(mv, at_a[whole], chunk.expected[whole])
+                fast = np.flatnonzero(good)
+                good[fast] = headers_good(mv, at_a[fast], chunk.expected[fast])
             cand = np.flatnonzero(good)
             targets, plen, keys = chunk.targets, chunk.payload_len, chunk.keys
             addr = buf.addr + HEADER_BYTES
@@ -395,38 +440,46 @@ class PackedLoad:
                 try:
                     start = at[i] + HEADER_BYTES
                     zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
-                except CorruptRecord:  # (the general path reads it again and names it: `decode`)
+                except CorruptRecord:  # (named with the rest: `decode`)
                     ok.remove(i)
             self._hits += [keys[i] for i in ok]
             if len(ok) < len(at):
                 served = set(ok)
-                self._failed += [n for i, n in enumerate(chunk.numbers) if i not in served]
+                for i in range(len(at)):
+                    if i not in served:
+                        self._one(chunk, buf, i, bool(whole[i]))
         finally:
             chunk.buf = None
             self._ctx.buffers.release(buf)
 
-
-@dataclasses.dataclass(slots=True)
-class _Wanted:
-    """Requests this path may serve, as columns: request numbers, encoded keys, namespaces, target addresses,
-    target sizes (the payload lengths asked for) and layout digests."""
-
-    numbers: list[int]
-    raw: list[bytes]
-    namespaces: list[bytes]
-    targets: list[int]
-    lengths: np.ndarray
-    digests: list[bytes]
-
-    def part(self, lo: int, hi: int) -> _Wanted:
-        return _Wanted(
-            self.numbers[lo:hi],
-            self.raw[lo:hi],
-            self.namespaces[lo:hi],
-            self.targets[lo:hi],
-            self.lengths[lo:hi],
-            self.digests[lo:hi],
-        )
+    def _one(self, chunk: Chunk, buf: AlignedBuffer, i: int, read_whole: bool) -> None:
+        """A record of the chunk the columnar check did not accept, checked on its own bytes (`record_check`): served
+        where it is good (copied or decoded into its target), else a fault naming why. It is looked up again in the
+        load's transaction (the same value); its key is decoded from the index's spelling."""
+        raw_key = chunk.keys[i]
+        try:
+            value = self._txn.get(raw_key, db=self._ctx.index.obj)
+            assert value is not None  # (found in this transaction when the load was planned)
+            entry, key, at = IndexEntry.unpack(value), decode_key(raw_key), int(chunk.at[i])
+            header_ok = False
+            if entry.record_version == FORMAT_VERSION and read_whole:  # (the batch compared only aligned headers)
+                header_ok = bool(headers_good(buf.mv, chunk.at[i : i + 1], chunk.expected[i : i + 1])[0])
+            target = _target(chunk.targets[i], entry.payload_len)
+            bulk = int(chunk.bulk[i])
+            if bulk and read_whole and header_ok:  # its payload's bulk was read into its target: checked there
+                _memmove(chunk.targets[i] + bulk, buf.addr + at + HEADER_BYTES, entry.payload_len - bulk)
+                if payload_checksum(target) != entry.payload_checksum:
+                    raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
+                self._hits.append(raw_key)
+                return
+            _, payload_at = check_record(entry, key, buf, at, read_whole, header_ok)
+            if entry.codec is Codec.ZSTD:
+                zstd_decompress_into(buf.mv[payload_at : payload_at + entry.stored_len], target)
+            else:
+                _memmove(chunk.targets[i], buf.addr + payload_at, entry.payload_len)
+            self._hits.append(raw_key)
+        except CorruptRecord as exc:
+            self._faults.append((chunk.numbers[i], exc))
 
 
 def take_buffers(ctx: StoreContext) -> None:
@@ -437,86 +490,6 @@ def take_buffers(ctx: StoreContext) -> None:
     for buf in buffers:
         buf.tensor.zero_()
         ctx.buffers.release(buf)
-
-
-def _wanted(
-    requests: Sequence[LoadRequest], first: int, device: Callable[[torch.Tensor], bool] | None
-) -> tuple[_Wanted, list[int]]:
-    """The requests this path may serve (those with a host-memory target), and the numbers of the others;
-    StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
-    outs = [flat_uint8(r.out) for r in requests]
-    count = len(outs)
-    # (callables mapped, not a generator per column: these run per object of every load)
-    n = np.fromiter(map(_numel, outs), np.int64, count)
-    addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
-    taken = np.fromiter(map(_is_cpu, outs), bool, count)
-    if device is not None:
-        taken &= np.fromiter((not device(out) for out in outs), bool, count)
-    mine = np.flatnonzero(taken).tolist()
-    keys = [requests[i].key for i in mine]
-    wanted = _Wanted(
-        [first + i for i in mine],
-        _encoded(keys),
-        [k.namespace for k in keys],
-        addr[taken].tolist(),
-        n[taken].astype(np.uint64),
-        [requests[i].layout_digest for i in mine],
-    )
-    return wanted, (np.flatnonzero(~taken) + first).tolist()
-
-
-# not torch.Tensor.numel: this module loads before torch does (a daemon listens first)
-_numel = operator.methodcaller("numel")
-_data_ptr = operator.methodcaller("data_ptr")
-_is_cpu = operator.attrgetter("is_cpu")
-
-
-def _encoded(keys: Sequence[ObjectKey]) -> list[bytes]:
-    """`encode_key` of each key, the bytes after the block hash built once per group of the load (a form is an
-    enum whose hash is a Python call: looked up per group, not per key)."""
-    suffixes: dict[str, tuple[CacheForm, bytes]] = {}
-    out: list[bytes] = []
-    for k in keys:
-        known = suffixes.get(k.group)
-        if known is None or known[0] is not k.form:
-            known = suffixes[k.group] = (k.form, key_suffix(k.group, k.form))
-        out.append(k.namespace + k.block_hash + known[1])
-    return out
-
-
-def _batch_wanted(
-    batch: LoadBatch, first: int, device: Callable[[torch.Tensor], bool] | None
-) -> tuple[_Wanted, list[int]]:
-    """`_wanted` from a LoadBatch's columns, with no per-object key or tensor: an object is this path's where its
-    group's pool is a flat contiguous uint8 tensor, its slot wholly inside the pool and in host memory. Any other
-    object's request is built and its target checked as `_wanted` checks it."""
-    groups = batch.groups
-    whole = np.array([_flat_pool(g) for g in groups], bool)
-    cpu = np.array([g.tensor.is_cpu and not (device and device(g.tensor)) for g in groups], bool)
-    nbytes = np.array([g.nbytes for g in groups], np.int64)
-    stride = np.array([g.stride for g in groups], np.int64)
-    size = np.array([g.tensor.numel() for g in groups], np.int64)
-    base = np.array([g.tensor.data_ptr() for g in groups], np.int64)
-    g_of, slots = batch.group_of, batch.slots
-    start = slots * stride[g_of]
-    inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
-    for i in np.flatnonzero(~inside).tolist():
-        flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
-    served = inside & cpu[g_of]
-    mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
-    g_mine = g_of[mine].tolist()
-    suffix = [key_suffix(g.name, g.form) for g in groups]
-    digest = [g.layout_digest for g in groups]
-    ns, hashes = batch.namespace, batch.hashes
-    wanted = _Wanted(
-        (mine + first).tolist(),
-        [ns + hashes[i] + suffix[g] for i, g in zip(mine.tolist(), g_mine)],
-        [ns] * len(mine),
-        (base[g_of[mine]] + start[mine]).tolist(),
-        nbytes[g_of[mine]].astype(np.uint64),
-        [digest[g] for g in g_mine],
-    )
-    return wanted, rest.tolist()
 
 
 def _target(addr: int, n: int) -> memoryview:
@@ -556,14 +529,6 @@ def _pieces(iov: list[tuple[int, int]], piece: int) -> list[tuple[list[tuple[int
                 cur, start = [], pos
                 bound = next(bounds, total)
     return out
-
-
-def _flat_pool(g: TargetGroup) -> bool:
-    """Whether slices of the group's pool are the flat, contiguous, non-empty uint8 targets this path needs."""
-    t = g.tensor
-    import torch
-
-    return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT

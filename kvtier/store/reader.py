@@ -31,10 +31,11 @@ from kvtier.store.record import (
     Codec,
     Flags,
     RecordHeader,
-    payload_checksum,
     zstd_decompress_into,
 )
+from kvtier.store.record_check import check_sums
 from kvtier.store.record_v1 import V1_HEADER_BYTES
+from kvtier.store.scan import PackedScan, ScanItem, ScanVisit
 from kvtier.store.segments import segment_name
 from kvtier.store.submit import Reads, close_reads, open_reads, run_gap
 
@@ -155,18 +156,20 @@ class Reader:
         more: MoreRequests | None,
         outcome: LoadOutcome,
     ) -> None:
-        """What `PackedLoad` serves through `reads`, then the rest (and any that failed its checks) through the
-        general path, each answer in its request's place."""
+        """What `PackedLoad` serves through `reads` (and the faults it names), then the rest through the general
+        path, each answer in its request's place."""
         packed = PackedLoad(self._ctx, txn, reads, self.segment, self._namespace_reason)
         n = len(requests)
         extra: Sequence[LoadRequest] = ()
         try:
             rest = packed.add(requests, 0)
-            none_taken = len(rest) == n
+            # (the general path takes a whole load only for its first requests' targets: device targets are read
+            # from all of the load's at once; a load of misses is the pipeline's, `more` included)
+            none_taken = len(rest) == n and packed.elsewhere > 0
             if more is not None and not none_taken:
                 extra = more()
                 rest += packed.add(extra, n)
-            outcome.hits, failed = packed.finish()
+            outcome.hits, faults = packed.finish()
         finally:
             packed.close()
             close_reads(reads)
@@ -174,11 +177,17 @@ class Reader:
             self._load(txn, requests, more, outcome)
             return
         outcome.reasons = [_OK] * (n + len(extra))
-        rest = sorted(rest + failed)
+
+        def request(i: int) -> LoadRequest:  # (indexed, not listed: a LoadBatch builds a request only when asked)
+            return requests[i] if i < n else extra[i - n]
+
+        for i, exc in faults:
+            outcome.reasons[i] = exc.reason.miss_reason
+            outcome.faults.append((request(i).key, exc.reason))
         if rest:
+            rest.sort()
             general = LoadOutcome([], [], [])
-            # (indexed, not listed: a LoadBatch builds a request only for what is asked of it)
-            self._load(txn, [requests[i] if i < n else extra[i - n] for i in rest], None, general)
+            self._load(txn, [request(i) for i in rest], None, general)
             for i, reason in zip(rest, general.reasons):
                 outcome.reasons[i] = reason
             outcome.hits += general.hits
@@ -187,7 +196,12 @@ class Reader:
     def _load(
         self, txn: lmdb.Transaction, requests: Sequence[LoadRequest], more: MoreRequests | None, outcome: LoadOutcome
     ) -> None:
-        """The general path: every request's lookup, read and checks a record at a time, any record format."""
+        """The general path: every request's lookup, read and checks a record at a time. It answers what the batch
+        pipeline (`PackedLoad`) does not take: from the index alone why there is nothing to read (missing, evicted,
+        quarantined, another layout or length, a corrupt index value, a retired namespace), and it reads the records
+        of device targets (by GDS on a GDS store, else through the bounce buffer and a copy); a load of which the
+        pipeline takes none of the first requests, some of them device targets, comes here whole, `more` included
+        (`_load_packed`)."""
         reasons = outcome.reasons
         corrupt_values: list[ObjectKey] = []
         keys: list[ObjectKey] = []
@@ -246,6 +260,22 @@ class Reader:
                 outcome.faults.append((job.key, exc.reason))
                 reasons[job.index] = exc.reason.miss_reason
         outcome.faults += [(key, QuarantineReason.INDEX_VALUE) for key in corrupt_values]
+
+    def scan(
+        self, txn: lmdb.Transaction, items: Sequence[ScanItem], visit: ScanVisit, *, headers: bool = False
+    ) -> list[tuple[int, CorruptRecord]]:
+        """Read and check `items`' records with no target through the batch pipeline (`scan.PackedScan` states the
+        contract): `visit` gets each good one while its bytes are in the bounce buffer; returns the bad ones, by
+        their number in `items`, each with its quarantine reason. `txn` is the caller's read transaction, in which
+        it looked the records up: it keeps their segments from being unlinked while they are read."""
+        reads = open_reads(self._ctx)
+        scan = PackedScan(self._ctx, txn, reads, self.segment, self._namespace_reason)
+        try:
+            scan.add_items(items, visit, headers)
+            return scan.finish_scan()
+        finally:
+            scan.close()
+            close_reads(reads)
 
     def read(
         self,
@@ -353,7 +383,7 @@ class Reader:
                     _finish_direct(job, buf, payload_at, took)
                     visit(job, header, None, 0)
                 else:
-                    _check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
+                    check_sums(e, mv[payload_at : payload_at + e.stored_len], buf.tensor, payload_at)
                     visit(job, header, buf, payload_at)
                 results.append((job, None))
             except CorruptRecord as exc:
@@ -439,9 +469,6 @@ class ReadJob:
     raw_key: bytes = b""
 
 
-_XXH3 = int(Flags.XXH3)
-
-
 def _place(run: Run[ReadJob], seg: SegmentFile, plan: Scatter, share: BounceShare, base: int) -> RunRead[ReadJob]:
     """The run's views: its bounce bytes from `base` of the share's buffer, its direct payloads in their targets."""
     mv = share.buf.mv
@@ -480,16 +507,6 @@ def _gds_ready(entry: IndexEntry) -> bool:
     return entry.record_version == FORMAT_VERSION and entry.codec is Codec.NONE and bool(entry.flags & Flags.DEVSUM)
 
 
-def _check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
-    """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu.
-    `data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
-    if entry.flags & _XXH3:
-        if payload_checksum(data) != entry.payload_checksum:
-            raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
-        raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
-
-
 def _host_view(out: torch.Tensor | None, n: int) -> memoryview:
     """The first n bytes of a cpu target as a writable memoryview (a scattered read's destination)."""
     assert out is not None
@@ -505,7 +522,7 @@ def _finish_direct(job: ReadJob, buf: AlignedBuffer, tail_at: int, took: int) ->
     tail = e.payload_len - took
     if tail:
         ctypes.memmove(out.data_ptr() + took, buf.addr + tail_at, tail)
-    _check_sums(e, out.numpy().data, out, 0)
+    check_sums(e, out.numpy().data, out, 0)
 
 
 def _fill_out(job: ReadJob, header: AnyHeader | None, buf: AlignedBuffer | None, at: int) -> None:

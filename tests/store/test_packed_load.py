@@ -181,6 +181,20 @@ def test_more_is_called_once_and_answered_after_the_first(small, served) -> None
     assert served == [N]
 
 
+def test_a_load_whose_first_requests_all_miss_has_more_served_by_the_packed_path(small, served) -> None:
+    """First requests that are all misses send no read: `more` is called at once, and what it brings is the batch
+    pipeline's, not the general path's."""
+    root, keys = small
+    outs = [torch.empty(n, dtype=torch.uint8) for n in SIZES]
+    nowhere = [make_key(b"\0" * 16, f"nowhere{i}") for i in range(3)]
+    first = [LoadRequest(k, torch.empty(8, dtype=torch.uint8), DIGEST) for k in nowhere]
+    with DiskStore(root) as s:
+        reasons = s.load_into(first, lambda: [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+    assert reasons == [Reason.MISSING] * 3 + [Reason.OK] * N
+    assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in enumerate(outs))
+    assert served == [N]
+
+
 def test_bounce_memory_is_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch, served) -> None:
     chunk = 64 << 10
     monkeypatch.setattr(packed, "CHUNK_BYTES", chunk)
@@ -437,6 +451,22 @@ def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buff
     assert reasons == [Reason.OK] * (len(asks) + 1) and served == [len(asks) + 1]
     assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1]))
     assert odd.data_ptr() not in _addresses(submits)  # read into the bounce buffer, copied once checked
+
+
+def test_a_large_record_asked_twice_into_targets_of_each_kind_is_served_twice(mixed_large, served, submits) -> None:
+    """The same large record into a target off the direct alignment (its payload through the bounce buffer) and into
+    one on it (its payload's bulk straight into the target): each copy has its own run, so neither looks for its
+    payload where the other's read put it."""
+    root, keys = mixed_large
+    odd = slot_like(MIXED_SIZES[1] + 64)[64:]
+    aligned = slot_like(MIXED_SIZES[1])
+    with DiskStore(root) as s:
+        reasons = s.load_into([LoadRequest(keys[1], odd, DIGEST), LoadRequest(keys[1], aligned, DIGEST)])
+        states = [r.entry.state for r in s.records([keys[1]])]
+    assert reasons == [Reason.OK, Reason.OK] and served == [2]
+    assert torch.equal(odd, make_payload("x1", MIXED_SIZES[1])) and torch.equal(aligned, odd)
+    assert states == [RecordState.LIVE]
+    assert aligned.data_ptr() in _addresses(submits) and odd.data_ptr() not in _addresses(submits)
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.core import CacheForm, Reason, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
-from kvtier.store import DiskStore, IndexEntry, QuarantineReason, StoreConfig, aio, encode_key
+from kvtier.store import DiskStore, IndexEntry, QuarantineReason, StoreConfig, aio, encode_key, packed
 from support.corrupt import flip_bit, segment_path
 from support.read_paths import CpuGds
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
@@ -242,8 +242,9 @@ def test_every_strategy_answers_every_fault_case_as_the_model(damaged, tmp_path,
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # a real v1 store written by c307a27
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> None:
+def _v1_damaged(tmp_path) -> tuple[str, list[dict], list[ObjectKey]]:
+    """The v1 store unpacked, its first record's header and second record's payload each with a bit flipped: its
+    root, the manifest's records and their keys."""
     with tarfile.open(os.path.join(DATA, "v1-store.tar.gz")) as tar:
         tar.extractall(tmp_path, filter="data")
     with open(os.path.join(DATA, "v1-store.json")) as f:
@@ -256,9 +257,22 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
         entries = [r.entry for r in s.records(keys)]
     flip_bit(segment_path(root, entries[0].segment), entries[0].offset + 40, 1)  # a header byte
     flip_bit(segment_path(root, entries[1].segment), entries[1].payload_offset + 7, 2)  # a payload byte
+    return root, recs, keys
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> None:
+    root, recs, keys = _v1_damaged(tmp_path)
     outs = [torch.full((r["payload_len"],), FILL, dtype=torch.uint8) for r in recs]
     digests = [bytes.fromhex(r["layout_digest"]) for r in recs]
-    with _store(root, strategy) as s:
+    served: list[tuple[list[bytes], list]] = []  # what the batch pipeline answered: its hits and its named faults
+    finish = packed.PackedLoad.finish
+
+    def spy(self):
+        served.append(finish(self))
+        return served[-1]
+
+    with _store(root, strategy) as s, mock.patch.object(packed.PackedLoad, "finish", spy):
         if strategy == "gds":
             s.backend.device.update(o.data_ptr() for o in outs)  # v1 records are not GDS-ready: host reads
         reasons = s.load_into([LoadRequest(k, o, dg) for k, o, dg in zip(keys, outs, digests)])
@@ -269,3 +283,54 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
     assert states[:2] == [QR.HEADER, QR.PAYLOAD] and states[2:] == [None] * (len(recs) - 2)
     assert all(xxhash.xxh3_128_hexdigest(o.numpy().tobytes()) == r["xxh3_128"] for o, r in zip(outs[2:], recs[2:]))
     assert all((o == FILL).all() for o in outs[:2])  # v1 payloads go through the bounce buffer: never half-written
+    if strategy != "gds":  # host targets: every v1 record served, or its fault named, by the batch pipeline
+        assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
+        named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
+        assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
+
+
+# ----------------------------------------------------------------- scans: the verifier's checks and compaction's reads
+
+# What a verify finds per case: the record's own damage (a load's wrong digest, wrong length or retired namespace are
+# the request's or the namespace's, not the record's: its bytes are good).
+_SCAN_FAULT = {c.name: c.quarantine if c.reason is not Reason.STALE_VERSION else None for c in FAULTS}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_verify_and_relocate_name_every_fault_through_every_strategy(damaged, tmp_path, native_aio, strategy) -> None:
+    root = str(tmp_path / strategy)
+    shutil.copytree(damaged.root, root)
+    with _store(root, strategy) as s:
+        found = s.verify_many(damaged.keys, apply=False)  # the verdicts only: nothing quarantined yet
+        assert [r.failure for r in found] == [_SCAN_FAULT[c.name] for c in FAULTS], strategy
+        assert [r.reason for r in found] == [
+            OK if q is None else q.miss_reason for q in (_SCAN_FAULT[c.name] for c in FAULTS)
+        ]
+        assert all(r.entry.quarantine is None for r in s.records(damaged.keys))
+        good = [k for k, c in zip(damaged.keys, FAULTS) if _SCAN_FAULT[c.name] is None]
+        assert s.relocate([damaged.keys]) == [len(good)]  # the good ones moved, the bad ones quarantined
+        states = {r.key: r.entry for r in s.records(damaged.keys)}
+        assert [states[k].quarantine for k in damaged.keys] == [_SCAN_FAULT[c.name] for c in FAULTS]
+        moved = [states[k] for k in good]
+        assert all(
+            (e.segment, e.offset) != (old.segment, old.offset)
+            for e, old in zip(moved, (e for e, c in zip(damaged.entries, FAULTS) if _SCAN_FAULT[c.name] is None))
+        )
+        # the moved bytes are the written ones: a load of each good record (the wrong digest and length asked right)
+        ok = [(k, c) for k, c in zip(damaged.keys, FAULTS) if _SCAN_FAULT[c.name] is None]
+        outs = [slot_like(c.size, FILL) for _, c in ok]
+        live = [c.reason is not Reason.STALE_VERSION for _, c in ok]
+        reasons = s.load_into([LoadRequest(k, o, DIGEST) for (k, _), o in zip(ok, outs)])
+        assert reasons == [OK if alive else Reason.STALE_VERSION for alive in live]
+        for (_, c), o, alive in zip(ok, outs, live):
+            if alive:
+                assert torch.equal(o, _payload(c)), c.name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_verify_names_v1_faults_through_every_strategy(tmp_path, native_aio, strategy) -> None:
+    root, recs, keys = _v1_damaged(tmp_path)
+    with _store(root, strategy) as s:
+        found = s.verify_many(keys)
+        assert [r.failure for r in found] == [QR.HEADER, QR.PAYLOAD] + [None] * (len(recs) - 2)
+        assert [r.entry.quarantine for r in s.records(keys)] == [QR.HEADER, QR.PAYLOAD] + [None] * (len(recs) - 2)

@@ -194,13 +194,13 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
     root = str(tmp_path)
     keys = _small_batch(root, segment_bytes=1 << 20)
     with DiskStore(root) as s:
-        real = reader_mod.Reader.read
+        real = reader_mod.Reader.scan
 
-        def grow_then_read(self, jobs, visit, **kw):  # the map grows while relocation has its records in hand
+        def grow_then_read(self, txn, items, visit, **kw):  # the map grows while relocation has its records in hand
             subprocess.run([sys.executable, "-c", _GROW, root], env=subprocess_env(), check=True, timeout=120)
-            return real(self, jobs, visit, **kw)
+            return real(self, txn, items, visit, **kw)
 
-        monkeypatch.setattr(reader_mod.Reader, "read", grow_then_read)
+        monkeypatch.setattr(reader_mod.Reader, "scan", grow_then_read)
         done: list[int] = []
         t = threading.Thread(target=lambda: done.append(s.relocate([keys])), daemon=True)
         t.start()

@@ -12,7 +12,7 @@ import torch
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason
-from kvtier.store import reader as reader_mod
+from kvtier.store import record_check as reader_mod
 from kvtier.store.index import IndexEntry, encode_key
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path

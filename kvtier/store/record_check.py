@@ -1,0 +1,90 @@
+"""One record checked on the bytes the pipeline already read into its bounce buffer: the per-record step that names
+why a record failed (its quarantine reason), and accepts the few records the batch check does not take.
+
+Contract:
+- `check_record(entry, key, buf, at, read_whole, header_ok, headers=False)` checks the record at offset `at` of `buf`
+  (its index entry, its key): read whole (else `segment_truncated`); its header (v2: `header_ok`, the result of
+  `header_check.headers_good` for it; v1: `header_check.check_v1`), a v2 header that fails named by
+  `header_check.fault`; then `check_sums` over the stored payload. Returns the parsed header (v2 only where
+  `headers=True`; v1 always) and where the stored payload starts in `buf`; CorruptRecord naming the reason.
+- `check_sums(entry, data, tensor, at)`: every payload checksum the record carries that the host computes cheaply
+  (xxh3_128, else the device checksum on cpu).
+- `entry_rows(entries)`: IndexEntry objects (any record format) as ENTRY_V2_DTYPE rows, the columns the pipeline
+  plans and checks with.
+
+Why here and not in a read path: every record is read once, by the pipeline (`packed.PackedLoad`, `scan.PackedScan`);
+this never reads, it only looks at what was read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.core.tier import ObjectKey
+from kvtier.store.devsum import device_checksum
+from kvtier.store.errors import CorruptRecord, QuarantineReason
+from kvtier.store.header_check import AnyHeader, check_v1, fault
+from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry
+from kvtier.store.io import AlignedBuffer
+from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, Flags, RecordHeader, payload_checksum
+from kvtier.store.record_v1 import V1_HEADER_BYTES
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
+
+_XXH3 = int(Flags.XXH3)
+
+
+def check_record(
+    entry: IndexEntry,
+    key: ObjectKey,
+    buf: AlignedBuffer,
+    at: int,
+    read_whole: bool,
+    header_ok: bool,
+    headers: bool = False,
+) -> tuple[AnyHeader | None, int]:
+    """The record's header (or None) and where its stored payload starts in `buf` (the module docstring)."""
+    mv = buf.mv
+    if not read_whole:
+        raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, f"segment {entry.segment:016x} ends inside the record")
+    header: AnyHeader | None
+    if entry.record_version == FORMAT_VERSION:
+        if not header_ok:
+            raise fault(entry, key, mv, at)  # (it only names what is wrong: the batch check refused the header)
+        header = RecordHeader.unpack(mv, at) if headers else None
+        payload_at = at + HEADER_BYTES
+    else:
+        header = check_v1(entry, key, mv, at)
+        payload_at = at + V1_HEADER_BYTES
+    check_sums(entry, mv[payload_at : payload_at + entry.stored_len], buf.tensor, payload_at)
+    return header, payload_at
+
+
+def check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
+    """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu.
+    `data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
+    if entry.flags & _XXH3:
+        if payload_checksum(data) != entry.payload_checksum:
+            raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
+    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
+        raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
+
+
+def entry_rows(entries: Sequence[IndexEntry]) -> np.ndarray:
+    """IndexEntry objects as ENTRY_V2_DTYPE rows (the module docstring)."""
+    rows = np.zeros(len(entries), ENTRY_V2_DTYPE)
+    if not entries:
+        return rows
+    for name in ("segment", "offset", "record_len", "payload_len", "stored_len", "created", "device_checksum"):
+        rows[name] = [getattr(e, name) for e in entries]
+    rows["codec"] = [int(e.codec) for e in entries]
+    rows["flags"] = [e.flags for e in entries]
+    rows["version"] = [e.record_version for e in entries]
+    rows["state"] = [int(e.state) for e in entries]
+    rows["payload_checksum"] = np.frombuffer(b"".join([e.payload_checksum for e in entries]), "V16")
+    rows["layout_digest"] = np.frombuffer(b"".join([e.layout_digest for e in entries]), "V16")
+    return rows
