@@ -12,6 +12,17 @@ lowest priority, where a yield of the CPU on a busy machine would cost it a wait
 
 `DurableFirst` orders the same thread's write transactions after the daemon's durable batches (the index's
 `writers`): a decision's commit holds LMDB's write lock through its sync, and a durable offload waits for it.
+
+`Piece` bounds what one of the applier's write transactions holds the daemon back. The lock is held for the
+transaction's whole body, and on a busy machine that body's wall time is not its own work: its thread waits for a
+CPU (the run queue) and, after each yield, for the GIL, all with the write lock held. So a loop asks its `Piece`
+before each item whether to end the transaction there: at once when a durable batch has begun in the process
+(`DurableFirst.under_way`: the batch's commit will want the lock, and it finds it free), and in any case once the
+body has run `PIECE_S`. The caller commits what its piece did and goes on in the next transaction, which
+`DurableFirst` holds back until the batch is durable. A writer of this process therefore waits for at most one
+item of a decision (plus that piece's commit), never for the decision, however many records it carries; a
+decision costs a commit per piece, which is why the time bound is far above a piece's usual length rather than
+near the switch interval. Only on the applier's thread, like the yields.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ class Yielder:
             self._at = time.perf_counter()
 
 
+PIECE_S = 0.02  # the longest one write transaction of the applier's runs before it commits (see Piece)
 HOLD_BACK_S = 1.0  # the longest the applier holds back one write transaction: the verifier's decisions still go on
 
 
@@ -86,6 +98,11 @@ class DurableFirst:
                 self._durable -= 1
                 self._cond.notify_all()
 
+    @property
+    def under_way(self) -> bool:
+        """Whether a durable batch is being made durable now (read without the lock: a hint, checked per item)."""
+        return self._durable > 0
+
     def before_write(self) -> None:
         """Called before a write transaction: on the applier's thread, wait while a durable batch is under way."""
         if not on_applier_thread():
@@ -94,3 +111,34 @@ class DurableFirst:
             if self._durable:
                 self.held_back += 1
                 self._cond.wait_for(lambda: self._durable == 0, timeout=self.max_wait_s)
+
+
+class Piece:
+    """Ask `over()` before each item of a write transaction's loop, from inside the transaction: on the applier's
+    thread, True once the transaction has done at least one item and a durable batch is under way or `budget_s`
+    has passed since the Piece was made; the loop then stops where it is, and its caller commits and goes on in a
+    new transaction. Elsewhere never: the loop runs whole in one transaction. Gives the GIL up as a `Yielder`."""
+
+    __slots__ = ("_end", "_items", "_on", "_pause", "_writers")
+
+    def __init__(self, writers: DurableFirst, budget_s: float = PIECE_S) -> None:
+        self._on = on_applier_thread()
+        self._writers = writers
+        self._end = time.perf_counter() + budget_s
+        self._items = 0
+        self._pause = Yielder()
+
+    def over(self) -> bool:
+        if not self._on:
+            return False
+        self._items += 1
+        if self._items > 1 and (self._writers.under_way or time.perf_counter() >= self._end):
+            return True
+        self._pause()
+        return False
+
+
+def between_pieces() -> None:
+    """After a piece's commit, before the next: the GIL and the CPU to the process's other threads once."""
+    if on_applier_thread():
+        os.sched_yield()
