@@ -120,8 +120,9 @@ class Maintenance:
 
         total, start = 0, 0
         while True:
+            index.writers.before_write()  # not under the observe lock, which a durable batch's commit takes too
             with self._ctx.observing() as tell:
-                n, start = index.update(functools.partial(put, start=start))
+                n, start = index.update(functools.partial(put, start=start), hold_back=False)
                 tell("removed", served)
             total += n
             if start >= len(pairs):
@@ -229,8 +230,9 @@ class Maintenance:
             txn.put(raw_key, quarantined.pack(), db=index.obj)
             return True
 
+        index.writers.before_write()  # not under the observe lock (see drop)
         with self._ctx.observing() as tell:
-            done = index.update(put)
+            done = index.update(put, hold_back=False)
             tell("removed", [key] if done and was_live[0] else [])
         return done
 
