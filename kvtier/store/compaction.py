@@ -143,7 +143,8 @@ class Compaction:
     def relocate(self, batches: Iterable[Sequence[ObjectKey]]) -> list[int]:
         """Compaction: copy the live records of each batch of keys (checked first) into extents of a segment this
         process appends; then make every copy durable with one fdatasync and repoint each entry that still names
-        the old place in one commit. Returns how many moved, per batch. A bad record is quarantined. Format v1
+        the old place in one commit (on the daemon's applier thread, one per `gil.Piece`). Returns how many moved,
+        per batch. A bad record is quarantined. Format v1
         records move as v2 records (same payload and checksum, inline header).
 
         `batches` is drawn one batch at a time, between copies: the caller paces the copies by when it yields the
