@@ -23,7 +23,7 @@ from kvtier.store.record import Codec
 
 VK = VersionKey("pieces", "w0", "abi", "comp", "idx", "fp8")
 DIGEST = b"P" * 16
-RECORDS = 20_000  # a decision far longer than a durable write: with one transaction, every write waits it out
+RECORDS = 50_000  # a decision far longer than a durable write: with one transaction, every write waits it out
 DEADLINE_S = 120.0  # a thread that never finishes fails the test, not the suite
 
 
