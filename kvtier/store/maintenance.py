@@ -17,7 +17,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.gil import Piece, between_pieces
+from kvtier.store.gil import Piece, Yielder, between_pieces
 from kvtier.store.index import (
     IndexEntry,
     RecordState,
@@ -168,9 +168,11 @@ class Maintenance:
 
         found: list[bytes] = []
         resume = b""
+        pause = Yielder()  # the daemon's loads share this process's GIL with the applier
         with index.read() as txn, txn.cursor(db=index.gone) as cur:
             more = cur.set_range(start) if start else cur.first()
             for _ in range(scan):
+                pause()
                 if not more:
                     break
                 if expired(cur.value()):
