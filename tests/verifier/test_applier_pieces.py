@@ -17,7 +17,7 @@ from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones
-from kvtier.store.gil import PIECE_S, applying
+from kvtier.store.gil import PIECE_S, DurableFirst, Piece, applying
 from kvtier.store.index import IndexEntry, RecordState, encode_key, pack_time
 from kvtier.store.record import Codec
 
@@ -151,3 +151,64 @@ def test_a_prune_that_finds_nothing_takes_no_write_lock(tmp_path: Path) -> None:
             assert r.get(old, db=index.gone) is None and r.get(fresh, db=index.gone) is not None
     finally:
         store.close()
+
+
+def _in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_piece_ends_once_another_thread_waits_for_the_write_lock() -> None:
+    writers = DurableFirst()
+    with applying():
+        piece = Piece(writers, budget_s=3600.0)
+        assert not piece.over() and not piece.over()  # nobody waits: it goes on
+        waiting, release = threading.Event(), threading.Event()
+
+        def other_writer() -> None:
+            with writers.wanting():  # as Index.update around its wait for the lock
+                waiting.set()
+                release.wait(DEADLINE_S)
+
+        t = _in_thread(other_writer)
+        assert waiting.wait(DEADLINE_S)
+        assert piece.over()  # ends at this item
+        assert not Piece(writers, budget_s=3600.0).over()  # a new piece always does its first item
+        assert not Piece(writers, budget_s=0.0).over()
+        release.set()
+        t.join(DEADLINE_S)
+    assert not Piece(writers, budget_s=0.0).over()  # off the applier's thread: never
+
+
+def test_the_hold_back_waits_only_for_the_batches_under_way_when_it_came() -> None:
+    """Under back-to-back durable batches the applier still gets its transaction in between."""
+    writers = DurableFirst(max_wait_s=DEADLINE_S)
+    first_open, first_end, second_open, second_end = (threading.Event() for _ in range(4))
+
+    def batch(opened: threading.Event, end: threading.Event) -> None:
+        with writers.durable():
+            opened.set()
+            end.wait(DEADLINE_S)
+
+    _in_thread(lambda: batch(first_open, first_end))
+    assert first_open.wait(DEADLINE_S)
+    through = threading.Event()
+
+    def applier() -> None:
+        with applying():
+            writers.before_write()
+        through.set()
+
+    _in_thread(applier)
+    deadline = time.monotonic() + DEADLINE_S
+    while writers.held_back == 0:  # the applier waits for the first batch
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    _in_thread(lambda: batch(second_open, second_end))
+    assert second_open.wait(DEADLINE_S)
+    assert not through.is_set()
+    first_end.set()  # the second batch is still under way: it came after the applier, so it does not hold it
+    assert through.wait(DEADLINE_S / 2), "the applier waited for a batch that began after it"
+    assert writers.under_way
+    second_end.set()
