@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
 from kvtier.store.extent import ExtentPlan, write_extent
-from kvtier.store.gil import Yielder
+from kvtier.store.gil import Piece, between_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
 from kvtier.store.io import SegmentFile
@@ -143,7 +144,8 @@ class Compaction:
     def relocate(self, batches: Iterable[Sequence[ObjectKey]]) -> list[int]:
         """Compaction: copy the live records of each batch of keys (checked first) into extents of a segment this
         process appends; then make every copy durable with one fdatasync and repoint each entry that still names
-        the old place in one commit. Returns how many moved, per batch. A bad record is quarantined. Format v1
+        the old place in one commit (on the daemon's applier thread, one per `gil.Piece`). Returns how many moved,
+        per batch. A bad record is quarantined. Format v1
         records move as v2 records (same payload and checksum, inline header).
 
         `batches` is drawn one batch at a time, between copies: the caller paces the copies by when it yields the
@@ -249,35 +251,50 @@ class Compaction:
         self._ctx.index.update(lambda txn: seal_segment(self._ctx.index, txn, d.seg_id))
 
     def apply_repoint(self, d: Repoint) -> list[int]:
-        """Repoint every moved record that still lies where it was read, in one commit; how many per batch."""
-        return self._ctx.index.update(lambda txn: self._repoint(txn, d.batches))
+        """Repoint every moved record that still lies where it was read; how many per batch. One commit, or on the
+        applier's thread one per piece (`kvtier.store.gil.Piece`): each move is checked and counted on its own, so
+        a decision cut anywhere leaves every record pointing at a durable copy."""
+        moves = [(i, m) for i, batch in enumerate(d.batches) for m in batch]
+        moved = [0] * len(d.batches)
+        at = 0
+        while True:
+            at, mine = self._ctx.index.update(functools.partial(self._repoint, moves=moves, start=at, n=len(moved)))
+            moved = [a + b for a, b in zip(moved, mine)]
+            if at >= len(moves):
+                return moved
+            between_pieces()
 
-    def _repoint(self, txn: lmdb.Transaction, batches: list[list[Move]]) -> list[int]:
+    def _repoint(
+        self, txn: lmdb.Transaction, moves: list[tuple[int, Move]], start: int, n: int
+    ) -> tuple[int, list[int]]:
+        """Moves from `start` on, until the piece is over; returns where it stopped and how many it moved of each
+        of the `n` batches."""
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
-        moved = [0] * len(batches)
-        pause = Yielder()  # the daemon's loads share this process's GIL with the applier
-        for i, batch in enumerate(batches):
-            for m in batch:
-                pause()
-                raw = txn.get(m.key, db=obj_db)
-                cur = entry_or_none(raw) if raw is not None else None
-                if (
-                    cur is None
-                    or cur.state is not RecordState.LIVE
-                    or (cur.segment, cur.offset, cur.seq) != (m.old_segment, m.old_offset, m.old_seq)
-                ):
-                    continue
-                entry = dataclasses.replace(
-                    cur, segment=m.segment, offset=m.offset, record_len=m.record_len, record_version=FORMAT_VERSION
-                )
-                txn.put(m.key, entry.pack(), db=obj_db)
-                ledger.release(cur.segment, cur.record_len)
-                ledger.add(m.segment, m.offset, m.record_len)
-                ledger.usage[cur.form].record_bytes += m.record_len - cur.record_len  # a v1 record shrinks as it moves
-                moved[i] += 1
+        piece = Piece(self._ctx.index.writers)
+        mine = [0] * n
+        at = start
+        while at < len(moves) and not piece.over():
+            i, m = moves[at]
+            at += 1
+            raw = txn.get(m.key, db=obj_db)
+            cur = entry_or_none(raw) if raw is not None else None
+            if (
+                cur is None
+                or cur.state is not RecordState.LIVE
+                or (cur.segment, cur.offset, cur.seq) != (m.old_segment, m.old_offset, m.old_seq)
+            ):
+                continue
+            entry = dataclasses.replace(
+                cur, segment=m.segment, offset=m.offset, record_len=m.record_len, record_version=FORMAT_VERSION
+            )
+            txn.put(m.key, entry.pack(), db=obj_db)
+            ledger.release(cur.segment, cur.record_len)
+            ledger.add(m.segment, m.offset, m.record_len)
+            ledger.usage[cur.form].record_bytes += m.record_len - cur.record_len  # a v1 record shrinks as it moves
+            mine[i] += 1
         ledger.save()
-        return moved
+        return at, mine
 
     def close(self) -> None:
         if self._relocator is not None:

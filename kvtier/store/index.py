@@ -488,12 +488,16 @@ class Index:
             self.env.set_mapsize(size)
         log.info("lmdb map size now %d bytes", self.env.info()["map_size"])
 
-    def update(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def update(self, fn: Callable[[lmdb.Transaction], T], *, hold_back: bool = True) -> T:
         """Run fn in a write transaction and commit; on MapFullError grow the map and run it again. Durable when
-        it returns: the commit's meta page is synced (`sync`) once the write lock is free for the next writer."""
-        self.writers.before_write()
+        it returns: the commit's meta page is synced (`sync`) once the write lock is free for the next writer.
+        `hold_back=False`: the caller already waited (`writers.before_write`) before taking a lock that a durable
+        batch's commit takes too (the store's observe lock), which it must not hold while it waits."""
+        if hold_back:
+            self.writers.before_write()
         while True:
-            txn = self._enter(write=True)
+            with self.writers.wanting():  # an applier's transaction under way ends at its next item (gil.Piece)
+                txn = self._enter(write=True)
             try:
                 result = fn(txn)
                 txn.commit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -16,7 +17,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.gil import Yielder
+from kvtier.store.gil import Piece, Yielder, between_pieces
 from kvtier.store.index import (
     IndexEntry,
     RecordState,
@@ -86,20 +87,21 @@ class Maintenance:
 
         `when`, if given, is asked inside the write transaction about each indexed key's current entry (None: its
         value is corrupt); only keys it accepts are dropped, so a cleaner's decision cannot hit a record that changed.
+        On the applier's thread the keys go in pieces, each its own transaction (`kvtier.store.gil.Piece`).
         """
         index = self._ctx.index
         pairs = [(k, encode_key(k)) for k in keys]
         stamp = pack_time(time.time())
-
         served: list[ObjectKey] = []  # dropped keys that were in service (a quarantined one was out already)
 
-        def put(txn: lmdb.Transaction) -> int:
+        def put(txn: lmdb.Transaction, start: int) -> tuple[int, int]:
             served.clear()  # (run again after the map grew)
             ledger = Ledger(index, txn)
-            n = 0
-            pause = Yielder()  # the daemon's loads share this process's GIL with the applier
-            for key, raw_key in pairs:
-                pause()
+            piece = Piece(index.writers)
+            n, i = 0, start
+            while i < len(pairs) and not piece.over():
+                key, raw_key = pairs[i]
+                i += 1
                 raw = txn.get(raw_key, db=index.obj)
                 if raw is None:
                     continue
@@ -115,12 +117,18 @@ class Maintenance:
                     served.append(key)
                 n += 1
             ledger.save()
-            return n
+            return n, i
 
-        with self._ctx.observing() as tell:
-            n = index.update(put)
-            tell("removed", served)
-        return n
+        total, start = 0, 0
+        while True:
+            index.writers.before_write()  # not under the observe lock, which a durable batch's commit takes too
+            with self._ctx.observing() as tell:
+                n, start = index.update(functools.partial(put, start=start), hold_back=False)
+                tell("removed", served)
+            total += n
+            if start >= len(pairs):
+                return total
+            between_pieces()
 
     def drop_if(self, items: Sequence[DropIf], *, tombstone: bool = False) -> int:
         """Decide to drop records that are still what the caller saw (see `DropIf`); returns how many went."""
@@ -148,31 +156,51 @@ class Maintenance:
         return int(n), bytes(cursor)
 
     def apply_prune(self, d: PruneTombstones) -> tuple[int, bytes]:
+        """Find the expired tombstones in a read transaction (most passes find none, and then take no write lock at
+        all), then delete those still expired, in pieces (`kvtier.store.gil.Piece`)."""
         index = self._ctx.index
         older_than, start, scan = d.older_than, bytes(d.start), d.scan
 
-        def put(txn: lmdb.Transaction) -> tuple[int, bytes]:
-            n = 0
-            pause = Yielder()
-            with txn.cursor(db=index.gone) as cur:
-                more = cur.set_range(start) if start else cur.first()
-                for _ in range(scan):
-                    pause()
-                    if not more:
-                        return n, b""
-                    try:
-                        expired = unpack_time(cur.value()) < older_than
-                    except CorruptRecord:
-                        expired = True
-                    if expired:
-                        cur.delete()  # moves to the next entry; past the last one the cursor is unset
-                        more = bool(cur.key())
-                        n += 1
-                    else:
-                        more = cur.next()
-                return n, (bytes(cur.key()) if more else b"")
+        def expired(value: bytes | memoryview) -> bool:
+            try:
+                return unpack_time(value) < older_than
+            except CorruptRecord:
+                return True
 
-        return index.update(put)
+        found: list[bytes] = []
+        resume = b""
+        pause = Yielder()  # the daemon's loads share this process's GIL with the applier
+        with index.read() as txn, txn.cursor(db=index.gone) as cur:
+            more = cur.set_range(start) if start else cur.first()
+            for _ in range(scan):
+                pause()
+                if not more:
+                    break
+                if expired(cur.value()):
+                    found.append(bytes(cur.key()))
+                more = cur.next()
+            if more:
+                resume = bytes(cur.key())
+
+        def delete(txn: lmdb.Transaction, start: int) -> tuple[int, int]:
+            piece = Piece(index.writers)
+            n, i = 0, start
+            while i < len(found) and not piece.over():
+                raw_key = found[i]
+                i += 1
+                value = txn.get(raw_key, db=index.gone)
+                if value is not None and expired(value):  # not evicted again since the scan
+                    txn.delete(raw_key, db=index.gone)
+                    n += 1
+            return n, i
+
+        total, at = 0, 0
+        while at < len(found):
+            n, at = index.update(functools.partial(delete, start=at))
+            total += n
+            if at < len(found):
+                between_pieces()
+        return total, resume
 
     # ----------------------------------------------------------------- quarantine and verification
 
@@ -205,8 +233,9 @@ class Maintenance:
             txn.put(raw_key, quarantined.pack(), db=index.obj)
             return True
 
+        index.writers.before_write()  # not under the observe lock (see drop)
         with self._ctx.observing() as tell:
-            done = index.update(put)
+            done = index.update(put, hold_back=False)
             tell("removed", [key] if done and was_live[0] else [])
         return done
 
@@ -256,20 +285,30 @@ class Maintenance:
         return slots
 
     def apply_stamp(self, d: Stamp) -> None:
-        """Stamp verified_at and clear the dirty row of each record whose value is unchanged since its check."""
+        """Stamp verified_at and clear the dirty row of each record whose value is unchanged since its check (in
+        pieces on the applier's thread: `kvtier.store.gil.Piece`)."""
         index = self._ctx.index
+        rows = d.rows
 
-        def stamp(txn: lmdb.Transaction) -> None:
-            pause = Yielder()
-            for raw_key, raw in d.rows:
-                pause()
+        def stamp(txn: lmdb.Transaction, start: int) -> int:
+            piece = Piece(index.writers)
+            i = start
+            while i < len(rows) and not piece.over():
+                raw_key, raw = rows[i]
+                i += 1
                 cur = txn.get(raw_key, db=index.obj)
                 if cur is not None and bytes(cur) == raw:  # unchanged since the read
                     entry = IndexEntry.unpack(raw)
                     txn.put(raw_key, dataclasses.replace(entry, verified_at=d.at).pack(), db=index.obj)
                     txn.delete(u64_key(entry.seq), db=index.dirty)
+            return i
 
-        index.update(stamp)
+        at = 0
+        while True:
+            at = index.update(functools.partial(stamp, start=at))
+            if at >= len(rows):
+                return
+            between_pieces()
 
     # ----------------------------------------------------------------- scans
 

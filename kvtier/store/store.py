@@ -287,7 +287,7 @@ class DiskStore:
 
     def relocate(self, batches: Iterable[Sequence[ObjectKey]]) -> list[int]:
         """Copy live records into a segment of this process's and repoint them, per batch of keys, under one sync
-        and one commit (see `Compaction.relocate`)."""
+        and one commit, cut in pieces on the daemon's applier thread (see `Compaction.relocate`)."""
         self._check_pid()
         return self._compaction.relocate(batches)
 
