@@ -163,19 +163,13 @@ class Reader:
         extra: Sequence[LoadRequest] = ()
         try:
             rest = packed.add(requests, 0)
-            # (the general path takes a whole load only for its first requests' targets: device targets are read
-            # from all of the load's at once; a load of misses is the pipeline's, `more` included)
-            none_taken = len(rest) == n and packed.elsewhere > 0
-            if more is not None and not none_taken:
+            if more is not None:  # (once the first requests' reads are out)
                 extra = more()
                 rest += packed.add(extra, n)
             outcome.hits, faults = packed.finish()
         finally:
             packed.close()
             close_reads(reads)
-        if none_taken:  # the general path alone, calling `more` as it does (once the first reads are out)
-            self._load(txn, requests, more, outcome)
-            return
         outcome.reasons = [_OK] * (n + len(extra))
 
         def request(i: int) -> LoadRequest:  # (indexed, not listed: a LoadBatch builds a request only when asked)
