@@ -31,19 +31,18 @@ Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, on
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,
 submission, checks and copies of random small records take a fraction of the thread's CPU per record that stepping
-through them does (bench/store.py's small loads measure the objects/s). Runs are planned as the general path's
-native-AIO runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of CHUNK_BYTES so no
-read is longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: a disk that returns what it holds
-together (as virtual disks do) reads the next chunk while this thread checks the last. A load holds at most IN_FLIGHT +
-1 chunks' bounce buffers (those read and the one checked) and those of the chunks that read into their targets sent
-within WINDOW_BYTES (each smaller than its reads), however many records it asks for. A run ends with each large record
-(its read is bounce bytes, the payload's aligned bulk into the target, the tail into the bounce buffer), cut where its
-bytes cross a multiple of PIECE_BYTES. A chunk that reads into its targets holds few bounce bytes, so past the IN_FLIGHT
-chunks more of them go while their reads fit in WINDOW_BYTES (and the AIO queue has room): a load of large records keeps
-the disk's queue as deep as fio's reads at that request size and depth (`bench/fio_limit.py`, `bench/store.py`), and
-each record is checked (its xxh3 over its target) as soon as its chunk is in, while the disk reads the chunks after it.
-Large records are this path's, alone or among small ones: the general path after this one is a second round of lookups,
-planning and reads.
+through them does (bench/store.py's small loads measure the objects/s). Runs hold records up to AIO_RUN_GAP apart, cut
+where a file offset crosses a multiple of CHUNK_BYTES so no read is longer, and read CHUNK_BYTES at a time with at most
+IN_FLIGHT chunks out: a disk that returns what it holds together (as virtual disks do) reads the next chunk while this
+thread checks the last. A load holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked) and
+those of the chunks that read into their targets sent within WINDOW_BYTES (each smaller than its reads), however many
+records it asks for. A run ends with each large record (its read is bounce bytes, the payload's aligned bulk into the
+target, the tail into the bounce buffer), cut where its bytes cross a multiple of PIECE_BYTES. A chunk that reads into
+its targets holds few bounce bytes, so past the IN_FLIGHT chunks more of them go while their reads fit in WINDOW_BYTES
+(and the AIO queue has room): a load of large records keeps the disk's queue as deep as fio's reads at that request size
+and depth (`bench/fio_limit.py`, `bench/store.py`), and each record is checked (its xxh3 over its target) as soon as its
+chunk is in, while the disk reads the chunks after it. This is the one read path: every record a load or a scan reads is
+read and checked here, and a request it does not take has nothing to read (the caller names why from the index).
 """
 
 from __future__ import annotations
@@ -162,7 +161,7 @@ class PackedLoad:
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
-        # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
+        # A GDS store reads device targets' payloads with GDS (`_plan_devices`): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
             wanted, rest = batch_wanted(requests, first, device)
@@ -242,7 +241,7 @@ class PackedLoad:
             # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
             & ((e["stored_len"] < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
-        if all(len(d) == 16 for d in digests):  # (another length never matches: the general path says so)
+        if all(len(d) == 16 for d in digests):  # (another length never matches: the caller says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
         else:
             ok[:] = False

@@ -20,11 +20,10 @@ The strategies:
 - GDS is not one of them: cuFile reads one device buffer per call, so a device target's payload is read by itself
   into its slot on the read pool (`device_rows.read_device`), once its header came through one of these.
 
-`run_gap(reads)` is how far apart two records may lie and still be read together with that strategy.
 `with_target(at, n, direct)` and `cut_pieces(iov, piece)` shape a run's read that ends in a payload read straight into
 its target: its iov, then that iov cut into reads of at most about `piece` bytes.
 
-Why one interface: the planning of runs, the checks and the copies out (`packed.PackedLoad`, `aio_runs.WaveRead`)
+Why one interface: the planning of runs, the checks and the copies out (`packed.PackedLoad`, `scan.PackedScan`)
 are the same whichever way the bytes arrive; only the submission differs, so it is the only part chosen per host.
 """
 
@@ -38,7 +37,6 @@ from typing import Protocol
 
 from kvtier.store import aio
 from kvtier.store.context import StoreContext
-from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP
 
 
 class Reads(Protocol):
@@ -140,12 +138,6 @@ def close_reads(reads: Reads) -> None:
         aio.release(reads)
     else:
         reads.drain()
-
-
-def run_gap(reads: Reads) -> int:
-    """Native AIO has every read in flight at once, so another read costs less than the bytes of a gap; with a
-    few threads, reading across gaps is what keeps the disk busy."""
-    return AIO_RUN_GAP if isinstance(reads, aio.AioContext) else MAX_RUN_GAP
 
 
 def with_target(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:

@@ -123,7 +123,7 @@ def batch_wanted(
     start = slots * stride[g_of]
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
-        flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
+        flat_uint8(batch[i].out)  # raises as a list's request would; a good target is loaded as a list's
     served = inside & cpu[g_of]
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()

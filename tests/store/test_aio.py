@@ -15,8 +15,7 @@ import torch
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig, aio
-from kvtier.store import aio_runs as waves_mod
-from kvtier.store import submit as submit_mod
+from kvtier.store import packed as packed_mod
 from kvtier.store.io import AlignedBuffer, PosixBackend
 from support.store_helpers import DIGEST, VK, make_key, make_payload
 
@@ -109,8 +108,7 @@ def test_a_forked_child_sets_up_its_own_context(ctx, data_file) -> None:
 def test_a_load_larger_than_the_queue_and_the_bounce_window(tmp_path, ctx, monkeypatch) -> None:
     """Hundreds of runs through a queue of 4 and a window of one buffer: each run waits for room, none is lost."""
     monkeypatch.setattr(aio, "DEPTH", 4)
-    monkeypatch.setattr(waves_mod, "AIO_BOUNCE_BYTES", 1)
-    monkeypatch.setattr(submit_mod, "AIO_RUN_GAP", 0)
+    monkeypatch.setattr(packed_mod, "RUN_GAP", 0)
     root = str(tmp_path / "store")
     n = 400
     with DiskStore(root, writer=True) as s:

@@ -22,7 +22,7 @@ SIZES = [512 + 37 * i for i in range(24)]  # small records: the packed path's
 def native_aio() -> None:
     ctx = aio.acquire()
     if ctx is None:
-        pytest.skip("native AIO is not available on this machine: loads take the general path only")
+        pytest.skip("native AIO is not available on this machine: loads read with threads only")
     aio.release(ctx)
 
 
