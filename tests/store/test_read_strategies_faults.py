@@ -277,10 +277,10 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
     assert states[:2] == [QR.HEADER, QR.PAYLOAD] and states[2:] == [None] * (len(recs) - 2)
     assert all(xxhash.xxh3_128_hexdigest(o.numpy().tobytes()) == r["xxh3_128"] for o, r in zip(outs[2:], recs[2:]))
     assert all((o == FILL).all() for o in outs[:2])  # v1 payloads go through the bounce buffer: never half-written
-    if strategy != "gds":  # host targets: every v1 record served, or its fault named, by the batch pipeline
-        assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
-        named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
-        assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
+    # host and device targets alike: every v1 record served, or its fault named, by the batch pipeline
+    assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
+    named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
+    assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
 
 
 # ----------------------------------------------------------------- scans: the verifier's checks and compaction's reads
