@@ -4,30 +4,30 @@ Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, on
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits their
   reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it returns
   the numbers of the others. It serves a request whose record is live in a live namespace, with the request's layout
-  digest and payload length. A target that is host memory the columns take (a cpu tensor a GDS backend does not
-  claim): a v2 record stored as is or
-  zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2 record with only a device
-  checksum, or a large payload that does not start 4096-aligned is taken too and checked on its own (`record_check`).
-  A large v2 payload whose target is at an address O_DIRECT takes is read straight into it (the bytes move once), in
-  pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into the bounce buffer and
-  copied once checked. Any other target (device memory) is a row checked on its own: a record a GDS read checks on
-  the device (`device_rows.gds_ready`) with a target the backend reads directly has a run that reads its header only,
-  its payload then read by the backend's device read on the read pool and checked with the device checksum
-  (`device_rows.read_device`); any other is read whole into the bounce buffer and copied (or decoded) into the target
-  once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything is
-  read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
-  builds a request only for an object it does not serve.
+  digest and payload length. A target that is host memory the columns take (a cpu tensor a GDS backend does not claim):
+  a v2 record stored as is or zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2
+  record with only a device checksum, or a large payload that does not start 4096-aligned is taken too and checked on
+  its own (`record_check`). A large v2 payload whose target is at an address O_DIRECT takes is read straight into it
+  (the bytes move once), in pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into
+  the bounce buffer and copied once checked. Any other target (device memory) is a row checked on its own: a record a
+  GDS read checks on the device (`device_rows.gds_ready`) with a target the backend reads directly has a run that reads
+  its header only, its payload then read by the backend's device read on the read pool and checked with the device
+  checksum (`device_rows.read_device`); any other is read whole into the bounce buffer and copied (or decoded) into the
+  target once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything
+  is read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a
+  request only for an object it does not serve.
 - `finish()` waits for every read, checks every record (not cut short, its header by `header_check.headers_good`, the
-  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one
-  into its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on
-  its own, on the bytes already read (`record_check.check_record`): served if good, else named; a device row's
-  payload read and device checksum are waited for. Returns the encoded
-  keys of those it served and the faults, (request number, CorruptRecord naming the quarantine reason), a segment that
-  cannot be opened among them. A large record that fails leaves its target holding the bytes read: the caller must
-  not use a slot whose load was not `ok`.
-- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace)
-  is the caller's to answer (`Reader`, which names why from the index).
-- `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
+  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one into
+  its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on its
+  own, on the bytes already read (`record_check.check_record`): served if good, else named; a device row's payload read
+  and device checksum are waited for. Returns the encoded keys of those it served and the faults, (request number,
+  CorruptRecord naming the quarantine reason), a segment that cannot be opened among them. A large record that fails
+  leaves its target holding the bytes read: the caller must not use a slot whose load was not `ok`.
+- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, an
+  uncompressed entry whose stored length is not its payload's) is the caller's to answer (`Reader`, which names why
+  from the index).
+- `close()` (always, also after an exception) waits out every read in flight (a device row's too) and gives the bounce
+  buffers back.
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,
 submission, checks and copies of random small records take a fraction of the thread's CPU per record that stepping
