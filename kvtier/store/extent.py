@@ -1,17 +1,18 @@
-"""Extents: how a batch's records lie contiguously in a segment, and how a load groups them into large reads.
+"""Extents: how a batch's records lie contiguously in a segment, and how far apart a load's records may lie and still
+be read together.
 
 A writer lays out each batch as one or more extents (FORMAT.md, "Extents"): a 4096-aligned run of namespace
-records and object records, zero padded to a 4096 multiple, written with one pwrite. A load sorts what it wants
-by (segment, offset) and reads each run of nearby records with one aligned read, then checks every record in it.
+records and object records, zero padded to a 4096 multiple, written with one pwrite. A load (`packed.PackedLoad`)
+sorts what it wants by (segment, offset) and reads each run of records at most AIO_RUN_GAP apart with one aligned
+read, then checks every record in it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from kvtier.core.layout import DISK_ALIGNMENT, align_up
 from kvtier.store.io import AlignedBuffer, BufferPool, PosixBackend, SegmentFile
@@ -22,11 +23,6 @@ if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon
     import torch
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
-MAX_RUN_BYTES = 16 << 20  # one read covers at most this much (a larger record is a run of its own)
-# Reading this many unwanted bytes costs less than another I/O: an O_DIRECT read costs the CPU a syscall, an
-# interrupt and a wakeup whatever its size up to a few hundred KiB, about what the disk takes for this many more
-# bytes; a wider gap makes fewer, larger reads of random small records (bench/store.py's small loads).
-MAX_RUN_GAP = 64 << 10
 # With every read in flight at once (native AIO from one thread) a read costs the disk little, but the loading
 # thread a run's worth of Python (plan, place, submit, complete, check), and that is what a load of small records
 # waits on: the disk sits idle between completions. A gap this wide makes several times fewer runs of random small
@@ -121,90 +117,6 @@ class Stage:
         if self._buf is not None and self._pool is not None:
             self._pool.release(self._buf)
             self._buf = None
-
-
-J = TypeVar("J")
-
-
-@dataclasses.dataclass(slots=True)
-class Run(Generic[J]):
-    """One aligned read [start, end) of a segment covering the records of `jobs` (sorted by offset)."""
-
-    seg_id: int
-    start: int
-    end: int
-    jobs: list[tuple[int, int, J]]  # (offset, record length, job)
-
-
-def plan_runs(items: Sequence[tuple[int, int, int, J]], max_gap: int = MAX_RUN_GAP) -> list[Run[J]]:
-    """Group (segment, offset, record length, job) into runs of records at most `max_gap` bytes apart, each one
-    aligned read."""
-    runs: list[Run[J]] = []
-    jobs: list[tuple[int, int, J]] = []
-    cur_seg = start = run_end = last_end = -1
-    for seg_id, offset, length, job in sorted(items, key=_SEG_OFFSET):  # locals, not Run fields: per object
-        last = offset + length
-        end = last + (-last) % DISK_ALIGNMENT  # align_up, inline
-        if seg_id != cur_seg or offset - last_end > max_gap or max(end, run_end) - start > MAX_RUN_BYTES:
-            if jobs:
-                runs.append(Run(cur_seg, start, run_end, jobs))
-            cur_seg, start, run_end, jobs = seg_id, offset - offset % DISK_ALIGNMENT, end, []
-        elif end > run_end:
-            run_end = end
-        jobs.append((offset, length, job))
-        last_end = last
-    if jobs:
-        runs.append(Run(cur_seg, start, run_end, jobs))
-    return runs
-
-
-_SEG_OFFSET = operator.itemgetter(0, 1)
-
-
-@dataclasses.dataclass(slots=True)
-class Scatter:
-    """Where one run's bytes go: chosen payloads straight into their targets (moved once, no bounce copy), and
-    everything else (headers, small records, padding, unaligned tails) packed in file order into one bounce
-    buffer. Built by `scatter`; a run with no direct payload is one piece, the whole run into the bounce buffer."""
-
-    bounce_bytes: int
-    pieces: list[tuple[int, int]]  # in file order: (length, job number), or (length, -1): the bounce buffer's next
-    where: list[int]  # per job: where its record's first byte is in the bounce buffer
-    direct: list[int]  # per job: how many leading payload bytes went straight into its target (0: none)
-
-
-def scatter(run: Run[J], wants: Sequence[tuple[int, int]]) -> Scatter:
-    """Plan a run's read given, per job, (payload offset, bytes it could take straight into its target; 0: none).
-
-    A payload goes direct only where no other job of the run shares its bytes (the same record asked twice
-    reads through the bounce buffer). The bytes after a direct part (a tail shorter than the alignment) follow
-    the header in the bounce buffer: at `where + header length`."""
-    jobs = run.jobs
-    if not any(take for _, take in wants):  # the common case of small records: the whole run into the buffer
-        return Scatter(
-            run.end - run.start, [(run.end - run.start, -1)], [j[0] - run.start for j in jobs], [0] * len(jobs)
-        )
-    pieces: list[tuple[int, int]] = []
-    where: list[int] = []
-    direct: list[int] = []
-    cursor, moved, prev_end = run.start, 0, -1
-    for k, ((offset, length, _), (payload_at, take)) in enumerate(zip(jobs, wants)):
-        where.append(offset - run.start - moved)
-        end = offset + length
-        alone = offset >= prev_end and (k + 1 == len(jobs) or jobs[k + 1][0] >= end)
-        prev_end = max(prev_end, end)
-        if take <= 0 or not alone:
-            direct.append(0)
-            continue
-        if payload_at > cursor:
-            pieces.append((payload_at - cursor, -1))
-        pieces.append((take, k))
-        direct.append(take)
-        cursor = payload_at + take
-        moved += take
-    if run.end > cursor:
-        pieces.append((run.end - cursor, -1))
-    return Scatter(run.end - run.start - moved, pieces, where, direct)
 
 
 def copy_out(out: torch.Tensor, buf: AlignedBuffer, at: int, n: int) -> None:

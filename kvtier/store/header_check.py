@@ -4,17 +4,13 @@ and index entries imply, at once; and, for a record that fails it, why.
 Contract:
 - `expected_headers(entries, keys)` builds, from the header dtype, the v2 header each record must begin with:
   `entries` holds at least the fields of ENTRY_FIELDS per record (ENTRY_V2_DTYPE rows as they lie in the index,
-  or `entry_columns` of IndexEntry objects), `keys` the records' encoded index keys. The checksum field is left 0:
-  the check hashes the bytes read.
+  or `record_check.entry_rows` of IndexEntry objects), `keys` the records' encoded index keys. The checksum field is
+  left 0: the check hashes the bytes read.
 - `headers_good(mv, at, expected)` (`expected`: HEADER_DTYPE rows, or their bytes as rows of a uint8 array) says
   per record whether the HEADER_BYTES at offset `at[i]` of `mv` equal `expected[i]` in every byte before the
-  checksum and the checksum there is xxh3_64 of those bytes. `header_good(mv, at, expected)` is the same check for
-  one record (`expected`: its expected header's bytes before the checksum), for runs of one record or a few. These
-  are the only checks that accept a v2 header; every load path (the packed path, the general path's runs, a GDS
-  read) runs one of them against headers built here.
-- `ExpectedHeaders(jobs)` holds `expected_headers` of a load's jobs (anything with `.entry`, `.key` and `.raw_key`,
-  the encoded key or b"": the reader's ReadJob), built at once for them and again for each `add`; `of(job)` gives
-  a job's bytes before the checksum, found by the job's identity (a job must stay alive while it is asked for).
+  checksum and the checksum there is xxh3_64 of those bytes (a few records are compared one by one, `header_good`).
+  This is the only check that accepts a v2 header; the one read path (the batch pipeline: loads, GDS rows and scans)
+  runs it against headers built here.
 - `fault(entry, key, mv, at)` names why a record is bad, as the quarantine reason a `CorruptRecord` carries: a
   header that does not parse (damaged: `header`, or its bytes cut short: `segment_truncated`), one that parses but
   names another key or entry, or differs in any byte (`header_mismatch`). It runs only for a record the check
@@ -31,14 +27,13 @@ one Python step per record.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
 
 import numpy as np
 import xxhash
 
 from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, IndexEntry, encode_key
+from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, IndexEntry
 from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, HEADER_DTYPE, MAGIC, RECORD_ALIGNMENT, RecordHeader
 from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 
@@ -70,62 +65,6 @@ _HEADER_SPAN = np.arange(HEADER_BYTES)
 assert HEADER_BYTES % RECORD_ALIGNMENT == 0 and _FIXED % 8 == 0
 _h64 = xxhash.xxh3_64_intdigest
 _FEW = 4  # up to this many records are compared one by one
-
-
-def entry_columns(entries: Sequence[IndexEntry]) -> np.ndarray:
-    """The ENTRY_FIELDS of IndexEntry objects as one array (a load's jobs carry parsed entries)."""
-    return np.array(
-        [
-            (
-                e.codec,
-                e.flags,
-                e.layout_digest,
-                e.payload_len,
-                e.stored_len,
-                e.created,
-                e.payload_checksum,
-                e.device_checksum,
-            )
-            for e in entries
-        ],
-        ENTRY_FIELDS,
-    )
-
-
-class _Job(Protocol):
-    @property
-    def entry(self) -> IndexEntry: ...
-    @property
-    def key(self) -> ObjectKey: ...
-    @property
-    def raw_key(self) -> bytes: ...
-
-
-J = TypeVar("J", bound=_Job)
-
-
-class ExpectedHeaders:
-    """The header each v2 job's record must begin with, built for a load's jobs at once, not per run or piece read
-    (the module docstring states the contract)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, jobs: Sequence[_Job]) -> None:
-        self.rows: dict[int, bytes] = {}
-        self.add(jobs)
-
-    def add(self, jobs: Sequence[J]) -> Sequence[J]:
-        v2 = [j for j in jobs if j.entry.record_version == FORMAT_VERSION]
-        if v2:
-            raw = expected_headers(
-                entry_columns([j.entry for j in v2]), [j.raw_key or encode_key(j.key) for j in v2]
-            ).tobytes()
-            self.rows.update((id(j), raw[k * HEADER_BYTES : k * HEADER_BYTES + _FIXED]) for k, j in enumerate(v2))
-        return jobs
-
-    def of(self, job: _Job) -> bytes:
-        """The job's expected header's bytes before its checksum (for `header_good`)."""
-        return self.rows[id(job)]
 
 
 def expected_headers(entries: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
@@ -179,8 +118,8 @@ def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.nda
 
 
 def header_good(mv: memoryview, at: int, expected: bytes) -> bool:
-    """`headers_good` for one record, `expected` its expected header's bytes before the checksum
-    (`ExpectedHeaders.of`): the general path's runs hold a record or a few, too few to gather."""
+    """`headers_good` for one record, `expected` its expected header's bytes before the checksum (a batch of a few
+    records costs less so than gathered)."""
     fixed = mv[at : at + _FIXED]
     return fixed == expected and _h64(fixed) == int.from_bytes(mv[at + _FIXED : at + HEADER_BYTES], "little")
 

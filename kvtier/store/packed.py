@@ -3,42 +3,46 @@
 Contract (`PackedLoad(ctx, txn, reads, segment, namespace_reason)`, one load, one thread):
 - `add(requests, first)` takes the load's requests numbered from `first`, keeps those this path serves and submits their
   reads through `reads` (a submit strategy, `kvtier.store.submit`: native AIO or the read pool's threads); it returns
-  the numbers of the others. It serves a request whose target is a cpu tensor (not one a GDS backend reads) and whose
-  record is live in a live namespace, with the request's layout digest and payload length: a v2 record stored as is or
-  zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2 record with only a device
-  checksum, or a large payload that does not start 4096-aligned is taken too and checked on its own (`record_check`).
-  A large v2 payload whose target is at an address O_DIRECT takes is read straight into it (the bytes move once), in
-  pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into the bounce buffer and
-  copied once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before
-  anything is read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and
-  builds a request only for an object it does not serve.
+  the numbers of the others. It serves a request whose record is live in a live namespace, with the request's layout
+  digest and payload length. A target that is host memory the columns take (a cpu tensor a GDS backend does not claim):
+  a v2 record stored as is or zstd-compressed with an xxh3 checksum goes through the columnar checks; a v1 record, a v2
+  record with only a device checksum, or a large payload that does not start 4096-aligned is taken too and checked on
+  its own (`record_check`). A large v2 payload whose target is at an address O_DIRECT takes is read straight into it
+  (the bytes move once), in pieces of PIECE_BYTES, its unaligned tail through the bounce buffer; any other is read into
+  the bounce buffer and copied once checked. Any other target (device memory) is a row checked on its own: a record a
+  GDS read checks on the device (`device_rows.gds_ready`) with a target the backend reads directly has a run that reads
+  its header only, its payload then read by the backend's device read on the read pool and checked with the device
+  checksum (`device_rows.read_device`); any other is read whole into the bounce buffer and copied (or decoded) into the
+  target once checked. A target that is not a non-empty contiguous uint8 tensor raises StoreRequestError before anything
+  is read. From a `LoadBatch` it reads the columns (keys encoded from them, targets as pool addresses) and builds a
+  request only for an object it does not serve.
 - `finish()` waits for every read, checks every record (not cut short, its header by `header_check.headers_good`, the
-  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one
-  into its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on
-  its own, on the bytes already read (`record_check.check_record`): served if good, else named. Returns the encoded
-  keys of those it served and the faults, (request number, CorruptRecord naming the quarantine reason), a segment that
-  cannot be opened among them. A large record that fails leaves its target holding the bytes read: the caller must
-  not use a slot whose load was not `ok`.
-- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, a
-  device target) is the caller's to answer (`Reader`'s general path, which names why from the index and reads the
-  records of device targets).
-- `close()` (always, also after an exception) waits out every read in flight and gives the bounce buffers back.
+  payload's xxh3_128: a large one's over its target, after its tail is copied there) and copies each good small one into
+  its target (a compressed one decoded into it). A record the columnar check does not accept is checked again on its
+  own, on the bytes already read (`record_check.check_record`): served if good, else named; a device row's payload read
+  and device checksum are waited for. Returns the encoded keys of those it served and the faults, (request number,
+  CorruptRecord naming the quarantine reason), a segment that cannot be opened among them. A large record that fails
+  leaves its target holding the bytes read: the caller must not use a slot whose load was not `ok`.
+- What it does not take (no record, not live, another layout or length, a corrupt index value, a retired namespace, an
+  uncompressed entry whose stored length is not its payload's) is the caller's to answer (`Reader`, which names why
+  from the index).
+- `close()` (always, also after an exception) waits out every read in flight (a device row's too) and gives the bounce
+  buffers back.
 
 Why: a load of small records costs Python steps per record, not disk time: per batch in numpy, the lookups, planning,
 submission, checks and copies of random small records take a fraction of the thread's CPU per record that stepping
-through them does (bench/store.py's small loads measure the objects/s). Runs are planned as the general path's
-native-AIO runs are (records up to AIO_RUN_GAP apart), cut where a file offset crosses a multiple of CHUNK_BYTES so no
-read is longer, and read CHUNK_BYTES at a time with at most IN_FLIGHT chunks out: a disk that returns what it holds
-together (as virtual disks do) reads the next chunk while this thread checks the last. A load holds at most IN_FLIGHT +
-1 chunks' bounce buffers (those read and the one checked) and those of the chunks that read into their targets sent
-within WINDOW_BYTES (each smaller than its reads), however many records it asks for. A run ends with each large record
-(its read is bounce bytes, the payload's aligned bulk into the target, the tail into the bounce buffer), cut where its
-bytes cross a multiple of PIECE_BYTES. A chunk that reads into its targets holds few bounce bytes, so past the IN_FLIGHT
-chunks more of them go while their reads fit in WINDOW_BYTES (and the AIO queue has room): a load of large records keeps
-the disk's queue as deep as fio's reads at that request size and depth (`bench/fio_limit.py`, `bench/store.py`), and
-each record is checked (its xxh3 over its target) as soon as its chunk is in, while the disk reads the chunks after it.
-Large records are this path's, alone or among small ones: the general path after this one is a second round of lookups,
-planning and reads.
+through them does (bench/store.py's small loads measure the objects/s). Runs hold records up to AIO_RUN_GAP apart, cut
+where a file offset crosses a multiple of CHUNK_BYTES so no read is longer, and read CHUNK_BYTES at a time with at most
+IN_FLIGHT chunks out: a disk that returns what it holds together (as virtual disks do) reads the next chunk while this
+thread checks the last. A load holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked) and
+those of the chunks that read into their targets sent within WINDOW_BYTES (each smaller than its reads), however many
+records it asks for. A run ends with each large record (its read is bounce bytes, the payload's aligned bulk into the
+target, the tail into the bounce buffer), cut where its bytes cross a multiple of PIECE_BYTES. A chunk that reads into
+its targets holds few bounce bytes, so past the IN_FLIGHT chunks more of them go while their reads fit in WINDOW_BYTES
+(and the AIO queue has room): a load of large records keeps the disk's queue as deep as fio's reads at that request size
+and depth (`bench/fio_limit.py`, `bench/store.py`), and each record is checked (its xxh3 over its target) as soon as its
+chunk is in, while the disk reads the chunks after it. This is the one read path: every record a load or a scan reads is
+read and checked here, and a request it does not take has nothing to read (the caller names why from the index).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ import ctypes
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
@@ -55,14 +61,15 @@ import xxhash
 from kvtier.core.forms import Reason
 from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.loadbatch import LoadBatch
-from kvtier.core.tier import LoadRequest
+from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import aio
 from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
-from kvtier.store.context import StoreContext
+from kvtier.store.context import StoreContext, flat_uint8
+from kvtier.store.device_rows import fill_device, gds_ready, read_device
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP
-from kvtier.store.header_check import expected_headers, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key
+from kvtier.store.header_check import expected_headers, fault, headers_good
+from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key, encode_key
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -75,9 +82,12 @@ from kvtier.store.record import (
     zstd_decompress_into,
 )
 from kvtier.store.record_check import check_record, entry_rows
-from kvtier.store.submit import Reads
-from kvtier.store.wanted import Wanted, batch_wanted
+from kvtier.store.submit import Reads, cut_pieces, with_target
+from kvtier.store.wanted import Wanted, batch_wanted, servable
 from kvtier.store.wanted import wanted as want
+
+if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
+    import torch
 
 CHUNK_BYTES = 4 << 20  # bytes of runs read per chunk; no run crosses a multiple of it in its file
 IN_FLIGHT = 2  # chunks read at once
@@ -145,11 +155,13 @@ class PackedLoad:
         self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
         self._faults: list[tuple[int, CorruptRecord]] = []
-        self.elsewhere = 0  # requests left out for their target (not host memory the columns take), not their record
+        # Per request number, a target the columns do not take (device memory) and whether GDS reads its payload
+        self._devices: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._device_reads: list[tuple[int, bytes, Future[None]]] = []  # GDS reads on the read pool
 
     def add(self, requests: Sequence[LoadRequest], first: int) -> list[int]:
         backend = self._ctx.backend
-        # A GDS store reads device targets with GDS (the general path): the backend says which targets are its
+        # A GDS store reads device targets' payloads with GDS (`_plan_devices`): the backend says which targets are its
         device = backend.device_io if backend.gpu_direct else None
         if isinstance(requests, LoadBatch):
             wanted, rest = batch_wanted(requests, first, device)
@@ -159,7 +171,7 @@ class PackedLoad:
                 wanted, rest = wanted.joined(built), [rest[j] for j in left]
         else:
             wanted, rest = want(requests, first, device)
-        self.elsewhere += len(rest)
+        rest = self._plan_devices(requests, first, rest)
         for part in (wanted.part(0, EARLY_KEYS), wanted.part(EARLY_KEYS, len(wanted.numbers))):
             if part.numbers:
                 rest += self._plan(part)
@@ -176,9 +188,18 @@ class PackedLoad:
                 self._reading.appendleft(chunk)  # close() gives its buffer back
                 raise
             self._check(chunk)
+        for number, raw_key, done in self._device_reads:
+            try:
+                done.result()
+                self._hits.append(raw_key)
+            except CorruptRecord as exc:
+                self._faults.append((number, exc))
+        self._device_reads.clear()
         return self._hits, self._faults
 
     def close(self) -> None:
+        wait([done for _, _, done in self._device_reads])
+        self._device_reads.clear()
         self._reads.drain()
         for chunk in self._reading:
             assert chunk.buf is not None
@@ -220,7 +241,7 @@ class PackedLoad:
             # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
             & ((e["stored_len"] < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
-        if all(len(d) == 16 for d in digests):  # (another length never matches: the general path says so)
+        if all(len(d) == 16 for d in digests):  # (another length never matches: the caller says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
         else:
             ok[:] = False
@@ -242,21 +263,48 @@ class PackedLoad:
         picked: list[int] = []
         entries: list[IndexEntry] = []
         for i, v in enumerate(values):
-            if not v or i in taken or not ns_ok[w.namespaces[i]]:
+            if i in taken:
                 continue
-            try:
-                entry = IndexEntry.unpack(v)
-            except CorruptRecord:
-                continue
-            if (
-                entry.state is RecordState.LIVE
-                and entry.layout_digest == w.digests[i]
-                and entry.payload_len == int(w.lengths[i])
-                and (entry.codec is Codec.ZSTD or entry.stored_len == entry.payload_len)
-            ):
+            entry = servable(v, ns_ok[w.namespaces[i]], w.digests[i], int(w.lengths[i]))
+            if entry is not None:
                 picked.append(i)
                 entries.append(entry)
         return picked, entry_rows(entries)
+
+    def _plan_devices(self, requests: Sequence[LoadRequest], first: int, numbers: list[int]) -> list[int]:
+        """Look up the requests `numbers` (from `first`) whose target the columns do not take (device memory) and queue
+        the rows of those whose record this load serves, checked one by one (`_one`): a record the backend reads into
+        its target by GDS (`device_rows.gds_ready`) has a run that reads its header only. The numbers of the others."""
+        backend, txn, obj, ns_ok = self._ctx.backend, self._txn, self._ctx.index.obj, self._ns_ok
+        left: list[int] = []
+        entries: list[IndexEntry] = []
+        lengths: list[int] = []
+        w = Wanted([], [], [], [], np.zeros(0, np.uint64), [])
+        for n in numbers:
+            req = requests[n - first]
+            out, raw, ns = flat_uint8(req.out), encode_key(req.key), req.key.namespace
+            if ns not in ns_ok:
+                ns_ok[ns] = self._namespace_reason(txn, ns) is Reason.OK
+            entry = servable(txn.get(raw, db=obj), ns_ok[ns], req.layout_digest, out.numel())
+            if entry is None:
+                left.append(n)
+                continue
+            self._devices[n] = (out, backend.gpu_direct and backend.device_io(out) and gds_ready(entry))
+            w.numbers.append(n)
+            w.raw.append(raw)
+            w.namespaces.append(ns)
+            w.targets.append(0)  # (no host address: `_one` moves its bytes)
+            w.digests.append(req.layout_digest)
+            lengths.append(out.numel())
+            entries.append(entry)
+        if entries:
+            w.lengths = np.asarray(lengths, np.uint64)
+            rows = entry_rows(entries)
+            # A GDS row's run reads its header only: as far as the run is concerned, the record ends there.
+            rows["record_len"][np.array([self._devices[n][1] for n in w.numbers], bool)] = HEADER_BYTES
+            self._queue(rows, w, list(range(len(entries))), np.ones(len(entries), bool))
+            self._submit()
+        return left
 
     def _queue(self, e: np.ndarray, w: Wanted, ours: list[int], odd: np.ndarray) -> None:
         """Plan the runs and chunks (file order) of the records `e`, those of `w`'s requests `ours` (`odd`: those
@@ -386,7 +434,7 @@ class PackedLoad:
                 else:
                     ops += [
                         aio.ReadOp(f, iov, at + rel, (chunk, k, rel, size))
-                        for iov, rel, size in _pieces(_iov(addr + b, n, d), PIECE_BYTES)
+                        for iov, rel, size in cut_pieces(with_target(addr + b, n, d), PIECE_BYTES)
                     ]
             chunk.left = len(ops)
             reading.append(chunk)
@@ -464,6 +512,10 @@ class PackedLoad:
             header_ok = False
             if entry.record_version == FORMAT_VERSION and read_whole:  # (the batch compared only aligned headers)
                 header_ok = bool(headers_good(buf.mv, chunk.at[i : i + 1], chunk.expected[i : i + 1])[0])
+            device = self._devices.get(chunk.numbers[i])
+            if device is not None:
+                self._one_device(chunk, buf, i, (read_whole, header_ok), entry, key, device)
+                return
             target = _target(chunk.targets[i], entry.payload_len)
             bulk = int(chunk.bulk[i])
             if bulk and read_whole and header_ok:  # its payload's bulk was read into its target: checked there
@@ -481,6 +533,34 @@ class PackedLoad:
         except CorruptRecord as exc:
             self._faults.append((chunk.numbers[i], exc))
 
+    def _one_device(
+        self,
+        chunk: Chunk,
+        buf: AlignedBuffer,
+        i: int,
+        read: tuple[bool, bool],
+        entry: IndexEntry,
+        key: ObjectKey,
+        device: tuple[torch.Tensor, bool],
+    ) -> None:
+        """A record of a device target: where GDS reads its payload, its header (all its run read) checked, then the
+        payload's read and device checksum sent to the read pool (answered in `finish`); else checked as a host
+        target's odd record is and its payload copied (or decoded) into the target. `read`: whether its run read all
+        it asked for, and whether the batch check accepted its header. CorruptRecord naming why."""
+        (out, gds), (read_whole, header_ok), at = device, read, int(chunk.at[i])
+        if not gds:
+            _, payload_at = check_record(entry, key, buf, at, read_whole, header_ok)
+            fill_device(out, entry, buf, payload_at)
+            self._hits.append(chunk.keys[i])
+            return
+        if not read_whole:
+            raise CorruptRecord(QuarantineReason.SEGMENT_TRUNCATED, "segment ends inside the header")
+        if not header_ok:
+            raise fault(entry, key, buf.mv, at)
+        seg = chunk.files[int(chunk.run_of[i])]
+        done = self._ctx.executor("read").submit(read_device, self._ctx.backend, seg, out, entry)
+        self._device_reads.append((chunk.numbers[i], chunk.keys[i], done))
+
 
 def take_buffers(ctx: StoreContext) -> None:
     """Fault in the bounce buffers a load of this path holds at most (IN_FLIGHT + 1 of CHUNK_BYTES) and leave them
@@ -495,40 +575,6 @@ def take_buffers(ctx: StoreContext) -> None:
 def _target(addr: int, n: int) -> memoryview:
     """The n bytes of target memory at `addr` as a writable memoryview."""
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
-
-
-def _iov(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:
-    """A run's read ending in a large record's payload (`n` bytes of the buffer at address `at`; `direct`: where the
-    payload starts in the run, the target's address, the bulk's length): the bytes before the bulk into the buffer,
-    the bulk into the target, the rest into the buffer after the bytes before it."""
-    start, target, bulk = direct
-    return [(at, start), (target, bulk), (at + start, n - start)] if n > start else [(at, start), (target, bulk)]
-
-
-def _pieces(iov: list[tuple[int, int]], piece: int) -> list[tuple[list[tuple[int, int]], int, int]]:
-    """A read's iov cut where its bytes cross a multiple of `piece` (from the read's start): (iov, where the piece
-    starts in the read, its bytes) each. A last piece under a quarter of `piece` joins the one before (a record's
-    header and tail beside its payload are no read of their own). The cuts keep O_DIRECT's alignment: `piece` is a
-    multiple of it, and so is every iov entry's address and length but the last's length."""
-    total = sum(n for _, n in iov)
-    cuts = list(range(piece, total, piece))
-    if cuts and total - cuts[-1] < piece // 4:
-        cuts.pop()
-    out: list[tuple[list[tuple[int, int]], int, int]] = []
-    cur: list[tuple[int, int]] = []
-    start = pos = 0
-    bounds = iter([*cuts, total])
-    bound = next(bounds)
-    for addr, n in iov:
-        while n:
-            take = min(n, bound - pos)
-            cur.append((addr, take))
-            addr, n, pos = addr + take, n - take, pos + take
-            if pos == bound:
-                out.append((cur, start, pos - start))
-                cur, start = [], pos
-                bound = next(bounds, total)
-    return out
 
 
 _RUNS_PER_CHUNK = aio.DEPTH // IN_FLIGHT

@@ -17,12 +17,13 @@ The strategies:
 - threads (`ThreadReads`): each read a positional read (`SegmentFile.preadv_into`) on the store's read pool, at
   most `read_threads` at a time; where native AIO is refused, or segments are buffered (io_submit on a buffered
   file reads synchronously, no better than the loading thread reading them itself).
-- GDS is not one of them: cuFile reads one device buffer per call, so a device target is read by itself into its
-  slot on the read pool (`Reader`), beside the host targets' reads through one of these.
+- GDS is not one of them: cuFile reads one device buffer per call, so a device target's payload is read by itself
+  into its slot on the read pool (`device_rows.read_device`), once its header came through one of these.
 
-`run_gap(reads)` is how far apart two records may lie and still be read together with that strategy.
+`with_target(at, n, direct)` and `cut_pieces(iov, piece)` shape a run's read that ends in a payload read straight into
+its target: its iov, then that iov cut into reads of at most about `piece` bytes.
 
-Why one interface: the planning of runs, the checks and the copies out (`packed.PackedLoad`, `aio_runs.WaveRead`)
+Why one interface: the planning of runs, the checks and the copies out (`packed.PackedLoad`, `scan.PackedScan`)
 are the same whichever way the bytes arrive; only the submission differs, so it is the only part chosen per host.
 """
 
@@ -36,7 +37,6 @@ from typing import Protocol
 
 from kvtier.store import aio
 from kvtier.store.context import StoreContext
-from kvtier.store.extent import AIO_RUN_GAP, MAX_RUN_GAP
 
 
 class Reads(Protocol):
@@ -140,7 +140,35 @@ def close_reads(reads: Reads) -> None:
         reads.drain()
 
 
-def run_gap(reads: Reads) -> int:
-    """Native AIO has every read in flight at once, so another read costs less than the bytes of a gap; with a
-    few threads, reading across gaps is what keeps the disk busy."""
-    return AIO_RUN_GAP if isinstance(reads, aio.AioContext) else MAX_RUN_GAP
+def with_target(at: int, n: int, direct: tuple[int, int, int]) -> list[tuple[int, int]]:
+    """A run's read ending in a large record's payload (`n` bytes of the buffer at address `at`; `direct`: where the
+    payload starts in the run, the target's address, the bulk's length): the bytes before the bulk into the buffer,
+    the bulk into the target, the rest into the buffer after the bytes before it."""
+    start, target, bulk = direct
+    return [(at, start), (target, bulk), (at + start, n - start)] if n > start else [(at, start), (target, bulk)]
+
+
+def cut_pieces(iov: list[tuple[int, int]], piece: int) -> list[tuple[list[tuple[int, int]], int, int]]:
+    """A read's iov cut where its bytes cross a multiple of `piece` (from the read's start): (iov, where the piece
+    starts in the read, its bytes) each. A last piece under a quarter of `piece` joins the one before (a record's
+    header and tail beside its payload are no read of their own). The cuts keep O_DIRECT's alignment: `piece` is a
+    multiple of it, and so is every iov entry's address and length but the last's length."""
+    total = sum(n for _, n in iov)
+    cuts = list(range(piece, total, piece))
+    if cuts and total - cuts[-1] < piece // 4:
+        cuts.pop()
+    out: list[tuple[list[tuple[int, int]], int, int]] = []
+    cur: list[tuple[int, int]] = []
+    start = pos = 0
+    bounds = iter([*cuts, total])
+    bound = next(bounds)
+    for addr, n in iov:
+        while n:
+            take = min(n, bound - pos)
+            cur.append((addr, take))
+            addr, n, pos = addr + take, n - take, pos + take
+            if pos == bound:
+                out.append((cur, start, pos - start))
+                cur, start = [], pos
+                bound = next(bounds, total)
+    return out

@@ -20,7 +20,9 @@ from kvtier.core.forms import CacheForm
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store.context import flat_uint8
-from kvtier.store.index import key_suffix
+from kvtier.store.errors import CorruptRecord
+from kvtier.store.index import IndexEntry, RecordState, key_suffix
+from kvtier.store.record import Codec
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
     import torch
@@ -121,7 +123,7 @@ def batch_wanted(
     start = slots * stride[g_of]
     inside = whole[g_of] & (slots >= 0) & (start + nbytes[g_of] <= size[g_of])
     for i in np.flatnonzero(~inside).tolist():
-        flat_uint8(batch[i].out)  # raises as the general path would; a good target is loaded there
+        flat_uint8(batch[i].out)  # raises as a list's request would; a good target is loaded as a list's
     served = inside & cpu[g_of]
     mine, rest = np.flatnonzero(served), np.flatnonzero(~served) + first
     g_mine = g_of[mine].tolist()
@@ -145,3 +147,23 @@ def _flat_pool(g: TargetGroup) -> bool:
     import torch
 
     return t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() and g.nbytes > 0 and g.stride >= g.nbytes
+
+
+def servable(value: bytes | memoryview | None, ns_live: bool, digest: bytes, length: int) -> IndexEntry | None:
+    """A record's index entry where a load reads it: live in a live namespace, with the request's layout digest and
+    payload length, stored as is or compressed. None where there is nothing to read (no record, a corrupt index
+    value, or one a lookup answers for): the caller names why from the index."""
+    if not value or not ns_live:
+        return None
+    try:
+        entry = IndexEntry.unpack(value)
+    except CorruptRecord:
+        return None
+    if (
+        entry.state is RecordState.LIVE
+        and entry.layout_digest == digest
+        and entry.payload_len == length
+        and (entry.codec is Codec.ZSTD or entry.stored_len == entry.payload_len)
+    ):
+        return entry
+    return None

@@ -1,5 +1,5 @@
 """Native AIO reads (kvtier.store.aio) on a real O_DIRECT file: bytes, end of file, failures, fork, and a store load
-through a queue and a bounce window far smaller than the load, and through a window of reads refilled in waves."""
+through a queue far smaller than the load, and a load whose first requests send no read."""
 
 from __future__ import annotations
 
@@ -14,13 +14,9 @@ import torch
 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
-from kvtier.store import DiskStore, QuarantineReason, StoreConfig, aio
-from kvtier.store import aio_runs as waves_mod
+from kvtier.store import DiskStore, StoreConfig, aio
 from kvtier.store import packed as packed_mod
-from kvtier.store import reader as reader_mod
-from kvtier.store import submit as submit_mod
 from kvtier.store.io import AlignedBuffer, PosixBackend
-from support.corrupt import flip_payload_bit, segment_path
 from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 SIZE = 1 << 20
@@ -109,11 +105,10 @@ def test_a_forked_child_sets_up_its_own_context(ctx, data_file) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_load_larger_than_the_queue_and_the_bounce_window(tmp_path, ctx, monkeypatch) -> None:
-    """Hundreds of runs through a queue of 4 and a window of one buffer: each run waits for room, none is lost."""
+def test_a_load_of_more_runs_than_the_queue_holds(tmp_path, ctx, monkeypatch) -> None:
+    """Hundreds of runs (no two records read together) through an AIO queue of 4: every record arrives intact."""
     monkeypatch.setattr(aio, "DEPTH", 4)
-    monkeypatch.setattr(waves_mod, "AIO_BOUNCE_BYTES", 1)
-    monkeypatch.setattr(submit_mod, "AIO_RUN_GAP", 0)
+    monkeypatch.setattr(packed_mod, "RUN_GAP", 0)
     root = str(tmp_path / "store")
     n = 400
     with DiskStore(root, writer=True) as s:
@@ -172,118 +167,12 @@ def test_a_refused_io_setup_leaves_the_process_reading_with_threads(tmp_path, mo
     assert aio._refused and aio.acquire() is None
 
 
-@pytest.fixture
-def waves(monkeypatch):
-    """A window of 4 pieces of 16 KiB, with a log of what the AIO context is asked to do and when records are
-    checked: ("submit", pieces), ("complete", pieces) and ("check", records, pieces in flight). The packed path
-    declines every request, so the general path's waves (which read v1 records and `Reader.read`'s) read them."""
-    log: list[tuple] = []
-    real_submit, real_complete = aio.AioContext.submit, aio.AioContext.complete
-    real_check = reader_mod.Reader._check_run
-    contexts: list[aio.AioContext] = []
-
-    def submit(self, ops):
-        contexts[:] = [self]
-        log.append(("submit", len(ops)))
-        return real_submit(self, ops)
-
-    def complete(self):
-        done = real_complete(self)
-        log.append(("complete", len(done)))
-        return done
-
-    def check_run(self, rr, got, visit, headers, expect, first=0, stop=None):
-        checked = real_check(self, rr, got, visit, headers, expect, first, stop)
-        log.append(("check", len(checked), contexts[0].pending))
-        return checked
-
-    monkeypatch.setattr(aio.AioContext, "submit", submit)
-    monkeypatch.setattr(aio.AioContext, "complete", complete)
-    monkeypatch.setattr(reader_mod.Reader, "_check_run", check_run)
-
-    def decline(self, requests, first):  # every target as one the packed path does not take (a device target)
-        self.elsewhere += len(requests)
-        return [*range(first, first + len(requests))]
-
-    monkeypatch.setattr(packed_mod.PackedLoad, "add", decline)
-    monkeypatch.setattr(waves_mod, "AIO_PIECE_BYTES", 16 << 10)
-    monkeypatch.setattr(waves_mod, "AIO_WINDOW_BYTES", 64 << 10)
-    return log
-
-
 def _one_extent(root: str, n: int, size: int):
     with DiskStore(root, writer=True) as s:
         ns = s.register_namespace(VK)
         keys = [make_key(ns, f"w{i}") for i in range(n)]
         s.store_many([(k, make_payload(f"w{i}", size), DIGEST) for i, k in enumerate(keys)])
         return keys, [r.entry for r in s.records(keys)]
-
-
-def test_a_window_is_refilled_before_the_reads_it_finished_are_checked(tmp_path, ctx, waves) -> None:
-    """One run of 48 records (~300 KiB) through a window of 4 pieces: every wave but the last is checked while the
-    next one reads."""
-    keys, _ = _one_extent(str(tmp_path), 48, 6000)
-    with DiskStore(str(tmp_path)) as s:
-        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
-        reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
-    assert reasons == [Reason.OK] * 48
-    assert all(o.equal(make_payload(f"w{i}", 6000)) for i, o in enumerate(outs))
-    checks = [e for e in waves if e[0] == "check"]
-    assert sum(e[1] for e in checks) == 48 and len(checks) >= 4  # checked as the waves came in, each record once
-    assert all(pending > 0 for _, _, pending in checks[:-1])  # the next wave was reading meanwhile
-    assert checks[-1][2] == 0
-
-
-def _reverse_asks(root: str, waves: list, monkeypatch, early: int, wrong: int) -> list[LoadRequest]:
-    """48 records of one extent asked in reverse file order, then a key never stored; target `wrong` is one byte
-    short. Lookups are logged in `waves` as ("lookup",); a load's early reads stop at `early` bytes of records."""
-    monkeypatch.setattr(reader_mod, "EARLY_READ_BYTES", early)
-    real_unpack = reader_mod.IndexEntry.unpack
-    monkeypatch.setattr(
-        reader_mod.IndexEntry, "unpack", staticmethod(lambda raw: waves.append(("lookup",)) or real_unpack(raw))
-    )
-    keys, _ = _one_extent(root, 48, 6000)
-    asked = [*keys[::-1], make_key(keys[0].namespace, "never stored")]
-    return [LoadRequest(k, torch.zeros(6000 - (i == wrong), dtype=torch.uint8), DIGEST) for i, k in enumerate(asked)]
-
-
-def _answered_as_asked(requests: list[LoadRequest], reasons: list[Reason], wrong: int) -> None:
-    assert reasons == [Reason.OK] * wrong + [Reason.ABI_MISMATCH] + [Reason.OK] * (47 - wrong) + [Reason.MISSING]
-    assert all(r.out.equal(make_payload(f"w{47 - i}", 6000)) for i, r in enumerate(requests[:48]) if i != wrong)
-
-
-def test_the_first_keys_reads_go_out_before_the_rest_are_looked_up(tmp_path, ctx, waves, monkeypatch) -> None:
-    """Keys asked in reverse file order, a missing key and a wrong-size target among them: the reads of the first
-    keys (20 KB of records) are on their way while the other keys are looked up, and every answer is as asked."""
-    requests = _reverse_asks(str(tmp_path), waves, monkeypatch, 20_000, 10)
-    with DiskStore(str(tmp_path)) as s:
-        waves.clear()
-        _answered_as_asked(requests, s.load_into(requests), 10)
-    first_submit = next(k for k, e in enumerate(waves) if e[0] == "submit")
-    assert [e[0] for e in waves[:first_submit]] == ["lookup"] * 4  # 4 records of 6,160 B: 20 KB
-    assert [e for e in waves[first_submit:] if e[0] == "lookup"] == [("lookup",)] * 44
-
-
-def test_a_callers_later_requests_are_asked_for_once_its_first_are_read(tmp_path, ctx, waves, monkeypatch) -> None:
-    """A load handed 8 requests and `more` (40 others, a missing key and a wrong-size target among them): the 8 are
-    looked up and submitted whole (the caller sized them: no split at EARLY_READ_BYTES), `more` is called once, after
-    that submit, and every answer comes back in order, the first 8 then `more`'s."""
-    requests = _reverse_asks(str(tmp_path), waves, monkeypatch, 6000, 20)
-    calls = []
-
-    def more():
-        calls.append(len(waves))
-        waves.append(("more",))
-        return requests[8:]
-
-    with DiskStore(str(tmp_path)) as s:
-        waves.clear()
-        _answered_as_asked(requests, s.load_into(requests[:8], more), 20)
-    assert len(calls) == 1
-    first_submit = next(k for k, e in enumerate(waves) if e[0] == "submit")
-    assert [e[0] for e in waves[:first_submit]] == ["lookup"] * 8
-    assert calls[0] > first_submit and [e for e in waves[first_submit:] if e[0] == "lookup"] == [("lookup",)] * 40
-    assert waves.index(("lookup",), first_submit) > calls[0]  # the later keys are looked up once `more` gave them
 
 
 @pytest.mark.parametrize("backend", ["odirect", "buffered"])
@@ -298,39 +187,3 @@ def test_a_load_with_nothing_to_read_first_still_asks_for_the_rest(tmp_path, ctx
         reasons = s.load_into([missing], lambda: [LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
     assert reasons == [Reason.MISSING] + [Reason.OK] * 4
     assert all(o.equal(make_payload(f"w{i}", 6000)) for i, o in enumerate(outs))
-
-
-def test_the_last_pieces_of_a_load_wait_so_the_rest_is_checked_while_they_read(
-    tmp_path, ctx, waves, monkeypatch
-) -> None:
-    """A window larger than the load would read it in one wave and check it all after; the last eighth waits for
-    the rest instead, and the rest is checked while it reads."""
-    monkeypatch.setattr(waves_mod, "AIO_WINDOW_BYTES", 1 << 20)
-    keys, _ = _one_extent(str(tmp_path), 48, 6000)
-    with DiskStore(str(tmp_path)) as s:
-        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
-        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)]) == [Reason.OK] * 48
-    submits = [e[1] for e in waves if e[0] == "submit"]
-    assert len(submits) == 2 and 1 <= submits[1] <= submits[0] // 4
-    last = waves.index(("submit", submits[1]), 1)
-    assert sum(e[1] for e in waves[:last] if e[0] == "complete") == submits[0]  # it went once the first was in
-    # the first wave's last records were checked while the last wave read (however the disk split its completions)
-    assert any(e[0] == "check" and e[2] > 0 for e in waves[last:])
-    assert sum(e[1] for e in waves if e[0] == "check") == 48
-
-
-def test_faults_in_an_early_wave_and_in_the_last_fail_only_their_records(tmp_path, ctx, waves) -> None:
-    """A flipped payload bit read in the first wave and a segment cut inside the last record: those two records
-    are corrupt (and quarantined), the 46 others arrive intact."""
-    root = str(tmp_path)
-    keys, entries = _one_extent(root, 48, 6000)
-    flip_payload_bit(root, entries[2], 100, 3)
-    os.truncate(segment_path(root, entries[0].segment), entries[47].payload_offset + 10)
-    with DiskStore(root) as s:
-        outs = [torch.zeros(6000, dtype=torch.uint8) for _ in keys]
-        reasons = s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
-        quarantine = [r.entry.quarantine for r in s.records([keys[2], keys[47]])]
-    assert reasons == [Reason.OK] * 2 + [Reason.CORRUPT] + [Reason.OK] * 44 + [Reason.CORRUPT]
-    assert quarantine == [QuarantineReason.PAYLOAD, QuarantineReason.SEGMENT_TRUNCATED]
-    assert all(o.equal(make_payload(f"w{i}", 6000)) for i, o in enumerate(outs) if i not in (2, 47))
-    assert len([e for e in waves if e[0] == "submit"]) >= 3

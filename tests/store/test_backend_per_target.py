@@ -1,7 +1,8 @@
-"""The read path is chosen per target, not per store (issue 43): host-memory targets take native AIO (the packed
-path first) on a GDS store too, and device targets take GDS. Forced here on cpu: the store's backend is the real
-`GdsBackend` with its device stood in (this machine has no GPU): a set of cpu tensors counts as device memory,
-and cuFile's read is a positional read of the segment file. Every other step is the store's own."""
+"""The read path is chosen per target, not per store (issue 43): host-memory targets take native AIO on a GDS store
+too, and device targets take GDS for their payloads, both as rows of the one batch pipeline. Forced here on cpu: the
+store's backend is the real `GdsBackend` with its device stood in (this machine has no GPU): a set of cpu tensors
+counts as device memory, and cuFile's read is a positional read of the segment file. Every other step is the store's
+own."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ SIZES = [512 + 37 * i for i in range(24)]  # small records: the packed path's
 def native_aio() -> None:
     ctx = aio.acquire()
     if ctx is None:
-        pytest.skip("native AIO is not available on this machine: loads take the general path only")
+        pytest.skip("native AIO is not available on this machine: loads read with threads only")
     aio.release(ctx)
 
 
@@ -80,8 +81,10 @@ def test_device_targets_take_gds_and_host_targets_beside_them_native_aio(tmp_pat
         reasons = store.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
         assert reasons == [Reason.OK] * len(keys)
         assert all(torch.equal(o, p) for o, p in zip(outs, payloads))
-        assert backend.device_reads == len(on_device)  # each device target read by GDS, once
-        assert served == [len(keys) - len(on_device)]  # the host targets beside them: the packed path
+        assert backend.device_reads == len(on_device)  # each device target's payload read by GDS, once
+        # every target a row of the batch pipeline: the host ones read through native AIO, the device ones' headers
+        # too (their payloads by GDS, checked with the device checksum)
+        assert served == [len(keys)]
 
         # A verifier's check (no targets) and a read that gets its bytes in host buffers take native AIO too.
         calls: list[int] = []
@@ -101,3 +104,28 @@ def test_device_targets_take_gds_and_host_targets_beside_them_native_aio(tmp_pat
         assert backend.device_reads == len(on_device)
     finally:
         store.close()
+
+
+def test_a_device_targets_run_reads_its_header_only_through_native_aio(tmp_path, served, monkeypatch) -> None:
+    """A large record into a device target: its run reads the header's aligned block through native AIO, never the
+    payload (GDS reads that into the target), and the load is a row of the batch pipeline."""
+    root = str(tmp_path / "store")
+    payload = make_payload("big", 300_000)
+    with DiskStore(root, StoreConfig(io_backend="odirect", device_checksums="on"), writer=True) as s:
+        key = make_key(s.register_namespace(VK), "big")
+        s.store_many([(key, payload, DIGEST)])
+    asked: list[int] = []
+    real_submit = aio.AioContext.submit
+
+    def submit(self, ops):
+        asked.extend(n for op in ops for _, n in op.iov)
+        return real_submit(self, ops)
+
+    monkeypatch.setattr(aio.AioContext, "submit", submit)
+    with DiskStore(root, StoreConfig(io_backend="odirect")) as store:
+        backend = store.backend = store._ctx.backend = CpuGds(store.backend.direct_align)
+        out = slot_like(payload.numel())
+        backend.device.add(out.data_ptr())
+        assert store.load_into([LoadRequest(key, out, DIGEST)]) == [Reason.OK]
+    assert torch.equal(out, payload) and backend.device_reads == 1 and served == [1]
+    assert 0 < sum(asked) <= 2 * 4096  # the header's block (and the next, where it crosses one): no payload bytes

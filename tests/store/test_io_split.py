@@ -131,3 +131,12 @@ def test_a_read_of_more_views_than_iov_max_is_cut_into_pieces_of_at_most_that() 
     assert all(len(v) <= io._IOV_MAX for v, _, _ in pieces) and len(pieces) == 4
     assert [x for v, _, _ in pieces for x in v] == views
     assert [off for _, off, _ in pieces] == [8192 + sum(n for _, _, n in pieces[:k]) for k in range(len(pieces))]
+
+
+def test_readable_stops_at_a_piece_in_flight_or_cut_short_and_is_final_only_with_every_piece_in() -> None:
+    pieces = [([], 0, 10), ([], 10, 10), ([], 20, 10)]
+    assert io.readable(pieces, [10, 10, 10]) == (30, True)
+    assert io.readable(pieces, [10, -1, 10]) == (10, False)
+    assert io.readable(pieces, [10, 5, -1]) == (15, False)  # cut short, but a later piece still fills its buffer
+    assert io.readable(pieces, [10, 5, 0]) == (15, True)
+    assert io.readable(pieces, [-1, 10, 10]) == (0, False)

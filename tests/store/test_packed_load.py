@@ -1,6 +1,7 @@
-"""Small records through the packed path (kvtier.store.packed), and large ones among them read straight into their
-targets: the general path's answers and bytes, every record it finds damaged answered (and quarantined) by the
-general path, bounce memory bounded by its chunks."""
+"""Small records through the batch pipeline (kvtier.store.packed), and large ones among them read straight into their
+targets: the same answers and bytes through native AIO and through threads, every record it finds damaged named (and
+quarantined) on the bytes already read, what it does not read named from the index, bounce memory bounded by its
+chunks."""
 
 from __future__ import annotations
 
@@ -16,11 +17,19 @@ from hypothesis import strategies as st
 from kvtier.core import CacheForm, Reason
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest
-from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreRequestError, aio, packed
+from kvtier.store import (
+    DiskStore,
+    QuarantineReason,
+    RecordState,
+    StoreRequestError,
+    aio,
+    packed,
+)
 from kvtier.store import io as io_mod
 from kvtier.store.io import BufferPool
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path
+from support.read_paths import replace_entry
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
 
 N = 64
@@ -31,7 +40,7 @@ SIZES = [random.Random(i).randrange(1, 4096) for i in range(N)]  # every one sma
 def native_aio() -> None:
     ctx = aio.acquire()
     if ctx is None:
-        pytest.skip("native AIO is not available on this machine: loads take the general path only")
+        pytest.skip("native AIO is not available on this machine: loads read with threads only")
     aio.release(ctx)
 
 
@@ -116,7 +125,7 @@ def test_a_damaged_small_record_fails_alone_and_is_quarantined(small, served, wh
         }
         flip_bit(segment_path(root, e.segment), at[where], 3)
         reasons, outs = _load(s, keys, SIZES)
-        assert served == [N - 1]  # the damaged one went on to the general path
+        assert served == [N - 1]  # the damaged one named, not served
         assert reasons[victim] is Reason.CORRUPT
         assert [r for i, r in enumerate(reasons) if i != victim] == [Reason.OK] * (N - 1)
         assert all(torch.equal(o, make_payload(f"p{i}", SIZES[i])) for i, o in enumerate(outs) if i != victim)
@@ -162,6 +171,25 @@ def test_a_deleted_segment_is_a_miss_for_each_record(small) -> None:
         assert {r.entry.quarantine for r in s.iter_records()} == {QuarantineReason.SEGMENT_MISSING}
 
 
+def test_an_uncompressed_entry_whose_stored_length_is_not_its_payloads_is_a_fault_never_read(
+    small, monkeypatch
+) -> None:
+    """An index entry (sealed, so it parses) that says stored as is with a stored length other than the payload's: no
+    writer makes one, so it is quarantined `index_value` from the index alone, nothing read, its target untouched; the
+    records beside it load."""
+    root, keys = small
+    with DiskStore(root, writer=True) as s:
+        replace_entry(s, keys[3], stored_len=s.records(keys[3:4])[0].entry.stored_len + 1)
+        read: list[int] = []
+        real_submit = aio.AioContext.submit
+        monkeypatch.setattr(aio.AioContext, "submit", lambda self, ops: read.append(len(ops)) or real_submit(self, ops))
+        reasons, outs = _load(s, keys[3:4], SIZES[3:4])
+        assert reasons == [Reason.CORRUPT] and (outs[0] == 0xAA).all() and read == []
+        assert s.records(keys[3:4])[0].entry.quarantine is QuarantineReason.INDEX_VALUE
+        reasons, outs = _load(s, keys[:6], SIZES[:6])
+        assert reasons == [Reason.OK] * 3 + [Reason.CORRUPT] + [Reason.OK] * 2 and read
+
+
 def test_more_is_called_once_and_answered_after_the_first(small, served) -> None:
     root, keys = small
     outs = [torch.empty(n, dtype=torch.uint8) for n in SIZES]
@@ -183,7 +211,7 @@ def test_more_is_called_once_and_answered_after_the_first(small, served) -> None
 
 def test_a_load_whose_first_requests_all_miss_has_more_served_by_the_packed_path(small, served) -> None:
     """First requests that are all misses send no read: `more` is called at once, and what it brings is the batch
-    pipeline's, not the general path's."""
+    pipeline's."""
     root, keys = small
     outs = [torch.empty(n, dtype=torch.uint8) for n in SIZES]
     nowhere = [make_key(b"\0" * 16, f"nowhere{i}") for i in range(3)]
@@ -265,7 +293,7 @@ def test_the_packed_path_answers_as_the_general_path_does(mixed, monkeypatch, pi
         packed_reqs = ask()
         packed_reasons = s.load_into(packed_reqs)
         with monkeypatch.context() as m:
-            m.setattr(aio, "acquire", lambda: None)  # the general path (threads)
+            m.setattr(aio, "acquire", lambda: None)  # the same pipeline through threads
             general_reqs = ask()
             general_reasons = s.load_into(general_reqs)
     assert packed_reasons == general_reasons
@@ -294,7 +322,7 @@ def grouped(tmp_path_factory):
 
 def _pools(digest_of: dict[str, bytes]) -> tuple[TargetGroup, ...]:
     """A pool of 8 slots per group, 4096-aligned slots (as the daemon's), 0x55 everywhere; the last slot one byte
-    short (its view as torch slices it: the general path refuses the length)."""
+    short (its view as torch slices it: the length is refused)."""
     groups = []
     for g, n in GROUP_BYTES.items():
         stride = -(-n // 4096) * 4096
@@ -315,7 +343,7 @@ def _pools(digest_of: dict[str, bytes]) -> tuple[TargetGroup, ...]:
 )
 def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wrong_digest) -> None:
     """The packed path's columns (no request built per object) against the same requests as a list through the
-    general path: the same answers, the same bytes in the same slots."""
+    thread strategy: the same answers, the same bytes in the same slots."""
     root, ns = grouped
     names = list(GROUP_BYTES)
     digests = {g: b"X" * 16 for g in wrong_digest}
@@ -342,13 +370,13 @@ def test_a_load_batch_answers_as_its_requests_do(grouped, monkeypatch, picks, wr
             packed_reasons = s.load_into(a)
         b = batch(_pools(digests))
         with monkeypatch.context() as m:
-            m.setattr(aio, "acquire", lambda: None)  # the general path (threads)
+            m.setattr(aio, "acquire", lambda: None)  # the same pipeline through threads
             general_reasons = s.load_into(list(b))
     assert packed_reasons == general_reasons
     for ga, gb in zip(a.groups, b.groups):
         assert torch.equal(ga.tensor, gb.tensor)
     # A request was built (once or twice) only for what the packed path did not serve: a slot past the end of its
-    # pool, or a record its checks refused (a miss, a stale digest) and the general path answered.
+    # pool, or a request it does not read (a miss, a stale digest), named from the index.
     served = [r is Reason.OK and how == "ok" for (_, _, how), r in zip(picks, packed_reasons)]
     assert len(set(built)) == len(picks) - sum(served)
 

@@ -31,7 +31,7 @@ from kvtier.core import CacheForm, Reason, VersionKey
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, IndexEntry, QuarantineReason, StoreConfig, aio, encode_key, packed
 from support.corrupt import flip_bit, segment_path
-from support.read_paths import CpuGds
+from support.read_paths import CpuGds, replace_entry
 from support.store_helpers import DIGEST, VK, make_key, make_payload, slot_like
 
 FILL = 0xAA
@@ -122,13 +122,7 @@ def damaged(tmp_path_factory) -> Damaged:
         elif c.quarantine is QR.PAYLOAD:
             flip_bit(path, e.payload_offset + e.stored_len - 1, 5)  # the last byte: a large one's unaligned tail
     with DiskStore(root, cfg, writer=True) as s:
-
-        def bump(txn) -> None:
-            raw = encode_key(keyed["created"])
-            entry = IndexEntry.unpack(txn.get(raw, db=s.index.obj))
-            txn.put(raw, dataclasses.replace(entry, created=entry.created + 1.0).pack(), db=s.index.obj)
-
-        s.index.update(bump)
+        replace_entry(s, keyed["created"], created=entries["created"].created + 1.0)
         assert s.retire_namespace(STALE_VK.namespace)
     cut = entries["cut"]
     os.truncate(segment_path(root, cut.segment), cut.offset + cut.record_len // 2)
@@ -283,10 +277,10 @@ def test_v1_records_through_every_strategy(tmp_path, native_aio, strategy) -> No
     assert states[:2] == [QR.HEADER, QR.PAYLOAD] and states[2:] == [None] * (len(recs) - 2)
     assert all(xxhash.xxh3_128_hexdigest(o.numpy().tobytes()) == r["xxh3_128"] for o, r in zip(outs[2:], recs[2:]))
     assert all((o == FILL).all() for o in outs[:2])  # v1 payloads go through the bounce buffer: never half-written
-    if strategy != "gds":  # host targets: every v1 record served, or its fault named, by the batch pipeline
-        assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
-        named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
-        assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
+    # host and device targets alike: every v1 record served, or its fault named, by the batch pipeline
+    assert sorted(k for hits, _ in served for k in hits) == sorted(encode_key(k) for k in keys[2:])
+    named = sorted((i, exc.reason) for _, faults in served for i, exc in faults)
+    assert named == [(0, QR.HEADER), (1, QR.PAYLOAD)]
 
 
 # ----------------------------------------------------------------- scans: the verifier's checks and compaction's reads

@@ -4,8 +4,6 @@ comparison refused."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -13,9 +11,9 @@ from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, QuarantineReason
 from kvtier.store import record_check as reader_mod
-from kvtier.store.index import IndexEntry, encode_key
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path
+from support.read_paths import replace_entry
 from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 N, SIZE = 16, 1000
@@ -64,13 +62,7 @@ def test_an_entry_whose_creation_time_differs_is_refused_and_named(store_keys, p
     differs from its entry only there is not this key's record: refused, and named `header_mismatch`."""
     root, keys = store_keys
     with DiskStore(root, writer=True) as s:
-        raw_key = encode_key(keys[3])
-
-        def bump(txn) -> None:
-            entry = IndexEntry.unpack(txn.get(raw_key, db=s.index.obj))
-            txn.put(raw_key, dataclasses.replace(entry, created=entry.created + 1.0).pack(), db=s.index.obj)
-
-        s.index.update(bump)
+        replace_entry(s, keys[3], created=s.records(keys[3:4])[0].entry.created + 1.0)
         reasons, outs = _load(s, keys)
         (info,) = [r for r in s.iter_records() if r.key == keys[3]]
     assert reasons == [Reason.OK] * 3 + [Reason.CORRUPT] + [Reason.OK] * (N - 4)

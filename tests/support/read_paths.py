@@ -1,17 +1,20 @@
 """The store's two read paths, for tests that must hold on both: native AIO from one thread (O_DIRECT on Linux)
 and threads (where AIO is refused, or the backend is buffered). `read_path` is parametrized over them;
 `scattered_reads` records the target memory (address, length) of every read either path issues. `CpuGds` stands a
-GDS backend in on a machine without a GPU: a set of cpu tensors counts as device memory."""
+GDS backend in on a machine without a GPU: a set of cpu tensors counts as device memory. `replace_entry` rewrites a
+record's index entry (resealed, so it parses) for the fault cases a reader must name from the index or the header."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from kvtier.store import aio
+from kvtier.core.tier import ObjectKey
+from kvtier.store import DiskStore, IndexEntry, aio, encode_key
 from kvtier.store.io import GdsBackend, PosixBackend, SegmentFile
 
 
@@ -68,3 +71,14 @@ class CpuGds(GdsBackend):
             os.close(fd)
         out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         return len(data)
+
+
+def replace_entry(store: DiskStore, key: ObjectKey, **fields) -> None:
+    """The key's index entry with `fields` replaced, committed (a writer store)."""
+    raw = encode_key(key)
+
+    def put(txn) -> None:
+        entry = IndexEntry.unpack(txn.get(raw, db=store.index.obj))
+        txn.put(raw, dataclasses.replace(entry, **fields).pack(), db=store.index.obj)
+
+    store.index.update(put)
