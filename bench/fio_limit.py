@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.core import hugepages
-from kvtier.store import aio, aio_runs
+from kvtier.store import aio
 
 INSTALL = "fio is not installed: apt-get install -y fio (Debian/Ubuntu) or dnf install -y fio, then rerun"
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
@@ -49,7 +49,7 @@ class Geometry:
 def geometry() -> Geometry:
     """kvtier's large-load read geometry, from the store's read path: pieces of AIO_PIECE_BYTES, at most
     AIO_WINDOW_BYTES of them in flight, and never more than the AIO context's DEPTH reads."""
-    piece, window = aio_runs.AIO_PIECE_BYTES, aio_runs.AIO_WINDOW_BYTES
+    piece, window = aio.AIO_PIECE_BYTES, aio.AIO_WINDOW_BYTES
     return Geometry(piece, max(1, min(aio.DEPTH, window // piece)))
 
 

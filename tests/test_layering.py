@@ -259,8 +259,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "kvtier.integrations.vllm.tier": "the class vLLM's tier factory loads",
     "kvtier.refmodel.demo": "the demo daemon the benchmarks run against",
     "kvtier.refmodel.engine": "the reference engine: the benchmark workload",
-    "kvtier.store.aio": "the reads a load keeps in flight (DEPTH), which the fio baseline matches (bench/fio_limit.py)",
-    "kvtier.store.aio_runs": "a load's request size and bytes in flight, which the fio baseline matches",
+    "kvtier.store.aio": "a load's read geometry (depth, piece, window), which the fio baseline matches",
     "kvtier.store.record": "the record format that store/FORMAT.md documents",
     "kvtier.testing": "test doubles shared by tests and benchmarks (MemoryTier)",
 }

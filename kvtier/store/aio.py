@@ -41,6 +41,15 @@ log = logging.getLogger(__name__)
 
 DEPTH = 128  # reads in flight per context: the disk's queue (nr_requests is 64-256 on common devices)
 
+# A load's read geometry: the batch pipeline (`packed.PackedLoad`) cuts a payload read straight into its target into
+# pieces of AIO_PIECE_BYTES and sends such reads while fewer than AIO_WINDOW_BYTES are in flight; `span_read.SpanReader`
+# and the benchmarks' fio bound (`bench/fio_limit.py`) read with the same geometry. Into huge-page pool memory a piece
+# goes to the disk in requests of up to max_sectors_kb (kvtier.core.hugepages). Smaller pieces in a smaller window keep
+# more requests in flight for the same bytes: DSV4 restores in batches read faster so, and one large load no slower
+# (bench/restore.py and bench/peers.py measure both).
+AIO_WINDOW_BYTES = 32 << 20
+AIO_PIECE_BYTES = 2 << 20
+
 # (io_setup, io_getevents, io_submit) per architecture: x86_64's own table, aarch64's the generic one. Contexts are
 # never destroyed: they are lent again, and the kernel frees them when the process exits.
 _SYSCALLS = {"x86_64": (206, 208, 209), "aarch64": (0, 4, 2)}

@@ -63,7 +63,7 @@ from kvtier.core.layout import DISK_ALIGNMENT
 from kvtier.core.loadbatch import LoadBatch
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import aio
-from kvtier.store.aio_runs import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
+from kvtier.store.aio import AIO_PIECE_BYTES, AIO_WINDOW_BYTES
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.device_rows import fill_device, gds_ready, read_device
 from kvtier.store.errors import CorruptRecord, QuarantineReason

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 
 from kvtier.store import aio
-from kvtier.store.aio_runs import AIO_PIECE_BYTES
+from kvtier.store.aio import AIO_PIECE_BYTES
 from kvtier.store.io import SegmentFile
 from kvtier.store.segments import SEGMENTS_DIR, segment_name
 

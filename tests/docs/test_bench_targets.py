@@ -21,7 +21,7 @@ import report  # noqa: E402
 import run_all  # noqa: E402
 import targets  # noqa: E402
 
-from kvtier.store import aio, aio_runs  # noqa: E402
+from kvtier.store import aio  # noqa: E402
 
 
 def _latest() -> dict:
@@ -105,8 +105,8 @@ def test_the_page_shows_the_verdicts_the_report_holds(tmp_path: Path) -> None:
 
 def test_fio_reads_with_the_geometry_of_kvtiers_loads() -> None:
     geo = fio_limit.geometry()
-    assert geo.request_bytes == aio_runs.AIO_PIECE_BYTES
-    assert geo.depth == min(aio.DEPTH, aio_runs.AIO_WINDOW_BYTES // aio_runs.AIO_PIECE_BYTES)
+    assert geo.request_bytes == aio.AIO_PIECE_BYTES
+    assert geo.depth == min(aio.DEPTH, aio.AIO_WINDOW_BYTES // aio.AIO_PIECE_BYTES)
     job = fio_limit.job_file("/x/a:b.seg", 8192, 1 << 20, geo, "shmhuge")
     for line in ("direct=1", "ioengine=libaio", f"bs={geo.request_bytes}", f"iodepth={geo.depth}", "iomem=shmhuge"):
         assert line in job.splitlines()
