@@ -45,7 +45,11 @@ def _raise(err: P.Error) -> None:
 
 
 def _readable(sock: socket.socket) -> bool:
-    return bool(select.select([sock], [], [], 0)[0])
+    # poll, not select: select(2) takes descriptors below FD_SETSIZE (1024) only, and an engine process holding
+    # many files (models, shards, sockets) gets a socket above that ("filedescriptor out of range in select()")
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def default_socket() -> Path:

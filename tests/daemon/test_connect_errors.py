@@ -1,5 +1,5 @@
 """Connect errors say what happened: no daemon, busy (a full listen backlog), or permission denied naming the group;
-`kvtier status` exits 3 only when no daemon is there."""
+`kvtier status` exits 3 only when no daemon is there; a connection works on any descriptor number."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection, DaemonBusy, DaemonUnavailable
-from support.daemon import child_env
+from support.daemon import DaemonProc, child_env
 
 
 def _status(sock: Path, *, as_uid: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -89,3 +89,18 @@ def test_permission_denied_names_the_group() -> None:
         listener.close()
         path.unlink()
         public.rmdir()
+
+
+def test_a_connection_on_a_descriptor_above_fd_setsize(shared_daemon: DaemonProc) -> None:
+    """An engine holding many files gets its socket above 1024 (FD_SETSIZE), which select(2) cannot take: the
+    check between calls for a daemon that closed the connection meanwhile must still work there."""
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with Connection(shared_daemon.socket, timeout_s=30) as c:
+            assert c._sock is not None and c._sock.fileno() >= 1024
+            epoch = c.epoch
+            assert c.stats().profiles == c.stats().profiles  # the second call ran the between-calls check there
+            assert c.epoch == epoch  # on the same connection: nothing was dropped and reopened
+    finally:
+        for fd in fillers:
+            os.close(fd)
