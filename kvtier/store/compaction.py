@@ -107,22 +107,28 @@ class Compaction:
         if probe is False:
             return False  # an appender still holds it (a segment rolled mid-batch is sealed before its batch commits)
 
+        # The file goes before the entry, outside the write transaction: unlinking a large file frees its extents,
+        # which can take the filesystem long enough to hold up every durable offload queued on the write lock. A
+        # crash between the two leaves an entry without a file, which the next call removes (FileNotFoundError).
+        # Nothing can come to reference a sealed segment meanwhile: writers append only to unsealed ones and
+        # relocation moves records out of segments, never into a sealed one.
+        try:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        finally:
+            if probe is not None:
+                probe.close()
+
         def put(txn: lmdb.Transaction) -> bool:
             cur = txn.get(u64_key(seg_id), db=index.seg)
             if cur is None or bytes(cur) != bytes(raw):
                 return False
             txn.delete(u64_key(seg_id), db=index.seg)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
             return True
 
-        try:
-            return index.update(put)
-        finally:
-            if probe is not None:
-                probe.close()
+        return index.update(put)
 
     def trim_segment(self, seg_id: int) -> int:
         """Cut a sealed segment's uncommitted tail (bytes a crashed batch left past `tail`); returns bytes freed."""

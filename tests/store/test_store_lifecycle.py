@@ -1,4 +1,5 @@
-"""Reader epochs before unlink, backend probing without a CUDA driver, and a store state machine."""
+"""Reader epochs before unlink, unlink outside the write lock, backend probing without a CUDA driver, and a store
+state machine."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -15,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
+from kvtier.store import compaction as compaction_mod
 from kvtier.store.segments import segment_name
 from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
@@ -71,6 +75,33 @@ def test_segment_is_unlinked_only_after_every_reader_that_could_see_it_is_gone(t
         outs = [torch.empty(40_000, dtype=torch.uint8) for _ in rest]
         assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(rest, outs)]) == [Reason.OK] * len(rest)
         assert s.has(in_first, [DIGEST] * len(in_first)) == [Reason.MISSING] * len(in_first)
+
+
+def test_a_segment_file_is_unlinked_outside_the_index_write_lock(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freeing a large file's extents can take the filesystem a while; a write committed from another thread while
+    the unlink runs must not wait for it (it would if the unlink ran inside the write transaction)."""
+    with DiskStore(str(tmp_path), StoreConfig(segment_bytes=64 << 10), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"u{i}") for i in range(6)]
+        for i, k in enumerate(keys):
+            s.store(k, make_payload(f"u{i}", 40_000), DIGEST)
+        first = min(s.segments())
+        assert s.drop([r.key for r in s.iter_records() if r.entry.segment == first]) > 0
+        committed: list[bool] = []
+        writer = threading.Thread(target=lambda: s.index.update(lambda txn: None))
+        real_unlink = os.unlink
+
+        def unlink_while_another_thread_writes(path: str) -> None:
+            writer.start()
+            writer.join(30)  # a bound for the failure only: behind this thread's open transaction it cannot end
+            committed.append(not writer.is_alive())
+            real_unlink(path)
+
+        monkeypatch.setattr(compaction_mod.os, "unlink", unlink_while_another_thread_writes)
+        assert s.try_unlink_segment(first)
+        writer.join()
+        assert committed == [True]
+        assert first not in s.segments() and not os.path.exists(tmp_path / "segments" / segment_name(first))
 
 
 _PROBE = """
