@@ -540,6 +540,10 @@ The cluster line comes from `bench/cluster_link.py` (two network namespaces join
 the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM, SGLang and GPU
 benchmarks are scripts of their own (`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/gds_restore.py`,
 `bench/gpu_checks.py`): their figures appear here once a report of theirs is committed under `bench/results/`.
+
+Two commits compare with `python bench/ab_commits.py BEFORE AFTER --only SECTION ...`: each runs `run_all.py`
+from a worktree of its own, the two alternated in ABBA order, and every figure is reported with both sides'
+values, their medians and whether their ranges overlap (`bench/results/ab_*.json` hold such comparisons).
 """
 
 
