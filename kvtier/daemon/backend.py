@@ -42,6 +42,7 @@ from kvtier.daemon.events import EventPublisher, start_events, stop_events
 from kvtier.daemon.namespaces import Rollout, stale_reply
 from kvtier.daemon.persister import Persister
 from kvtier.daemon.pool_start import PoolStart
+from kvtier.daemon.reader_slots import ReaderSlots
 from kvtier.daemon.runtime import Runtime, resolve_device
 from kvtier.daemon.session import Session
 from kvtier.daemon.startup_phases import PHASES
@@ -123,6 +124,7 @@ class DaemonBackend:
         self.decisions = DecisionServer(self.store.root, self.store.apply_decision)
         self.decisions.start()
         self.room = RoomRequests(self.store, self.persister, publish=self._post_doc)
+        self.reader_slots = ReaderSlots(self.store)
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
         self._ids = itertools.count(1)
@@ -455,7 +457,8 @@ class DaemonBackend:
             rt.manager.unpin(keys)
         for held in stale:
             self._release(held)
-        self.store.reader_check()
+        self.store.close_unlinked()
+        self.reader_slots.tick()  # never the store's reader_check() here: `Index.reader_check` says why
         self.room.tick()
 
     def _post_doc(self, name: str, doc: dict[str, Any]) -> None:
@@ -524,6 +527,9 @@ class DaemonBackend:
             rt.manager.close()
         close_lower(self.lower, self.cfg.shutdown_timeout_s / 2)
         stop_events(getattr(self, "events", None), self.store)
+        reader_slots = getattr(self, "reader_slots", None)
+        if reader_slots is not None:
+            reader_slots.close()
         self.store.close()
 
     def stats_doc(self) -> StatsDoc:

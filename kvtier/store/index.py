@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import json
 import logging
 import os
@@ -415,6 +416,9 @@ class Index:
                     f"{path} is already open in this process: share that DiskStore, or close it first"
                 ) from None
             raise
+        # Open for the environment's whole life, never closed before it: closing any descriptor of a file drops
+        # every POSIX lock this process holds on it, LMDB's own on lock.mdb included (`_pid_locked` queries it).
+        self._lock_fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         _prefetch(os.path.join(path, "data.mdb"))
         if readonly:  # handles opened inside a read txn die with it: open them without one
             dbs = {n: self._open_existing(n) for n in DB_NAMES}
@@ -545,19 +549,41 @@ class Index:
         txn.put(b"usage", pack_usage(usage), db=self.meta)
 
     def reader_check(self) -> int:
-        """Clear reader slots of dead processes; returns how many were cleared."""
+        """Clear reader slots of dead processes; returns how many were cleared. Not in the daemon: LMDB takes its
+        reader-table lock here once it finds a dead slot, py-lmdb holds the GIL through the call, and another
+        process holds that lock while it registers a reader, and keeps it if stopped there (SIGSTOP, a frozen
+        cgroup): every thread of the caller would wait for that process. The daemon clears dead slots in a child
+        process (`kvtier.daemon.reader_slots`)."""
         return int(self.env.reader_check())
 
+    def _reader_table(self) -> list[tuple[int, str, bool]]:
+        """(pid, txnid or "-", alive) per used slot of LMDB's reader table, read without its lock
+        (`env.readers()`); alive as LMDB's own reader check tells it (`_pid_locked`), this process always."""
+        rows = [line.split() for line in self.env.readers().splitlines()[1:]]
+        pids = [int(f[0]) for f in rows if len(f) == 3]
+        txnids = [f[2] for f in rows if len(f) == 3]
+        me = os.getpid()
+        return [(pid, txnid, pid == me or _pid_locked(self._lock_fd, pid)) for pid, txnid in zip(pids, txnids)]
+
+    def dead_readers(self) -> list[int]:
+        """Pids in the reader table whose process is gone (their slots wait for `reader_check`); takes no lock."""
+        return sorted({pid for pid, _, alive in self._reader_table() if not alive})
+
     def oldest_reader_txnid(self) -> int | None:
-        """The oldest snapshot any live process is reading (LMDB's reader table), or None if nobody reads."""
-        self.reader_check()
-        oldest: int | None = None
-        for line in self.env.readers().splitlines()[1:]:
-            fields = line.split()
-            if len(fields) == 3 and fields[2] != "-":
-                txnid = int(fields[2])
-                oldest = txnid if oldest is None else min(oldest, txnid)
-        return oldest
+        """The oldest snapshot any live process is reading (LMDB's reader table), or None if nobody reads. Takes
+        no lock: a dead process's slot is skipped rather than cleared (see `reader_check`)."""
+        return min((int(txnid) for _, txnid, alive in self._reader_table() if alive and txnid != "-"), default=None)
 
     def close(self) -> None:
         self.env.close()
+        os.close(self._lock_fd)  # after LMDB's locks went with the environment
+
+
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
+
+
+def _pid_locked(lock_fd: int, pid: int) -> bool:
+    """Whether a process holds the byte at offset `pid` of LMDB's lock file: how LMDB itself tells a live reader
+    (every process that registers one locks that byte). F_GETLK takes no lock, and sees across pid namespaces."""
+    got = fcntl.fcntl(lock_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, pid, 1, 0))
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK

@@ -291,10 +291,15 @@ class DiskStore:
         self._check_pid()
         return self._compaction.relocate(batches)
 
-    def reader_check(self) -> int:
-        """Clear dead readers from LMDB's table; close cached segment files that were unlinked."""
+    def close_unlinked(self) -> None:
+        """Close cached segment files that were unlinked."""
         self._check_pid()
         self._reader.close_unlinked()
+
+    def reader_check(self) -> int:
+        """Clear dead readers from LMDB's table (not in the daemon: `Index.reader_check` says why); close cached
+        segment files that were unlinked."""
+        self.close_unlinked()
         return self.index.reader_check()
 
     def apply_decision(self, decision: Decision) -> object:
