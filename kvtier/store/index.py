@@ -416,9 +416,6 @@ class Index:
                     f"{path} is already open in this process: share that DiskStore, or close it first"
                 ) from None
             raise
-        # Open for the environment's whole life, never closed before it: closing any descriptor of a file drops
-        # every POSIX lock this process holds on it, LMDB's own on lock.mdb included (`_pid_locked` queries it).
-        self._lock_fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         _prefetch(os.path.join(path, "data.mdb"))
         if readonly:  # handles opened inside a read txn die with it: open them without one
             dbs = {n: self._open_existing(n) for n in DB_NAMES}
@@ -434,6 +431,9 @@ class Index:
         self.atime: Any = dbs["atime"]
         self.gone: Any = dbs["gone"]  # None in a read-only store no writer has opened since `gone` was added
         self._check_format()
+        # Open for the environment's whole life, never closed before it: closing any descriptor of a file drops
+        # every POSIX lock this process holds on it, LMDB's own on lock.mdb included (`_pid_locked` queries it).
+        self._lock_fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
 
     def _open_existing(self, name: str) -> Any:
         """A named DB of a read-only environment. A store no writer has opened since `gone` was added lacks it:

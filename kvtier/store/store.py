@@ -83,6 +83,8 @@ class DiskStore:
             self.index = Index(self.root, readonly=readonly or decisions is not None)
             self.backend: PosixBackend = select_backend(seg_dir, config.io_backend, readonly=readonly)
         except BaseException:
+            if getattr(self, "index", None) is not None:
+                self.index.close()
             if self._writer_lock:
                 self._writer_lock.release()
             raise
