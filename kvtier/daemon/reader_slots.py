@@ -33,7 +33,10 @@ class ReaderSlots:
             if self._child.poll() is None:
                 return  # still waiting for the lock (or still starting)
             out, _ = self._child.communicate()
-            log.info("cleared %s dead reader slot(s) of the index", out.strip() or "?")
+            if self._child.returncode == 0:
+                log.info("cleared %s dead reader slot(s) of the index", out.strip())
+            else:  # tried again at the next tick that still sees a dead slot
+                log.warning("clearing the index's dead reader slots failed (exit %d)", self._child.returncode)
             self._child = None
         dead = self._index.dead_readers()
         if dead:

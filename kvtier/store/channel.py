@@ -17,7 +17,6 @@ import collections
 import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 from kvtier.store.decisions import Decision, Reply, decode_decision, decode_reply, encode
 from kvtier.store.errors import StoreError
 from kvtier.store.gil import applying
+from kvtier.store.io import lock_holder
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ POLL_S = 0.005  # how often the applier looks for requests, and a sender for its
 REPLY_TIMEOUT_S = 30.0
 PROBE_S = 1.0  # while waiting for a reply, how often a sender asks whether an applier still holds the lock
 STOP_GRACE_S = 2.0  # how long a stopping sender still waits for a reply (its last status), then none at all
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
 
 
 class DaemonUnavailable(StoreError):
@@ -59,11 +58,9 @@ def applier_pid(root: str) -> int | None:
     except FileNotFoundError:
         return None
     try:
-        got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        return lock_holder(fd)
     finally:
         os.close(fd)
-    kind, _, _, _, pid = _FLOCK.unpack(got)
-    return None if kind == fcntl.F_UNLCK else pid
 
 
 class SenderStopping(DaemonUnavailable):

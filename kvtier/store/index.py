@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import fcntl
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from kvtier.core.tier import ObjectKey
 from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
 from kvtier.store.gil import DurableFirst
+from kvtier.store.io import lock_holder
 from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 
@@ -432,7 +432,7 @@ class Index:
         self.gone: Any = dbs["gone"]  # None in a read-only store no writer has opened since `gone` was added
         self._check_format()
         # Open for the environment's whole life, never closed before it: closing any descriptor of a file drops
-        # every POSIX lock this process holds on it, LMDB's own on lock.mdb included (`_pid_locked` queries it).
+        # every POSIX lock this process holds on it, LMDB's own on lock.mdb included (`_reader_table` queries them).
         self._lock_fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
 
     def _open_existing(self, name: str) -> Any:
@@ -558,12 +558,11 @@ class Index:
 
     def _reader_table(self) -> list[tuple[int, str, bool]]:
         """(pid, txnid or "-", alive) per used slot of LMDB's reader table, read without its lock
-        (`env.readers()`); alive as LMDB's own reader check tells it (`_pid_locked`), this process always."""
-        rows = [line.split() for line in self.env.readers().splitlines()[1:]]
-        pids = [int(f[0]) for f in rows if len(f) == 3]
-        txnids = [f[2] for f in rows if len(f) == 3]
+        (`env.readers()`); alive as LMDB's own reader check tells it (a process holds the byte at offset pid of
+        lock.mdb: every process that registers a reader locks it), this process always."""
+        slots = [(int(f[0]), f[2]) for f in map(str.split, self.env.readers().splitlines()[1:]) if len(f) == 3]
         me = os.getpid()
-        return [(pid, txnid, pid == me or _pid_locked(self._lock_fd, pid)) for pid, txnid in zip(pids, txnids)]
+        return [(pid, txnid, pid == me or lock_holder(self._lock_fd, pid, 1) is not None) for pid, txnid in slots]
 
     def dead_readers(self) -> list[int]:
         """Pids in the reader table whose process is gone (their slots wait for `reader_check`); takes no lock."""
@@ -577,13 +576,3 @@ class Index:
     def close(self) -> None:
         self.env.close()
         os.close(self._lock_fd)  # after LMDB's locks went with the environment
-
-
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
-
-
-def _pid_locked(lock_fd: int, pid: int) -> bool:
-    """Whether a process holds the byte at offset `pid` of LMDB's lock file: how LMDB itself tells a live reader
-    (every process that registers one locks that byte). F_GETLK takes no lock, and sees across pid namespaces."""
-    got = fcntl.fcntl(lock_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, pid, 1, 0))
-    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK

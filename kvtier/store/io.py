@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import mmap
 import os
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,17 @@ from kvtier.store.errors import StoreError
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
     import torch
+
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
+
+
+def lock_holder(fd: int, start: int = 0, length: int = 0) -> int | None:
+    """The pid of a process holding a POSIX lock on the file's bytes [start, start + length) (length 0: to the
+    end), or None. F_GETLK takes no lock, so the query can never wait; this process's own locks are not seen."""
+    got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    kind, _, _, _, pid = _FLOCK.unpack(got)
+    return None if kind == fcntl.F_UNLCK else pid
+
 
 log = logging.getLogger(__name__)
 
