@@ -18,7 +18,7 @@ from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
 from kvtier.store.extent import ExtentPlan, write_extent
-from kvtier.store.gil import Piece, between_pieces
+from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
 from kvtier.store.io import SegmentFile
@@ -261,20 +261,15 @@ class Compaction:
         applier's thread one per piece (`kvtier.store.gil.Piece`): each move is checked and counted on its own, so
         a decision cut anywhere leaves every record pointing at a durable copy."""
         moves = [(i, m) for i, batch in enumerate(d.batches) for m in batch]
-        moved = [0] * len(d.batches)
-        at = 0
-        while True:
-            at, mine = self._ctx.index.update(functools.partial(self._repoint, moves=moves, start=at, n=len(moved)))
-            moved = [a + b for a, b in zip(moved, mine)]
-            if at >= len(moves):
-                return moved
-            between_pieces()
+        repoint = functools.partial(self._repoint, moves=moves, n=len(d.batches))
+        pieces = in_pieces(lambda at: self._ctx.index.update(functools.partial(repoint, start=at)), len(moves))
+        return [sum(col) for col in zip(*pieces)]  # per batch, over the pieces (there is always one)
 
     def _repoint(
         self, txn: lmdb.Transaction, moves: list[tuple[int, Move]], start: int, n: int
-    ) -> tuple[int, list[int]]:
-        """Moves from `start` on, until the piece is over; returns where it stopped and how many it moved of each
-        of the `n` batches."""
+    ) -> tuple[list[int], int]:
+        """Moves from `start` on, until the piece is over; returns how many it moved of each of the `n` batches
+        and where it stopped."""
         obj_db = self._ctx.index.obj
         ledger = Ledger(self._ctx.index, txn)
         piece = Piece(self._ctx.index.writers)
@@ -300,7 +295,7 @@ class Compaction:
             ledger.usage[cur.form].record_bytes += m.record_len - cur.record_len  # a v1 record shrinks as it moves
             mine[i] += 1
         ledger.save()
-        return at, mine
+        return mine, at
 
     def close(self) -> None:
         if self._relocator is not None:

@@ -31,7 +31,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 YIELD_EVERY_S = 0.0005  # far below the switch interval, far above the cost of a yield (a system call)
 
@@ -169,3 +170,20 @@ def between_pieces() -> None:
     """After a piece's commit, before the next: the GIL and the CPU to the process's other threads once."""
     if on_applier_thread():
         os.sched_yield()
+
+
+R = TypeVar("R")
+
+
+def in_pieces(piece: Callable[[int], tuple[R, int]], items: int) -> list[R]:
+    """Run `piece(start)` (one transaction over the items from `start` on, ending where a `Piece` says; returns
+    its result and where it stopped) until all `items` are done, at least once, with `between_pieces` between
+    two; the pieces' results in order."""
+    results: list[R] = []
+    at = 0
+    while True:
+        result, at = piece(at)
+        results.append(result)
+        if at >= items:
+            return results
+        between_pieces()

@@ -17,7 +17,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.gil import Piece, Yielder, between_pieces
+from kvtier.store.gil import Piece, Yielder, in_pieces
 from kvtier.store.index import (
     IndexEntry,
     RecordState,
@@ -119,16 +119,14 @@ class Maintenance:
             ledger.save()
             return n, i
 
-        total, start = 0, 0
-        while True:
+        def piece(start: int) -> tuple[int, int]:
             index.writers.before_write()  # not under the observe lock, which a durable batch's commit takes too
             with self._ctx.observing() as tell:
-                n, start = index.update(functools.partial(put, start=start), hold_back=False)
+                done = index.update(functools.partial(put, start=start), hold_back=False)
                 tell("removed", served)
-            total += n
-            if start >= len(pairs):
-                return total
-            between_pieces()
+            return done
+
+        return sum(in_pieces(piece, len(pairs)))
 
     def drop_if(self, items: Sequence[DropIf], *, tombstone: bool = False) -> int:
         """Decide to drop records that are still what the caller saw (see `DropIf`); returns how many went."""
@@ -194,13 +192,9 @@ class Maintenance:
                     n += 1
             return n, i
 
-        total, at = 0, 0
-        while at < len(found):
-            n, at = index.update(functools.partial(delete, start=at))
-            total += n
-            if at < len(found):
-                between_pieces()
-        return total, resume
+        if not found:
+            return 0, resume  # no write transaction at all
+        return sum(in_pieces(lambda at: index.update(functools.partial(delete, start=at)), len(found))), resume
 
     # ----------------------------------------------------------------- quarantine and verification
 
@@ -290,7 +284,7 @@ class Maintenance:
         index = self._ctx.index
         rows = d.rows
 
-        def stamp(txn: lmdb.Transaction, start: int) -> int:
+        def stamp(txn: lmdb.Transaction, start: int) -> tuple[None, int]:
             piece = Piece(index.writers)
             i = start
             while i < len(rows) and not piece.over():
@@ -301,14 +295,9 @@ class Maintenance:
                     entry = IndexEntry.unpack(raw)
                     txn.put(raw_key, dataclasses.replace(entry, verified_at=d.at).pack(), db=index.obj)
                     txn.delete(u64_key(entry.seq), db=index.dirty)
-            return i
+            return None, i
 
-        at = 0
-        while True:
-            at = index.update(functools.partial(stamp, start=at))
-            if at >= len(rows):
-                return
-            between_pieces()
+        in_pieces(lambda at: index.update(functools.partial(stamp, start=at)), len(rows))
 
     # ----------------------------------------------------------------- scans
 
