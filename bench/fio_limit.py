@@ -13,6 +13,9 @@ Contract:
   `--direct=1 --ioengine=libaio --rw=read` at `geo`'s request size and depth, `--readonly`, and returns fio's
   own bytes and seconds (the sum of its runtimes: fio's process start is not counted). A RuntimeError where fio
   fails or reads less than asked.
+- `fio_random_iops(path, nbytes, ios)` is the limit for a load of small records each in a page of its own: fio's
+  reads per second doing `ios` random 4 KiB reads (`--rw=randread --direct=1`, libaio) in the first `nbytes` of
+  `path` at the AIO context's depth (the most reads such a load keeps in flight).
 
 Why fio and not dd: dd reads one request at a time into ordinary memory, so it says what one synchronous reader
 gets, not what the disk gives. kvtier keeps many requests in flight into huge-page memory; the limit it is held
@@ -126,6 +129,31 @@ def job_file(path: str | Path, offset: int, nbytes: int, geo: Geometry, iomem: s
     )
 
 
+def fio_random_iops(path: str | Path, nbytes: int, ios: int) -> float:
+    """fio's 4 KiB O_DIRECT random reads per second in the first `nbytes` of `path`, `ios` of them at aio.DEPTH."""
+    job = (
+        "[random]\nioengine=libaio\ndirect=1\nrw=randread\nnorandommap=1\ninvalidate=1\nthread\nbs=4096\nrandrepeat=0\n"
+        f"iodepth={aio.DEPTH}\nio_size={ios * 4096}\nfilename={str(path).replace(':', chr(92) + ':')}\nsize={nbytes}\n"
+    )
+    (data,) = _run_fio(job)
+    if data["error"] or data["read"]["total_ios"] < ios:
+        raise RuntimeError(f"fio read {data['read']['total_ios']} of {ios} pages of {path} (error {data['error']})")
+    return ios / (max(data["read"]["runtime"], 0.5) / 1e3)  # fio's runtime is in whole milliseconds
+
+
+def _run_fio(job: str) -> list[dict]:
+    """fio's JSON jobs for one job file (read only); a RuntimeError where fio fails."""
+    with tempfile.NamedTemporaryFile("w", suffix=".fio", delete=False) as f:
+        f.write(job)
+    try:
+        res = subprocess.run(["fio", "--readonly", "--output-format=json", f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if res.returncode != 0 or "{" not in res.stdout:
+        raise RuntimeError(f"fio exited {res.returncode}: {res.stderr.strip()[-300:]}")
+    return json.loads(res.stdout[res.stdout.index("{") :])["jobs"]
+
+
 def described(geo: Geometry, memory: str, what: str, **more: object) -> dict:
     """How a bench's fio limit was read, for its JSON: the engine and O_DIRECT of `job_file`, the geometry, the
     memory fio read into, and what it read."""
@@ -139,15 +167,7 @@ def fio_read(spans: Sequence[tuple[str | Path, int, int]], geo: Geometry, buffer
     for path, offset, nbytes in spans:
         if nbytes <= 0:
             continue
-        with tempfile.NamedTemporaryFile("w", suffix=".fio", delete=False) as f:
-            f.write(job_file(path, offset, nbytes, geo, buffers.iomem))
-        try:
-            res = subprocess.run(["fio", "--readonly", "--output-format=json", f.name], capture_output=True, text=True)
-        finally:
-            os.unlink(f.name)
-        if res.returncode != 0 or "{" not in res.stdout:
-            raise RuntimeError(f"fio exited {res.returncode}: {res.stderr.strip()[-300:]}")
-        (job,) = json.loads(res.stdout[res.stdout.index("{") :])["jobs"]
+        (job,) = _run_fio(job_file(path, offset, nbytes, geo, buffers.iomem))
         # fio reads whole requests only: a span that is not a whole number of them ends one request early or late
         # (as the file's end allows); what it read and how long it took are what count
         if job["error"] or abs(job["read"]["io_bytes"] - nbytes) >= geo.request_bytes:

@@ -11,7 +11,9 @@ size and queue depth kvtier's loads use, into huge-page buffers where it can hav
 MB/s beside it, `round_ratios` each round's pair. Without fio the read has no limit: `fio.missing` says so.
 
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
-(`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them). `read_cpu_ms_per_object` and
+(`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them). Its limit,
+`small_load_fio_iops`: fio's random 4 KiB O_DIRECT reads per second in the same segment files at the AIO depth, after
+kvtier's loads in each round (`small_load_ratio_to_fio`: the best of each side, the one over the other). `read_cpu_ms_per_object` and
 `small_load_cpu_us_per_object`: the CPU time of this process (all its threads) per object of the cold read and of the
 random small load, the least of the rounds.
 """
@@ -32,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 import xxhash
-from fio_limit import Geometry, HugeBuffers, described, fio_read, geometry, missing
+from fio_limit import Geometry, HugeBuffers, described, fio_random_iops, fio_read, geometry, missing
 from pagecache import drop_cache_tree
 from slots import slot_pool
 
@@ -42,6 +44,9 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import SEGMENTS_DIR, DiskStore, StoreConfig
 
 MB = 1e6
+# fio's random reads for the small loads' limit: 8 times a load's, so that its runtime, which fio gives in whole
+# milliseconds, is long enough to count
+SMALL_FIO_IOS = 8192
 
 
 class Limit(NamedTuple):
@@ -121,10 +126,11 @@ def store_pass(
     return write_s, read_s, read_cpu, backend, fio_mbps, pages
 
 
-def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float, float]:
+def small_pass(work: str, args: argparse.Namespace, fio: bool) -> tuple[float, float, float, float | None]:
     """1 KB records written in batches of 256; then 1,024 random ones loaded cold (O_DIRECT or page cache
-    dropped), in one load_into; and a sequential 1,024 (a prefix's blocks). Returns objects/s of each, and the
-    random load's CPU seconds (this process, every thread)."""
+    dropped), in one load_into; and a sequential 1,024 (a prefix's blocks). Returns objects/s of each, the
+    random load's CPU seconds (this process, every thread) and, with `fio`, fio's random 4 KiB reads per second
+    over the same segment files (SMALL_FIO_IOS of them at the AIO depth)."""
     root = os.path.join(work, "small")
     vk = VersionKey("bench-small", "w", "abi", "c", "i", "fp8")
     digest = b"S" * 16
@@ -151,8 +157,9 @@ def small_pass(work: str, args: argparse.Namespace) -> tuple[float, float, float
             cpu.append(time.process_time() - c0)
             if any(r.name != "OK" for r in reasons) or not torch.equal(outs[-1], payload):
                 raise SystemExit("small records did not read back correctly")
+    iops = min(fio_random_iops(p, n, SMALL_FIO_IOS) for p, _, n in segment_spans(root)) if fio else None
     shutil.rmtree(root)
-    return rates[0], rates[1], cpu[0]
+    return rates[0], rates[1], cpu[0], iops
 
 
 def main() -> None:
@@ -171,7 +178,7 @@ def main() -> None:
     count = int(args.gib * (1 << 30)) // record
     total = count * record
     work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.dir)
-    raw_w, st_w, st_r, fio_r, small_rand, small_seq = [], [], [], [], [], []
+    raw_w, st_w, st_r, fio_r, small_rand, small_seq, small_fio = [], [], [], [], [], [], []
     read_cpu, small_cpu = [], []
     no_fio = missing()
     geo = geometry()
@@ -181,7 +188,9 @@ def main() -> None:
         with buffers:
             limit = None if no_fio else Limit(geo, buffers)
             for r in range(args.repeat):
-                rand, seq, rand_cpu = small_pass(work, args)
+                rand, seq, rand_cpu, iops = small_pass(work, args, fio=limit is not None)
+                if iops is not None:
+                    small_fio.append(iops)
                 small_rand.append(rand)
                 small_cpu.append(rand_cpu)
                 small_seq.append(seq)
@@ -219,6 +228,9 @@ def main() -> None:
                 "fio_read_MBps": round(max(fio_r), 1),
                 "read_ratio_to_fio": round(max(read_mbps) / max(fio_r), 3),
                 "round_ratios": [round(k / f, 2) for k, f in zip(read_mbps, fio_r)],
+                # the small loads' disk limit: fio's random 4 KiB reads per second at the AIO depth
+                "small_load_fio_iops": round(max(small_fio)),
+                "small_load_ratio_to_fio": round(max(small_rand) / max(small_fio), 3),
             }
         ),
         "small_load_objects_per_s": round(max(small_rand)),
