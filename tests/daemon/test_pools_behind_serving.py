@@ -1,9 +1,9 @@
 """The daemon serves the store before its pools exist, and an engine-only node (`profiles = []`) never makes any.
 
 Both are observed on a real `kvtier serve`: its stats document (`pools`, `profiles`, `startup`), its metrics, the
-shared memory its process holds (/proc/PID/status RssShmem: the pools are memfds, their pages taken when made),
-and engines' tier ops answered through its socket. The pools' allocation is held back by a FIFO the test writes
-to (`KVTIER_HOLD_POOLS`), so "served before the pools were ready" is an order, not a race against the clock.
+shared memory its process holds (/proc/PID/status RssShmem and HugetlbPages: the pools are memfds, their pages taken
+when made), and engines' tier ops answered through its socket. The pools' allocation is held back by a FIFO the test
+writes to (`KVTIER_HOLD_POOLS`), so "served before the pools were ready" is an order, not a race against the clock.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ GROUPS = [("kv", CacheForm.COMPRESSED), ("window", CacheForm.SWA)]
 DIGEST = bytes(range(16))
 
 
-def rss_shmem(pid: int) -> int:
-    """Shared memory pages this process holds, in bytes (where the memfd pools' pages are counted)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssShmem:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssShmem in /proc/PID/status")
+def shared_held(pid: int) -> int:
+    """Shared memory this process holds, in bytes: its shmem pages and its hugetlb pages (a memfd pool takes the
+    host's free hugetlb pages where there are any, and RssShmem does not count those)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("RssShmem", "HugetlbPages"))
 
 
 def stats(socket_path: Path, deadline_s: float = 60.0) -> StatsDoc:
@@ -94,7 +93,7 @@ def test_serves_the_store_before_its_pools_are_ready(tmp_path: Path) -> None:
         doc = stats(daemon.socket)
         assert doc.daemon is not None and doc.daemon.pools == "waiting", doc.daemon
         assert doc.daemon.health.startswith("starting") and doc.profiles == []
-        held_before = rss_shmem(daemon.proc.pid)
+        held_before = shared_held(daemon.proc.pid)
         assert held_before < POOL_BYTES  # no pool exists yet
 
         engine_round_trip(daemon.socket, seed=1)  # engines' lookups, loads and stores: served, store-backed
@@ -121,7 +120,7 @@ def test_serves_the_store_before_its_pools_are_ready(tmp_path: Path) -> None:
         assert [p.name for p in doc.profiles] == ["ref-tiny"]
         startup = doc.daemon.startup
         assert startup["listening"] < startup["pools_ready"], startup  # served first, pools after
-        assert rss_shmem(daemon.proc.pid) - held_before >= 4 * POOL_BYTES * 0.9  # the pools' pages, now taken
+        assert shared_held(daemon.proc.pid) - held_before >= 4 * POOL_BYTES * 0.9  # the pools' pages, now taken
         assert cli("status", "--socket", str(daemon.socket), cwd=tmp_path).returncode == 0
     finally:
         try:  # after a failed assertion before the release: unblock the pool thread (ENXIO: nobody waits)
@@ -140,7 +139,7 @@ def test_engine_only_node_allocates_no_pools(tmp_path: Path) -> None:
         doc = stats(daemon.socket)
         assert doc.daemon is not None and doc.daemon.pools == "none" and doc.daemon.health == "ok"
         assert doc.profiles == []
-        assert rss_shmem(daemon.proc.pid) < POOL_BYTES  # 128 MiB configured, none of it taken
+        assert shared_held(daemon.proc.pid) < POOL_BYTES  # 128 MiB configured, none of it taken
         assert pool_bytes_metric(doc.daemon.metrics) == 0
 
         engine_round_trip(daemon.socket, seed=2)
