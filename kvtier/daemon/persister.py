@@ -18,6 +18,10 @@ from kvtier.daemon.runtime import Runtime
 
 log = logging.getLogger(__name__)
 PERSIST_BATCH = 32
+# A refused form's small batches that go in per pass. Without a bound, a pass went on while the cleaner made room
+# a few objects at a time, each batch a durable write with its syncs, and every durable offload waiting for that
+# pass waited with it (bench/verifier_offloads.py measures those waits); what is left waits for the next pass.
+TRICKLE_BATCHES = 4
 
 
 class Persister:
@@ -138,7 +142,7 @@ class Persister:
                         self._count(out.stored)
                         for form in out.failed:
                             skip.add(form)
-                            refused = self._trickle(rt, form)
+                            refused = self._trickle(rt, form, out.failed[form])
                             if refused is not None:
                                 blocked[(rt.name, form.value)] = refused
                         if not out.stored:
@@ -158,22 +162,25 @@ class Persister:
         with self._cond:
             self.persisted += stored
 
-    def _trickle(self, rt: Runtime, form: CacheForm) -> str | None:
-        """A form's batch was refused (a batch is all or nothing): store it in ever smaller batches, so a form
-        with room for a few objects (the cleaner made some) still gets them in. Why it is refused even one
-        at a time, or None."""
+    def _trickle(self, rt: Runtime, form: CacheForm, refused: str) -> str | None:
+        """A form's batch was refused (`refused`: why; a batch is all or nothing): store it in ever smaller
+        batches, so a form with room for a few objects (the cleaner made some) still gets them in, at most
+        TRICKLE_BATCHES of them this pass. Why the rest waits (refused even one at a time, or the pass's share
+        taken), or None when nothing of the form is left."""
         others = set(CacheForm) - {form}
         n = PERSIST_BATCH // 2
-        why: str | None = None
-        while n:
+        stored_batches = 0
+        while n and stored_batches < TRICKLE_BATCHES:
             out = rt.manager.persist_batch(n, skip=others)
             self._count(out.stored)
             why = out.failed.get(form)
             if why is None and not out.stored:
                 return None  # nothing of the form left
-            if why is not None:
-                n //= 2
-        return why
+            if why is None:
+                stored_batches += 1
+            else:
+                refused, n = why, n // 2
+        return refused
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the outstanding passes and end the thread; False if it did not end in time."""
