@@ -13,9 +13,9 @@ MB/s beside it, `round_ratios` each round's pair. Without fio the read has no li
 `small_load_objects_per_s`: 1,024 random 1 KB records out of `--small-records`, loaded cold in one load_into
 (`small_seq_load_objects_per_s`: 1,024 consecutive ones, as a prefix restore reads them). Its limit,
 `small_load_fio_iops`: fio's random 4 KiB O_DIRECT reads per second in the same segment files at the AIO depth, after
-kvtier's loads in each round (`small_load_ratio_to_fio`: the best of each side, the one over the other). `read_cpu_ms_per_object` and
-`small_load_cpu_us_per_object`: the CPU time of this process (all its threads) per object of the cold read and of the
-random small load, the least of the rounds.
+kvtier's loads in each round (`small_load_ratio_to_fio`: the best of each side, the one over the other).
+`read_cpu_ms_per_object` and `small_load_cpu_us_per_object`: the CPU time of this process (all its threads) per object
+of the cold read and of the random small load, the least of the rounds.
 """
 
 from __future__ import annotations
