@@ -170,16 +170,20 @@ class Persister:
         others = set(CacheForm) - {form}
         n = PERSIST_BATCH // 2
         stored_batches = 0
-        while n and stored_batches < TRICKLE_BATCHES:
+        while n:
             out = rt.manager.persist_batch(n, skip=others)
             self._count(out.stored)
             why = out.failed.get(form)
             if why is None and not out.stored:
                 return None  # nothing of the form left
-            if why is None:
-                stored_batches += 1
-            else:
+            if why is not None:
                 refused, n = why, n // 2
+                continue
+            stored_batches += 1
+            if stored_batches == TRICKLE_BATCHES:
+                # blocked only while something of it still waits: a stale entry would keep the daemon's health
+                # degraded, and nothing retries a form with nothing waiting
+                return refused if rt.manager.write_back_backlog().get(form) else None
         return refused
 
     def stop(self, timeout_s: float) -> bool:

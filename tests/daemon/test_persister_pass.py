@@ -20,8 +20,8 @@ BACKLOG = 200
 class _TrickleStore:
     """persist_batch as the manager answers it over a store with room for ROOM objects a batch."""
 
-    def __init__(self) -> None:
-        self.left = BACKLOG
+    def __init__(self, backlog: int) -> None:
+        self.left = backlog
         self.batches: list[int] = []  # the sizes asked for, in order
 
     def persist_batch(self, limit: int | None = None, *, skip: frozenset[CacheForm] = frozenset()) -> PersistOutcome:
@@ -39,13 +39,13 @@ class _TrickleStore:
 
 
 class _Runtime:
-    def __init__(self) -> None:
+    def __init__(self, backlog: int) -> None:
         self.name = "ref-tiny"
-        self.manager = _TrickleStore()
+        self.manager = _TrickleStore(backlog)
 
 
 def test_a_pass_stores_a_bounded_number_of_small_batches_then_names_the_form_blocked() -> None:
-    rt = _Runtime()
+    rt = _Runtime(BACKLOG)
     persister = Persister([rt], depth=1024)  # type: ignore[list-item]
     try:
         done, persisted = persister.wait_pass(30.0)
@@ -58,5 +58,16 @@ def test_a_pass_stores_a_bounded_number_of_small_batches_then_names_the_form_blo
         # the next pass goes on from there
         done, more = persister.wait_pass(30.0)
         assert done and more == TRICKLE_BATCHES * ROOM
+    finally:
+        persister.stop(10.0)
+
+
+def test_a_form_whose_last_objects_the_bound_took_is_not_named_blocked() -> None:
+    rt = _Runtime(TRICKLE_BATCHES * ROOM)  # the pass's small batches take all of it
+    persister = Persister([rt], depth=1024)  # type: ignore[list-item]
+    try:
+        done, persisted = persister.wait_pass(30.0)
+        assert done and persisted == TRICKLE_BATCHES * ROOM and persister.queued == 0
+        assert persister.blocked == {}  # nothing waits: the daemon's health must not say write-back is blocked
     finally:
         persister.stop(10.0)
