@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.wire import Connection
+from kvtier.wire.stats import EngineNamespaceStats
 from support.cluster_nodes import cluster_stats, cluster_toml, wait_written_through
 from support.daemon import ROOT, DaemonProc
 from support.mooncake_loopback import MooncakeCluster
@@ -90,10 +91,11 @@ def run_engine(
     return json.loads(out.read_text())
 
 
-def engine_rows(node: DaemonProc) -> list:
-    """The daemon's per-namespace counters of engines' tier ops (`kvtier status`'s engines)."""
+def vllm_row(node: DaemonProc) -> EngineNamespaceStats:
+    """The daemon's counters of the vLLM engine's tier ops, its one namespace (`kvtier status`'s engines)."""
     with Connection(node.socket, timeout_s=10.0, name="cluster test") as conn:
-        return conn.stats().engines
+        (row,) = [row for row in conn.stats().engines if row.engine == "vllm"]
+    return row
 
 
 def tier_counter(run: dict, name: str, tier: str) -> float:
@@ -134,8 +136,7 @@ def test_node_b_restores_node_a_prefix_through_its_daemon(own_cluster: MooncakeC
         # vLLM offers every chunk of the full group and the trailing window of the sliding one. Counted by the
         # daemon: the engine's own counter, read when its only request returns, counts only the stores that
         # finished during its 8 decode steps (a race that failed CI).
-        (engine_row,) = [row for row in engine_rows(node_a) if row.engine == "vllm"]
-        assert engine_row.stores == PREFIX_CHUNKS + WINDOW_CHUNKS, engine_row
+        assert (row := vllm_row(node_a)).stores == PREFIX_CHUNKS + WINDOW_CHUNKS, row
         assert stored["results"] == reference["results"]
         wait_written_through(node_a, PREFIX_CHUNKS + WINDOW_CHUNKS, timeout=60)
         # Node A is stopped: node B can get the prefix only from the cluster.
@@ -154,8 +155,7 @@ def test_node_b_restores_node_a_prefix_through_its_daemon(own_cluster: MooncakeC
         # One remote lookup for B's request, not a loop: vLLM asks the tier again every engine step while the
         # request waits (each a RETRY, counted as asking_daemon), but the tier asked the daemon once, for all of
         # the request's keys (every chunk of both groups), and the daemon asked the cluster once.
-        (engine_row,) = [row for row in engine_rows(node_b) if row.engine == "vllm"]
-        assert engine_row.lookups == REQUEST_KEYS, engine_row
+        assert (row := vllm_row(node_b)).lookups == REQUEST_KEYS, row
         assert stats["cluster"]["lookups"] == REQUEST_KEYS, stats
         assert sum(stats["cluster"]["lookup_latency"]["counts"]) == 1, stats
         # Generated tokens and their logprobs, bit for bit, as the run that never offloaded.
