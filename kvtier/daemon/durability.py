@@ -2,7 +2,8 @@
 
 The objects an offload names include those it did not write itself: ones another connection had reserved
 (and may never seal: killed mid-copy), ones already cached, ones refused a slot. Each is checked in the
-store's index after a write-back pass; objects still being written elsewhere are waited for, up to a bound;
+store's index once the persister has tried to store them (ahead of its backlog); objects still being written
+elsewhere are waited for, up to a bound;
 whatever is not committed at the end is counted `not_durable`, with its typed cause, never acknowledged.
 """
 
@@ -14,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.core.forms import Reason
+from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.not_durable import NotDurableCause as Cause
 from kvtier.core.not_durable import NotDurableCount
 from kvtier.core.tier import ObjectKey
@@ -42,25 +43,28 @@ def make_durable(
     wait_s: float,
 ) -> Durability:
     """Write back and check every named object (indices in `refused` got no slot); waits up to `wait_s`
-    for objects other connections are still writing or that wait for a write-back pass."""
+    for objects other connections are still writing. The write-back of the named objects goes ahead of
+    the backlog (`Persister.persist_first`)."""
     manager = rt.manager
     digests = [manager.layout_digest(k.group) for k in keys]
     deadline = time.monotonic() + wait_s
     pause = threading.Event()
+    todo: Sequence[ObjectKey] = keys
     while True:
-        done, _ = persister.wait_pass(max(0.0, deadline - time.monotonic()))
+        refused_now = persister.persist_first(rt, todo, max(0.0, deadline - time.monotonic()))
         answers = store.has(keys, digests)
         missing = [i for i, a in enumerate(answers) if a != Reason.OK]
         states = manager.residence([keys[i] for i in missing])
         why: collections.Counter[tuple[Cause, str]] = collections.Counter()
         waiting = False
         for i, state in zip(missing, states):
-            cause, detail = _why(i, state, keys[i], refused, persister, rt.name)
+            cause, detail = _why(i, state, keys[i], refused, refused_now or {})
             why[(cause, detail)] += 1
             waiting = waiting or cause in _NOT_FINAL
-        if not missing or not waiting or not done or time.monotonic() >= deadline:
+        if not missing or not waiting or refused_now is None or time.monotonic() >= deadline:
             counts = [NotDurableCount(cause, n, detail) for (cause, detail), n in sorted(why.items())]
             return Durability(len(keys) - len(missing), len(missing), counts)
+        todo = [keys[i] for i in missing]
         pause.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
@@ -68,13 +72,18 @@ _NOT_FINAL = (Cause.RESERVED_ELSEWHERE, Cause.WRITE_BACK_PENDING)  # may still c
 
 
 def _why(
-    i: int, state: BlockState | None, key: ObjectKey, refused: frozenset[int], persister: Persister, profile: str
+    i: int,
+    state: BlockState | None,
+    key: ObjectKey,
+    refused: frozenset[int],
+    refused_now: dict[CacheForm, str],
 ) -> tuple[Cause, str]:
-    """Why object i is not in the store (typed cause, and the detail for humans)."""
+    """Why object i is not in the store (typed cause, and the detail for humans); `refused_now`: the forms
+    whose write-back the store just refused, and why."""
     if state is BlockState.WRITING:
         return Cause.RESERVED_ELSEWHERE, "reserved by another connection and not sealed in time"
     if state in (BlockState.SEALED, BlockState.RECOVERING):
-        blocked = persister.blocked.get((profile, key.form.value)) or persister.blocked.get((profile, "*"))
+        blocked = refused_now.get(key.form)
         if blocked is not None:
             return Cause.STORE_REFUSED, f"the store refuses {key.form.value} objects ({blocked})"
         return Cause.WRITE_BACK_PENDING, "waiting for write-back at the deadline"

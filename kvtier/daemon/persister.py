@@ -3,17 +3,24 @@
 Fair across forms: each form goes to the store in its own batches, and a form the store refuses (its quota,
 the budget, a disk error) is set aside for the rest of the pass and named in `blocked` with the store's
 reason, so it holds back no other form. What waits (`backlog`), what is blocked and how many passes failed
-are exported; `flush`, `durable` and the shutdown drain read them to say what is not on disk and why.
+are exported; `flush` and the shutdown drain read them to say what is not on disk and why.
+
+A durable offload does not wait for a pass: `persist_first` stores the objects it names ahead of the
+backlog, between two of the pass's batches, and says which forms the store refused them.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.not_durable import NotDurableCause, NotDurableCount
+from kvtier.core.tier import ObjectKey
 from kvtier.daemon.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -24,12 +31,22 @@ PERSIST_BATCH = 32
 TRICKLE_BATCHES = 4
 
 
+@dataclasses.dataclass(eq=False)
+class _First:
+    """A durable offload's objects, to be stored ahead of the backlog; `refused` is set once they were tried."""
+
+    rt: Runtime
+    keys: Sequence[ObjectKey]
+    refused: dict[CacheForm, str] | None = None
+
+
 class Persister:
     """Writes sealed pool objects to the store in the background (the manager's write-back), bounded.
 
     A *pass* persists everything sealed before it began. `sealed(n)` counts objects waiting for a
     pass and blocks the sealer while more than `depth` wait (back-pressure); `wait_pass()` returns
-    once a pass that began after the call has finished (flush / durable).
+    once a pass that began after the call has finished (flush); `persist_first()` once the objects it
+    names were tried, ahead of the rest (a durable offload).
     """
 
     def __init__(self, runtimes: list[Runtime], depth: int) -> None:
@@ -42,6 +59,7 @@ class Persister:
         self.persisted = 0
         self.failed_passes = 0
         self.blocked: dict[tuple[str, str], str] = {}  # (profile, form) -> why the store refused it last pass
+        self._first: collections.deque[_First] = collections.deque()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
         self._thread.start()
@@ -122,56 +140,111 @@ class Persister:
                 self._cond.wait(remaining)
             return True, self.persisted - before
 
+    def persist_first(self, rt: Runtime, keys: Sequence[ObjectKey], timeout_s: float) -> dict[CacheForm, str] | None:
+        """Store the objects of `keys` that are sealed and not in the store yet, ahead of the backlog (a durable
+        offload waits for its own objects, not for a pass and whatever else it writes). Returns, once they were
+        tried, the forms the store refused them and why (some may have gone in: see `_trickle`); None when they
+        were not tried within `timeout_s` (a batch in progress took longer) or the thread is gone."""
+        deadline = time.monotonic() + timeout_s
+        first = _First(rt, keys)
+        with self._cond:
+            self._first.append(first)
+            self._cond.notify_all()
+            while first.refused is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    if first in self._first:
+                        self._first.remove(first)
+                    return None
+                self._cond.wait(remaining)
+            return first.refused
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._completed >= self._requested and not self._stop:
+                while not self._first and self._completed >= self._requested and not self._stop:
                     self._cond.wait()
-                if self._stop and self._completed >= self._requested:
+                if self._stop and not self._first and self._completed >= self._requested:
                     return
-                covering = self._requested
-                self._waiting = 0
-                self._cond.notify_all()
-            blocked: dict[tuple[str, str], str] = {}
-            failed = False
-            for rt in self.runtimes:
-                skip: set[CacheForm] = set()
-                try:
-                    while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
-                        out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
-                        self._count(out.stored)
-                        for form in out.failed:
-                            skip.add(form)
-                            refused = self._trickle(rt, form, out.failed[form])
-                            if refused is not None:
-                                blocked[(rt.name, form.value)] = refused
-                        if not out.stored:
-                            break
-                except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
-                    log.exception("persisting %s objects to the store failed", rt.name)
-                    blocked[(rt.name, "*")] = f"{type(exc).__name__}: {exc}"
-                    failed = True
+                covering = self._requested if self._completed < self._requested else None
+                if covering is not None:
+                    self._waiting = 0
+                    self._cond.notify_all()
+            self._serve_first()
+            if covering is not None:
+                self._pass(covering)
+
+    def _serve_first(self) -> None:
+        """Store the objects durable offloads wait for, request by request, each form in one batch or, refused,
+        in ever smaller ones (`_trickle`)."""
+        while True:
             with self._cond:
-                if blocked or failed:
-                    self.failed_passes += 1
-                self.blocked = blocked
-                self._completed = covering
+                if not self._first:
+                    return
+                first = self._first.popleft()
+            refused: dict[CacheForm, str] = {}
+            try:
+                out = first.rt.manager.persist_batch(None, only=first.keys)
+                self._count(out.stored)
+                for form, why in out.failed.items():
+                    if (still := self._trickle(first.rt, form, why, only=first.keys)) is not None:
+                        refused[form] = still
+            except Exception as exc:  # a bug, not a refusal: the objects stay sealed for the next pass
+                log.exception("persisting a durable offload's %s objects failed", first.rt.name)
+                refused = dict.fromkeys((k.form for k in first.keys), f"{type(exc).__name__}: {exc}")
+            with self._cond:
+                first.refused = refused
                 self._cond.notify_all()
+
+    def _pass(self, covering: int) -> None:
+        """Persist everything sealed (the pass that covers requests up to `covering`), durable offloads' objects
+        served between its batches."""
+        blocked: dict[tuple[str, str], str] = {}
+        failed = False
+        for rt in self.runtimes:
+            skip: set[CacheForm] = set()
+            try:
+                while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
+                    self._serve_first()
+                    out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
+                    self._count(out.stored)
+                    for form in out.failed:
+                        skip.add(form)
+                        refused = self._trickle(rt, form, out.failed[form])
+                        if refused is not None:
+                            blocked[(rt.name, form.value)] = refused
+                    if not out.stored:
+                        break
+            except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
+                log.exception("persisting %s objects to the store failed", rt.name)
+                blocked[(rt.name, "*")] = f"{type(exc).__name__}: {exc}"
+                failed = True
+        with self._cond:
+            if blocked or failed:
+                self.failed_passes += 1
+            self.blocked = blocked
+            self._completed = covering
+            self._cond.notify_all()
 
     def _count(self, stored: int) -> None:
         with self._cond:
             self.persisted += stored
 
-    def _trickle(self, rt: Runtime, form: CacheForm, refused: str) -> str | None:
-        """A form's batch was refused (`refused`: why; a batch is all or nothing): store it in ever smaller
-        batches, so a form with room for a few objects (the cleaner made some) still gets them in, at most
-        TRICKLE_BATCHES of them this pass. Why the rest waits (refused even one at a time, or the pass's share
-        taken), or None when nothing of the form is left."""
+    def _trickle(
+        self, rt: Runtime, form: CacheForm, refused: str, only: Sequence[ObjectKey] | None = None
+    ) -> str | None:
+        """A form's batch was refused (`refused`: why; a batch is all or nothing): store it (of `only`, where
+        given) in ever smaller batches, so a form with room for a few objects (the cleaner made some) still gets
+        them in, at most TRICKLE_BATCHES of them this call. Why the rest waits (refused even one at a time, or
+        the share taken), or None when nothing of the form is left. A pass's trickle lets durable offloads'
+        objects go first between its batches."""
         others = set(CacheForm) - {form}
         n = PERSIST_BATCH // 2
         stored_batches = 0
         while n:
-            out = rt.manager.persist_batch(n, skip=others)
+            if only is None:
+                self._serve_first()
+            out = rt.manager.persist_batch(n, skip=others, only=only)
             self._count(out.stored)
             why = out.failed.get(form)
             if why is None and not out.stored:

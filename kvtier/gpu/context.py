@@ -115,6 +115,12 @@ class ManagerContext:
             )
         return g
 
+    def slot_of(self, key: ObjectKey) -> int:
+        """The slot holding `key`'s object now, or -1. Caller holds the lock."""
+        g = self.check_key(key)
+        row = self.table.index.get(key.block_hash)
+        return -1 if row is None else int(self.table.e_slot[g, row])
+
     # -- leases -------------------------------------------------------------------------------------
 
     def require_live(self, lease: LeaseSet) -> None:

@@ -457,7 +457,7 @@ class CacheManager:
         n = 0
         with self._c.lock:
             for key in keys:
-                slot = self._slot_of(key)
+                slot = self._c.slot_of(key)
                 if slot >= 0 and self._c.space.evict_unpinned(slot):
                     n += 1
         return n
@@ -475,15 +475,10 @@ class CacheManager:
         with self._c.lock:
             t = self._c.table
             for key in keys:
-                slot = self._slot_of(key)
+                slot = self._c.slot_of(key)
                 if slot >= 0 and t.s_state[slot] == BlockState.SEALED and op(slot):
                     n += 1
         return n
-
-    def _slot_of(self, key: ObjectKey) -> int:
-        g = self._c.check_key(key)
-        row = self._c.table.index.get(key.block_hash)
-        return -1 if row is None else int(self._c.table.e_slot[g, row])
 
     # ------------------------------------------------------------------------------------------
     # lower tier: recovery and write-back
@@ -500,11 +495,18 @@ class CacheManager:
         left out; they become recoverable. Returns how many (see `persist_batch` for what failed)."""
         return self.persist_batch(limit, skip=skip).stored
 
-    def persist_batch(self, limit: int | None = None, *, skip: Iterable[CacheForm] = ()) -> PersistOutcome:
-        """`persist`, with the forms whose batch the lower tier refused and why."""
+    def persist_batch(
+        self,
+        limit: int | None = None,
+        *,
+        skip: Iterable[CacheForm] = (),
+        only: Sequence[ObjectKey] | None = None,
+    ) -> PersistOutcome:
+        """`persist`, with the forms whose batch the lower tier refused and why; with `only`, just those objects
+        (the ones of them sealed and not yet in the lower tier)."""
         if self._c.lower is None:
             return PersistOutcome()
-        return self._recovery.persist(limit, frozenset(skip))
+        return self._recovery.persist(limit, frozenset(skip), only)
 
     def write_back_backlog(self) -> dict[CacheForm, int]:
         """Sealed objects of the live namespace the lower tier does not have yet, per form."""
@@ -521,7 +523,7 @@ class CacheManager:
             t = self._c.table
             out: list[BlockState | None] = []
             for key in keys:
-                slot = self._slot_of(key)
+                slot = self._c.slot_of(key)
                 out.append(BlockState(int(t.s_state[slot])) if slot >= 0 else None)
             return out
 

@@ -348,26 +348,33 @@ class Recovery:
         todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
         return np.bincount(t.s_group[todo], minlength=t.n_groups)
 
-    def persist(self, limit: int | None, skip: frozenset[CacheForm]) -> PersistOutcome:
+    def persist(
+        self, limit: int | None, skip: frozenset[CacheForm], only: Sequence[ObjectKey] | None = None
+    ) -> PersistOutcome:
         """See `CacheManager.persist`. Each form is stored in its own batches (up to `limit` objects in all), so a
         form the tier refuses (its quota, say) does not hold back the others; a batch pins at most
         `WRITE_BACK_PIN_SHARE` of each group's pool, and the call takes batches until done."""
         outcome = PersistOutcome()
         left: dict[CacheForm, int | None] = {f: limit for f in dict.fromkeys(self._c.forms) if f not in skip}
         while left:
-            if not self._persist_round(left, outcome):
+            if not self._persist_round(left, outcome, only):
                 break
         return outcome
 
-    def _persist_round(self, left: dict[CacheForm, int | None], outcome: PersistOutcome) -> bool:
-        """One batch per form in `left` (each at most its count left, None: no limit); forms that are done (all
-        they had, or their limit), or that the tier refused or skipped, leave `left`. False when nothing was
-        taken, or the topology moved (that round then counts for nothing, as its slots are gone)."""
+    def _persist_round(
+        self, left: dict[CacheForm, int | None], outcome: PersistOutcome, only: Sequence[ObjectKey] | None
+    ) -> bool:
+        """One batch per form in `left` (each at most its count left, None: no limit; of the objects in `only`
+        where given); forms that are done (all they had, or their limit), or that the tier refused or skipped,
+        leave `left`. False when nothing was taken, or the topology moved (that round then counts for nothing,
+        as its slots are gone)."""
         c = self._c
         with c.lock:
             t = c.table
             epoch = c.topology_epoch
             todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+            if only is not None:
+                todo &= self._holding(only, len(todo))
             batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
             more: dict[CacheForm, bool] = {}  # whether the pin share left some of the form's objects for a next round
             for form in list(left):
@@ -418,6 +425,16 @@ class Recovery:
         outcome.stored += stored
         outcome.failed.update(failed)
         return bool(batches)
+
+    def _holding(self, keys: Sequence[ObjectKey], n_slots: int) -> np.ndarray:
+        """A mask of the slots holding `keys`' objects now (keys of a namespace no longer live hold none).
+        Caller holds the lock."""
+        c = self._c
+        mask = np.zeros(n_slots, dtype=bool)
+        for key in keys:
+            if key.namespace == c.ns and (slot := c.slot_of(key)) >= 0:
+                mask[slot] = True
+        return mask
 
     def _within_share(self, todo: np.ndarray, form: CacheForm) -> tuple[np.ndarray, bool]:
         """The form's slots to store (`todo`), at most `WRITE_BACK_PIN_SHARE` of each of its groups' pools, and

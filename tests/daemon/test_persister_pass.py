@@ -24,7 +24,9 @@ class _TrickleStore:
         self.left = backlog
         self.batches: list[int] = []  # the sizes asked for, in order
 
-    def persist_batch(self, limit: int | None = None, *, skip: frozenset[CacheForm] = frozenset()) -> PersistOutcome:
+    def persist_batch(
+        self, limit: int | None = None, *, skip: frozenset[CacheForm] = frozenset(), only: object = None
+    ) -> PersistOutcome:
         if CacheForm.SWA in skip or not self.left:
             return PersistOutcome()
         n = min(limit or self.left, self.left)
