@@ -23,7 +23,9 @@ class LayoutOracle:
     def __init__(self, configured: Iterable[ModelProfile] = (), bundled: Iterable[ModelProfile] = ()) -> None:
         self._configured = tuple(configured)
         self._bundled = tuple(bundled)
-        self._cache: dict[tuple[bytes, str], bytes | None] = {}
+        # keyed by the version key itself: its namespace is a JSON encoding and a hash, and the inventory asks
+        # for every record of every maintenance pass
+        self._cache: dict[tuple[VersionKey, str], bytes | None] = {}
 
     @classmethod
     def load(cls, names: Iterable[str] = ()) -> LayoutOracle:
@@ -37,7 +39,7 @@ class LayoutOracle:
 
     def expected(self, version: VersionKey, group: str) -> bytes | None:
         """The digest a record of `group` written under `version` must carry; None where that is not known."""
-        key = (version.namespace, group)
+        key = (version, group)
         if key not in self._cache:
             self._cache[key] = self._compute(version, group)
         return self._cache[key]
