@@ -53,11 +53,11 @@ class Quarantine(msgspec.Struct, tag="quarantine", frozen=True):
 
 
 class PruneTombstones(msgspec.Struct, tag="prune", frozen=True):
-    """Returns [how many went, the key to resume from]."""
+    """Forget the tombstones of `keys` (encoded keys the sender found expired) still written before
+    `older_than`; returns how many went."""
 
     older_than: float
-    start: bytes = b""
-    scan: int = 4096
+    keys: list[bytes]
 
 
 class Stamp(msgspec.Struct, tag="stamp", frozen=True):

@@ -17,7 +17,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, atime_or_zero, entry_or_none, key_str
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, Stamp
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.gil import Piece, Yielder, in_pieces
+from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.index import (
     IndexEntry,
     RecordState,
@@ -148,37 +148,32 @@ class Maintenance:
 
     def prune_tombstones(self, older_than: float, *, start: bytes = b"", scan: int = 4096) -> tuple[int, bytes]:
         """Forget eviction tombstones written before `older_than` (unix time; a corrupt one goes too): those
-        keys read as missing again. Looks at most `scan` tombstones from key `start` in one short transaction;
-        returns (how many went, the key to resume from: b"" once the end was reached)."""
-        n, cursor = self._ctx.decide(PruneTombstones(older_than, start, scan))
-        return int(n), bytes(cursor)
-
-    def apply_prune(self, d: PruneTombstones) -> tuple[int, bytes]:
-        """Find the expired tombstones in a read transaction (most passes find none, and then take no write lock at
-        all), then delete those still expired, in pieces (`kvtier.store.gil.Piece`)."""
+        keys read as missing again. Looks at most `scan` tombstones from key `start`, in a read transaction of
+        the calling process (the verifier's: the daemon's applier does not walk the tombstones, it only deletes
+        the ones it is sent, each checked again); a pass that finds none expired decides nothing. Returns (how
+        many went, the key to resume from: b"" once the end was reached)."""
         index = self._ctx.index
-        older_than, start, scan = d.older_than, bytes(d.start), d.scan
-
-        def expired(value: bytes | memoryview) -> bool:
-            try:
-                return unpack_time(value) < older_than
-            except CorruptRecord:
-                return True
-
         found: list[bytes] = []
         resume = b""
-        pause = Yielder()  # the daemon's loads share this process's GIL with the applier
         with index.read() as txn, txn.cursor(db=index.gone) as cur:
             more = cur.set_range(start) if start else cur.first()
             for _ in range(scan):
-                pause()
                 if not more:
                     break
-                if expired(cur.value()):
+                if _expired(cur.value(), older_than):
                     found.append(bytes(cur.key()))
                 more = cur.next()
             if more:
                 resume = bytes(cur.key())
+        if not found:
+            return 0, resume
+        return int(self._ctx.decide(PruneTombstones(older_than, found))), resume
+
+    def apply_prune(self, d: PruneTombstones) -> int:
+        """Delete the named tombstones still written before `d.older_than` (not evicted again since the
+        sender's scan), in pieces (`kvtier.store.gil.Piece`)."""
+        index = self._ctx.index
+        found = [bytes(k) for k in d.keys]
 
         def delete(txn: lmdb.Transaction, start: int) -> tuple[int, int]:
             piece = Piece(index.writers)
@@ -187,14 +182,12 @@ class Maintenance:
                 raw_key = found[i]
                 i += 1
                 value = txn.get(raw_key, db=index.gone)
-                if value is not None and expired(value):  # not evicted again since the scan
+                if value is not None and _expired(value, d.older_than):
                     txn.delete(raw_key, db=index.gone)
                     n += 1
             return n, i
 
-        if not found:
-            return 0, resume  # no write transaction at all
-        return sum(in_pieces(lambda at: index.update(functools.partial(delete, start=at)), len(found))), resume
+        return sum(in_pieces(lambda at: index.update(functools.partial(delete, start=at)), len(found)))
 
     # ----------------------------------------------------------------- quarantine and verification
 
@@ -353,3 +346,11 @@ class Maintenance:
 
 def _nothing(number: int, header: object, mv: memoryview, at: int) -> None:
     """A verify's visit: the scan's checks are the verdict; the bytes go nowhere."""
+
+
+def _expired(value: bytes | memoryview, older_than: float) -> bool:
+    """Whether a tombstone was written before `older_than`; a corrupt one counts as expired."""
+    try:
+        return unpack_time(value) < older_than
+    except CorruptRecord:
+        return True

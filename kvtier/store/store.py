@@ -318,7 +318,7 @@ class DiskStore:
             case Quarantine():
                 return m.apply_quarantine(decision)
             case PruneTombstones():
-                return list(m.apply_prune(decision))
+                return m.apply_prune(decision)
             case Stamp():
                 m.apply_stamp(decision)
                 return None

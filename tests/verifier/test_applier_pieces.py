@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import lmdb
 import torch
 import xxhash
 
@@ -126,29 +127,46 @@ def test_a_prune_that_finds_nothing_takes_no_write_lock(tmp_path: Path) -> None:
     store, _ = _open(tmp_path)
     try:
         index = store.index
-        fresh, old = b"f" * 33 + b"c", b"o" * 33 + b"c"
+        fresh = b"f" * 33 + b"c"
         index.update(lambda txn: txn.put(fresh, pack_time(time.time()), db=index.gone))
         done = threading.Event()
-        got: list[object] = []
+        got: list[tuple[int, bytes]] = []
 
-        def prune(older_than: float) -> None:
-            with applying():
-                got.append(store.apply_decision(PruneTombstones(older_than)))
+        def prune() -> None:
+            got.append(store.prune_tombstones(time.time() - 3600.0))
             done.set()
 
         txn = index.env.begin(write=True)  # another writer holds the lock throughout
         try:
-            t = threading.Thread(target=prune, args=(time.time() - 3600.0,))
-            t.start()
+            _in_thread(prune)
             assert done.wait(DEADLINE_S), "a prune with nothing to prune waited for the write lock"
-            assert got == [[0, b""]]
-            txn.put(old, pack_time(time.time() - 7200.0), db=index.gone)
+            assert got == [(0, b"")]
         finally:
-            txn.commit()
-        prune(time.time() - 3600.0)  # one expired: it goes, the fresh one stays
-        assert got[-1] == [1, b""]
+            txn.abort()
+    finally:
+        store.close()
+
+
+def test_the_applier_deletes_only_the_named_tombstones_that_are_still_expired(tmp_path: Path) -> None:
+    """The verifier scans for expired tombstones and sends their keys; one of them evicted again since (a new
+    tombstone) stays, and so does a key it did not name."""
+    store, _ = _open(tmp_path)
+    try:
+        index = store.index
+        old, again, unnamed = (bytes([c]) * 33 + b"c" for c in b"oau")
+        long_ago = pack_time(time.time() - 7200.0)
+
+        def put(txn: lmdb.Transaction) -> None:
+            for k in (old, again, unnamed):
+                txn.put(k, long_ago, db=index.gone)
+
+        index.update(put)
+        index.update(lambda txn: txn.put(again, pack_time(time.time()), db=index.gone))  # evicted again
+        with applying():
+            assert store.apply_decision(PruneTombstones(time.time() - 3600.0, [old, again])) == 1
         with index.read() as r:
-            assert r.get(old, db=index.gone) is None and r.get(fresh, db=index.gone) is not None
+            assert r.get(old, db=index.gone) is None
+            assert r.get(again, db=index.gone) is not None and r.get(unnamed, db=index.gone) is not None
     finally:
         store.close()
 
