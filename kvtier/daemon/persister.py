@@ -58,7 +58,8 @@ class Persister:
         self._completed = 0
         self.persisted = 0
         self.failed_passes = 0
-        self.blocked: dict[tuple[str, str], str] = {}  # (profile, form) -> why the store refused it last pass
+        # (profile, form) -> why the store refused it: in the last pass, or a durable offload's objects since
+        self.blocked: dict[tuple[str, str], str] = {}
         self._first: collections.deque[_First] = collections.deque()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
@@ -194,6 +195,8 @@ class Persister:
                 refused = dict.fromkeys((k.form for k in first.keys), f"{type(exc).__name__}: {exc}")
             with self._cond:
                 first.refused = refused
+                if refused:  # the daemon's health says so at once; the next pass finds it again, or not
+                    self.blocked = self.blocked | {(first.rt.name, f.value): why for f, why in refused.items()}
                 self._cond.notify_all()
 
     def _pass(self, covering: int) -> None:

@@ -43,14 +43,18 @@ def vllm_python() -> str:
     """The vLLM venv's python, or skip (fail where run.sh prepared it) with one line saying how to get it."""
     venv = Path(os.environ.get("KVTIER_VLLM_VENV", ROOT / "bench" / ".venv-vllm"))
     py = os.environ.get("KVTIER_VLLM_PYTHON") or str(venv / "bin" / "python")
-    probe = subprocess.run(  # without tests/ on the path, where the folder tests/vllm would import as `vllm`
-        [py, "-c", "import vllm.v1.kv_offload.tiering.base, transformers"],
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-    )
-    if probe.returncode:
-        why = f"no vLLM at {py} (build it: bash tests/vllm/run.sh --prepare): {probe.stderr.strip()[-300:]}"
+    try:
+        probe = subprocess.run(  # without tests/ on the path, where the folder tests/vllm would import as `vllm`
+            [py, "-c", "import vllm.v1.kv_offload.tiering.base, transformers"],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
+        missing = probe.stderr.strip()[-300:] if probe.returncode else None
+    except FileNotFoundError as exc:  # no venv there at all: a checkout that never built it
+        missing = str(exc)
+    if missing is not None:
+        why = f"no vLLM at {py} (build it: bash tests/vllm/run.sh --prepare): {missing}"
         if os.environ.get("KVTIER_CLUSTER_VLLM_REQUIRED") == "1":
             pytest.fail(why)
         pytest.skip(why)

@@ -108,6 +108,7 @@ def test_a_refused_form_is_answered_with_the_stores_reason_not_waited_for() -> N
         keys = _keys(4, CacheForm.SWA) + _keys(4, CacheForm.COMPRESSED)
         refused = persister.persist_first(rt, keys, TIMEOUT_S)  # type: ignore[arg-type]
         assert refused == {CacheForm.SWA: "StoreFull: over the budget"}
+        assert persister.blocked == {("ref-tiny", "swa"): "StoreFull: over the budget"}  # health says so at once
         # the whole request once, then the refused form in ever smaller batches of the same objects
         assert manager.calls[0] == "first:8" and len(manager.calls) > 1
     finally:
