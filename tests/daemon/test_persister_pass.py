@@ -1,15 +1,23 @@
-"""A write-back pass is bounded while the cleaner makes room a few objects at a time.
+"""The persister's policy: a write-back pass is bounded, and a durable offload's objects go ahead of the backlog.
 
 A form whose full batch the store refuses is stored in ever smaller batches, but at most TRICKLE_BATCHES of them a
-pass: a pass that went on for as long as room kept appearing held every durable offload waiting for it
-(bench/verifier_offloads.py). The manager here is a stand-in for the one part the pass policy reads, a store that
-takes batches of at most ROOM objects (the room the cleaner made since the last), which a real cleaner gives
-only by timing.
+pass: a pass that went on for as long as room kept appearing held up whatever waited for it. And a durable offload
+does not wait for a pass: after the cleaner made room, a pass wrote the backlog that had piled up while the store was
+full, and every durable offload waited for all of it (bench/verifier_offloads.py timed those waits);
+`Persister.persist_first` stores the offload's own objects between two of the pass's batches.
+
+The managers here are stand-ins for the part the persister reads: a store that takes batches of at most ROOM objects
+(the room the cleaner made since the last), which a real cleaner gives only by timing; and a backlog whose batches
+the test holds open, so the order is observed, not timed.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
 from kvtier.daemon.persister import PERSIST_BATCH, TRICKLE_BATCHES, Persister
 from kvtier.gpu.recovery import PersistOutcome
 
@@ -40,21 +48,72 @@ class _TrickleStore:
         return {CacheForm.SWA: self.left}
 
 
+TIMEOUT_S = 30.0
+
+
+def _keys(n: int, form: CacheForm) -> list[ObjectKey]:
+    return [ObjectKey(b"n" * 16, bytes([i]) * 16, form.value, form) for i in range(n)]
+
+
+class _HeldBacklog:
+    """A backlog of `backlog` objects; each backlog batch waits until the test lets it go (`go`), and a batch of
+    named objects (`only`) is stored at once, or refused when its form is in `refuse`."""
+
+    def __init__(self, backlog: int, refuse: frozenset[CacheForm] = frozenset()) -> None:
+        self.left = backlog
+        self.refuse = refuse
+        self.calls: list[str] = []  # "backlog" or "first:<n>", in order
+        self.entered = threading.Semaphore(0)
+        self.go = threading.Semaphore(0)
+
+    def persist_batch(
+        self,
+        limit: int | None = None,
+        *,
+        skip: frozenset[CacheForm] = frozenset(),
+        only: Sequence[ObjectKey] | None = None,
+    ) -> PersistOutcome:
+        if only is not None:
+            self.calls.append(f"first:{len(only)}")
+            refused = {k.form for k in only} & self.refuse
+            if refused:
+                return PersistOutcome(failed=dict.fromkeys(refused, "StoreFull: over the budget"))
+            return PersistOutcome(stored=len(only))
+        if not self.left:
+            return PersistOutcome()
+        self.calls.append("backlog")
+        self.entered.release()
+        assert self.go.acquire(timeout=TIMEOUT_S)
+        n = min(limit or self.left, self.left)
+        self.left -= n
+        return PersistOutcome(stored=n)
+
+    def write_back_backlog(self) -> dict[CacheForm, int]:
+        return {CacheForm.SWA: self.left}
+
+
+def _queued(persister: Persister) -> None:
+    """Until the persister holds a durable offload's request (it is queued under the persister's lock)."""
+    with persister._cond:
+        assert persister._cond.wait_for(lambda: bool(persister._first), TIMEOUT_S)
+
+
 class _Runtime:
-    def __init__(self, backlog: int) -> None:
+    def __init__(self, manager: _TrickleStore | _HeldBacklog) -> None:
         self.name = "ref-tiny"
-        self.manager = _TrickleStore(backlog)
+        self.manager = manager
 
 
 def test_a_pass_stores_a_bounded_number_of_small_batches_then_names_the_form_blocked() -> None:
-    rt = _Runtime(BACKLOG)
+    store = _TrickleStore(BACKLOG)
+    rt = _Runtime(store)
     persister = Persister([rt], depth=1024)  # type: ignore[list-item]
     try:
         done, persisted = persister.wait_pass(30.0)
         assert done
         # 32 and 16 and 8 refused, then TRICKLE_BATCHES batches of 4 stored: not the whole backlog in one pass
-        assert persisted == TRICKLE_BATCHES * ROOM, rt.manager.batches
-        assert rt.manager.batches[0] == PERSIST_BATCH and max(rt.manager.batches[-TRICKLE_BATCHES:]) == ROOM
+        assert persisted == TRICKLE_BATCHES * ROOM, store.batches
+        assert store.batches[0] == PERSIST_BATCH and max(store.batches[-TRICKLE_BATCHES:]) == ROOM
         assert persister.blocked == {("ref-tiny", "swa"): "StoreFull: over the budget"}
         assert persister.queued == BACKLOG - persisted
         # the next pass goes on from there
@@ -65,11 +124,53 @@ def test_a_pass_stores_a_bounded_number_of_small_batches_then_names_the_form_blo
 
 
 def test_a_form_whose_last_objects_the_bound_took_is_not_named_blocked() -> None:
-    rt = _Runtime(TRICKLE_BATCHES * ROOM)  # the pass's small batches take all of it
+    rt = _Runtime(_TrickleStore(TRICKLE_BATCHES * ROOM))  # the pass's small batches take all of it
     persister = Persister([rt], depth=1024)  # type: ignore[list-item]
     try:
         done, persisted = persister.wait_pass(30.0)
         assert done and persisted == TRICKLE_BATCHES * ROOM and persister.queued == 0
         assert persister.blocked == {}  # nothing waits: the daemon's health must not say write-back is blocked
+    finally:
+        persister.stop(10.0)
+
+
+def test_a_durable_offloads_objects_go_between_two_batches_of_the_backlog() -> None:
+    manager = _HeldBacklog(backlog=4 * PERSIST_BATCH)
+    rt = _Runtime(manager)
+    persister = Persister([rt], depth=1 << 20)  # type: ignore[list-item]
+    try:
+        persister.request()  # a pass over the backlog begins
+        assert manager.entered.acquire(timeout=TIMEOUT_S)  # its first batch is being stored
+        got: list[dict[CacheForm, str] | None] = []
+        keys = _keys(10, CacheForm.SWA)
+        offload = threading.Thread(target=lambda: got.append(persister.persist_first(rt, keys, TIMEOUT_S)))  # type: ignore[arg-type]
+        offload.start()
+        _queued(persister)
+        manager.go.release()  # the first batch ends; the offload's objects are next
+        assert manager.entered.acquire(timeout=TIMEOUT_S)  # the pass's second batch is being stored ...
+        offload.join(TIMEOUT_S)
+        assert not offload.is_alive() and got == [{}]  # ... and the offload already has its answer
+        assert manager.calls == ["backlog", "first:10", "backlog"]
+        for _ in range(3):
+            manager.go.release()
+        done, _ = persister.wait_pass(TIMEOUT_S)
+        assert done and manager.left == 0
+    finally:
+        for _ in range(8):
+            manager.go.release()
+        persister.stop(10.0)
+
+
+def test_a_refused_form_is_answered_with_the_stores_reason_not_waited_for() -> None:
+    manager = _HeldBacklog(backlog=0, refuse=frozenset({CacheForm.SWA}))
+    rt = _Runtime(manager)
+    persister = Persister([rt], depth=1 << 20)  # type: ignore[list-item]
+    try:
+        keys = _keys(4, CacheForm.SWA) + _keys(4, CacheForm.COMPRESSED)
+        refused = persister.persist_first(rt, keys, TIMEOUT_S)  # type: ignore[arg-type]
+        assert refused == {CacheForm.SWA: "StoreFull: over the budget"}
+        assert persister.blocked == {("ref-tiny", "swa"): "StoreFull: over the budget"}  # health says so at once
+        # the whole request once, then the refused form in ever smaller batches of the same objects
+        assert manager.calls[0] == "first:8" and len(manager.calls) > 1
     finally:
         persister.stop(10.0)
