@@ -17,11 +17,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.not_durable import NotDurableCause, NotDurableCount
 from kvtier.core.tier import ObjectKey
 from kvtier.daemon.runtime import Runtime
+
+if TYPE_CHECKING:  # the pools' modules (and torch) load on the pool thread, behind serving
+    from kvtier.gpu.recovery import PersistOutcome
 
 log = logging.getLogger(__name__)
 PERSIST_BATCH = 32
@@ -183,13 +187,8 @@ class Persister:
                 if not self._first:
                     return
                 first = self._first.popleft()
-            refused: dict[CacheForm, str] = {}
             try:
-                out = first.rt.manager.persist_batch(None, only=first.keys)
-                self._count(out.stored)
-                for form, why in out.failed.items():
-                    if (still := self._trickle(first.rt, form, why, only=first.keys)) is not None:
-                        refused[form] = still
+                _, refused = self._store(first.rt, None, only=first.keys)
             except Exception as exc:  # a bug, not a refusal: the objects stay sealed for the next pass
                 log.exception("persisting a durable offload's %s objects failed", first.rt.name)
                 refused = dict.fromkeys((k.form for k in first.keys), f"{type(exc).__name__}: {exc}")
@@ -209,13 +208,9 @@ class Persister:
             try:
                 while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
                     self._serve_first()
-                    out = rt.manager.persist_batch(PERSIST_BATCH, skip=skip)
-                    self._count(out.stored)
-                    for form in out.failed:
-                        skip.add(form)
-                        refused = self._trickle(rt, form, out.failed[form])
-                        if refused is not None:
-                            blocked[(rt.name, form.value)] = refused
+                    out, refused = self._store(rt, PERSIST_BATCH, skip=skip)
+                    skip.update(out.failed)
+                    blocked.update({(rt.name, form.value): why for form, why in refused.items()})
                     if not out.stored:
                         break
             except Exception as exc:  # a bug, not a refusal: objects stay sealed and are retried next pass
@@ -228,6 +223,24 @@ class Persister:
             self.blocked = blocked
             self._completed = covering
             self._cond.notify_all()
+
+    def _store(
+        self,
+        rt: Runtime,
+        limit: int | None,
+        *,
+        skip: set[CacheForm] | None = None,
+        only: Sequence[ObjectKey] | None = None,
+    ) -> tuple[PersistOutcome, dict[CacheForm, str]]:
+        """One batch of each form (`CacheManager.persist_batch`), each form the store refused retried in ever
+        smaller batches (`_trickle`): the batch's outcome, and the forms still refused after that, and why."""
+        out = rt.manager.persist_batch(limit, skip=skip or (), only=only)
+        self._count(out.stored)
+        refused: dict[CacheForm, str] = {}
+        for form, why in out.failed.items():
+            if (still := self._trickle(rt, form, why, only)) is not None:
+                refused[form] = still
+        return out, refused
 
     def _count(self, stored: int) -> None:
         with self._cond:
