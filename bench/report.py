@@ -80,6 +80,12 @@ def _vs(key: str, benchmark: str, ours: str | float, baseline: str, theirs: str 
     return Row(key, benchmark, show(ours), baseline, show(theirs), ratio)
 
 
+def _interval(v: dict) -> str:
+    """The writing-window ratio's 95% resampling interval (bench/verifier.py), where the run gave one."""
+    ci = v.get("writing_windows_p99_ratio_ci95")
+    return f" (95%: {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+
+
 def _note(key: str, benchmark: str, ours: str, ratio: str = "") -> Row:
     """A line with no baseline: a count, a verdict, or why a figure is missing."""
     return Row(key, benchmark, ours, "", "", ratio)
@@ -243,7 +249,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{v['writing_windows_p99_ratio'] * v['without']['p99_us']:,.0f} µs",
                     "verifier stopped",
                     f"{v['without']['p99_us']:,.0f} µs",
-                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99",
+                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99" + _interval(v),
                 )
             )
         bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]

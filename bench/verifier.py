@@ -222,6 +222,26 @@ def windows_p99_ratio(
     return round(_pct(w, 99) / _pct(wo, 99), 3) if w and wo else None
 
 
+def windows_p99_ratio_interval(
+    with_: list[list[float]], without: list[list[float]], activity: list[Activity], wrote: bool, draws: int = 1000
+) -> list[float] | None:
+    """The middle 95% of `windows_p99_ratio` over `draws` resamplings, with replacement, of the windows of each
+    side (a fixed seed: the same run gives the same interval). Windows, not loads, are drawn, since the loads of
+    one window share its moment: what the interval says is how far the figure could have moved had the verifier's
+    writes and the machine's own hiccups fallen in other windows of the same run."""
+    w = [np.asarray(xs) for xs, a in zip(with_, activity) if a.wrote is wrote and xs]
+    wo = [np.asarray(xs) for xs in without if xs]
+    if not w or not wo:
+        return None
+    rng = np.random.default_rng(0)
+    ratios = [
+        np.percentile(np.concatenate([w[i] for i in rng.integers(0, len(w), len(w))]), 99)
+        / np.percentile(np.concatenate([wo[i] for i in rng.integers(0, len(wo), len(wo))]), 99)
+        for _ in range(draws)
+    ]
+    return [round(float(x), 3) for x in np.percentile(ratios, [2.5, 97.5])]
+
+
 def breakdown(windows: list[list[float]], activity: list[Activity], window_s: float) -> dict:
     """Where the verifier's cost lands: its CPU and disk I/O over the 'with' windows, and how many of them it
     wrote in (index commits, compaction copies, each with an fsync) or only read in (their p99 ratios are
@@ -335,6 +355,9 @@ def run(args: argparse.Namespace) -> dict:
             "pinned_misses": readers.misses,
             "errors": readers.errors,
             "writing_windows_p99_ratio": windows_p99_ratio(
+                readers.samples["with"], readers.samples["without"], activity["with"], True
+            ),
+            "writing_windows_p99_ratio_ci95": windows_p99_ratio_interval(
                 readers.samples["with"], readers.samples["without"], activity["with"], True
             ),
             "reading_only_windows_p99_ratio": windows_p99_ratio(
