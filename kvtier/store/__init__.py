@@ -24,6 +24,7 @@ from kvtier.store.errors import (
     StoreRequestError,
 )
 from kvtier.store.index import INDEX_DIR, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, decode_key, encode_key
+from kvtier.store.index_page import IndexPage
 from kvtier.store.maintenance import RecordInfo, VerifyResult
 from kvtier.store.ns_usage import NamespaceUsage, namespace_usage
 from kvtier.store.rebuild import RebuildReport, rebuild_index
@@ -44,6 +45,7 @@ __all__ = [
     "DropIf",
     "FormatVersionError",
     "IndexEntry",
+    "IndexPage",
     "NamespaceEntry",
     "NamespaceError",
     "NamespaceRetired",

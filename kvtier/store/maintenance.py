@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -19,6 +20,7 @@ from kvtier.store.decisions import Drop, DropIf, PruneTombstones, Quarantine, St
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.index import (
+    Index,
     IndexEntry,
     RecordState,
     decode_key,
@@ -27,6 +29,7 @@ from kvtier.store.index import (
     u64_key,
     unpack_time,
 )
+from kvtier.store.index_page import IndexPage
 from kvtier.store.reader import Reader
 from kvtier.store.record import Codec
 from kvtier.store.scan import ScanItem
@@ -307,6 +310,25 @@ class Maintenance:
                 out.append(info)
             return out
 
+    def index_page(self, after: bytes | None, limit: int) -> IndexPage:
+        """Up to `limit` index rows in key order after the encoded key `after` (from the first with None), as columns
+        (`index_page.IndexPage`), in one short read transaction."""
+        index = self._ctx.index
+        with index.read() as txn:
+            cur = txn.cursor(db=index.obj)
+            if not cur.set_range(after or b""):
+                return IndexPage.parse([], [], [])
+            if after is not None and cur.key() == after and not cur.next():
+                return IndexPage.parse([], [], [])
+            return _page(index, txn, list(itertools.islice(cast("Iterator[tuple[bytes, bytes]]", cur), limit)))
+
+    def records_page(self, keys: Sequence[ObjectKey]) -> IndexPage:
+        """The index rows of those of `keys` that are indexed, in their order, as columns (one short read txn)."""
+        index = self._ctx.index
+        with index.read() as txn:
+            found = txn.cursor(db=index.obj).getmulti([encode_key(k) for k in keys])
+            return _page(index, txn, cast("list[tuple[bytes, bytes]]", found))
+
     def iter_records(
         self, after: ObjectKey | None = None, limit: int = 256, namespace: bytes | None = None
     ) -> list[RecordInfo]:
@@ -354,3 +376,10 @@ def _expired(value: bytes | memoryview, older_than: float) -> bool:
         return unpack_time(value) < older_than
     except CorruptRecord:
         return True
+
+
+def _page(index: Index, txn: lmdb.Transaction, rows: list[tuple[bytes, bytes]]) -> IndexPage:
+    """`rows` ((key, value) pairs of the `obj` table, buffers=False: bytes) with their access times, as columns."""
+    keys = [k for k, _ in rows]
+    atimes = dict(cast("list[tuple[bytes, bytes]]", txn.cursor(db=index.atime).getmulti(keys)))
+    return IndexPage.parse(keys, [v for _, v in rows], [atimes.get(k) for k in keys])

@@ -9,8 +9,8 @@ Contract:
   `headers=True`; v1 always) and where the stored payload starts in `buf`; CorruptRecord naming the reason.
 - `check_sums(entry, data, tensor, at)`: every payload checksum the record carries that the host computes cheaply
   (xxh3_128, else the device checksum on cpu).
-- `entry_rows(entries)`: IndexEntry objects (any record format) as ENTRY_V2_DTYPE rows, the columns the pipeline
-  plans and checks with.
+- `entry_rows(entries)`: IndexEntry objects (any record format) as ENTRY_V2_DTYPE rows, every field but the seal:
+  the columns the pipeline plans and checks with, and those an index walk counts (`index_page`).
 
 Why here and not in a read path: every record is read once, by the pipeline (`packed.PackedLoad`, `scan.PackedScan`);
 this never reads, it only looks at what was read.
@@ -29,7 +29,7 @@ from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.header_check import AnyHeader, check_v1, fault
 from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry
 from kvtier.store.io import AlignedBuffer
-from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, Flags, RecordHeader, payload_checksum
+from kvtier.store.record import FORM_CODES, FORMAT_VERSION, HEADER_BYTES, Flags, RecordHeader, payload_checksum
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 
 if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
@@ -79,8 +79,22 @@ def entry_rows(entries: Sequence[IndexEntry]) -> np.ndarray:
     rows = np.zeros(len(entries), ENTRY_V2_DTYPE)
     if not entries:
         return rows
-    for name in ("segment", "offset", "record_len", "payload_len", "stored_len", "created", "device_checksum"):
+    for name in (
+        "segment",
+        "offset",
+        "record_len",
+        "payload_len",
+        "stored_len",
+        "seq",
+        "created",
+        "verified_at",
+        "pin_until",
+        "quarantined_at",
+        "device_checksum",
+        "quarantine_reason",
+    ):
         rows[name] = [getattr(e, name) for e in entries]
+    rows["form"] = [FORM_CODES[e.form] for e in entries]
     rows["codec"] = [int(e.codec) for e in entries]
     rows["flags"] = [e.flags for e in entries]
     rows["version"] = [e.record_version for e in entries]

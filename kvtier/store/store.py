@@ -37,6 +37,7 @@ from kvtier.store.decisions import (
 )
 from kvtier.store.errors import QuarantineReason, StoreReadOnly, StoreRequestError
 from kvtier.store.index import Index, NamespaceEntry, SegmentEntry
+from kvtier.store.index_page import IndexPage
 from kvtier.store.io import PosixBackend, select_backend
 from kvtier.store.keyscan import live_keys
 from kvtier.store.maintenance import DropFilter, Maintenance, RecordInfo, VerifyResult
@@ -262,6 +263,17 @@ class DiskStore:
         """Up to `limit` records in key order after `after` (one short read txn per call)."""
         self._check_pid()
         return self._maintenance.iter_records(after, limit, namespace)
+
+    def index_page(self, after: bytes | None = None, limit: int = 1024) -> IndexPage:
+        """Up to `limit` index rows after the encoded key `after`, as columns (`index_page.IndexPage`): a walk over
+        every record without a Python object per row (one short read txn per call)."""
+        self._check_pid()
+        return self._maintenance.index_page(after, limit)
+
+    def records_page(self, keys: Sequence[ObjectKey]) -> IndexPage:
+        """The index rows of those of `keys` that are indexed, in their order, as columns (one short read txn)."""
+        self._check_pid()
+        return self._maintenance.records_page(keys)
 
     def iter_dirty(self, after_seq: int = 0, limit: int = 256) -> list[tuple[int, ObjectKey]]:
         """Records written (and not verified) since the last verification, oldest first: (seq, key)."""

@@ -1,4 +1,6 @@
-"""Per-record checks from the index alone (namespace live, segment present and long enough, layout digest)."""
+"""Per-record checks from the index alone (namespace live, segment present and long enough, layout digest), applied
+to a page of the index as columns (`classify_page`): the inventory of every maintenance pass walks every row, so the
+rules are looked up once per namespace, group and segment, not once per record."""
 
 from __future__ import annotations
 
@@ -7,7 +9,18 @@ import enum
 import os
 import time
 
-from kvtier.store import DiskStore, NamespaceEntry, QuarantineReason, RecordInfo, RecordState, segment_name
+import numpy as np
+
+from kvtier.core.forms import CacheForm
+from kvtier.store import (
+    DiskStore,
+    IndexPage,
+    NamespaceEntry,
+    QuarantineReason,
+    RecordState,
+    decode_key,
+    segment_name,
+)
 from kvtier.verifier.layouts import LayoutOracle
 
 
@@ -25,8 +38,6 @@ class Finding:
 
 
 SERVING = Finding(Verdict.SERVING)
-STALE = Finding(Verdict.STALE)
-QUARANTINED = Finding(Verdict.QUARANTINED)
 
 
 class SegmentFiles:
@@ -77,25 +88,72 @@ class NamespaceView:
         return self._entries
 
 
-def classify(
-    info: RecordInfo, seen_at: float, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle
-) -> Finding:
-    """What the index says about one record (no payload read; `DiskStore.verify_many` does the deep check)."""
-    e = info.entry
-    if e is None:
-        return Finding(Verdict.CORRUPT, QuarantineReason.INDEX_VALUE)
-    if e.state is RecordState.QUARANTINED:
-        return QUARANTINED
-    ns = namespaces.get(info.key.namespace, seen_at)
-    if ns is None or not ns.live:
-        return STALE
-    end = e.offset + e.record_len
-    size = files.size(e.segment, end)
-    if size is None:
-        return Finding(Verdict.CORRUPT, QuarantineReason.SEGMENT_MISSING)
-    if size < end:
-        return Finding(Verdict.CORRUPT, QuarantineReason.SEGMENT_TRUNCATED)
-    expected = oracle.expected(ns.version_key, info.key.group)
-    if expected is not None and expected != e.layout_digest:
-        return Finding(Verdict.CORRUPT, QuarantineReason.LAYOUT)
-    return SERVING
+VERDICTS = (Verdict.SERVING, Verdict.STALE, Verdict.QUARANTINED, Verdict.CORRUPT)  # PageVerdicts.verdict's codes
+SERVING_CODE, STALE_CODE, QUARANTINED_CODE, CORRUPT_CODE = range(len(VERDICTS))
+
+
+@dataclasses.dataclass(slots=True)
+class PageVerdicts:
+    """`classify_page`'s answer: per row of the page a code into VERDICTS, and each CORRUPT row's fault; per row the
+    number of its (namespace, form) in `forms`, which `counts` the inventory adds up by."""
+
+    verdict: np.ndarray  # uint8 per row
+    faults: dict[int, QuarantineReason]  # row -> why, for every CORRUPT row
+    form_of: np.ndarray  # int64 per row: its (namespace, form) in `forms`
+    forms: list[tuple[bytes, CacheForm]]
+
+    def demote(self, row: int, fault: QuarantineReason) -> None:
+        """A row found corrupt later (its payload re-read)."""
+        self.verdict[row] = CORRUPT_CODE
+        self.faults[row] = fault
+
+
+def classify_page(
+    page: IndexPage, seen_at: float, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle
+) -> PageVerdicts:
+    """`classify` for every row of `page` at once (read at `seen_at`): the rules are looked up once per namespace,
+    group and segment, and applied to the columns."""
+    e = page.entries
+    # rows of one namespace and key suffix (form code, group) share a namespace entry, a form and a layout digest
+    suffixes: dict[bytes, int] = {}
+    group_of = np.fromiter(
+        (suffixes.setdefault(k[:16] + k[32:], len(suffixes)) for k in page.keys), np.int64, len(page)
+    )
+    live = np.zeros(len(suffixes), bool)
+    has_digest = np.zeros(len(suffixes), bool)
+    digests = np.zeros(len(suffixes), "V16")
+    form_ids: dict[tuple[bytes, CacheForm], int] = {}
+    form_of_group = np.zeros(len(suffixes), np.int64)
+    for g, raw in enumerate(suffixes):
+        key = decode_key(raw[:16] + bytes(16) + raw[16:])  # the group's namespace, group and form, validated
+        form_of_group[g] = form_ids.setdefault((key.namespace, key.form), len(form_ids))
+        ns = namespaces.get(key.namespace, seen_at)
+        live[g] = ns is not None and ns.live
+        expected = oracle.expected(ns.version_key, key.group) if ns is not None and ns.live else None
+        if expected is not None:
+            has_digest[g], digests[g] = True, np.frombuffer(expected, "V16")[0]
+    verdict = np.full(len(page), SERVING_CODE, np.uint8)
+    faults = {i: QuarantineReason.INDEX_VALUE for i in np.flatnonzero(~page.parsed).tolist()}
+    quarantined = page.parsed & (e["state"] == RecordState.QUARANTINED)
+    stale = page.parsed & ~quarantined & ~live[group_of]
+    checked = np.flatnonzero(page.parsed & ~quarantined & live[group_of])
+    if len(checked):
+        segs, ends = e["segment"][checked], e["offset"][checked] + e["record_len"][checked]
+        uniq, at = np.unique(segs, return_inverse=True)
+        need = np.zeros(len(uniq), np.uint64)
+        np.maximum.at(need, at, ends)
+        sizes = [files.size(int(s), int(n)) for s, n in zip(uniq.tolist(), need.tolist())]
+        missing = np.array([z is None for z in sizes], bool)[at]
+        truncated = ~missing & (np.array([z or 0 for z in sizes], np.uint64)[at] < ends)
+        groups = group_of[checked]
+        layout = ~missing & ~truncated & has_digest[groups] & (e["layout_digest"][checked] != digests[groups])
+        for mask, why in (
+            (missing, QuarantineReason.SEGMENT_MISSING),
+            (truncated, QuarantineReason.SEGMENT_TRUNCATED),
+            (layout, QuarantineReason.LAYOUT),
+        ):
+            faults.update(dict.fromkeys(checked[mask].tolist(), why))
+    verdict[stale] = STALE_CODE
+    verdict[quarantined] = QUARANTINED_CODE
+    verdict[list(faults)] = CORRUPT_CODE
+    return PageVerdicts(verdict, faults, form_of_group[group_of], list(form_ids))

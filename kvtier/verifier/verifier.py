@@ -19,12 +19,12 @@ import lmdb
 
 from kvtier.core.errors import KvtierError
 from kvtier.core.verifier_status import VERIFIER_DOC
-from kvtier.store import DiskStore, RecordInfo
+from kvtier.store import DiskStore, IndexPage, encode_key
 from kvtier.verifier.busy import DeviceActivity
-from kvtier.verifier.checks import NamespaceView, SegmentFiles, Verdict, classify
+from kvtier.verifier.checks import SERVING, NamespaceView, SegmentFiles, Verdict, classify_page
 from kvtier.verifier.cleaner import Cleaner
 from kvtier.verifier.hints import SegmentHints
-from kvtier.verifier.inventory import deep_check, take_inventory
+from kvtier.verifier.inventory import deep_check, serving_rows, take_inventory
 from kvtier.verifier.layouts import LayoutOracle
 from kvtier.verifier.settings import VerifierSettings
 from kvtier.verifier.state import SweepProgress
@@ -174,8 +174,7 @@ class Verifier:
         self.phase = "verifying"
         self._dirty_after = rows[-1][0]
         seen_at = time.monotonic()
-        infos = [r for r in self.store.records([k for _, k in rows]) if r is not None]
-        self._check(infos, seen_at)
+        self._check(self.store.records_page([k for _, k in rows]), seen_at)
         return True
 
     def _sweep_due(self) -> bool:
@@ -191,8 +190,9 @@ class Verifier:
             self._start_sweep()
         self.phase = "sweeping"
         seen_at = time.monotonic()
-        rows = self.store.iter_records(after=self.sweep.cursor, limit=self.settings.batch_records)
-        if not rows:
+        after = encode_key(self.sweep.cursor) if self.sweep.cursor is not None else None
+        page = self.store.index_page(after, self.settings.batch_records)
+        if not len(page):
             self.sweep.in_progress = False
             self.sweep.cursor = None
             self.sweep.last_completed_at = time.time()
@@ -200,17 +200,19 @@ class Verifier:
             log.info("full sweep done: %d records, %d bytes", self.sweep.records, self.sweep.bytes)
             self._save(force=True)
             return True
-        self._check(rows, seen_at)
-        self.sweep.cursor = rows[-1].key
-        self.sweep.records += len(rows)
-        self.sweep.bytes += sum(r.entry.record_len for r in rows if r.entry is not None)
+        self._check(page, seen_at)
+        self.sweep.cursor = page.key(len(page) - 1)
+        self.sweep.records += len(page)
+        self.sweep.bytes += int(page.entries["record_len"][page.parsed].sum())
         return True
 
-    def _check(self, rows: list[RecordInfo], seen_at: float) -> None:
+    def _check(self, page: IndexPage, seen_at: float) -> None:
         """Index checks, then a rate-limited re-read of the serving records; quarantine what fails."""
-        findings = [classify(r, seen_at, self.namespaces, self.files, self.oracle) for r in rows]
-        self.cleaner.quarantine([(r.key, f.fault) for r, f in zip(rows, findings) if f.verdict is Verdict.CORRUPT])
-        serving = sum(f.verdict is Verdict.SERVING for f in findings)
+        verdicts = classify_page(page, seen_at, self.namespaces, self.files, self.oracle)
+        faulty = sorted(verdicts.faults)
+        self.cleaner.quarantine(list(zip(page.keys_at(faulty), [verdicts.faults[i] for i in faulty])))
+        _, rows = serving_rows(page, verdicts)
+        findings = [SERVING] * len(rows)
         passed = deep_check(
             self.store,
             rows,
@@ -221,7 +223,7 @@ class Verifier:
             apply=True,
         )
         self.actions["verified"] += len(passed)
-        self.actions["quarantined"] += serving - sum(f.verdict is Verdict.SERVING for f in findings)
+        self.actions["quarantined"] += sum(f.verdict is not Verdict.SERVING for f in findings)
 
     def _over_limits(self, now: float) -> bool:
         """Checked at most every poll interval: usage over the high watermark brings maintenance forward (usage
