@@ -91,7 +91,10 @@ def wait_written_through(node: DaemonProc, at_least: int, timeout: float = 30.0)
         box.update(cluster_stats(node))
         return box["written_through"] >= at_least and box["backlog_bytes"] == 0
 
-    wait_for(f"{at_least} objects written through (last: {box.get('written_through')})", done, timeout)
+    try:
+        wait_for(f"{at_least} objects written through", done, timeout)
+    except AssertionError as exc:  # what the node said last, not what it said before the first poll
+        raise AssertionError(f"{exc} (last: {box})") from None
     return box
 
 
