@@ -19,6 +19,7 @@ from kvtier.core import CacheForm
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, QuarantineReason, RecordInfo, RecordState, StoreConfig, encode_key
+from kvtier.verifier import inventory
 from kvtier.verifier.checks import VERDICTS, Finding, NamespaceView, SegmentFiles, Verdict, classify_page
 from kvtier.verifier.inventory import Inventory, take_inventory
 from kvtier.verifier.layouts import LayoutOracle
@@ -193,13 +194,19 @@ def test_the_inventory_of_pages_is_the_inventory_counted_row_by_row(tmp_path) ->
     assert deep == want
 
 
-def test_the_walk_leaves_the_garbage_collector_as_it_found_it(tmp_path) -> None:
+def test_the_walk_leaves_the_garbage_collector_as_it_found_it(tmp_path, monkeypatch) -> None:
     root, _ = _every_case(tmp_path)
+    seen: list[bool] = []
+    real = inventory.classify_page
+    monkeypatch.setattr(inventory, "classify_page", lambda *a: seen.append(gc.isenabled()) or real(*a))
     with DiskStore(root) as s:
         namespaces, files, oracle, _ = _walk(s)
         assert gc.isenabled()
         take_inventory(s, namespaces, files, oracle, batch=5)
-        assert gc.isenabled()
+        assert gc.isenabled() and seen and not any(seen)  # off during the walk, back on after it
+        seen.clear()
+        take_inventory(s, namespaces, files, oracle, deep=True, batch=5)
+        assert seen and all(seen)  # a deep walk reads every record: the collector stays on
         gc.disable()
         try:
             take_inventory(s, namespaces, files, oracle, batch=5)
