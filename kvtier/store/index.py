@@ -10,7 +10,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import lmdb
@@ -50,6 +50,14 @@ def unseal(value: bytes | memoryview) -> bytes:
     if len(value) < 8 or _SUM.unpack_from(value, len(value) - 8)[0] != xxhash.xxh3_64_intdigest(body):
         raise CorruptRecord(QuarantineReason.INDEX_VALUE, "index value checksum mismatch")
     return body
+
+
+def sealed_rows(values: Sequence[bytes | memoryview], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """`unseal` for many values at once: values of `dtype`'s size (its last field `seal`) as rows, and whether each
+    one's seal checks."""
+    rows = np.frombuffer(b"".join(values), dtype)
+    seals = np.fromiter((xxhash.xxh3_64_intdigest(memoryview(v)[:-8]) for v in values), np.uint64, len(values))
+    return rows, seals == rows["seal"]
 
 
 TIME = struct.Struct("<d")  # body of an `atime` or `gone` value: unix time as f64

@@ -7,6 +7,7 @@ transaction):
   parsed by `IndexEntry.unpack` and put in the same columns (`version` 1). `parsed[i]` is False where the value
   is corrupt (a seal, length or field that does not check): that row is zeros and names nothing.
 - `atimes`: each record's last access time, 0.0 where it has none or its value is corrupt (as `atime_or_zero`).
+- `group_of` / `groups`: each row's (namespace, form, group), as the ObjectKey of the group's first row.
 - `key(i)` / `entry(i)`: the ObjectKey and IndexEntry of one row; `keys_at(rows)` the ObjectKeys of many: for the
   rows a caller acts on.
 
@@ -21,15 +22,13 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import xxhash
 
 from kvtier.core.tier import ObjectKey
 from kvtier.store.context import entry_or_none
-from kvtier.store.index import ENTRY_V2_DTYPE, TIME, IndexEntry, RecordState, decode_key
-from kvtier.store.record import FORMS_BY_CODE, Codec
+from kvtier.store.index import ENTRY_V2_DTYPE, TIME, IndexEntry, RecordState, decode_key, sealed_rows
+from kvtier.store.record import FORMAT_VERSION, FORMS_BY_CODE, Codec
 from kvtier.store.record_check import entry_rows
 
-_h64 = xxhash.xxh3_64_intdigest
 _FORMS = np.asarray(sorted(FORMS_BY_CODE), np.uint8)
 _TIME_SEALED = np.dtype([("t", "<f8"), ("seal", "<u8")])
 assert _TIME_SEALED.itemsize == TIME.size + 8
@@ -44,6 +43,10 @@ class IndexPage:
     entries: np.ndarray  # ENTRY_V2_DTYPE, one row per key
     parsed: np.ndarray  # bool per key
     atimes: np.ndarray  # float64 per key
+    # per key, its (namespace, form, group) in `groups`: each one's ObjectKey of its first row, decode_key's checks
+    # passed (rows of one group differ only in their block hash)
+    group_of: np.ndarray  # int64 per key
+    groups: list[ObjectKey]
 
     @classmethod
     def parse(cls, keys: list[bytes], values: list[bytes], atimes: Sequence[bytes | None]) -> IndexPage:
@@ -53,9 +56,8 @@ class IndexPage:
         size = ENTRY_V2_DTYPE.itemsize
         v2 = [i for i, v in enumerate(values) if len(v) == size]
         if v2:
-            rows = np.frombuffer(b"".join([values[i] for i in v2]), ENTRY_V2_DTYPE)
-            seals = np.fromiter((_h64(memoryview(values[i])[:-8]) for i in v2), np.uint64, len(v2))
-            good = (seals == rows["seal"]) & (rows["version"] == 2)
+            rows, good = sealed_rows([values[i] for i in v2], ENTRY_V2_DTYPE)
+            good &= rows["version"] == FORMAT_VERSION
             # fields a value that unpacks must hold (a seal that checks over a bad field is a writer's bug)
             good &= (rows["state"] < len(RecordState)) & (rows["codec"] < len(Codec)) & np.isin(rows["form"], _FORMS)
             at = np.asarray(v2, np.int64)
@@ -68,7 +70,10 @@ class IndexPage:
             at = np.asarray([i for i, _ in found], np.int64)
             entries[at] = entry_rows([e for _, e in found])
             parsed[at] = True
-        return cls(keys, values, entries, parsed, _times(atimes))
+        ids: dict[bytes, int] = {}  # namespace + the key's bytes after the block hash (form code, group)
+        group_of = np.fromiter((ids.setdefault(k[:16] + k[32:], len(ids)) for k in keys), np.int64, n)
+        firsts = np.unique(group_of, return_index=True)[1].tolist()  # (ids are numbered in order of first row)
+        return cls(keys, values, entries, parsed, _times(atimes), group_of, [decode_key(keys[i]) for i in firsts])
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -77,18 +82,12 @@ class IndexPage:
         return decode_key(self.keys[i])
 
     def keys_at(self, rows: Sequence[int]) -> list[ObjectKey]:
-        """The ObjectKeys of `rows`: each namespace and group decoded and checked once (`decode_key`), the others of
-        it built from its parts and their block hash."""
-        first: dict[bytes, ObjectKey] = {}
-        out = []
-        for i in rows:
-            raw = self.keys[i]
-            like = first.get(raw[:16] + raw[32:])
-            if like is None:
-                like = first[raw[:16] + raw[32:]] = decode_key(raw)
-            # (a key of the same namespace and suffix as one decode_key took is as long: its block hash is 16 bytes)
-            out.append(ObjectKey._make((like.namespace, raw[16:32], like.group, like.form)))
-        return out
+        """The ObjectKeys of `rows`, each built from its group's parts and its own block hash."""
+        groups, keys = self.groups, self.keys
+        return [
+            ObjectKey._make((g.namespace, keys[i][16:32], g.group, g.form))
+            for i, g in zip(rows, (groups[j] for j in self.group_of[list(rows)].tolist()))
+        ]
 
     def entry(self, i: int) -> IndexEntry | None:
         return entry_or_none(self.values[i]) if self.parsed[i] else None
@@ -101,8 +100,6 @@ def _times(values: Sequence[bytes | None]) -> np.ndarray:
     have = [i for i, v in enumerate(values) if v is not None and len(v) == size]
     if have:
         raw = [values[i] for i in have]
-        rows = np.frombuffer(b"".join(raw), _TIME_SEALED)  # type: ignore[arg-type]
-        seals = np.fromiter((_h64(memoryview(v)[:-8]) for v in raw), np.uint64, len(raw))  # type: ignore[arg-type]
-        good = seals == rows["seal"]
+        rows, good = sealed_rows(raw, _TIME_SEALED)  # type: ignore[arg-type]
         out[np.asarray(have, np.int64)[good]] = rows["t"][good]
     return out

@@ -69,7 +69,7 @@ from kvtier.store.device_rows import fill_device, gds_ready, read_device
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.extent import AIO_RUN_GAP
 from kvtier.store.header_check import expected_headers, fault, headers_good
-from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key, encode_key
+from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry, RecordState, decode_key, encode_key, sealed_rows
 from kvtier.store.io import AlignedBuffer, SegmentFile
 from kvtier.store.record import (
     FORMAT_VERSION,
@@ -98,7 +98,6 @@ RUN_GAP = AIO_RUN_GAP  # records at most this far apart are read together
 PIECE_BYTES = AIO_PIECE_BYTES
 WINDOW_BYTES = AIO_WINDOW_BYTES
 
-_h64 = xxhash.xxh3_64_intdigest
 _h128 = xxhash.xxh3_128_digest
 _memmove = ctypes.memmove
 
@@ -225,12 +224,11 @@ class PackedLoad:
         size = ENTRY_V2_DTYPE.itemsize
         shaped = [i for i, (v, ns) in enumerate(zip(values, w.namespaces)) if len(v) == size and ns_ok[ns]]
         kept = [values[i] for i in shaped]
-        e = np.frombuffer(b"".join(kept), ENTRY_V2_DTYPE)
-        seals = np.fromiter((_h64(memoryview(v)[:-8]) for v in kept), np.uint64, len(kept))
+        e, sealed = sealed_rows(kept, ENTRY_V2_DTYPE)
         lengths = w.lengths[shaped]
         digests = [w.digests[i] for i in shaped]
         ok = (
-            (seals == e["seal"])
+            sealed
             & (e["version"] == FORMAT_VERSION)
             & (e["state"] == RecordState.LIVE)
             # stored as is, or compressed (decoded from the bounce buffer into the target once its checksum passes)

@@ -12,13 +12,13 @@ import time
 import numpy as np
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.tier import ObjectKey
 from kvtier.store import (
     DiskStore,
     IndexPage,
     NamespaceEntry,
     QuarantineReason,
     RecordState,
-    decode_key,
     segment_name,
 )
 from kvtier.verifier.layouts import LayoutOracle
@@ -102,6 +102,11 @@ class PageVerdicts:
     form_of: np.ndarray  # int64 per row: its (namespace, form) in `forms`
     forms: list[tuple[bytes, CacheForm]]
 
+    def keyed_faults(self, page: IndexPage) -> list[tuple[ObjectKey, QuarantineReason]]:
+        """The CORRUPT rows of `page` as (key, why), in row order."""
+        rows = sorted(self.faults)
+        return list(zip(page.keys_at(rows), [self.faults[i] for i in rows]))
+
     def demote(self, row: int, fault: QuarantineReason) -> None:
         """A row found corrupt later (its payload re-read)."""
         self.verdict[row] = CORRUPT_CODE
@@ -111,21 +116,18 @@ class PageVerdicts:
 def classify_page(
     page: IndexPage, seen_at: float, namespaces: NamespaceView, files: SegmentFiles, oracle: LayoutOracle
 ) -> PageVerdicts:
-    """`classify` for every row of `page` at once (read at `seen_at`): the rules are looked up once per namespace,
-    group and segment, and applied to the columns."""
-    e = page.entries
-    # rows of one namespace and key suffix (form code, group) share a namespace entry, a form and a layout digest
-    suffixes: dict[bytes, int] = {}
-    group_of = np.fromiter(
-        (suffixes.setdefault(k[:16] + k[32:], len(suffixes)) for k in page.keys), np.int64, len(page)
-    )
-    live = np.zeros(len(suffixes), bool)
-    has_digest = np.zeros(len(suffixes), bool)
-    digests = np.zeros(len(suffixes), "V16")
+    """The rules for every row of `page` at once (read at `seen_at`), in their order: a value that does not parse
+    is corrupt (`index_value`); then a quarantined record is quarantined; then one of a namespace not registered or
+    retired is stale; then one whose segment is missing or shorter than the record, or whose layout digest is not
+    the one its namespace's version key implies, is corrupt; any other is serving. The namespace, layout and segment
+    are looked up once per group (`IndexPage.groups`) and segment, and applied to the columns."""
+    e, group_of = page.entries, page.group_of
+    live = np.zeros(len(page.groups), bool)
+    has_digest = np.zeros(len(page.groups), bool)
+    digests = np.zeros(len(page.groups), "V16")
     form_ids: dict[tuple[bytes, CacheForm], int] = {}
-    form_of_group = np.zeros(len(suffixes), np.int64)
-    for g, raw in enumerate(suffixes):
-        key = decode_key(raw[:16] + bytes(16) + raw[16:])  # the group's namespace, group and form, validated
+    form_of_group = np.zeros(len(page.groups), np.int64)
+    for g, key in enumerate(page.groups):
         form_of_group[g] = form_ids.setdefault((key.namespace, key.form), len(form_ids))
         ns = namespaces.get(key.namespace, seen_at)
         live[g] = ns is not None and ns.live

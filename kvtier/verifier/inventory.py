@@ -234,8 +234,7 @@ def _count(inv: Inventory, page: IndexPage, v: PageVerdicts, verified: np.ndarra
         lo, hi = float(created.min()), float(created.max())
         inv.oldest = lo if inv.oldest is None else min(inv.oldest, lo)
         inv.newest = hi if inv.newest is None else max(inv.newest, hi)
-    faulty = sorted(v.faults)
-    inv.faults += [(key, v.faults[i]) for key, i in zip(page.keys_at(faulty), faulty)]
+    inv.faults += v.keyed_faults(page)
     stale = np.flatnonzero(code == STALE_CODE)
     inv.stale += list(zip(page.keys_at(stale.tolist()), e["seq"][stale].tolist()))
     if serving.any():

@@ -209,8 +209,7 @@ class Verifier:
     def _check(self, page: IndexPage, seen_at: float) -> None:
         """Index checks, then a rate-limited re-read of the serving records; quarantine what fails."""
         verdicts = classify_page(page, seen_at, self.namespaces, self.files, self.oracle)
-        faulty = sorted(verdicts.faults)
-        self.cleaner.quarantine(list(zip(page.keys_at(faulty), [verdicts.faults[i] for i in faulty])))
+        self.cleaner.quarantine(verdicts.keyed_faults(page))
         _, rows = serving_rows(page, verdicts)
         findings = [SERVING] * len(rows)
         passed = deep_check(
