@@ -145,6 +145,7 @@ def _node(root: pathlib.Path, profile, pools: dict[str, int], mc, **cluster: obj
 def _restore(node: DemoDaemon, model: RefModel, tokens) -> tuple[RestoreResult, dict]:
     """Start `node` (empty pools), restore `tokens` through it, stop it; the result and its cluster stats."""
     node.start()
+    node.settle_pages()  # its pools as they stay: moved onto huge pages where the host does that after start
     try:
         with Client(node.socket) as c:
             c.attach(model.profile.name)

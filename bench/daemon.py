@@ -53,6 +53,7 @@ from kvtier.core.hugepages import read_host  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 from kvtier.gpu import CacheManager  # noqa: E402
+from kvtier.refmodel.demo import settle_pages  # noqa: E402
 from kvtier.store import DiskStore  # noqa: E402
 
 
@@ -97,6 +98,7 @@ def _start(tmp: Path, profile: str, pools: dict[str, str]) -> tuple[subprocess.P
     )
     while b"READY=1" not in notify.recv(4096):
         pass
+    settle_pages(sock_path)  # its pools as they stay: moved onto huge pages where the host does that after start
     return proc, sock_path, notify
 
 

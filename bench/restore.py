@@ -93,6 +93,7 @@ def measure(
 def _engine_on(daemon: DemoDaemon, model: RefModel) -> Iterator[RefEngine]:
     """Start the daemon and attach an engine of `model` to it; stop the daemon (a cold pool next time) after."""
     daemon.start()
+    daemon.settle_pages()  # its pools as they stay: moved onto huge pages where the host does that after start
     try:
         with Client(daemon.socket) as c:
             c.attach(model.profile.name)

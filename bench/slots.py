@@ -1,7 +1,8 @@
 """Load targets for the benchmarks' in-process loads, in the memory the daemon's pool slots are.
 
 One pool made by `kvtier.gpu.pools.allocate_pool` (on cpu a memfd whose pages are taken when it is made, huge
-pages where the kernel allows them for shared memory; on cuda a device tensor), carved as the daemon's slots are:
+pages where the kernel allows them for shared memory, moved onto them here where the daemon would move its pools
+after start; on cuda a device tensor), carved as the daemon's slots are:
 the store reads large payloads straight into such a view, with no bounce copy, in requests as large as the
 daemon's pools allow.
 A benchmark that gave the store ordinary tensors would measure a caller's memory, not kvtier's.
@@ -27,10 +28,12 @@ def slot_targets(sizes: Sequence[int], device: torch.device = _CPU) -> list[torc
 
 
 def slot_pool(sizes: Sequence[int], device: torch.device = _CPU) -> tuple[list[torch.Tensor], str]:
-    """`slot_targets`' views and how their pool got its pages (`Pool.pages`: thp, hugetlb, small, or device)."""
+    """`slot_targets`' views and how their pool got its pages (`Pool.pages`: thp, hugetlb, collapse, small, device)."""
     strides = [slot_stride(n) for n in sizes]
     total = sum(strides)
     pool = allocate_pool("bench-targets", CacheForm.COMPRESSED, total, slot_stride(total), device)
+    if pool.move is not None:  # on huge pages before anything is timed, as a daemon's pools are once moved
+        pool.move.run()
     memory = pool.tensor
     pool.close()  # the mapping outlives the descriptors
     views, at = [], 0

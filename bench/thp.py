@@ -12,6 +12,8 @@ kinds rotated round by round so none always goes first on the shared disk:
 - `shmem`: a memfd as the pools make it (MADV_HUGEPAGE, pages taken at once) under the host's own setting;
 - `shmem_thp`: the same memfd made while `shmem_enabled` = advise (root; the setting is put back as soon as the
   pages are taken, before any read);
+- `collapse`: a `shmem` memfd moved onto transparent huge pages after its pages are taken (MADV_COLLAPSE, 2 MiB at a
+  time), as the daemon moves its pools where shmem_enabled grants none (`kvtier.gpu.page_move`);
 - `hugetlb`: a `MFD_HUGETLB` memfd (root: `vm.nr_hugepages` raised to cover it for the allocation, put back
   after; the pages in use stay until the memfd goes);
 - `bounce`: each batch read into private anonymous memory with MADV_HUGEPAGE (huge pages under `enabled` =
@@ -63,6 +65,7 @@ from kvtier.core.layout import slot_stride  # noqa: E402
 from kvtier.core.profile import load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 from kvtier.core.versions import VersionKey  # noqa: E402
+from kvtier.gpu import PageMove  # noqa: E402
 from kvtier.store import DiskStore, StoreConfig  # noqa: E402
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
@@ -113,12 +116,13 @@ def read_counts(dev: Path | None) -> tuple[int, int]:
 class Memory:
     """A page-aligned uint8 tensor over a mapping this object keeps alive."""
 
-    def __init__(self, nbytes: int, *, hugetlb: bool = False, shared: bool = True) -> None:
+    def __init__(self, nbytes: int, *, hugetlb: bool = False, shared: bool = True, move: bool = False) -> None:
         size = -(-nbytes // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
+        self.map: mmap.mmap | ctypes.Array[ctypes.c_char]
         if shared:
             self.fd = os.memfd_create("kvtier-thp-bench", os.MFD_CLOEXEC | (MFD_HUGETLB if hugetlb else 0))
             os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED)
+            self.map = hugepages.map_shared(self.fd, size)  # 2 MiB aligned, as the pools are
         else:
             self.fd = -1
             self.map = mmap.mmap(-1, size + hugepages.HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -131,6 +135,8 @@ class Memory:
             hugepages.advise_huge(self.tensor.data_ptr(), size)
         if not hugepages.populate(self.tensor.data_ptr(), size):
             self.tensor.fill_(0)
+        if move:  # as the daemon moves its pools after start, here before any read
+            PageMove(self.tensor.data_ptr(), size, self.tensor).run()
 
     def close(self) -> None:
         """Let the mapping go (unmapped once the last view of it is gone) and close the memfd."""
@@ -173,6 +179,10 @@ def make_kinds(total: int, batch_bytes: int) -> tuple[dict[str, Memory], dict[st
             NR_HUGEPAGES.write_text(str(before))  # pages in use stay (surplus) until the memfd is closed
     except OSError as exc:
         missing["hugetlb"] = f"cannot reserve {pages} huge pages: {exc.strerror or exc}"
+    if hugepages.collapse_works():
+        kinds["collapse"] = Memory(total, move=True)
+    else:
+        missing["collapse"] = "MADV_COLLAPSE moves no shared memory here (Linux 6.1+, shmem_enabled not deny)"
     kinds["anon_thp"] = Memory(batch_bytes, shared=False)
     return kinds, missing
 

@@ -231,7 +231,8 @@ def _render_status(doc: StatsDoc) -> None:
             share = p.used / p.slots if p.slots else 0
             click.echo(
                 f"  pool {form:<11} {p.used:>7}/{p.slots:<7} slots used ({share:6.1%}) of {format_bytes(p.bytes)}, "
-                f"quota {p.quota}"
+                f"quota {p.quota}, pages {p.pages}"
+                + (f" ({format_bytes(p.moving_bytes)} still being moved onto huge pages)" if p.moving_bytes else "")
             )
     _render_pins(doc)
     if doc.forms:

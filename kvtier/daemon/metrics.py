@@ -84,11 +84,15 @@ def _pool_families(doc: StatsDoc) -> Iterator[Metric]:
     used = GaugeMetricFamily("kvtier_pool_used_slots", "Pool slots holding an object or reserved", labels=labels)
     quota = GaugeMetricFamily("kvtier_pool_quota_slots", "Slots the admission quota lets one form use", labels=labels)
     size = GaugeMetricFamily("kvtier_pool_bytes", "Pool memory allocated at start", labels=labels)
+    moving = GaugeMetricFamily(
+        "kvtier_pool_moving_bytes", "Pool bytes not yet moved onto huge pages (MADV_COLLAPSE; 0: done)", labels=labels
+    )
     for prof in doc.profiles:
         for form, p in sorted(prof.pools.items()):
-            for family, value in ((slots, p.slots), (used, p.used), (quota, p.quota), (size, p.bytes)):
+            values = ((slots, p.slots), (used, p.used), (quota, p.quota), (size, p.bytes), (moving, p.moving_bytes))
+            for family, value in values:
                 family.add_metric([prof.name, form], value)
-    yield from (slots, used, quota, size)
+    yield from (slots, used, quota, size, moving)
 
 
 def _store_families(doc: StatsDoc) -> Iterator[Metric]:

@@ -28,6 +28,8 @@ def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Pers
             p = pools.setdefault(pool.form.value, PoolStats())
             p.slots += pool.n_slots
             p.bytes += pool.n_slots * pool.slot_stride
+            p.pages = ", ".join(sorted({*p.pages.split(", "), pool.pages} - {""}))
+            p.moving_bytes += pool.move.left if pool.move is not None else 0
         for form, p in pools.items():
             p.used = snap.used_slots.get(form, 0)
             p.quota = snap.quota_slots.get(form, 0)

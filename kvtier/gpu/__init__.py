@@ -13,6 +13,7 @@ from kvtier.gpu.errors import (
 )
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
 from kvtier.gpu.manager import CacheManager, PoolLookup
+from kvtier.gpu.page_move import PageMove
 from kvtier.gpu.pools import Pool
 from kvtier.gpu.states import BlockState, CacheBlockState
 
@@ -27,6 +28,7 @@ __all__ = [
     "Handle",
     "IllegalTransition",
     "LeaseSet",
+    "PageMove",
     "PartialBlock",
     "Pool",
     "PoolLookup",

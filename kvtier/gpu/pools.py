@@ -2,8 +2,11 @@
 
 On cpu a pool lives in a memfd, so another process can map it; its pages are taken when it is made, large
 pages where the kernel gives them to shared memory: transparent huge pages where `shmem_enabled` grants them,
-else the host's reserved hugetlb pages (a `MFD_HUGETLB` memfd) where enough are free, else small pages
-(`kvtier.core.hugepages.shared_pages`; `Pool.pages` says which was chosen, `huge_bytes` what it got).
+else the host's reserved hugetlb pages (a `MFD_HUGETLB` memfd) where enough are free, else small pages, which a
+pool of 2 MiB or more has moved onto transparent huge pages after it is made where MADV_COLLAPSE does that here
+(`Pool.move`, run by `kvtier.gpu.page_move`) (`kvtier.core.hugepages.shared_pages`; `Pool.pages` says which was
+chosen, `huge_bytes` what it got). The memfd is mapped at an address aligned to 2 MiB, so each 2 MiB of it can be
+one huge page.
 The daemon passes a read-only descriptor of it (`Pool.reader_fd`) over its unix socket and the client maps
 it read-only at `base_offset`. The memfd is sealed against every future writable mapping once the daemon
 has mapped it (`F_SEAL_FUTURE_WRITE`), so no client can write a slot: offloads reach the pool through
@@ -26,6 +29,7 @@ from kvtier.core.layout import DISK_ALIGNMENT, slot_stride
 from kvtier.core.loadbatch import slot_bytes
 from kvtier.gpu.errors import BudgetError
 from kvtier.gpu.gentable import reader_fd, seal_for_readers
+from kvtier.gpu.page_move import PageMove
 
 log = logging.getLogger(__name__)
 _MFD_HUGETLB = getattr(os, "MFD_HUGETLB", 0x0004)
@@ -45,6 +49,7 @@ class Pool:
     fd: int | None
     reader_fd: int | None = None
     pages: str = "device"  # cpu: a hugepages.SharedPages value (how its memfd was made); else "device"
+    move: PageMove | None = None  # its move onto huge pages, where pages is "collapse"
 
     @property
     def address(self) -> int:
@@ -76,35 +81,40 @@ class Pool:
         }
 
 
-def _raw_buffer(nbytes: int, device: torch.device, name: str) -> tuple[torch.Tensor, int | None, int | None, str]:
+def _raw_buffer(
+    nbytes: int, device: torch.device, name: str
+) -> tuple[torch.Tensor, int | None, int | None, str, PageMove | None]:
     if device.type != "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None, "device"
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None, None, "device", None
     host = hugepages.read_host()  # the kernel's answer now, not at startup: pages come and go
     how = hugepages.shared_pages(host, [nbytes]).how
     if how is hugepages.SharedPages.HUGETLB:
         try:
-            return (*_memfd(nbytes, name, hugetlb_page=host.hugetlb_page), how.value)
+            return (*_memfd(nbytes, name, page=host.hugetlb_page, hugetlb=True), how.value, None)
         except OSError as exc:  # another process took the free pages first: small pages, never an error
             log.warning("the %s pool cannot have hugetlb pages (%s): it takes small pages", name, exc.strerror or exc)
             how = hugepages.SharedPages.SMALL
-    return (*_memfd(nbytes, name), how.value)
+    if how is hugepages.SharedPages.COLLAPSE:  # whole huge pages: the last one is moved too (the memfd covers it)
+        raw, fd, rfd = _memfd(nbytes, name, page=hugepages.HUGE_PAGE)
+        return raw, fd, rfd, how.value, PageMove(raw.data_ptr(), raw.numel(), raw)
+    return (*_memfd(nbytes, name), how.value, None)
 
 
-def _memfd(nbytes: int, name: str, *, hugetlb_page: int = 0) -> tuple[torch.Tensor, int, int]:
-    """A sealed memfd of at least `nbytes` (whole hugetlb pages where `hugetlb_page` is given), mapped and its pages
-    taken; (the mapping, its fd, a read-only fd for clients). Hugetlb pages that cannot be had are an OSError."""
-    hugetlb = hugetlb_page > 0
+def _memfd(nbytes: int, name: str, *, page: int = 0, hugetlb: bool = False) -> tuple[torch.Tensor, int, int]:
+    """A sealed memfd of at least `nbytes` (whole pages of `page` bytes where given; hugetlb pages where `hugetlb`),
+    mapped at an address aligned to 2 MiB and its pages taken; (the mapping, its fd, a read-only fd for clients).
+    Hugetlb pages that cannot be had are an OSError."""
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (_MFD_HUGETLB if hugetlb else 0)
-    size = hugepages.hugetlb_bytes(nbytes, hugetlb_page)
+    size = hugepages.whole_pages(nbytes, page)
     fd = os.memfd_create(f"kvtier-pool-{name}", flags)
     try:
         os.ftruncate(fd, size)
         try:
-            raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
-        except RuntimeError as exc:  # mmap refused: a hugetlb mapping reserves its pages when it is made
+            raw = torch.frombuffer(hugepages.map_shared(fd, size, max(page, hugepages.HUGE_PAGE)), dtype=torch.uint8)
+        except OSError as exc:  # mmap refused: a hugetlb mapping reserves its pages when it is made
             if not hugetlb:
                 raise
-            raise OSError(errno.ENOMEM, f"cannot map {size:,} bytes of hugetlb pages: {exc}") from exc
+            raise OSError(errno.ENOMEM, f"cannot map {size:,} bytes of hugetlb pages: {exc.strerror}") from exc
         if hugetlb:
             _take_hugetlb(raw)
         else:
@@ -147,7 +157,7 @@ def allocate_pool(group: str, form: CacheForm, slot_nbytes: int, budget_bytes: i
     stride = slot_stride(slot_nbytes)
     n_slots = budget_bytes // stride
     span = n_slots * stride
-    raw, fd, rfd, pages = _raw_buffer(span + DISK_ALIGNMENT, device, group)
+    raw, fd, rfd, pages, move = _raw_buffer(span + DISK_ALIGNMENT, device, group)
     offset = (-raw.data_ptr()) % DISK_ALIGNMENT
     tensor = raw[offset : offset + span]
-    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd, pages)
+    return Pool(group, form, slot_nbytes, stride, n_slots, tensor, offset, fd, rfd, pages, move)

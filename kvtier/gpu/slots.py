@@ -22,6 +22,7 @@ from kvtier.gpu.admission import AdmissionConfig, FormQuotas
 from kvtier.gpu.counters import Counters
 from kvtier.gpu.errors import AdmissionRefused, BudgetError
 from kvtier.gpu.gentable import GenerationTable
+from kvtier.gpu.page_move import start_moving
 from kvtier.gpu.pools import Pool, allocate_pool
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import BlockTable
@@ -59,7 +60,10 @@ def _log_huge_pages(profile: str, pools: tuple[Pool, ...]) -> None:
         log.info("%s pools: %d MiB (huge pages unknown: %s)", profile, total >> 20, exc)
         return
     kinds = ", ".join(sorted({p.pages for p in pools}))
-    hint = "" if huge else " (`kvtier doctor` says how to give them huge pages: docs/systemd.md)"
+    if any(p.move is not None for p in pools):
+        hint = "; the rest is being moved onto huge pages (MADV_COLLAPSE: a line says when done)"
+    else:
+        hint = "" if huge else " (`kvtier doctor` says how to give them huge pages: docs/systemd.md)"
     log.info("%s pools: %d MiB, %d MiB of it on huge pages (%s)%s", profile, total >> 20, huge >> 20, kinds, hint)
 
 
@@ -96,6 +100,7 @@ class SlotSpace:
                 )
         if device.type == "cpu":
             _log_huge_pages(profile.name, self.pools)
+            start_moving(profile.name, [p.move for p in self.pools if p.move is not None])  # (onto huge pages)
         # per group, what layer 4 checks a slot against (one array gather per batch instead of a view per slot)
         self._address = np.array([p.address for p in self.pools], dtype=np.int64)
         self._stride = np.array([p.slot_stride for p in self.pools], dtype=np.int64)

@@ -143,6 +143,19 @@ def pool_budgets(profile: ModelProfile, tokens: int, checkpoint_every: int) -> d
     return {form: align_up(n + (1 << 20), 1 << 20) for form, n in out.items()}
 
 
+def settle_pages(sock: Path, timeout_s: float = 300.0) -> float:
+    """Wait until the daemon on `sock` has tried to move every pool onto huge pages (its stats: no pool still being
+    moved), so what a benchmark times next reads into the pools as they will stay; returns the seconds waited.
+    DemoError if that takes longer than `timeout_s`."""
+    started = time.monotonic()
+    with Client(sock) as c:
+        while any(p.moving_bytes for prof in c.stats().profiles for p in prof.pools.values()):
+            if time.monotonic() - started > timeout_s:
+                raise DemoError(f"the daemon's pools were still being moved onto huge pages after {timeout_s} s")
+            time.sleep(0.05)  # (polls the daemon's own figure; nothing is assumed done after a delay)
+    return time.monotonic() - started
+
+
 class DemoDaemon:
     """`kvtier serve` as a subprocess on a generated config in `root`; readiness from its sd_notify READY=1."""
 
@@ -214,6 +227,10 @@ class DemoDaemon:
                     continue
                 if "READY=1" in msg.split("\n"):
                     return time.perf_counter() - started
+
+    def settle_pages(self, timeout_s: float = 300.0) -> float:
+        """`settle_pages` on this daemon."""
+        return settle_pages(self.socket, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing is flushed or cleaned up."""

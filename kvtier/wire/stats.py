@@ -52,6 +52,8 @@ class PoolStats(msgspec.Struct):
     bytes: int = 0
     used: int = 0
     quota: int = 0
+    pages: str = ""  # how the form's pools got their pages (kvtier.core.hugepages.SharedPages values, or device)
+    moving_bytes: int = 0  # bytes of them not yet tried by the move onto huge pages (MADV_COLLAPSE; 0: done or none)
 
 
 class ProfileStats(msgspec.Struct):

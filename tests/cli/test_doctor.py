@@ -59,7 +59,12 @@ def test_on_this_machine_every_line_is_true(tmp_path: Path) -> None:
     assert c["config"][0]["status"] == "ok" and "user mode" in c["config"][0]["detail"]
     assert c["memory"][0]["status"] == "ok" and "pools need 272.0 KiB" in c["memory"][0]["detail"]
     plan = hugepages.shared_pages(hugepages.read_host(), D._pool_sizes(load_config(str(_config(tmp_path)))))
-    words = {"thp": "transparent huge pages", "hugetlb": "hugetlb pages", "small": "small pages"}[plan.how.value]
+    words = {
+        "thp": "transparent huge pages",
+        "hugetlb": "hugetlb pages",
+        "collapse": "transparent huge pages moved in once made",
+        "small": "small pages",
+    }[plan.how.value]
     assert c["huge pages"][0]["detail"].startswith(f"pools (272.0 KiB) get {words} (shmem_enabled = ")
     assert c["huge pages"][0]["status"] == ("warn" if plan.how is hugepages.SharedPages.SMALL else "ok")
     assert f"fs.aio-max-nr {int(D.AIO_MAX_NR.read_text()):,}" in c["aio-max-nr"][0]["detail"]

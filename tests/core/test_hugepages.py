@@ -3,6 +3,8 @@ each case planted as the settings and /proc/meminfo text `read_host` reads."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 from kvtier.core import hugepages as H
@@ -10,14 +12,15 @@ from kvtier.core import hugepages as H
 MIB = 1 << 20
 
 
-def _host(tmp_path: Path, shmem: str | None, meminfo: str) -> H.HostPages:
+def _host(tmp_path: Path, shmem: str | None, meminfo: str, *, collapses: bool = False) -> H.HostPages:
+    """The host `read_host` reads from planted settings; `collapses`: what its MADV_COLLAPSE probe answers."""
     settings = tmp_path / "transparent_hugepage"
     settings.mkdir(exist_ok=True)
     if shmem is not None:
         words = ["always", "within_size", "advise", "never", "deny", "force"]
         (settings / "shmem_enabled").write_text(" ".join(f"[{w}]" if w == shmem else w for w in words) + "\n")
     (tmp_path / "meminfo").write_text(meminfo)
-    return H.read_host(settings, tmp_path / "meminfo")
+    return H.read_host(settings, tmp_path / "meminfo", lambda: collapses)
 
 
 def _meminfo(free: int, rsvd: int = 0, size_kb: int = 2048) -> str:
@@ -34,7 +37,7 @@ def test_read_host_takes_the_bracketed_word_and_the_free_unpromised_hugetlb_page
 
 
 def test_what_cannot_be_read_counts_as_no_large_pages(tmp_path: Path) -> None:
-    host = H.read_host(tmp_path / "no-such-dir", tmp_path / "no-meminfo")
+    host = H.read_host(tmp_path / "no-such-dir", tmp_path / "no-meminfo", lambda: False)
     assert host == H.HostPages("absent", 0, 0)
     assert H.shared_pages(host, [64 * MIB]).how is H.SharedPages.SMALL
 
@@ -70,3 +73,47 @@ def test_transparent_huge_pages_come_before_the_reserved_ones(tmp_path: Path) ->
     pages, the pools take those and leave the reservation alone."""
     plan = H.shared_pages(_host(tmp_path, "advise", _meminfo(free=10_000)), [64 * MIB])
     assert plan.how is H.SharedPages.THP
+
+
+def test_where_neither_is_given_pools_are_moved_onto_huge_pages_where_madv_collapse_does_it(tmp_path: Path) -> None:
+    """A stock host (never, nothing reserved) whose kernel moves a memfd's pages onto huge pages on request: the
+    pools take small pages and are moved; no fix to print. Reserved pages that cover them still come first."""
+    plan = H.shared_pages(_host(tmp_path, "never", _meminfo(free=0), collapses=True), [64 * MIB])
+    assert plan.how is H.SharedPages.COLLAPSE and "MADV_COLLAPSE" in plan.why and plan.fix == ""
+    covered = H.shared_pages(_host(tmp_path, "never", _meminfo(free=40), collapses=True), [64 * MIB])
+    assert covered.how is H.SharedPages.HUGETLB
+    # pools under one huge page each have nothing to move: small pages, and the fix says how to get more
+    tiny = H.shared_pages(_host(tmp_path, "never", _meminfo(free=0), collapses=True), [MIB, 64 * 1024])
+    assert tiny.how is H.SharedPages.SMALL and tiny.fix
+
+
+def test_the_collapse_probe_runs_only_where_shmem_enabled_grants_nothing(tmp_path: Path) -> None:
+    asked: list[bool] = []
+
+    def probe() -> bool:
+        asked.append(True)
+        return True
+
+    settings = tmp_path / "transparent_hugepage"
+    settings.mkdir()
+    (settings / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
+    assert H.read_host(settings, tmp_path / "none", probe).collapse is False and not asked
+    (settings / "shmem_enabled").write_text("always within_size advise [never] deny force\n")
+    assert H.read_host(settings, tmp_path / "none", probe).collapse is True and asked
+
+
+def test_the_probe_tells_what_this_kernel_does() -> None:
+    """`collapse_works` on this host agrees with the kernel: where it says yes, a fresh 2 MiB-aligned memfd mapping
+    asked to collapse is on a huge page afterwards (smaps); where no, madvise refused."""
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4 * MIB)
+        buf = H.map_shared(fd, 4 * MIB)
+        addr = ctypes.addressof(buf)
+        assert addr % H.HUGE_PAGE == 0
+        assert H.populate(addr, 4 * MIB)
+        moved = H.collapse(addr, 4 * MIB)
+        assert moved == H.collapse_works()
+        assert H.huge_bytes([(addr, 4 * MIB)]) == (4 * MIB if moved else 0)
+    finally:
+        os.close(fd)

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client import Client
 from kvtier.core import hugepages
 from kvtier.core.profile import load_profile
 from support.daemon import DaemonProc
-from support.workload import caches_for, compare, tokens_for
+from support.workload import through_disk
 
 PROFILE = load_profile("ref-tiny")
-H = PROFILE.hash_block_tokens
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 PAGES = 64  # more than the default test pools' memfds take, each rounded up to whole 2 MiB pages
 
@@ -56,25 +54,8 @@ def _hugetlb_bytes(pid: int) -> int:
 
 
 def test_a_restore_reads_into_hugetlb_pools_and_the_engine_reads_it_back(tmp_path: Path, reserved: None) -> None:
-    d = DaemonProc(tmp_path)
-    try:
+    def on_hugetlb(d: DaemonProc) -> None:
         assert "of it on huge pages (hugetlb)" in d.read_log()
         assert _hugetlb_bytes(d.proc.pid) >= hugepages.HUGE_PAGE
-        with Client(d.socket) as c:
-            c.attach("ref-tiny")
-            assert c.offload(tokens_for(7, 4, H), caches_for(PROFILE, 7, 4), durable=True).persisted
-        assert d.terminate() == 0
-    finally:
-        d.close()
-    d = DaemonProc(tmp_path)  # nothing resident: the load reads every object from disk into the hugetlb pools
-    try:
-        with Client(d.socket) as c:
-            c.attach("ref-tiny")
-            r = c.lookup(tokens_for(7, 4, H))
-            assert r.hit_tokens == 4 * H and r.needs_load
-            rep = c.load(r)
-            assert rep.loaded_objects > 0
-            assert compare(c, r, caches_for(PROFILE, 7, 4)) == rep.loaded_objects
-            c.release(r)
-    finally:
-        assert d.terminate() == 0
+
+    through_disk(lambda: DaemonProc(tmp_path), on_hugetlb, PROFILE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,17 @@ def test_pools_sized_from_budgets_and_aligned() -> None:
         assert pool.address % 128 == 0
         assert pool.n_slots == (5 if group.kind.value == "history" else 3)
         assert pool.tensor.numel() == pool.n_slots * pool.slot_stride
-        assert pool.tensor.is_shared()
+        assert _mapped_file(pool.address) == f"/memfd:kvtier-pool-{pool.group} (deleted)"  # shared memory
+
+
+def _mapped_file(addr: int) -> str:
+    """The file mapped at `addr` in this process, as /proc/self/maps names it."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return rest[4].strip() if len(rest) == 5 else ""
+    return ""
 
 
 def test_missing_or_tiny_budget_is_a_typed_error() -> None:

@@ -45,14 +45,21 @@ def test_a_large_bounce_buffer_is_on_huge_pages() -> None:
 
 def test_a_cpu_pool_gets_the_pages_the_kernel_gives_shared_memory() -> None:
     """The pool takes what `shared_pages` decides from the kernel's settings now, and `huge_bytes` shows it got
-    them: THP where shmem_enabled grants them, hugetlb where reserved pages cover it, none on a stock host."""
+    them: THP where shmem_enabled grants them, hugetlb where reserved pages cover it, small pages moved onto huge
+    ones by its move where MADV_COLLAPSE does that (a stock host on Linux 6.1+), else none."""
     plan = hugepages.shared_pages(hugepages.read_host(), [16 << 20])
     pool = allocate_pool("c4", CacheForm.COMPRESSED, 784_896, 16 << 20, torch.device("cpu"))
     try:
         huge = hugepages.huge_bytes([(pool.address, pool.tensor.numel())])
         assert pool.pages == plan.how.value
-        if plan.how is hugepages.SharedPages.SMALL:  # `never` or `deny`, as most distributions ship, no hugetlb
+        assert (pool.move is not None) == (plan.how is hugepages.SharedPages.COLLAPSE)
+        if plan.how is hugepages.SharedPages.SMALL:  # `never` or `deny`, no hugetlb, no MADV_COLLAPSE
             assert huge == 0
+        elif plan.how is hugepages.SharedPages.COLLAPSE:
+            assert pool.move is not None and huge == 0  # small pages until moved
+            pool.move.run()
+            assert pool.move.left == 0 and pool.move.moved > 0
+            assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == pool.move.moved
         elif plan.how is hugepages.SharedPages.HUGETLB:
             assert huge >= pool.tensor.numel()
         else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +20,9 @@ import torch
 from kvtier.client import Client, LookupResult
 from kvtier.core.forms import GroupKind, Route
 from kvtier.core.profile import ModelProfile
+
+if TYPE_CHECKING:
+    from support.daemon import DaemonProc
 
 
 def tokens_for(seed: int, n_blocks: int, hash_block_tokens: int) -> np.ndarray:
@@ -51,6 +56,45 @@ def compare(client: Client, result: LookupResult, caches: dict[str, dict[int, to
                 raise AssertionError(f"{group} block {block}: read differs from what was written")
             n += 1
     return n
+
+
+def offload_durably(client: Client, profile: ModelProfile, seed: int, n_blocks: int) -> None:
+    """Offload the prefix `seed` (its caches from `caches_for`) and see it persisted to the store."""
+    tokens = tokens_for(seed, n_blocks, profile.hash_block_tokens)
+    assert client.offload(tokens, caches_for(profile, seed, n_blocks), durable=True).persisted
+
+
+def restore_and_compare(client: Client, profile: ModelProfile, seed: int, n_blocks: int) -> int:
+    """On a daemon with nothing resident: the whole prefix `seed` (offloaded durably before) hits, every object is
+    read from disk into its pools, and the engine reads back what was written; returns the objects loaded."""
+    h = profile.hash_block_tokens
+    r = client.lookup(tokens_for(seed, n_blocks, h))
+    assert r.hit_tokens == n_blocks * h and r.needs_load
+    rep = client.load(r)
+    assert rep.loaded_objects > 0
+    assert compare(client, r, caches_for(profile, seed, n_blocks)) == rep.loaded_objects
+    client.release(r)
+    return rep.loaded_objects
+
+
+def through_disk(start: Callable[[], DaemonProc], check: Callable[[DaemonProc], None], profile: ModelProfile) -> None:
+    """A prefix offloaded durably through one daemon (`start`ed, then `check`ed), stopped; then restored from disk
+    through a second one on the same store (nothing resident, `check`ed first), the engine reading back what was
+    written (`restore_and_compare`)."""
+    for restore in (False, True):
+        d = start()
+        try:
+            check(d)
+            with Client(d.socket) as c:
+                c.attach(profile.name)
+                if restore:
+                    restore_and_compare(c, profile, 7, 4)
+                else:
+                    offload_durably(c, profile, 7, 4)
+        except BaseException:
+            d.close()
+            raise
+        assert d.terminate() == 0
 
 
 def _lookup_and_check(client: Client, profile: ModelProfile, seed: int, n_blocks: int) -> dict[str, int]:
