@@ -464,7 +464,8 @@ def machine_line(report: dict) -> str:
         f"Run on {report['date']} at commit `{report['commit']}`{' with `--quick`' if report['quick'] else ''}: "
         f"{m['cpus']} CPUs ({m.get('cpu_model', '?')}, {m['arch']}), {m['memory_GiB']:.0f} GiB, "
         f"{m['filesystem']} under `{m['bench_dir']}`, kernel {m['kernel']}, Python {m['python']}; "
-        f"transparent huge pages `shmem_enabled={m.get('thp_shmem', '?')}`, `enabled={m.get('thp_anon', '?')}`."
+        f"transparent huge pages `shmem_enabled={m.get('thp_shmem', '?')}`, `enabled={m.get('thp_anon', '?')}`"
+        + (f", the pools' pages `{m['pool_pages']}` (docs/systemd.md)." if "pool_pages" in m else ".")
     )
     if "quiet" in m:
         text += (

@@ -247,6 +247,8 @@ def machine(dir_: str) -> dict:
         # large the disk's read requests are (docs/systemd.md)
         "thp_shmem": hugepages.setting("shmem_enabled"),
         "thp_anon": hugepages.setting("enabled"),
+        # how the daemon's cpu pools get large pages under that setting (kvtier.core.hugepages.shared_pages)
+        "pool_pages": hugepages.shared_pages(hugepages.read_host(), [hugepages.HUGE_PAGE]).how.value,
         "fio": fio_limit.missing()
         or subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
     }

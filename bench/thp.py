@@ -258,7 +258,7 @@ def bench_targets(work: Path, tokens: int, rounds: int, batch_mib: int) -> dict:
     cuts = batches(sizes, batch_bytes)
     kinds, missing = make_kinds(total, batch_bytes)
     plans: dict[str, Callable[[DiskStore], float]] = {}
-    for name in ("shmem", "shmem_thp", "hugetlb"):
+    for name in ("shmem", "shmem_thp", "collapse", "hugetlb"):
         if name in kinds:
             plans[name] = lambda s, m=kinds[name]: read_pass(s, reqs, sizes, cuts, m, None)
     plans["bounce"] = lambda s: read_pass(s, reqs, sizes, cuts, kinds["shmem"], kinds["anon_thp"])
@@ -382,7 +382,8 @@ def bench_both(work: Path, rounds: int, pages: int) -> dict:
                 }
                 if name == "dsv4_restore":
                     d = got["dsv4_restore"]
-                    row.update({k: d[k] for k in ("MBps", "dd_MBps", "ratio", "round_MBps", "fresh_daemon_MBps")})
+                    keys = ("MBps", "fio_MBps", "ratio_to_fio", "round_MBps", "fresh_daemon_MBps", "pool_hugetlb_pages")
+                    row.update({k: d[k] for k in keys if k in d})  # (fio's figures only where fio ran)
                 else:
                     row.update({k: got[k] for k in got if "read" in k and not isinstance(got[k], dict)})
                 runs.append(row)
