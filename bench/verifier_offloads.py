@@ -49,6 +49,7 @@ from kvtier.core import CacheForm, VersionKey  # noqa: E402
 from kvtier.core.forms import GroupKind  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import ObjectKey  # noqa: E402
+from kvtier.refmodel.demo import settle_pages  # noqa: E402
 from kvtier.store import DiskStore, StoreConfig  # noqa: E402
 
 VK = VersionKey("bench-verifier-offloads", "w0", "abi", "comp", "idx", "fp8")
@@ -104,6 +105,7 @@ def _start_daemon(tmp: Path, budget: int) -> tuple[subprocess.Popen[bytes], Path
     )
     while b"READY=1" not in notify.recv(4096):
         pass
+    settle_pages(sock_path)  # its pools as they stay: moved onto huge pages where the host does that after start
     return proc, sock_path, notify
 
 
