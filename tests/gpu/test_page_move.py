@@ -1,16 +1,20 @@
 """A cpu pool moved onto huge pages after it is made (kvtier.gpu.page_move, MADV_COLLAPSE): its bytes never change,
-an engine's read-only mapping sees the same bytes on the huge pages, and loads that read into the pool while it is
-moved read every byte right. Run where the kernel moves shared memory (Linux 6.1+, shmem_enabled granting nothing:
-else the pools get their pages another way and have no move)."""
+an engine's read-only mapping sees the same bytes on the huge pages, an engine process reading the pool over and over
+while it is moved never sees other bytes, and loads that read into the pool while it is moved read every byte right.
+Run where the kernel moves shared memory (Linux 6.1+, shmem_enabled granting nothing: else the pools get their pages
+another way and have no move)."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
+import xxhash
 
 from kvtier.core import CacheForm, Reason, hugepages
 from kvtier.core.tier import LoadRequest
@@ -88,5 +92,56 @@ def test_loads_into_a_pool_while_it_is_moved_read_every_byte_right(tmp_path) -> 
             thread.join()
         assert pool.move is not None and pool.move.left == 0
         assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == pool.move.moved > 0
+    finally:
+        pool.close()
+
+
+# An engine's process: maps the pool read-only through the fd it was handed and checks every byte of it, again and
+# again, until told to stop (a line on stdin: one more pass then, begun after the move); it says "ready" after its
+# first pass, and at the end how many passes it made and how many saw other bytes.
+_READER = """
+import mmap, os, select, sys, xxhash
+fd, size, at, n, want = *map(int, sys.argv[1:5]), sys.argv[5]
+view = memoryview(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ))[at : at + n]
+passes = bad = 0
+stop = False
+while not stop:
+    stop = bool(select.select([sys.stdin], [], [], 0)[0])  # (told to stop: one last pass, begun after the move)
+    bad += xxhash.xxh3_128_hexdigest(view) != want
+    passes += 1
+    if passes == 1:
+        print("ready", flush=True)
+print(passes, bad, flush=True)
+"""
+
+
+def test_an_engine_process_reading_the_pool_while_it_is_moved_sees_every_byte_unchanged() -> None:
+    pool = _pool(32 * MIB)
+    try:
+        assert pool.move is not None
+        gen = torch.Generator().manual_seed(2)
+        pool.tensor.copy_(torch.randint(0, 256, (pool.tensor.numel(),), dtype=torch.uint8, generator=gen))
+        size = os.fstat(pool.reader_fd).st_size
+        want = xxhash.xxh3_128_hexdigest(pool.tensor.numpy())
+        where = [str(pool.reader_fd), str(size), str(pool.base_offset), str(pool.tensor.numel())]
+        engine = subprocess.Popen(
+            [sys.executable, "-c", _READER, *where, want],
+            pass_fds=(pool.reader_fd,),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert engine.stdout is not None and engine.stdin is not None
+            assert engine.stdout.readline().strip() == "ready"
+            pool.move.run()  # while the engine reads every byte, pass after pass
+            engine.stdin.write("stop\n")
+            engine.stdin.flush()
+            passes, bad = map(int, engine.stdout.readline().split())
+        finally:
+            engine.kill()
+            engine.wait()
+        assert bad == 0 and passes >= 2
+        assert pool.move.moved > 0 and hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == pool.move.moved
     finally:
         pool.close()
