@@ -46,7 +46,7 @@ from kvtier.core.forms import GroupKind
 from kvtier.core.profile import load_profile
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.refmodel import RefModel
-from kvtier.refmodel.demo import DemoDaemon, pool_budgets
+from kvtier.refmodel.demo import DemoDaemon, pool_budgets, settle_pages
 from kvtier.refmodel.engine import RefEngine, RestoreResult, checkpoint_policy
 from kvtier.store import DiskStore
 from support.cluster_nodes import cluster_stats, cluster_toml, wait_written_through
@@ -145,7 +145,7 @@ def _node(root: pathlib.Path, profile, pools: dict[str, int], mc, **cluster: obj
 def _restore(node: DemoDaemon, model: RefModel, tokens) -> tuple[RestoreResult, dict]:
     """Start `node` (empty pools), restore `tokens` through it, stop it; the result and its cluster stats."""
     node.start()
-    node.settle_pages()  # its pools as they stay: moved onto huge pages where the host does that after start
+    settle_pages(node.socket)  # its pools as they stay: moved onto huge pages where the host does that after start
     try:
         with Client(node.socket) as c:
             c.attach(model.profile.name)

@@ -50,7 +50,7 @@ from kvtier.client import Client  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.gpu import AdmissionConfig  # noqa: E402
 from kvtier.refmodel import RefModel  # noqa: E402
-from kvtier.refmodel.demo import DemoDaemon, pool_budgets  # noqa: E402  (a real `kvtier serve` on its own config)
+from kvtier.refmodel.demo import DemoDaemon, pool_budgets, settle_pages  # noqa: E402  (a real `kvtier serve` on its own config)
 from kvtier.refmodel.engine import RefEngine  # noqa: E402
 
 CHECKPOINT_EVERY = 16  # hash blocks between state checkpoints (the engine's default retention interval)
@@ -93,7 +93,7 @@ def measure(
 def _engine_on(daemon: DemoDaemon, model: RefModel) -> Iterator[RefEngine]:
     """Start the daemon and attach an engine of `model` to it; stop the daemon (a cold pool next time) after."""
     daemon.start()
-    daemon.settle_pages()  # its pools as they stay: moved onto huge pages where the host does that after start
+    settle_pages(daemon.socket)  # its pools as they stay: moved onto huge pages where the host does that after start
     try:
         with Client(daemon.socket) as c:
             c.attach(model.profile.name)

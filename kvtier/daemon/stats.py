@@ -24,15 +24,17 @@ def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Pers
     for rt in runtimes:
         snap = rt.manager.counters()
         pools: dict[str, PoolStats] = {}
+        kinds: dict[str, set[str]] = {}  # per form, how its pools got their pages
         for pool in rt.manager.pools():
             p = pools.setdefault(pool.form.value, PoolStats())
             p.slots += pool.n_slots
             p.bytes += pool.n_slots * pool.slot_stride
-            p.pages = ", ".join(sorted({*p.pages.split(", "), pool.pages} - {""}))
             p.moving_bytes += pool.move.left if pool.move is not None else 0
+            kinds.setdefault(pool.form.value, set()).add(pool.pages)
         for form, p in pools.items():
             p.used = snap.used_slots.get(form, 0)
             p.quota = snap.quota_slots.get(form, 0)
+            p.pages = ", ".join(sorted(kinds[form]))
         profiles.append(
             ProfileStats(
                 name=rt.name,

@@ -228,10 +228,6 @@ class DemoDaemon:
                 if "READY=1" in msg.split("\n"):
                     return time.perf_counter() - started
 
-    def settle_pages(self, timeout_s: float = 300.0) -> float:
-        """`settle_pages` on this daemon."""
-        return settle_pages(self.socket, timeout_s)
-
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing is flushed or cleaned up."""
         if self.proc is not None and self.proc.poll() is None:
