@@ -18,6 +18,7 @@ from kvtier.core.versions import VersionKey
 from kvtier.daemon.tier_stats import OTHER, TierStats
 from support.daemon import DaemonProc, child_env
 from support.promlint import problems, promtool
+from support.verifier_helpers import wait_for
 
 VLLM = VersionKey("org/model-a", "xxh3_128:0a", "vllm 0.32.0;cpu;attn=FLASH", "none", "none", "bf16;chunk=4096")
 SGLANG = VersionKey("org/model-b", "xxh3_128:0b", "sglang-0.5.23", "none", "none", "kv=bf16;page=64t")
@@ -50,6 +51,8 @@ def test_status_and_metrics_show_each_engine_namespace(tmp_path: Path) -> None:
             s.store_many([(k, payload, DIGEST) for k in _keys(SGLANG, 2)])
             assert s.has(_keys(SGLANG, 1, first=7), [DIGEST]) == [Reason.MISSING]
 
+            with Client(d.socket) as c:  # the events thread counts a batch once it has sent it: asynchronously
+                wait_for(lambda: c.stats().events.stored == 5, 20.0, what="5 stored events sent")
             out = _kvtier("status", "--socket", str(d.socket), "--json")
             assert out.returncode == 0, out.stderr
             doc = json.loads(out.stdout)
@@ -69,6 +72,8 @@ def test_status_and_metrics_show_each_engine_namespace(tmp_path: Path) -> None:
 
         with Client(d.socket) as c:
             address = c.stats().daemon.metrics
+            # a connection's worker counts it out once it reads the client's close: asynchronously to this test
+            wait_for(lambda: all(e.connections == 0 for e in c.stats().engines), 20.0, what="connections counted out")
         body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     finally:
         d.close()
