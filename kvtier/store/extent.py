@@ -23,11 +23,12 @@ if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon
     import torch
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
-# With every read in flight at once (native AIO from one thread) a read costs the disk little, but the loading
-# thread a run's worth of Python (plan, place, submit, complete, check), and that is what a load of small records
-# waits on: the disk sits idle between completions. A gap this wide makes several times fewer runs of random small
-# records for a few more MB read, which the disk reads in less time than the CPU those runs would have cost.
-AIO_RUN_GAP = 48 << 10
+# With every read in flight at once (native AIO from one thread) each run costs the loading thread its Python (plan,
+# place, submit, complete, check) and the kernel's work for one more request, and each byte of a gap costs the disk
+# its time to read it. Bridging gaps makes fewer runs of random small records; bridged too wide, the disk reads
+# several times the bytes asked for and the load waits on it instead. This width is where bench/store.py's random
+# small loads are fastest (wider and narrower both measured slower).
+AIO_RUN_GAP = 24 << 10
 
 
 @dataclasses.dataclass(slots=True)

@@ -26,6 +26,7 @@ one Python step per record.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,7 +35,15 @@ import xxhash
 from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.index import ENTRY_V2_DTYPE, KEY_PREFIX_BYTES, IndexEntry
-from kvtier.store.record import FORMAT_VERSION, HEADER_BYTES, HEADER_DTYPE, MAGIC, RECORD_ALIGNMENT, RecordHeader
+from kvtier.store.record import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    MAGIC,
+    RECORD_ALIGNMENT,
+    RecordHeader,
+    leading_h64,
+)
 from kvtier.store.record_v1 import V1_HEADER_BYTES, RecordHeaderV1
 
 AnyHeader = RecordHeader | RecordHeaderV1
@@ -64,6 +73,8 @@ _HEADER_ROWS = np.arange(HEADER_BYTES // RECORD_ALIGNMENT)
 _HEADER_SPAN = np.arange(HEADER_BYTES)
 assert HEADER_BYTES % RECORD_ALIGNMENT == 0 and _FIXED % 8 == 0
 _h64 = xxhash.xxh3_64_intdigest
+_PREFIX_OF = operator.itemgetter(slice(KEY_PREFIX_BYTES))  # an encoded key's namespace, block hash and form
+_GROUP_OF = operator.itemgetter(slice(KEY_PREFIX_BYTES, None))
 _FEW = 4  # up to this many records are compared one by one
 
 
@@ -71,8 +82,9 @@ def expected_headers(entries: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
     """Per record, the v2 header its encoded key and index entry imply (the checksum field 0)."""
     n = len(keys)
     h = np.zeros(n, HEADER_DTYPE)
-    prefix = np.frombuffer(b"".join([k[:KEY_PREFIX_BYTES] for k in keys]), _KEY_PREFIX)
-    groups = [k[KEY_PREFIX_BYTES:] for k in keys]
+    # (C-level maps, not a Python step per key: these run per object of every load)
+    prefix = np.frombuffer(b"".join(map(_PREFIX_OF, keys)), _KEY_PREFIX)
+    groups = list(map(_GROUP_OF, keys))
     h["magic"] = np.void(MAGIC)
     h["version"] = FORMAT_VERSION
     h["form"] = prefix["form"]
@@ -113,8 +125,7 @@ def headers_good(mv: memoryview, at: np.ndarray, expected: np.ndarray) -> np.nda
         got = buf[at[:, None] + _HEADER_SPAN]
     want = expected.view(np.uint64).reshape(len(at), -1)
     good = (got.view(np.uint64)[:, :_FIXED_WORDS] == want[:, :_FIXED_WORDS]).all(axis=1)
-    sums = np.fromiter((_h64(mv[p : p + _FIXED]) for p in at.tolist()), np.uint64, len(at))
-    return good & (sums == got.view(HEADER_DTYPE)[:, 0]["checksum"])
+    return good & (leading_h64(got, _FIXED) == got.view(HEADER_DTYPE)[:, 0]["checksum"])
 
 
 def header_good(mv: memoryview, at: int, expected: bytes) -> bool:

@@ -23,7 +23,7 @@ from kvtier.core.versions import VersionKey
 from kvtier.store.errors import CorruptRecord, FormatVersionError, QuarantineReason, StoreError
 from kvtier.store.gil import DurableFirst
 from kvtier.store.io import lock_holder
-from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags
+from kvtier.store.record import FORM_CODES, FORMAT_VERSION, FORMS_BY_CODE, HEADER_BYTES, Codec, Flags, leading_h64
 from kvtier.store.record_v1 import V1_HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ def unseal(value: bytes | memoryview) -> bytes:
 def sealed_rows(values: Sequence[bytes | memoryview], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """`unseal` for many values at once: values of `dtype`'s size (its last field `seal`) as rows, and whether each
     one's seal checks."""
-    rows = np.frombuffer(b"".join(values), dtype)
-    seals = np.fromiter((xxhash.xxh3_64_intdigest(memoryview(v)[:-8]) for v in values), np.uint64, len(values))
+    joined = b"".join(values)
+    rows = np.frombuffer(joined, dtype)
+    seals = leading_h64(np.frombuffer(joined, np.uint8).reshape(len(values), dtype.itemsize), dtype.itemsize - 8)
     return rows, seals == rows["seal"]
 
 

@@ -47,6 +47,7 @@ read and checked here, and a request it does not take has nothing to read (the c
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 from collections import deque
@@ -221,12 +222,15 @@ class PackedLoad:
         ns_ok = self._ns_ok
         for ns in set(w.namespaces) - ns_ok.keys():
             ns_ok[ns] = self._namespace_reason(txn, ns) is Reason.OK
-        size = ENTRY_V2_DTYPE.itemsize
-        shaped = [i for i, (v, ns) in enumerate(zip(values, w.namespaces)) if len(v) == size and ns_ok[ns]]
-        kept = [values[i] for i in shaped]
-        e, sealed = sealed_rows(kept, ENTRY_V2_DTYPE)
+        count = len(values)
+        shaped_at = np.fromiter(map(len, values), np.int64, count) == ENTRY_V2_DTYPE.itemsize
+        if not all(map(ns_ok.__getitem__, set(w.namespaces))):
+            shaped_at &= np.fromiter(map(ns_ok.__getitem__, w.namespaces), bool, count)
+        shaped = np.flatnonzero(shaped_at)
+        at = shaped.tolist()
+        e, sealed = sealed_rows([values[i] for i in at], ENTRY_V2_DTYPE)
         lengths = w.lengths[shaped]
-        digests = [w.digests[i] for i in shaped]
+        digests = [w.digests[i] for i in at]
         ok = (
             sealed
             & (e["version"] == FORMAT_VERSION)
@@ -239,31 +243,30 @@ class PackedLoad:
             # a large payload starts 4096-aligned (`record.header_offset`): its bulk is read straight into the target
             & ((e["stored_len"] < LARGE_PAYLOAD) | ((e["offset"] + HEADER_BYTES) % DISK_ALIGNMENT == 0))
         )
-        if all(len(d) == 16 for d in digests):  # (another length never matches: the caller says so)
+        if set(map(len, digests)) == {16}:  # (another length never matches: the caller says so)
             ok &= np.frombuffer(b"".join(digests), "V16") == e["layout_digest"]
         else:
             ok[:] = False
-        ours = [shaped[k] for k in np.flatnonzero(ok).tolist()]
-        taken = set(ours)
-        odd, odd_rows = self._odd(values, w, taken)
+        ours = shaped[ok]
+        left = np.ones(count, bool)
+        left[ours] = False
+        odd, odd_rows = self._odd(values, w, np.flatnonzero(left).tolist())
         rows = np.concatenate((e[ok], odd_rows)) if odd else e[ok]
-        self._queue(rows, w, ours + odd, np.arange(len(rows)) >= len(ours))
-        taken.update(odd)
-        return [n for i, n in enumerate(w.numbers) if i not in taken]
+        self._queue(rows, w, ours.tolist() + odd, np.arange(len(rows)) >= len(ours))
+        left[odd] = False
+        return [w.numbers[i] for i in np.flatnonzero(left).tolist()]
 
-    def _odd(self, values: Sequence[bytes | memoryview], w: Wanted, taken: set[int]) -> tuple[list[int], np.ndarray]:
-        """The requests the columnar rules above leave out whose record a load still serves, checked one by one
-        where their chunk is read (`record_check`): a v1 record, one that carries only a device checksum, a large one
-        whose payload does not start where O_DIRECT can read it into a target. Those with no record, a record
-        another request or a lookup answers for (not live, another layout or length, a corrupt index value, a
-        retired namespace) are left to the caller, which names why without reading."""
+    def _odd(self, values: Sequence[bytes | memoryview], w: Wanted, left: list[int]) -> tuple[list[int], np.ndarray]:
+        """Those of the requests `left` (the columnar rules above leave them out) whose record a load still serves,
+        checked one by one where their chunk is read (`record_check`): a v1 record, one that carries only a device
+        checksum, a large one whose payload does not start where O_DIRECT can read it into a target. Those with no
+        record, a record another request or a lookup answers for (not live, another layout or length, a corrupt index
+        value, a retired namespace) are left to the caller, which names why without reading."""
         ns_ok = self._ns_ok
         picked: list[int] = []
         entries: list[IndexEntry] = []
-        for i, v in enumerate(values):
-            if i in taken:
-                continue
-            entry = servable(v, ns_ok[w.namespaces[i]], w.digests[i], int(w.lengths[i]))
+        for i in left:
+            entry = servable(values[i], ns_ok[w.namespaces[i]], w.digests[i], int(w.lengths[i]))
             if entry is not None:
                 picked.append(i)
                 entries.append(entry)
@@ -360,20 +363,19 @@ class PackedLoad:
         run_bulk = bulk[last]
         run_bounce = run_size - run_bulk
         payload_at = off[last] + HEADER_BYTES - run_start  # where the last record's payload starts in the run
-        direct = [
-            (int(p), targets[i], int(n)) if n else None
-            for i, p, n in zip(last.tolist(), payload_at.tolist(), run_bulk.tolist())
-        ]
+        direct: list[tuple[int, int, int] | None] = [None] * len(first)
+        for r in np.flatnonzero(run_bulk).tolist():
+            direct[r] = (int(payload_at[r]), targets[int(last[r])], int(run_bulk[r]))
         expected = expected_headers(e, raw)
-        # Chunks: consecutive runs up to CHUNK_BYTES of file (at least one) and a share of the AIO queue.
-        sizes = run_size.tolist()
-        lo = 0
-        while lo < len(sizes):
-            hi, total = lo, 0
-            while hi < len(sizes) and (hi == lo or (total + sizes[hi] <= CHUNK_BYTES and hi - lo < _RUNS_PER_CHUNK)):
-                total += sizes[hi]
-                hi += 1
-            r0, r1 = int(first[lo]), int(first[hi]) if hi < len(sizes) else len(e)
+        # Chunks: consecutive runs up to CHUNK_BYTES of file (at least one) and a share of the AIO queue: the most
+        # runs from `lo` whose bytes fit, found in the running sum (runs are never empty: it only grows).
+        runs_total = np.concatenate(([0], np.cumsum(run_size))).tolist()
+        lo, count = 0, len(first)
+        while lo < count:
+            fit = bisect.bisect_right(runs_total, runs_total[lo] + CHUNK_BYTES, lo) - 1
+            hi = max(lo + 1, min(fit, lo + _RUNS_PER_CHUNK))
+            total = runs_total[hi] - runs_total[lo]
+            r0, r1 = int(first[lo]), int(first[hi]) if hi < count else len(e)
             bases = np.concatenate(([0], np.cumsum(run_bounce[lo:hi])[:-1]))
             runs = run_of[r0:r1] - lo
             self._waiting.append(
@@ -476,19 +478,21 @@ class PackedLoad:
                 i, n = int(cand[k]), int(bulk[k])
                 _memmove(targets[i] + n, addr + at[i], plen[i] - n)
                 sources[k] = (ctypes.c_char * plen[i]).from_address(targets[i])
-            passed = np.frombuffer(b"".join([_h128(src) for src in sources]), "V16") == chunk.payload_checksum[cand]
+            passed = np.frombuffer(b"".join(map(_h128, sources)), "V16") == chunk.payload_checksum[cand]
             ok = cand[passed].tolist()
+            small = passed & (bulk == 0)
             zstd = chunk.zstd
-            for i in cand[passed & (bulk == 0)].tolist():
-                if not zstd[i]:
-                    _memmove(targets[i], addr + at[i], plen[i])
-                    continue
+            plain = cand[small & ~zstd[cand]].tolist()
+            deque(
+                map(_memmove, [targets[i] for i in plain], [addr + at[i] for i in plain], [plen[i] for i in plain]), 0
+            )
+            for i in cand[small & zstd[cand]].tolist():
                 try:
                     start = at[i] + HEADER_BYTES
                     zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
                 except CorruptRecord:  # (named with the rest: `decode`)
                     ok.remove(i)
-            self._hits += [keys[i] for i in ok]
+            self._hits += keys if len(ok) == len(keys) else [keys[i] for i in ok]
             if len(ok) < len(at):
                 served = set(ok)
                 for i in range(len(at)):

@@ -260,6 +260,14 @@ def namespace_of(body: bytes) -> bytes | None:
 payload_checksum = xxhash.xxh3_128_digest  # of the stored (post-codec) payload bytes: the C function itself, no frame
 
 
+def leading_h64(rows: np.ndarray, nbytes: int) -> np.ndarray:
+    """xxh3_64 of each row's first `nbytes` (`rows`: a 2-D uint8 array, one header or index value a row): the
+    bytes copied out as one bytes object a row and hashed by a C-level map, not a Python step per row (these run
+    per object of every load)."""
+    heads = np.ascontiguousarray(rows[:, :nbytes]).view(f"V{nbytes}").ravel().tolist()
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, heads), np.uint64, len(heads))
+
+
 _local = threading.local()
 
 

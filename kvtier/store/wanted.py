@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,29 +67,54 @@ def wanted(
 ) -> tuple[Wanted, list[int]]:
     """The requests this path may serve (those with a host-memory target), and the numbers of the others;
     StoreRequestError for a target that is not a non-empty contiguous uint8 tensor."""
-    outs = [flat_uint8(r.out) for r in requests]
+    outs = [r.out for r in requests]
     count = len(outs)
-    # (callables mapped, not a generator per column: these run per object of every load)
-    n = np.fromiter(map(_numel, outs), np.int64, count)
+    n = _checked_sizes(outs)
     addr = np.fromiter(map(_data_ptr, outs), np.int64, count)
     taken = np.fromiter(map(_is_cpu, outs), bool, count)
     if device is not None:
         taken &= np.fromiter((not device(out) for out in outs), bool, count)
-    mine = np.flatnonzero(taken).tolist()
-    keys = [requests[i].key for i in mine]
+    mine = np.flatnonzero(taken)
+    picked = requests if len(mine) == count else [requests[i] for i in mine.tolist()]
+    keys = [r.key for r in picked]
     wanted = Wanted(
-        [first + i for i in mine],
+        (mine + first).tolist(),
         _encoded(keys),
         [k.namespace for k in keys],
         addr[taken].tolist(),
         n[taken].astype(np.uint64),
-        [requests[i].layout_digest for i in mine],
+        [r.layout_digest for r in picked],
     )
     return wanted, (np.flatnonzero(~taken) + first).tolist()
 
 
+def _checked_sizes(outs: list[torch.Tensor]) -> np.ndarray:
+    """Each target's bytes, after checking them all as `flat_uint8` checks one (a few passes of C-level maps, not a
+    Python call per target: these run per object of every load); StoreRequestError as it names the first bad one. A
+    target need not be flattened: a contiguous tensor's bytes start at its data_ptr whatever its shape."""
+    import torch  # loaded by whoever made the targets: a dictionary lookup here
+
+    n = (
+        np.fromiter(map(_numel, outs), np.int64, len(outs))
+        if all(map(isinstance, outs, repeat(torch.Tensor)))
+        else None
+    )
+    if (
+        n is None
+        or not n.all()
+        or not all(map(operator.is_, map(_dtype, outs), repeat(torch.uint8)))
+        or not all(map(_is_contiguous, outs))
+    ):
+        for out in outs:
+            flat_uint8(out)
+    assert n is not None  # (flat_uint8 raised for a target that is not a tensor)
+    return n
+
+
 # not torch.Tensor.numel: this module loads before torch does (a daemon listens first)
 _numel = operator.methodcaller("numel")
+_dtype = operator.attrgetter("dtype")
+_is_contiguous = operator.methodcaller("is_contiguous")
 _data_ptr = operator.methodcaller("data_ptr")
 _is_cpu = operator.attrgetter("is_cpu")
 

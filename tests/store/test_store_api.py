@@ -231,6 +231,27 @@ def test_roles_locks_and_bad_input_are_typed(tmp_path) -> None:
                 w.load_into([LoadRequest(make_key(ns, "bad"), bad, DIGEST)])
         with pytest.raises(StoreRequestError):
             w.has([make_key(ns, "x")], [])
+    with DiskStore(str(tmp_path), writer=True) as w:
+        ns = w.register_namespace(VK)
+        keys = [make_key(ns, f"g{i}") for i in range(40)]
+        payloads = [make_payload(f"g{i}", 1000 + i) for i in range(40)]
+        w.store_many(list(zip(keys, payloads, [DIGEST] * 40)))
+        # One bad target among many good ones is named (the columns check them all at once); nothing is loaded
+        for bad in (
+            bytearray(1020),
+            torch.zeros(1020, dtype=torch.int8),
+            torch.zeros(2, 2040, dtype=torch.uint8)[:, ::2],
+        ):
+            outs: list = [torch.zeros_like(p) for p in payloads]
+            outs[20] = bad
+            with pytest.raises(StoreRequestError, match="non-empty contiguous uint8"):
+                w.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(keys, outs)])
+            assert not any(o.any() for o in outs if isinstance(o, torch.Tensor) and o.dtype == torch.uint8)
+        # A contiguous target of any shape is its bytes in order
+        shaped = [torch.zeros(2, p.numel() // 2, dtype=torch.uint8) for p in payloads if p.numel() % 2 == 0]
+        even = [(k, p) for k, p in zip(keys, payloads) if p.numel() % 2 == 0]
+        assert w.load_into([LoadRequest(k, o, DIGEST) for (k, _), o in zip(even, shaped)]) == [Reason.OK] * len(even)
+        assert all(torch.equal(o.flatten(), p) for (_, p), o in zip(even, shaped))
     with DiskStore(str(tmp_path)) as r, pytest.raises(StoreReadOnly):
         r.store(make_key(ns, "x"), make_payload("x", 10), DIGEST)
 
