@@ -56,8 +56,10 @@ class DiskStore:
     opened read-only (it cannot take LMDB's write lock at all), and every index change it decides is sent to the
     daemon, which applies it (`kvtier.store.decisions`). Without one, its changes are applied here.
 
-    `take_load_resources=False`: a writer leaves its loads' AIO context and bounce buffers (torch tensors) to a
-    later `take_load_resources()`: a daemon opens its store and serves lookups before torch is loaded."""
+    A store that may load (not `readonly`) sets up its loads' AIO context and bounce buffers (torch tensors) when it
+    opens, so its first load does not pay them (faulting in the buffers costs about as much as a small load's reads):
+    an engine's reader serves restores as a daemon's writer does. `take_load_resources=False` leaves them to a later
+    `take_load_resources()`: a daemon opens its store and serves lookups before torch is loaded."""
 
     def __init__(
         self,
@@ -103,8 +105,8 @@ class DiskStore:
             self._writer = Writer(self._ctx)
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
-            if take_load_resources:
-                self.take_load_resources()
+        if take_load_resources and not readonly:
+            self.take_load_resources()
         if not readonly and decisions is None:
             self._atimes.start()  # last: a store that failed to open leaves no thread behind
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -48,14 +49,14 @@ def open_store(root: str | Path, *, readonly: bool = False, stop: threading.Even
     decisions = DecisionClient(str(root), stop=stop) if daemon is not None else None
     if decisions is not None:
         log.info("the daemon (pid %d) applies this process's index changes", daemon)
+    # (its scans set up what they read through as they go: nothing taken at open, and no torch loaded for it)
+    opened = functools.partial(DiskStore, str(root), readonly=readonly, decisions=decisions, take_load_resources=False)
     try:
-        config = StoreConfig(io_backend="odirect", io_threads=1)
-        return DiskStore(str(root), config, readonly=readonly, decisions=decisions)
+        return opened(StoreConfig(io_backend="odirect", io_threads=1))
     except StoreError as exc:
         if "O_DIRECT" not in str(exc):
             raise
-        config = StoreConfig(io_backend="buffered", io_threads=1)
-        return DiskStore(str(root), config, readonly=readonly, decisions=decisions)
+        return opened(StoreConfig(io_backend="buffered", io_threads=1))
 
 
 def load_settings(config: str | Path | None, overrides: Mapping[str, Any]) -> VerifierSettings:

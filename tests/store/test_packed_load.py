@@ -544,9 +544,10 @@ def test_a_cut_inside_a_large_payload_fails_it_and_those_after(mixed_large, serv
         assert s.records([keys[victim]])[0].entry.quarantine is QuarantineReason.SEGMENT_TRUNCATED
 
 
-def test_a_writer_store_takes_its_bounce_buffers_at_open(small, monkeypatch) -> None:
-    """The daemon's store (a writer) faults in the packed path's bounce buffers when it opens: its first load takes
-    every buffer from the pool; a reader store's first load makes its own."""
+def test_a_store_that_may_load_takes_its_bounce_buffers_at_open(small, monkeypatch) -> None:
+    """A store that may load (the daemon's writer, an engine's reader) faults in the packed path's bounce buffers
+    when it opens: its first load takes every buffer from the pool. A read-only store (the CLI's) and a writer told
+    to wait (`take_load_resources=False`, a daemon before torch loads) make theirs in their first load."""
     root, keys = small
     made: list[int] = []
     real_init = io_mod.AlignedBuffer.__init__
@@ -556,12 +557,17 @@ def test_a_writer_store_takes_its_bounce_buffers_at_open(small, monkeypatch) -> 
         real_init(self, capacity)
 
     monkeypatch.setattr(io_mod.AlignedBuffer, "__init__", init)
-    for writer in (True, False):
+    for opened, takes in (
+        ({"writer": True}, True),
+        ({}, True),
+        ({"readonly": True}, False),
+        ({"writer": True, "take_load_resources": False}, False),
+    ):
         made.clear()
-        with DiskStore(root, writer=writer) as s:
+        with DiskStore(root, **opened) as s:
             at_open = made.count(packed.CHUNK_BYTES)
             made.clear()
             reasons, outs = _load(s, keys, SIZES)
             assert reasons == [Reason.OK] * N
             assert all(torch.equal(o, make_payload(f"p{i}", n)) for i, (o, n) in enumerate(zip(outs, SIZES)))
-        assert (at_open, len(made)) == ((packed.IN_FLIGHT + 1, 0) if writer else (0, 1))
+        assert (at_open, len(made)) == ((packed.IN_FLIGHT + 1, 0) if takes else (0, 1)), opened
