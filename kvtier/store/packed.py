@@ -41,7 +41,10 @@ target, the tail into the bounce buffer), cut where its bytes cross a multiple o
 its targets holds few bounce bytes, so past the IN_FLIGHT chunks more of them go while their reads fit in WINDOW_BYTES
 (and the AIO queue has room): a load of large records keeps the disk's queue as deep as fio's reads at that request size
 and depth (`bench/fio_limit.py`, `bench/store.py`), and each record is checked (its xxh3 over its target) as soon as its
-chunk is in, while the disk reads the chunks after it. This is the one read path: every record a load or a scan reads is
+chunk is in, while the disk reads the chunks after it. Past the IN_FLIGHT chunks no more than half of the load's bytes
+go at once: a load smaller than twice the window (a restore's batch of blocks) is read in two waves at least, so that on
+a disk that returns a batch of reads together (bench/peers.py's batches on a virtual disk) its first wave is checked
+while the second is read. This is the one read path: every record a load or a scan reads is
 read and checked here, and a request it does not take has nothing to read (the caller names why from the index).
 """
 
@@ -152,6 +155,7 @@ class PackedLoad:
         self._segment, self._namespace_reason = segment, namespace_reason
         self._ns_ok: dict[bytes, bool] = {}
         self._waiting: deque[Chunk] = deque()  # planned, not yet submitted
+        self._load_bytes = 0  # what the chunks planned so far read: at most half of it in flight past IN_FLIGHT chunks
         self._reading: deque[Chunk] = deque()
         self._hits: list[bytes] = []
         self._faults: list[tuple[int, CorruptRecord]] = []
@@ -378,6 +382,7 @@ class PackedLoad:
             r0, r1 = int(first[lo]), int(first[hi]) if hi < count else len(e)
             bases = np.concatenate(([0], np.cumsum(run_bounce[lo:hi])[:-1]))
             runs = run_of[r0:r1] - lo
+            self._load_bytes += total
             self._waiting.append(
                 Chunk(
                     [files[s] for s in seg[first[lo:hi]].tolist()],  # type: ignore[misc]
@@ -408,13 +413,15 @@ class PackedLoad:
 
     def _submit(self) -> None:
         """Send the next chunks' reads while fewer than IN_FLIGHT are out, or (a chunk that reads into its targets)
-        while its reads fit in the window and the queue."""
+        while its reads fit in the window and the queue, and in half of the load's reads: a disk that gives back
+        what it was sent together (a virtual disk completes what it holds as one) returns the first half while it
+        reads the rest, and this thread checks the first half meanwhile."""
         reads, waiting, reading = self._reads, self._waiting, self._reading
         while waiting and (
             len(reading) < IN_FLIGHT
             or (
                 waiting[0].reads > sum(waiting[0].sizes)  # (bulk read into targets: its bounce bytes are few)
-                and reads.pending_bytes + waiting[0].reads <= WINDOW_BYTES
+                and reads.pending_bytes + waiting[0].reads <= min(WINDOW_BYTES, self._load_bytes // 2)
                 and reads.pending < aio.DEPTH
             )
         ):

@@ -467,6 +467,23 @@ def test_large_records_alone_are_read_straight_into_their_targets(
     assert 2 * (24 << 10) < most <= 128 << 10
 
 
+def test_a_load_smaller_than_twice_the_window_is_read_in_waves(mixed_large, served, submits, monkeypatch) -> None:
+    """Past the IN_FLIGHT chunks no more than half of a load's bytes are in flight: a disk that returns a batch of
+    reads together gives the first wave back while it reads the rest (a window far larger than the load)."""
+    monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
+    monkeypatch.setattr(packed, "WINDOW_BYTES", 64 << 20)
+    root, keys = mixed_large
+    with DiskStore(root) as s:
+        reasons, outs = _slot_load(s, keys, MIXED_SIZES, LARGE)
+    assert reasons == [Reason.OK] * len(LARGE) and served == [len(LARGE)]
+    assert all(torch.equal(o, make_payload(f"x{i}", MIXED_SIZES[i])) for i, o in zip(LARGE, outs))
+    total = sum(n for ops, _ in submits for op in ops for _, n in op.iov)
+    most = max(pending + sum(n for op in ops for _, n in op.iov) for ops, pending in submits)
+    # (the IN_FLIGHT chunks go whatever their size: each under 24 KiB, a record and the gap before it)
+    assert 2 * (24 << 10) < most <= total // 2 < total
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_large_target_off_the_direct_alignment_is_read_through_the_bounce_buffer(
     mixed_large, served, submits, alone
