@@ -223,7 +223,10 @@ def test_hostile_load(guarded: DaemonProc) -> None:
     assert worst < PROBE_BOUND_S, f"a well-formed client waited {worst:.2f}s"
     assert peak - before < RSS_BOUND, f"RSS grew {(peak - before) / 2**20:.0f} MiB under the storm"
     assert storm.counts.get("fast") == 500
-    assert storm.answers["nested"] <= {"bad_frame", "wrong_type"}, storm.answers["nested"]
+    # A nested body is refused as malformed; while the other attackers hold the buffer or connection cap it may be
+    # refused before it is read, as any frame or connection is then (`busy`)
+    nested = storm.answers["nested"]
+    assert nested <= {"bad_frame", "wrong_type", "busy"} and nested & {"bad_frame", "wrong_type"}, nested
     assert storm.answers["huge"] <= {"frame_too_large", "closed"} and "frame_too_large" in storm.answers["huge"]
     assert storm.answers["big"] <= {"bad_frame", "busy", "closed"}, storm.answers["big"]
     assert storm.counts.get("slow", 0) > 0  # slow senders were cut, not kept
