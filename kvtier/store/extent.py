@@ -26,8 +26,8 @@ MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, wr
 # With every read in flight at once (native AIO from one thread) each run costs the loading thread its Python (plan,
 # place, submit, complete, check) and the kernel's work for one more request, and each byte of a gap costs the disk
 # its time to read it. Bridging gaps makes fewer runs of random small records; bridged too wide, the disk reads
-# several times the bytes asked for and the load waits on it instead. This width is where bench/store.py's random
-# small loads are fastest (wider and narrower both measured slower).
+# several times the bytes asked for and the load waits on it instead. At this width bench/store.py's random small
+# loads measured fastest: wider ones waited on the disk, narrower ones were no faster for more CPU a record.
 AIO_RUN_GAP = 24 << 10
 
 

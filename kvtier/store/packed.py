@@ -224,11 +224,12 @@ class PackedLoad:
             found = dict(pairs)
             values = [found.get(k, b"") for k in raw]
         ns_ok = self._ns_ok
-        for ns in set(w.namespaces) - ns_ok.keys():
+        namespaces = set(w.namespaces)
+        for ns in namespaces - ns_ok.keys():
             ns_ok[ns] = self._namespace_reason(txn, ns) is Reason.OK
         count = len(values)
         shaped_at = np.fromiter(map(len, values), np.int64, count) == ENTRY_V2_DTYPE.itemsize
-        if not all(map(ns_ok.__getitem__, set(w.namespaces))):
+        if not all(map(ns_ok.__getitem__, namespaces)):
             shaped_at &= np.fromiter(map(ns_ok.__getitem__, w.namespaces), bool, count)
         shaped = np.flatnonzero(shaped_at)
         at = shaped.tolist()
@@ -487,13 +488,11 @@ class PackedLoad:
                 sources[k] = (ctypes.c_char * plen[i]).from_address(targets[i])
             passed = np.frombuffer(b"".join(map(_h128, sources)), "V16") == chunk.payload_checksum[cand]
             ok = cand[passed].tolist()
-            small = passed & (bulk == 0)
             zstd = chunk.zstd
-            plain = cand[small & ~zstd[cand]].tolist()
-            deque(
-                map(_memmove, [targets[i] for i in plain], [addr + at[i] for i in plain], [plen[i] for i in plain]), 0
-            )
-            for i in cand[small & zstd[cand]].tolist():
+            for i in cand[passed & (bulk == 0)].tolist():
+                if not zstd[i]:
+                    _memmove(targets[i], addr + at[i], plen[i])
+                    continue
                 try:
                     start = at[i] + HEADER_BYTES
                     zstd_decompress_into(mv[start : start + chunk.stored_len[i]], _target(targets[i], plen[i]))
