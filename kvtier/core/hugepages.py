@@ -33,6 +33,7 @@ from pathlib import Path
 
 HUGE_PAGE = 2 << 20  # x86_64 and aarch64 (4 KiB base pages): a PMD maps 2 MiB
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_READ = 22  # Linux 5.14+
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _MADV_COLLAPSE = 25  # Linux 6.1+ (shared memory included)
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -87,6 +88,13 @@ def populate(addr: int, length: int) -> bool:
     if err in (0, errno.EINVAL):
         return err == 0
     raise OSError(err, f"cannot take {length:,} bytes of memory: {os.strerror(err)}")
+
+
+def populate_read(addr: int, length: int) -> bool:
+    """Map every page of [addr, addr + length) of a file mapping into this process now, for reading, each read from
+    the file where the page cache lacks it (MADV_POPULATE_READ): the first touches then take no page faults. Whether
+    it did: False where the kernel lacks the advice (before 5.14) or refuses the range (past the file's end)."""
+    return _madvise(addr, length, _MADV_POPULATE_READ) == 0
 
 
 def collapse(addr: int, length: int) -> bool:

@@ -16,6 +16,7 @@ from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord, QuarantineReason
 from kvtier.store.index import IndexEntry, RecordState, encode_key
+from kvtier.store.index_map import map_in
 from kvtier.store.io import SegmentFile
 from kvtier.store.packed import PackedLoad, take_buffers
 from kvtier.store.scan import PackedScan, ScanItem, ScanVisit
@@ -46,10 +47,12 @@ class Reader:
         ctx.executor("read")
 
     def take_load_resources(self) -> None:
-        """Fault in the packed path's bounce buffers now (`packed.take_buffers`) and, where loads read through
-        native AIO, set up a context: a daemon's first restore otherwise pays both."""
+        """Fault in the packed path's bounce buffers now (`packed.take_buffers`), map the index's pages in
+        (`index_map.map_in`) and, where loads read through native AIO, set up a context: a daemon's first restore
+        otherwise pays all three."""
         close_reads(open_reads(self._ctx))
         take_buffers(self._ctx)
+        map_in(self._ctx.index)
 
     # ----------------------------------------------------------------- lookups
 
