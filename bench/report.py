@@ -80,9 +80,9 @@ def _vs(key: str, benchmark: str, ours: str | float, baseline: str, theirs: str 
     return Row(key, benchmark, show(ours), baseline, show(theirs), ratio)
 
 
-def _interval(v: dict) -> str:
-    """The writing-window ratio's 95% resampling interval (bench/verifier.py), where the run gave one."""
-    ci = v.get("writing_windows_p99_ratio_ci95")
+def _interval(v: dict, key: str) -> str:
+    """A p99 ratio's 95% resampling interval (bench/resample.py) under `key`, where the run gave one."""
+    ci = v.get(key)
     return f" (95%: {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
 
 
@@ -249,7 +249,8 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{v['writing_windows_p99_ratio'] * v['without']['p99_us']:,.0f} µs",
                     "verifier stopped",
                     f"{v['without']['p99_us']:,.0f} µs",
-                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99" + _interval(v),
+                    f"{v['writing_windows_p99_ratio']:.2f}x the stopped p99"
+                    + _interval(v, "writing_windows_p99_ratio_ci95"),
                 )
             )
         bad = v["wrong_bytes"] + v["pinned_misses"] + v["errors"]
@@ -267,7 +268,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{d['stopping'][f'{q}_ms']:,.0f} ms",
                     "verifier stopped between transactions",
                     f"{d['control'][f'{q}_ms']:,.0f} ms",
-                    f"{d[f'{q}_ratio']:.2f}x",
+                    f"{d[f'{q}_ratio']:.2f}x" + (_interval(d, "p99_ratio_ci95") if q == "p99" else ""),
                 )
             )
         out.append(

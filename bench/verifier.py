@@ -46,6 +46,7 @@ from kvtier.verifier import VerifierSettings, verifier_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import verifier_offloads
+from resample import p99_ratio_interval
 
 DIGEST = b"B" * 16
 VK = VersionKey("bench-verifier", "w0", "abi", "comp", "idx", "fp8")
@@ -225,21 +226,9 @@ def windows_p99_ratio(
 def windows_p99_ratio_interval(
     with_: list[list[float]], without: list[list[float]], activity: list[Activity], wrote: bool, draws: int = 1000
 ) -> list[float] | None:
-    """The middle 95% of `windows_p99_ratio` over `draws` resamplings, with replacement, of the windows of each
-    side (a fixed seed: the same run gives the same interval). Windows, not loads, are drawn, since the loads of
-    one window share its moment: what the interval says is how far the figure could have moved had the verifier's
-    writes and the machine's own hiccups fallen in other windows of the same run."""
-    w = [np.asarray(xs) for xs, a in zip(with_, activity) if a.wrote is wrote and xs]
-    wo = [np.asarray(xs) for xs in without if xs]
-    if not w or not wo:
-        return None
-    rng = np.random.default_rng(0)
-    ratios = [
-        np.percentile(np.concatenate([w[i] for i in rng.integers(0, len(w), len(w))]), 99)
-        / np.percentile(np.concatenate([wo[i] for i in rng.integers(0, len(wo), len(wo))]), 99)
-        for _ in range(draws)
-    ]
-    return [round(float(x), 3) for x in np.percentile(ratios, [2.5, 97.5])]
+    """The resampling interval (`resample.p99_ratio_interval`) of `windows_p99_ratio`: the 'with' windows in which
+    the verifier wrote (`wrote`), or only read, against every 'without' window."""
+    return p99_ratio_interval([xs for xs, a in zip(with_, activity) if a.wrote is wrote], without, draws)
 
 
 def breakdown(windows: list[list[float]], activity: list[Activity], window_s: float) -> dict:
