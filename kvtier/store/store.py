@@ -58,7 +58,7 @@ class DiskStore:
 
     A store that may load (not `readonly`) sets up its loads' AIO context and bounce buffers (torch tensors) and maps
     its index's pages in when it opens, so its first load does not pay them (faulting in the buffers costs about as
-    much as a small load's reads, the index pages a fault per record of a random small load):
+    much as a small load's reads, the index pages a fault every few records of a random small load):
     an engine's reader serves restores as a daemon's writer does. `take_load_resources=False` leaves them to a later
     `take_load_resources()`: a daemon opens its store and serves lookups before torch is loaded."""
 

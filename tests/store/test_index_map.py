@@ -69,11 +69,15 @@ def test_stores_that_do_not_load_leave_their_index_to_fault_in(store_root) -> No
         assert rss >= used - 4096
 
 
-def test_map_in_is_bounded_by_the_prefetch_limit(store_root, monkeypatch) -> None:
+def test_map_in_goes_in_pieces_up_to_the_prefetch_limit(store_root, monkeypatch) -> None:
     import kvtier.store.index_map as index_map
 
+    monkeypatch.setattr(index_map, "PIECE_BYTES", 3 * 4096)  # (pieces that do not divide the limit)
     with DiskStore(store_root, readonly=True) as s:
         monkeypatch.setattr(index_map, "PREFETCH_INDEX_BYTES", 16 * 4096)
         assert map_in(s.index) == 16 * 4096
-        monkeypatch.undo()
+        assert _mapped(s)[0] < _mapped(s)[1] // 4
+        monkeypatch.setattr(index_map, "PREFETCH_INDEX_BYTES", 1 << 30)
         assert map_in(s.index) >= _mapped(s)[1] - 4096
+        rss, used = _mapped(s)
+        assert rss >= used - 4096
