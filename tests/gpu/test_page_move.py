@@ -1,6 +1,7 @@
 """A cpu pool moved onto huge pages after it is made (kvtier.gpu.page_move, MADV_COLLAPSE): its bytes never change,
 an engine's read-only mapping sees the same bytes on the huge pages, an engine process reading the pool over and over
-while it is moved never sees other bytes, and loads that read into the pool while it is moved read every byte right.
+while it is moved never sees other bytes, and loads that read into the pool while it is moved, and offloads staged into
+it, leave every byte right.
 Run where the kernel moves shared memory (Linux 6.1+, shmem_enabled granting nothing: else the pools get their pages
 another way and have no move)."""
 
@@ -18,6 +19,7 @@ import xxhash
 
 from kvtier.core import CacheForm, Reason, hugepages
 from kvtier.core.tier import LoadRequest
+from kvtier.daemon import staging
 from kvtier.gpu.page_move import start_moving
 from kvtier.gpu.pools import Pool, allocate_pool
 from kvtier.store import DiskStore
@@ -93,6 +95,39 @@ def test_loads_into_a_pool_while_it_is_moved_read_every_byte_right(tmp_path) -> 
         assert pool.move is not None and pool.move.left == 0
         assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == pool.move.moved > 0
     finally:
+        pool.close()
+
+
+def test_offloads_staged_into_a_pool_while_it_is_moved_leave_every_byte_right() -> None:
+    """The move runs on its thread (as in the daemon) while offloads are copied into the pool's slots from a sealed
+    staging memfd (`staging.copy_in`, the daemon's path for a client's bytes), round after round until the move is
+    done: after each round every slot holds the object last copied into it, and the pool still ends on huge pages."""
+    pool = _pool(128 * MIB)
+    n = pool.n_slots
+    payloads = [make_payload(f"w{i}", SLOT) for i in range(n)]
+    fd = os.memfd_create("staging", os.MFD_ALLOW_SEALING)
+    rng = random.Random(1)
+    try:
+        for p in payloads:
+            os.write(fd, p.numpy().tobytes())
+        assert staging.freeze(fd) == n * SLOT
+        thread = start_moving("test", [pool.move])
+        assert thread is not None
+        rounds = during = 0
+        while thread.is_alive() or rounds < 3:
+            during += thread.is_alive()
+            order = rng.sample(range(n), n)  # each round, objects into other slots than before
+            for slot, k in enumerate(order):
+                assert staging.copy_in(fd, k * SLOT, pool.slot_view(slot)) == SLOT
+            for slot, k in enumerate(order):
+                assert torch.equal(pool.slot_view(slot), payloads[k]), (rounds, slot)
+            rounds += 1
+        thread.join()
+        assert during >= 1  # (copies went in while the move ran, not only after it)
+        assert pool.move is not None and pool.move.left == 0
+        assert hugepages.huge_bytes([(pool.address, pool.tensor.numel())]) == pool.move.moved > 0
+    finally:
+        os.close(fd)
         pool.close()
 
 
