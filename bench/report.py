@@ -238,7 +238,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{v['with'][f'{q}_us']:,.0f} µs",
                     "verifier stopped",
                     f"{v['without'][f'{q}_us']:,.0f} µs",
-                    _speed(1 / v[f"{q}_ratio"]),
+                    _speed(1 / v[f"{q}_ratio"]) + (_interval(v, "p99_ratio_ci95") if q == "p99" else ""),
                 )
             )
         if v.get("writing_windows_p99_ratio") is not None:

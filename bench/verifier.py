@@ -337,6 +337,7 @@ def run(args: argparse.Namespace) -> dict:
             "with": {"p50_us": round(_pct(w, 50), 1), "p99_us": round(_pct(w, 99), 1), "loads": len(w)},
             "p50_ratio": round(_pct(w, 50) / _pct(wo, 50), 3),
             "p99_ratio": round(_pct(w, 99) / _pct(wo, 99), 3),
+            "p99_ratio_ci95": p99_ratio_interval(readers.samples["with"], readers.samples["without"]),
             "window_p99_median_ratio": round(wp99 / wop99, 3),
             "paired_p99_ratio": round(_paired_ratio(readers.samples["with"], readers.samples["without"]), 3),
             "loads": readers.loads,
