@@ -367,6 +367,51 @@ def _peer_rows(sections: dict) -> list[Row]:
     return out
 
 
+def _engine_rows(sections: dict) -> list[Row]:
+    """The engines' own tiers beside kvtier's on the same DeepSeek-V4 bytes (bench/vllm_dsv4.py,
+    bench/sglang_hicache.py): medians of ABBA rounds, page cache dropped before every read."""
+    out = []
+    v = sections.get("vllm", {})
+    if "kvtier_load_mb_per_s" in v:
+        for job, what in (("load", "loaded cold"), ("store", "stored")):
+            why = " (kvtier fdatasyncs each job, fs does not)" if job == "store" else ""
+            out.append(
+                _vs(
+                    f"vllm_{job}",
+                    f"{v['rows']} DSV4 rows of {v['row_bytes'] / 1e6:.1f} MB {what} through the vLLM tier{why}, MB/s",
+                    v[f"kvtier_{job}_mb_per_s"],
+                    "vLLM's own fs tier (O_DIRECT)",
+                    v[f"fs_{job}_mb_per_s"],
+                    _speed(v[f"{job}_ratio_kvtier_vs_fs"]),
+                )
+            )
+        out.append(
+            _note(
+                "vllm_lookup",
+                f"the vLLM connector's lookups of a {v['tokens'] // 1024}K-token DSV4 request on a fresh tier",
+                f"{v['lookup_total_ms_median']} ms ({v['lookups']} lookups)",
+            )
+        )
+    g = sections.get("sglang", {})
+    if "ratio" in g:
+        size = f"{g['pages']} DSV4 pages of {g['layers']} layers"
+        for job, what in (
+            ("get", "read cold (prefetch)"),
+            ("set", "written (kvtier fdatasyncs, HiCacheFile does not)"),
+        ):
+            out.append(
+                _vs(
+                    f"sglang_{job}",
+                    f"SGLang HiCache: {size} {what}",
+                    _fmt(g["kvtier"][f"{job}_s"], "s"),
+                    "SGLang's HiCacheFile",
+                    _fmt(g["hicache_file"][f"{job}_s"], "s"),
+                    _speed(g["ratio"][job]),
+                )
+            )
+    return out
+
+
 def _cluster_rows(sections: dict) -> list[Row]:
     """The cross-node line: over a shaped link between two network namespaces where bench/cluster_link.py ran
     (with the link's own measured rate); a loopback figure from bench/cluster.py is labelled as one host's."""
@@ -419,6 +464,7 @@ def rows(sections: dict, verdicts: Sequence[targets.Verdict] = ()) -> list[Row]:
         *_verifier_rows(sections),
         *_peer_rows(sections),
         *_cluster_rows(sections),
+        *_engine_rows(sections),
     ]
     for name, sec in sections.items():
         if "error" in sec:
@@ -545,9 +591,12 @@ shows both tables; without it they run under the host's setting, which the repor
 
 The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
 `tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)
-the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM, SGLang and GPU
-benchmarks are scripts of their own (`bench/vllm_dsv4.py`, `bench/sglang_hicache.py`, `bench/gds_restore.py`,
-`bench/gpu_checks.py`): their figures appear here once a report of theirs is committed under `bench/results/`.
+the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM and SGLang lines come
+from `bench/vllm_dsv4.py` and `bench/sglang_hicache.py`, which `run_all.py` runs in the engines' own venvs (built by
+`tests/vllm/run.sh --prepare` and `tests/sglang/run.sh --prepare`; without one, its line says so): each tier beside
+the engine's own on the same DeepSeek-V4 bytes, ABBA rounds, the page cache of both sides' files dropped before every
+read. The GPU benchmarks (`bench/gds_restore.py`, `bench/gpu_checks.py`) run on a CUDA host through
+`bench/gpu_run.sh`; no report of theirs is committed.
 
 Two commits compare with `python bench/ab_commits.py BEFORE AFTER --only SECTION ...`: each runs `run_all.py`
 from a worktree of its own, the two alternated in ABBA order, and every figure is reported with both sides'

@@ -12,6 +12,8 @@ after another, and collects them:
   peers     bench/peers.py     kvtier vs python-diskcache and LMCache's LocalDiskBackend on the same objects
   cluster   bench/cluster_link.py  cross-node restore over a shaped veth link between two network namespaces
                                (root, iproute2 and Mooncake; otherwise the section says why it was skipped)
+  vllm      bench/vllm_dsv4.py  DSV4 rows through kvtier's vLLM tier vs vLLM's own fs tier, ABBA, cold
+  sglang    bench/sglang_hicache.py  DSV4 HiCache pages through kvtier vs SGLang's HiCacheFile, ABBA, cold
 
 The disk's limit for the store's cold read and the daemon's DSV4 restore is fio at kvtier's request size and depth
 (bench/fio_limit.py); where fio is not installed this script says so first and those lines have no limit.
@@ -21,7 +23,10 @@ under advise, the host's setting restored after; by default they run under the h
 
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
 script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch; then every package
-at the version bench/peers-constraints.txt pins); never in the project's dependencies. Writes
+at the version bench/peers-constraints.txt pins); never in the project's dependencies. The engine sections run in
+the engines' venvs, which their test scripts build (`tests/vllm/run.sh --prepare`, `tests/sglang/run.sh --prepare`;
+KVTIER_VLLM_VENV and KVTIER_SGLANG_VENV name others), with this checkout's kvtier first on the path; where one is
+missing, its section says so. Writes
 bench/results/latest.json and bench/results/restore_vs_recompute.png, then docs/benchmarks.md and the README's
 key results from them (bench/report.py).
 
@@ -55,7 +60,12 @@ TORCH = "torch==2.13.0"  # the CPU wheel; installed before LMCache so that it is
 PEERS = ("lmcache==0.5.6", "diskcache", "matplotlib")
 # every package of the peers venv pinned: pip has nothing to choose, so it neither backtracks nor drifts
 PEERS_CONSTRAINTS = BENCH / "peers-constraints.txt"
-SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers", "cluster")
+SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers", "cluster", "vllm", "sglang")
+# an engine section's venv: the variable that names it, its default, what builds it (the engine's test script)
+ENGINE_VENVS = {
+    "vllm": ("KVTIER_VLLM_VENV", BENCH / ".venv-vllm", "tests/vllm/run.sh --prepare"),
+    "sglang": ("KVTIER_SGLANG_VENV", BENCH / ".venv-sglang", "tests/sglang/run.sh --prepare"),
+}
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 BOTH = ("never", "advise")  # the distributions' default, and the setting that gives shared memory huge pages
 QUIET_BUSY = 0.15  # the share of the CPUs other work may take when the run begins, for the run to count as quiet
@@ -163,7 +173,19 @@ def commands(args: argparse.Namespace, peers_python: str) -> dict[str, list[str]
             "1" if quick else "3",
         ],
         "cluster": [py, "bench/cluster_link.py", *(["--rates", "1.0", "--objects", "64"] if quick else [])],
+        "vllm": [
+            str(engine_python("vllm")),
+            "bench/vllm_dsv4.py",
+            *(["--rows", "16", "--repeats", "3"] if quick else []),
+        ],
+        "sglang": [str(engine_python("sglang")), "bench/sglang_hicache.py", *(["--pages", "16"] if quick else [])],
     }
+
+
+def engine_python(name: str) -> Path:
+    """The python of an engine section's venv (ENGINE_VENVS)."""
+    var, default, _ = ENGINE_VENVS[name]
+    return Path(os.environ.get(var) or default) / "bin" / "python"
 
 
 def run_section(name: str, cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[dict, float]:
@@ -279,6 +301,9 @@ def run_sections(
             continue
         if name == "peers" and "error" in venv:
             sections[name] = {"error": f"no peers venv: {venv['error']}"}
+            continue
+        if name in ENGINE_VENVS and not engine_python(name).exists():
+            sections[name] = {"pending": f"no {name} venv at {engine_python(name).parents[1]}: {ENGINE_VENVS[name][2]}"}
             continue
         print(f"run_all: {name} ...", file=sys.stderr, flush=True)
         sections[name], took = run_section(name, cmds[name], args.timeout, env)

@@ -144,3 +144,33 @@ def test_thp_both_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_quiet_probe_is_a_share_of_the_cpus() -> None:
     assert 0.0 <= run_all.busy_share(0.2) <= 1.0
+
+
+_VLLM = {
+    "tokens": 131072, "lookups": 534, "lookup_total_ms_median": 2.5, "rows": 64, "row_bytes": 1003520,
+    "kvtier_load_mb_per_s": 1700.0, "fs_load_mb_per_s": 1800.0, "load_ratio_kvtier_vs_fs": 0.944,
+    "kvtier_store_mb_per_s": 1500.0, "fs_store_mb_per_s": 1400.0, "store_ratio_kvtier_vs_fs": 1.071,
+}  # fmt: skip
+_SGLANG = {
+    "pages": 64, "layers": 4, "kvtier": {"get_s": 0.02, "set_s": 0.07}, "hicache_file": {"get_s": 0.05, "set_s": 0.021},
+    "ratio": {"get": 2.5, "set": 0.3},
+}  # fmt: skip
+
+
+def test_the_engine_benches_are_lines_beside_the_engines_own_tiers() -> None:
+    by_key = {r.key: r for r in report.rows({"vllm": _VLLM, "sglang": _SGLANG})}
+    assert by_key["vllm_load"][2:6] == ("1,700", "vLLM's own fs tier (O_DIRECT)", "1,800", "1.06x slower")
+    assert by_key["vllm_store"][2:6] == ("1,500", "vLLM's own fs tier (O_DIRECT)", "1,400", "1.07x faster")
+    assert by_key["vllm_lookup"].kvtier == "2.5 ms (534 lookups)"
+    assert by_key["sglang_get"][2:6] == ("20 ms", "SGLang's HiCacheFile", "50 ms", "2.50x faster")
+    assert by_key["sglang_set"][2:6] == ("70 ms", "SGLang's HiCacheFile", "21 ms", "3.33x slower")
+
+
+def test_an_engine_section_without_its_venv_says_what_builds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_VLLM_VENV", str(tmp_path / "none"))
+    args = run_all.argparse.Namespace(quick=True, dir=str(tmp_path), timeout=5)
+    sections, _ = run_all.run_sections(["vllm"], run_all.commands(args, "python"), {}, args, dict(os.environ))
+    assert sections == {"vllm": {"pending": f"no vllm venv at {tmp_path / 'none'}: tests/vllm/run.sh --prepare"}}
+    assert any(r.key == "pending_vllm" for r in report.rows(sections))
