@@ -592,10 +592,10 @@ shows both tables; without it they run under the host's setting, which the repor
 The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
 `tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)
 the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM and SGLang lines come
-from `bench/vllm_dsv4.py` and `bench/sglang_hicache.py`, which `run_all.py` runs in the engines' own venvs (built by
-`tests/vllm/run.sh --prepare` and `tests/sglang/run.sh --prepare`; without one, its line says so): each tier beside
-the engine's own on the same DeepSeek-V4 bytes, ABBA rounds, the page cache of both sides' files dropped before every
-read. The GPU benchmarks (`bench/gds_restore.py`, `bench/gpu_checks.py`) run on a CUDA host through
+from `bench/vllm_dsv4.py` and `bench/sglang_hicache.py`, which `run_all.py` runs in the engines' own venvs (built,
+kvtier installed into them, by `tests/vllm/run.sh` and `tests/sglang/run.sh`; without one, its line says so): each
+tier beside the engine's own on the same DeepSeek-V4 bytes, ABBA rounds, the page cache of both sides' files dropped
+before every read. The GPU benchmarks (`bench/gds_restore.py`, `bench/gpu_checks.py`) run on a CUDA host through
 `bench/gpu_run.sh`; no report of theirs is committed.
 
 Two commits compare with `python bench/ab_commits.py BEFORE AFTER --only SECTION ...`: each runs `run_all.py`

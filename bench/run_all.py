@@ -24,9 +24,9 @@ under advise, the host's setting restored after; by default they run under the h
 The peers (diskcache, lmcache 0.5.6, matplotlib) live in their own venv, `bench/.venv-peers`, which this
 script creates on first use (CPU torch 2.13.0 first, so LMCache cannot pull another torch; then every package
 at the version bench/peers-constraints.txt pins); never in the project's dependencies. The engine sections run in
-the engines' venvs, which their test scripts build (`tests/vllm/run.sh --prepare`, `tests/sglang/run.sh --prepare`;
-KVTIER_VLLM_VENV and KVTIER_SGLANG_VENV name others), with this checkout's kvtier first on the path; where one is
-missing, its section says so. Writes
+the engines' venvs, which their test scripts build and install kvtier into (`tests/vllm/run.sh`,
+`tests/sglang/run.sh`; KVTIER_VLLM_VENV and KVTIER_SGLANG_VENV name others), with this checkout's kvtier first on
+the path; where one is missing, its section says so. Writes
 bench/results/latest.json and bench/results/restore_vs_recompute.png, then docs/benchmarks.md and the README's
 key results from them (bench/report.py).
 
@@ -63,8 +63,8 @@ PEERS_CONSTRAINTS = BENCH / "peers-constraints.txt"
 SECTIONS = ("restore", "store", "lookup", "daemon", "verifier", "peers", "cluster", "vllm", "sglang")
 # an engine section's venv: the variable that names it, its default, what builds it (the engine's test script)
 ENGINE_VENVS = {
-    "vllm": ("KVTIER_VLLM_VENV", BENCH / ".venv-vllm", "tests/vllm/run.sh --prepare"),
-    "sglang": ("KVTIER_SGLANG_VENV", BENCH / ".venv-sglang", "tests/sglang/run.sh --prepare"),
+    "vllm": ("KVTIER_VLLM_VENV", BENCH / ".venv-vllm", "tests/vllm/run.sh builds it"),
+    "sglang": ("KVTIER_SGLANG_VENV", BENCH / ".venv-sglang", "tests/sglang/run.sh builds it"),
 }
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 BOTH = ("never", "advise")  # the distributions' default, and the setting that gives shared memory huge pages

@@ -172,5 +172,5 @@ def test_an_engine_section_without_its_venv_says_what_builds_it(
     monkeypatch.setenv("KVTIER_VLLM_VENV", str(tmp_path / "none"))
     args = run_all.argparse.Namespace(quick=True, dir=str(tmp_path), timeout=5)
     sections, _ = run_all.run_sections(["vllm"], run_all.commands(args, "python"), {}, args, dict(os.environ))
-    assert sections == {"vllm": {"pending": f"no vllm venv at {tmp_path / 'none'}: tests/vllm/run.sh --prepare"}}
+    assert sections == {"vllm": {"pending": f"no vllm venv at {tmp_path / 'none'}: tests/vllm/run.sh builds it"}}
     assert any(r.key == "pending_vllm" for r in report.rows(sections))
