@@ -238,7 +238,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{v['with'][f'{q}_us']:,.0f} µs",
                     "verifier stopped",
                     f"{v['without'][f'{q}_us']:,.0f} µs",
-                    _speed(1 / v[f"{q}_ratio"]) + (_interval(v, "p99_ratio_ci95") if q == "p99" else ""),
+                    _speed(1 / v[f"{q}_ratio"]) + _interval(v, f"{q}_ratio_ci95"),
                 )
             )
         if v.get("writing_windows_p99_ratio") is not None:
@@ -268,7 +268,7 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{d['stopping'][f'{q}_ms']:,.0f} ms",
                     "verifier stopped between transactions",
                     f"{d['control'][f'{q}_ms']:,.0f} ms",
-                    f"{d[f'{q}_ratio']:.2f}x" + (_interval(d, "p99_ratio_ci95") if q == "p99" else ""),
+                    f"{d[f'{q}_ratio']:.2f}x" + _interval(d, f"{q}_ratio_ci95"),
                 )
             )
         out.append(

@@ -149,9 +149,8 @@ class Offloader:
         self.client = Client(sock)
         self.client.attach(profile.name)
         self.profile, self.blocks = profile, blocks
-        self.label: str | None = None
-        self.samples: dict[str, list[float]] = {"stopping": [], "control": []}
-        self.windows: list[tuple[str, list[float]]] = []  # each window's label and its calls' latencies
+        self.windows: list[tuple[str, list[float]]] = []  # each window's side and its calls' latencies
+        self.window: tuple[str, list[float]] | None = None  # the window calls are timed into now (None: between)
         self.persisted: dict[str, list[float]] = {"stopping": [], "control": []}  # calls whose objects all were
         self.acked_objects = self.not_durable = self.errors = 0
         self._stop = threading.Event()
@@ -167,7 +166,7 @@ class Offloader:
             seed += 1
             tokens = np.random.default_rng(10_000 + seed).integers(0, 50_000, size=self.blocks * h, dtype=np.int64)
             caches = _caches(self.profile, self.blocks, seed)
-            label, window = self.label, self.windows[-1] if self.windows else None
+            window = self.window
             t0 = time.perf_counter()
             try:
                 rep = self.client.offload(tokens, caches, durable=True)
@@ -177,16 +176,23 @@ class Offloader:
             dt = time.perf_counter() - t0
             self.acked_objects += rep.durable
             self.not_durable += rep.not_durable
-            if label is not None and label == self.label and window is not None and window is self.windows[-1]:
-                self.samples[label].append(dt)
+            if window is not None and window is self.window:  # (a call that spans two windows counts in neither)
                 window[1].append(dt)
                 if rep.persisted:
-                    self.persisted[label].append(dt)
+                    self.persisted[window[0]].append(dt)
 
-    def begin(self, label: str) -> None:
-        """Time the calls from here on as a new window of side `label`."""
-        self.windows.append((label, []))
-        self.label = label
+    def begin(self, side: str) -> None:
+        """Time the calls from here on as a new window of `side`."""
+        self.window = (side, [])
+        self.windows.append(self.window)
+
+    def end(self) -> None:
+        """Time no call until the next window begins."""
+        self.window = None
+
+    def samples(self, side: str) -> list[float]:
+        """Every timed call's latency in the windows of `side`."""
+        return [x for s, xs in self.windows if s == side for x in xs]
 
     def stop(self) -> None:
         self._stop.set()
@@ -392,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
             # maintenance passes, 30 s apart, so it may not have by the windows' end
             while windows < args.windows or (not compacted and windows < 3 * args.windows):
                 for label in ("control", "stopping", "stopping", "control"):
-                    off.label = None
+                    off.end()
                     pid = verifier_pid()
                     if label == "stopping":
                         if pid is not None:
@@ -407,7 +413,7 @@ def run(args: argparse.Namespace) -> dict:
                     time.sleep(args.window_s)
                     windows += 1
                 compacted = node.actions().get("relocated", 0) > 0
-            off.label = None
+            off.end()
         finally:
             active.clear()
             stop_stopper.set()
@@ -422,7 +428,7 @@ def run(args: argparse.Namespace) -> dict:
         kept = _present_or_tombstoned(node.root, node.ns)
     finally:
         node.close()
-    stopping, control = _stats(off.samples["stopping"]), _stats(off.samples["control"])
+    stopping, control = _stats(off.samples("stopping")), _stats(off.samples("control"))
     stopping["all_durable"], control["all_durable"] = (_stats(off.persisted[k]) for k in ("stopping", "control"))
     ratio = {k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")}
     interval = p99_interval(off.windows)
