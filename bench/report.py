@@ -584,10 +584,13 @@ between the stores in every round, and puts each store's cold read over it besid
 The target column comes from `bench/targets.toml`, the one file of acceptance lines: `run_all.py` checks
 each against the run and prints met, missed or n/a (with why: the section did not run, the figure is absent, or
 a condition of the line does not hold, such as a quiet machine or the Python loop's calibration), and
-writes the verdicts into the report; this page shows what the report holds. A run counts as quiet when other
-work took at most a small share of the CPUs as it began (`machine.busy_before`). `--thp both` (root) runs the
-sections under `shmem_enabled = never` and then `advise`, restoring the host's setting after, and this page
-shows both tables; without it they run under the host's setting, which the report records.
+writes the verdicts into the report; this page shows what the report holds. A missed line whose ceiling, measured
+in the same run, misses the bound too says it is out of reach on this machine: the LMCache line's ceiling is
+kvtier's layout read alone (its batches' bytes read with no lookup, check or copy) over LMCache's cold read. A run
+counts as quiet when other work took at most a small share of the CPUs as it began (`machine.busy_before`).
+`--thp both` (root) runs the sections under `shmem_enabled = never` and then `advise`, restoring the host's
+setting after, and this page shows both tables; without it they run under the host's setting, which the report
+records.
 
 The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
 `tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)

@@ -5,7 +5,9 @@ Contract:
   what to fix.
 - `evaluate(targets, sections, machine)` gives one `Verdict` per target: `met` or `missed` when its figure is in
   the section's JSON and its conditions hold; `n/a` otherwise, with why (the section did not run or failed, the
-  figure is not in its JSON, or a condition does not hold) and the figure where there is one.
+  figure is not in its JSON, or a condition does not hold) and the figure where there is one. A missed line with a
+  `ceiling` (the most its figure could be on this machine, measured in the same run) that misses the bound too says
+  so in its why: the hardware, not kvtier, is short of the line there.
 - `line(verdict)` is the one-line form run_all prints; `cell(verdicts)` the report's target column for one row.
 
 Why one file: a "met" written by hand beside a figure goes stale the day the figure moves; here the bound is
@@ -44,6 +46,8 @@ class Target:
     text: str
     issue: int
     when: tuple[str, ...] = ()
+    ceiling: str = ""  # path, in the same section, of the most the figure could be on this machine
+    ceiling_text: str = ""  # what that figure is, as a reader reads it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +74,8 @@ def load(path: Path = FILE) -> list[Target]:
                 text=e["text"],
                 issue=int(e["issue"]),
                 when=tuple(e.get("when", ())),
+                ceiling=e.get("ceiling", ""),
+                ceiling_text=e.get("ceiling_text", ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             need = "row, section, path, op, value, text, issue"
@@ -79,7 +85,9 @@ def load(path: Path = FILE) -> list[Target]:
         for c in t.when:
             if not _CONDITION.match(c):
                 raise ValueError(f"{path.name}: target {i + 1}: condition {c!r} is not '<name> [<op> <number>]'")
-        for step in t.path.split("."):
+        if bool(t.ceiling) != bool(t.ceiling_text):
+            raise ValueError(f"{path.name}: target {i + 1} ({t.text}): a ceiling needs both ceiling and ceiling_text")
+        for step in f"{t.path}.{t.ceiling}".strip(".").split("."):
             if not _STEP.match(step):
                 raise ValueError(f"{path.name}: target {i + 1}: path step {step!r} is not name, name[k=v] or name[i]")
         out.append(t)
@@ -134,9 +142,21 @@ def evaluate(targets: Sequence[Target], sections: dict, machine: dict) -> list[V
         if why:
             out.append(Verdict(t.row, t.text, t.issue, "n/a", measured, why))
             continue
-        status = "met" if OPS[t.op](measured, t.value) else "missed"
-        out.append(Verdict(t.row, t.text, t.issue, status, measured))
+        if OPS[t.op](measured, t.value):
+            out.append(Verdict(t.row, t.text, t.issue, "met", measured))
+            continue
+        out.append(Verdict(t.row, t.text, t.issue, "missed", measured, _out_of_reach(t, sec)))
     return out
+
+
+def _out_of_reach(t: Target, section: dict) -> str:
+    """Why a missed line could not have been met on this machine: its ceiling misses the bound too ('' otherwise)."""
+    if not t.ceiling:
+        return ""
+    top = lookup(section, t.ceiling)
+    if not isinstance(top, int | float) or isinstance(top, bool) or OPS[t.op](top, t.value):
+        return ""
+    return f"out of reach on this machine: {t.ceiling_text} {_figure(float(top))}"
 
 
 def _figure(x: float | None) -> str:
@@ -152,7 +172,7 @@ def cell(verdicts: Sequence[Verdict]) -> str:
     """The target column of one report line: each of its targets and what became of it."""
     parts = []
     for v in verdicts:
-        state = v.status if v.status != "n/a" else f"n/a: {v.why}"
+        state = f"{v.status}: {v.why}" if v.why else v.status
         parts.append(f"{v.text}: {state}")
     return "; ".join(parts)
 

@@ -67,6 +67,33 @@ def test_a_line_whose_condition_fails_or_whose_figure_is_absent_is_not_applicabl
     assert v.why == "section store did not run"
 
 
+def test_a_missed_line_whose_ceiling_misses_too_says_the_machine_is_short() -> None:
+    # the LMCache line's ceiling is kvtier's layout read alone over LMCache's read, in the same run: below 2x the
+    # disk itself leaves no way to meet the line, and the verdict says so; at or above it a miss is kvtier's
+    (lm,) = [t for t in targets.load() if t.row == "peer_read_lmcache"]
+    peers = {"lmcache_odirect": True, "kvtier_over_peer": {"lmcache": {"cold_read_MBps": 1.2}}}
+    (v,) = targets.evaluate([lm], {"peers": {**peers, "layout_over_peer": {"lmcache": 1.6}}}, _quiet({}))
+    assert (v.status, v.measured) == ("missed", 1.2)
+    assert v.why.startswith("out of reach on this machine: kvtier's layout read alone") and v.why.endswith(" 1.6")
+    assert "missed: out of reach on this machine" in targets.cell([v]) and "(out of reach" in targets.line(v)
+    (v,) = targets.evaluate([lm], {"peers": {**peers, "layout_over_peer": {"lmcache": 2.4}}}, _quiet({}))
+    assert (v.status, v.why) == ("missed", "")
+    (v,) = targets.evaluate([lm], {"peers": peers}, _quiet({}))  # no layout read (no native AIO): nothing to say
+    assert (v.status, v.why) == ("missed", "")
+    peers["kvtier_over_peer"]["lmcache"]["cold_read_MBps"] = 2.1
+    (v,) = targets.evaluate([lm], {"peers": {**peers, "layout_over_peer": {"lmcache": 1.6}}}, _quiet({}))
+    assert (v.status, v.why) == ("met", "")
+
+
+def test_a_ceiling_needs_its_words(tmp_path: Path) -> None:
+    bad = tmp_path / "targets.toml"
+    bad.write_text(
+        '[[target]]\nrow = "r"\nsection = "s"\npath = "a"\nop = ">="\nvalue = 1\ntext = "t"\nissue = 1\nceiling = "b"\n'
+    )
+    with pytest.raises(ValueError, match="needs both ceiling and ceiling_text"):
+        targets.load(bad)
+
+
 def test_paths_pick_list_items_by_key_or_index() -> None:
     doc = {"cases": [{"tokens": 4096, "ratio": 5.0}, {"tokens": 65536, "ratio": 20.0}], "runs": [{"r": 1}]}
     assert targets.lookup(doc, "cases[tokens=65536].ratio") == 20.0
