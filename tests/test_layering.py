@@ -249,6 +249,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "kvtier.core.config": "core: the daemon's config and config_text (files built from the schema)",
     "kvtier.core.hugepages": "core: huge-page advice",
     "kvtier.core.layout": "core: layouts and slot strides",
+    "kvtier.core.parent": "core: a started process ends with its starter (the benches' daemons, verifiers, hogs)",
     "kvtier.core.profile": "core: model profiles",
     "kvtier.core.tier": "core: the LowerTier interface and its requests (a contract module)",
     "kvtier.cluster.header": "the cluster object's header format (docs/cluster.md), which the raw-get baseline reads",

@@ -1,7 +1,7 @@
 """The contract between the daemon and the verifier process it supervises, neither importing the other.
 
-The daemon starts the verifier by command (`kvtier verifier run`) with `PARENT_PID_ENV` set, so the child ends
-itself when the daemon dies. The verifier publishes its progress as a JSON document in the store's index
+The daemon starts the verifier by command (`kvtier verifier run`) with `kvtier.core.parent.PARENT_PID_ENV` set, so
+the child ends when the daemon dies. The verifier publishes its progress as a JSON document in the store's index
 (`meta_doc("verifier")`); the daemon, `kvtier status` and the verifier's own CLI read it through
 `verifier_status`, whose keys stay clear of the daemon's supervisor state (`state`, `pid`, `restarts`).
 """
@@ -12,7 +12,6 @@ import os
 import time
 from typing import Any, Protocol
 
-PARENT_PID_ENV = "KVTIER_PARENT_PID"
 VERIFIER_DOC = "verifier"
 STALE_AFTER_S = 30.0  # a heartbeat older than this means the verifier is not running
 

@@ -10,7 +10,9 @@ with no profiles). Until then status says "starting" (exit 5); pools that fail t
 
 The main thread runs a selector over the listening socket and a self-pipe that the signal handlers
 write to; it is also the only thread that pings the systemd watchdog, so a wedged main loop or an
-unhealthy backend stops the pings and systemd restarts the service.
+unhealthy backend stops the pings and systemd restarts the service. Started with `KVTIER_PARENT_PID` set (by
+`kvtier demo`, by the benchmarks) it drains and exits when the process that started it dies, however that dies
+(`kvtier.core.parent`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import msgspec
 from kvtier import __version__
 from kvtier.core.config import DaemonConfig, apply_reloadable, load_config
 from kvtier.core.errors import KvtierError
+from kvtier.core.parent import end_with_parent
 from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.server import SocketServer
@@ -253,6 +256,7 @@ class Daemon:
         """Serve until SIGTERM / SIGINT; returns the exit code (0 after a clean drain). `on_ready` hears one line
         saying where it listens, once it does."""
         previous = self._install_signals()
+        end_with_parent(signal.SIGTERM)  # started by a demo or a benchmark: drain and exit if it dies (no-op else)
         sel = selectors.DefaultSelector()
         sel.register(self.server.listener, selectors.EVENT_READ, "accept")
         sel.register(self.server.lobby, selectors.EVENT_READ, "greet")

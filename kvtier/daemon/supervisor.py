@@ -25,7 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from kvtier.core.verifier_status import PARENT_PID_ENV
+from kvtier.core.parent import tied_env
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,7 @@ class Supervisor:
 
     def _spawn(self) -> None:
         try:
-            env = {
-                **os.environ,
-                PARENT_PID_ENV: str(os.getpid()),
-            }  # the child ends itself if we die (see kvtier.core.verifier_status)
+            env = tied_env(os.environ)  # it ends if we die, however (`kvtier.core.parent`)
             self._proc = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env
             )

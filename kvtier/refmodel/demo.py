@@ -37,6 +37,7 @@ from kvtier.core.errors import KvtierError
 from kvtier.core.forms import GroupKind
 from kvtier.core.hashing import block_hashes
 from kvtier.core.layout import align_up, slot_stride
+from kvtier.core.parent import tied_env
 from kvtier.core.profile import ModelProfile, bundled_profile_names, load_profile
 from kvtier.refmodel.engine import RefEngine, checkpoint_policy
 from kvtier.refmodel.model import RefModel
@@ -192,11 +193,9 @@ class DemoDaemon:
         started = time.perf_counter()
         notify_path = self.root / "notify.sock"
         notify_path.unlink(missing_ok=True)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "KVTIER_CONFIG", "KVTIER_SOCKET")
-        }
+        skip = ("WATCHDOG_USEC", "WATCHDOG_PID", "KVTIER_CONFIG", "KVTIER_SOCKET")
+        # a demo killed outright leaves no daemon behind (`kvtier.core.parent`)
+        env = tied_env({k: v for k, v in os.environ.items() if k not in skip})
         env["NOTIFY_SOCKET"] = str(notify_path)
         with (
             socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import fcntl
 import functools
@@ -11,14 +10,13 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
 from kvtier.core.errors import KvtierError
-from kvtier.core.verifier_status import PARENT_PID_ENV
+from kvtier.core.parent import end_with_parent
 from kvtier.store import INDEX_DIR, DecisionClient, DiskStore, StoreConfig, StoreError, applier_pid
 from kvtier.verifier.errors import StoreNotFound
 from kvtier.verifier.priority import lower_priority
@@ -27,8 +25,6 @@ from kvtier.verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 VERIFIER_LOCK = "verifier.lock"
-_PR_SET_PDEATHSIG = 1
-PARENT_POLL_S = 1.0
 
 
 def store_exists(root: str | Path) -> bool:
@@ -84,7 +80,7 @@ def run(
 ) -> int:
     """Run until SIGTERM/SIGINT (exit 0); SIGHUP re-reads --config. Waits for a store the daemon has yet to create."""
     settings = load_settings(config, overrides)
-    _die_with_parent()
+    end_with_parent(signal.SIGKILL)  # never outlive the daemon that supervises it (`kvtier.core.parent`)
     stop = threading.Event()
     previous = {s: signal.signal(s, off_handler(stop.set)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -145,32 +141,6 @@ def exit_without_teardown(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """Supervised by a daemon (it sets KVTIER_PARENT_PID): never outlive it, however it dies.
-
-    The kernel SIGKILLs us when the daemon dies (SIGKILL: a verifier stuck in a lock wait ignores nothing
-    else; the store is crash-safe). A daemon that died between our fork and the prctl is caught by the
-    getppid() check right after it; and a watcher thread re-checks getppid() every second in case the
-    prctl was refused."""
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != int(parent):
-        log.info("the supervising daemon (pid %s) is gone; exiting", parent)
-        raise SystemExit(0)
-    threading.Thread(target=_watch_parent, args=(int(parent),), name="kvtier-parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)  # a poll of the parent pid: nothing to wait on instead
-    log.error("the supervising daemon (pid %d) is gone; exiting", parent)
-    os._exit(1)  # at once, whatever the main thread is stuck in
 
 
 def _lock_instance(root: str | Path, stop: threading.Event) -> bool:

@@ -1,5 +1,6 @@
 """`kvtier demo` stopped by a signal (issue 41): SIGTERM and SIGHUP used to leave its `kvtier serve`, the
-verifier and /tmp/kvtier-demo-* behind. Whatever stops it now, what it started is stopped and its folder removed.
+verifier and /tmp/kvtier-demo-* behind. Whatever stops it now, what it started is stopped and its folder removed;
+killed outright (SIGKILL, which no handler sees), what it started is stopped all the same.
 
 Each case runs the real command, waits until its daemon serves (the demo's own progress line), signals the
 demo's process alone (not its group: a terminal's Ctrl-C would reach the daemon too, which proves less), and
@@ -45,12 +46,29 @@ def test_a_signalled_demo_leaves_nothing_behind(signum: signal.Signals) -> None:
     # a short folder of its own for the demo's TMPDIR: its socket path must fit AF_UNIX's 108 bytes
     scratch = Path(tempfile.mkdtemp(prefix="kvt-sig-"))
     try:
-        _signal_the_demo(scratch, signum)
+        code, root, said = _signal_the_demo(scratch, signum)
+        assert code == 128 + signum, said
+        assert "Traceback" not in said, said
+        _nothing_left(root)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _signal_the_demo(scratch: Path, signum: signal.Signals) -> None:
+def test_a_demo_killed_outright_leaves_no_process_behind() -> None:
+    # SIGKILL runs none of the demo's clean-up: its daemon ends because the kernel tells it that its starter died
+    # (`kvtier.core.parent`: it drains and exits on SIGTERM), and the verifier ends with its daemon. The folder
+    # stays (nothing of the demo runs to remove it); this test removes it.
+    scratch = Path(tempfile.mkdtemp(prefix="kvt-kill-"))
+    try:
+        code, root, said = _signal_the_demo(scratch, signal.SIGKILL)
+        assert code == -signal.SIGKILL, said
+        _no_process_left(root)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _signal_the_demo(scratch: Path, signum: signal.Signals) -> tuple[int, str, str]:
+    """Start the demo, signal its process alone once its daemon serves; (its exit, its folder, what it said)."""
     demo = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli", "demo", "--tokens", "2048", "--checkpoint-every", "4"],
         env=child_env(TMPDIR=str(scratch)),
@@ -77,9 +95,7 @@ def _signal_the_demo(scratch: Path, signum: signal.Signals) -> None:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
-    assert code == 128 + signum, "".join(seen) + rest
-    assert "Traceback" not in rest, rest
-    _nothing_left(root)
+    return code, root, "".join(seen) + rest
 
 
 @pytest.mark.parametrize("mode", demo_interrupt.MODES)
@@ -107,6 +123,10 @@ def test_ctrl_c_while_the_heartbeat_thread_starts_exits_130(mode: str) -> None:
 
 def _nothing_left(root: str) -> None:
     assert not Path(root).exists(), f"{root} was left behind"
+    _no_process_left(root)
+
+
+def _no_process_left(root: str) -> None:
     deadline = time.monotonic() + 30
     while left := _processes_naming(root):
         assert time.monotonic() < deadline, f"processes {left} outlived the demo"
