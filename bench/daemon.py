@@ -50,6 +50,7 @@ from kvtier.client import Client, OffloadReport  # noqa: E402
 from kvtier.core.forms import GroupKind, Route  # noqa: E402
 from kvtier.core.hashing import block_hashes  # noqa: E402
 from kvtier.core.hugepages import read_host  # noqa: E402
+from kvtier.core.parent import tied_env  # noqa: E402
 from kvtier.core.profile import ModelProfile, load_profile  # noqa: E402
 from kvtier.core.tier import LoadRequest, ObjectKey  # noqa: E402
 from kvtier.gpu import CacheManager  # noqa: E402
@@ -92,7 +93,8 @@ def _start(tmp: Path, profile: str, pools: dict[str, str]) -> tuple[subprocess.P
     notify_path.unlink(missing_ok=True)
     notify.bind(str(notify_path))
     notify.settimeout(120)
-    env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONPATH=str(ROOT))
+    # it drains and exits if this bench dies, killed by run_all's timeout or a user (`kvtier.core.parent`)
+    env = tied_env(dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONPATH=str(ROOT)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(cfg)], env=env, stderr=subprocess.DEVNULL
     )

@@ -52,6 +52,7 @@ from kvtier.core import load_profile
 from kvtier.core.config import config_text
 from kvtier.core.forms import Reason
 from kvtier.core.hashing import block_hashes
+from kvtier.core.parent import tied_env
 from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore
 from kvtier.wire import Connection, DaemonUnavailable
@@ -103,7 +104,8 @@ def start(d: Path) -> tuple[subprocess.Popen[str], socket.socket, float]:
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     (d / "n.sock").unlink(missing_ok=True)
     notify.bind(str(d / "n.sock"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "WATCHDOG_"))}
+    # it exits if this bench dies, however (`kvtier.core.parent`)
+    env = tied_env({k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "WATCHDOG_"))})
     env["NOTIFY_SOCKET"] = str(d / "n.sock")
     t0 = time.perf_counter()
     proc = subprocess.Popen(

@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from kvtier.core import CacheForm, Reason, VersionKey
+from kvtier.core.parent import tied_env
 from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DecisionServer, DiskStore, StoreConfig
 from kvtier.verifier import VerifierSettings, verifier_status
@@ -279,8 +280,13 @@ def run(args: argparse.Namespace) -> dict:
             "0.05",
             *args.verifier_arg,
         ]
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        proc = subprocess.Popen(  # it ends with this bench, however the bench ends (`kvtier.core.parent`)
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=tied_env(os.environ),
         )
         deadline = time.monotonic() + 60
         while verifier_status(readers.store)["phase"] in ("never ran", "starting"):
