@@ -418,11 +418,18 @@ def _cluster_rows(sections: dict) -> list[Row]:
     c = sections.get("cluster", {})
     out = []
     for run in c.get("runs", []):
-        shaped = f"shaped to {run['shaped']}" if run.get("shaped") else "unshaped"
+        # an unshaped veth is memory speed: its run shows what this machine's shared cores allow, not a link's
+        # share, so it is a line of its own, outside the shaped-link target
+        unshaped = run.get("shaper") == "none"
+        link = (
+            "an unshaped veth link (memory speed; both ends and the cluster share this machine's cores)"
+            if unshaped
+            else f"a veth link shaped to {run['shaped']}"
+        )
         out.append(
             _vs(
-                "cluster_link",
-                f"cross-node restore over a veth link {shaped}, two network namespaces, MB/s",
+                "cluster_unshaped" if unshaped else "cluster_link",
+                f"cross-node restore over {link}, two network namespaces, MB/s",
                 run["restore_MBps"],
                 f"the link, one TCP stream ({run['link_gbps']:.2f} Gbit/s)",
                 run["link_gbps"] * 125,
@@ -593,13 +600,14 @@ setting after, and this page shows both tables; without it they run under the ho
 records.
 
 The cluster line comes from `bench/cluster_link.py` (two network namespaces joined by a veth link shaped with
-`tc`, the link's own rate measured in the same run); where it cannot run (it needs root, iproute2 and Mooncake)
-the line says why. A figure from `bench/cluster.py` is labelled loopback, one host. The vLLM and SGLang lines come
-from `bench/vllm_dsv4.py` and `bench/sglang_hicache.py`, which `run_all.py` runs in the engines' own venvs (built,
-kvtier installed into them, by `tests/vllm/run.sh` and `tests/sglang/run.sh`; without one, its line says so): each
-tier beside the engine's own on the same DeepSeek-V4 bytes, ABBA rounds, the page cache of both sides' files dropped
-before every read. The GPU benchmarks (`bench/gds_restore.py`, `bench/gpu_checks.py`) run on a CUDA host through
-`bench/gpu_run.sh`; no report of theirs is committed.
+`tc`, the link's own rate measured in the same run); its target holds each shaped link, and the unshaped veth's
+line (memory speed, both ends on this machine's cores) stands beside it with none. Where it cannot run (it needs
+root, iproute2 and Mooncake) the line says why. A figure from `bench/cluster.py` is labelled loopback, one host.
+The vLLM and SGLang lines come from `bench/vllm_dsv4.py` and `bench/sglang_hicache.py`, which `run_all.py` runs in
+the engines' own venvs (built, kvtier installed into them, by `tests/vllm/run.sh` and `tests/sglang/run.sh`;
+without one, its line says so): each tier beside the engine's own on the same DeepSeek-V4 bytes, ABBA rounds, the
+page cache of both sides' files dropped before every read. The GPU benchmarks (`bench/gds_restore.py`,
+`bench/gpu_checks.py`) run on a CUDA host through `bench/gpu_run.sh`; no report of theirs is committed.
 
 Two commits compare with `python bench/ab_commits.py BEFORE AFTER --only SECTION ...`: each runs `run_all.py`
 from a worktree of its own, the two alternated in ABBA order, and every figure is reported with both sides'

@@ -31,6 +31,7 @@ def test_node2_restores_across_a_shaped_veth_link() -> None:
     assert one["shaped"] == "0.5 Gbit/s" and one["shaper"] != "none", one
     assert 0 < one["link_gbps"] < 0.6, one  # the shaper holds the stream to its rate
     assert one["restore_MBps"] > 0 and one["ratio_to_link"] < 1.1, one  # no restore beats the link it crosses
+    assert doc["shaped_ratio_to_link_min"] == one["ratio_to_link"]  # the acceptance line's figure
     # the states are what they say: the cold read starts with the files out of the page cache, the warm one in it
     assert one["disk_cold_resident"] < 0.05 and one["disk_warm_resident"] > 0.95, one
     assert "holder RAM" in one["cluster_state"] and one["restore_first_MBps"] > 0 and one["device_direct_MBps"] > 0

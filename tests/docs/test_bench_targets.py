@@ -94,6 +94,28 @@ def test_a_ceiling_needs_its_words(tmp_path: Path) -> None:
         targets.load(bad)
 
 
+def test_the_cluster_line_holds_every_shaped_link_and_not_the_unshaped_one() -> None:
+    # the figure is the least ratio of the shaped runs; the unshaped veth (memory speed) is a line of its own with
+    # no target beside it, so 0.49 of an 18 Gbit/s veth never sits next to "met"
+    (t,) = [t for t in targets.load() if t.row == "cluster_link"]
+    run = {"link_gbps": 0.5, "restore_MBps": 60.0}
+    runs = [
+        {**run, "shaped": "0.5 Gbit/s", "shaper": "tbf", "ratio_to_link": 0.99},
+        {**run, "shaped": "1 Gbit/s", "shaper": "tbf", "ratio_to_link": 0.7},
+        {**run, "shaped": "none", "shaper": "none", "ratio_to_link": 0.49},
+    ]
+    cluster = {"runs": runs, "shaped_ratio_to_link_min": 0.7}
+    (v,) = targets.evaluate([t], {"cluster": cluster}, _quiet({}))
+    assert (v.status, v.measured) == ("missed", 0.7)
+    by_key = {}
+    for r in report.rows({"cluster": cluster}, [v]):
+        by_key.setdefault(r.key, []).append(r)
+    assert [r.ratio for r in by_key["cluster_link"]] == ["0.99 of the link", "0.70 of the link"]
+    assert all("every shaped link: missed" in r.target for r in by_key["cluster_link"])
+    (unshaped,) = by_key["cluster_unshaped"]
+    assert unshaped.target == "" and "unshaped veth link" in unshaped.benchmark and unshaped.ratio == "0.49 of the link"
+
+
 def test_paths_pick_list_items_by_key_or_index() -> None:
     doc = {"cases": [{"tokens": 4096, "ratio": 5.0}, {"tokens": 65536, "ratio": 20.0}], "runs": [{"r": 1}]}
     assert targets.lookup(doc, "cases[tokens=65536].ratio") == 20.0
