@@ -8,7 +8,8 @@ Contract:
   sends it `signum` when the starter dies (prctl PR_SET_PDEATHSIG, kept across exec). A starter that died
   between its fork and that call is found at once (getppid() is no longer it) and the signal is sent then.
   Where the kernel refuses the prctl (or has none), a thread polls getppid() every PARENT_POLL_S and sends it.
-- Without `PARENT_PID_ENV` nothing changes: the daemon under systemd, anything a user starts from a shell.
+- Without `PARENT_PID_ENV` nothing changes: the daemon under systemd, anything a user starts from a shell. A value
+  that is not a process id is logged and ignored.
 
 Who: the daemon's supervisor starts the verifier so (SIGKILL: a verifier stuck in a lock wait answers nothing
 else, and the store is crash-safe); `kvtier demo` and the benchmarks start `kvtier serve` so (SIGTERM: it drains,
@@ -40,8 +41,11 @@ def tied_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def end_with_parent(signum: int) -> None:
     """Have `signum` sent to this process when the starter named in `PARENT_PID_ENV` dies (no-op without it)."""
-    named = os.environ.get(PARENT_PID_ENV)
+    named = os.environ.get(PARENT_PID_ENV, "")
     if not named:
+        return
+    if not named.isdigit():  # (set by hand: kvtier writes a pid) not a reason to refuse to start
+        log.warning("ignoring %s=%r: not a process id", PARENT_PID_ENV, named)
         return
     parent = int(named)
     prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # (Linux's; elsewhere the poll does)

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.core.parent import PARENT_PID_ENV, PARENT_POLL_S
 from support.daemon import child_env
 
@@ -108,16 +110,24 @@ def test_a_starter_gone_before_the_child_asks_is_found_at_once(tmp_path: Path) -
     assert out.read_text() == str(int(signal.SIGTERM))
 
 
-def test_without_the_variable_nothing_changes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", [None, "not-a-pid"], ids=["unset", "not-a-pid"])
+def test_without_a_pid_in_the_variable_nothing_changes(tmp_path: Path, value: str | None) -> None:
     out = tmp_path / "heard"
     env = child_env()
     env.pop(PARENT_PID_ENV, None)
+    if value is not None:
+        env[PARENT_PID_ENV] = value
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(refuse=False), str(out)], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD.format(refuse=False), str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout is not None and child.stdout.readline() == "tied\n"
         assert child.poll() is None and not out.exists()
     finally:
         child.kill()
-        child.wait()
+        _, err = child.communicate()
+    assert ("not a process id" in err) == (value is not None), err
