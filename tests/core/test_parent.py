@@ -19,6 +19,7 @@ import pytest
 
 from kvtier.core.parent import PARENT_PID_ENV, PARENT_POLL_S
 from support.daemon import child_env
+from support.procs import ended
 
 # The child: SIGTERM's handler records it and exits; then it ties itself to its starter and says so.
 CHILD = """
@@ -54,17 +55,10 @@ sys.stdin.read()
 def _wait_heard(out: Path, pid: int, limit_s: float) -> str:
     """What the child recorded once it has ended (polling real conditions: the file and the pid)."""
     deadline = time.monotonic() + limit_s
-    while not out.exists() or _alive(pid):
+    while not out.exists() or not ended(pid):
         assert time.monotonic() < deadline, f"child {pid} still running {limit_s:.0f} s after its starter died"
         time.sleep(0.02)
     return out.read_text()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _kill_the_starter(tmp_path: Path, refuse: bool) -> tuple[int, Path]:
@@ -78,7 +72,7 @@ def _kill_the_starter(tmp_path: Path, refuse: bool) -> tuple[int, Path]:
     )
     assert starter.stdout is not None
     child = int(starter.stdout.readline())
-    assert _alive(child) and not out.exists()
+    assert not ended(child) and not out.exists()
     starter.kill()
     starter.wait(10)
     return child, out

@@ -19,6 +19,7 @@ import lmdb
 
 from kvtier.store import INDEX_DIR
 from support.daemon import DaemonProc
+from support.procs import process_state
 
 # LMDB's lock file begins with its reader table's header: magic and format (4 bytes each), then the reader-table
 # mutex (a process-shared robust pthread mutex, LMDB's default on Linux) at offset 8.
@@ -39,10 +40,6 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_a_stopped_holder_of_the_reader_table_lock_does_not_freeze_the_daemon(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path, watchdog_usec=200_000)  # housekeeping (and a watchdog ping) every 0.1 s
     index = str(tmp_path / "store" / INDEX_DIR)
@@ -58,7 +55,7 @@ def test_a_stopped_holder_of_the_reader_table_lock_does_not_freeze_the_daemon(tm
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         procs.append(holder)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held 0"
-        while not _stopped(holder.pid):
+        while process_state(holder.pid) != "T":
             pass  # it stops itself right after saying so
         dead.kill()
         dead.wait()

@@ -12,6 +12,7 @@ import pytest
 
 from kvtier.daemon import supervisor
 from kvtier.daemon.supervisor import Supervisor
+from support.procs import ended
 
 
 def _until(cond, timeout: float = 10.0) -> None:
@@ -63,7 +64,7 @@ def test_stop_terminates_and_hup_is_forwarded(tmp_path: Path) -> None:
     sup.signal(signal.SIGHUP)
     _until(lambda: flag.exists())
     assert sup.stop(5.0) == 0
-    _until(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2])
+    _until(lambda: ended(pid))
 
 
 def test_missing_command_backs_off_instead_of_crashing() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvtier.client import Client, LookupResult
 from support.daemon import DaemonProc, child_env
+from support.procs import process_state
 
 SCRIPT = str(Path(__file__).resolve())
 TESTS = str(Path(__file__).resolve().parents[1])
@@ -76,16 +77,12 @@ def fill_until_stale(
     return n
 
 
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 @contextmanager
 def frozen(d: DaemonProc) -> Iterator[None]:
     """The daemon stopped (SIGSTOP is delivered asynchronously: wait until the kernel says it is stopped)."""
     os.kill(d.proc.pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
-    while _state(d.proc.pid) != "T":
+    while process_state(d.proc.pid) != "T":
         assert time.monotonic() < deadline, "the daemon did not stop"
         time.sleep(0.005)  # polling a condition with a deadline
     try:

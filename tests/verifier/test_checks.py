@@ -19,6 +19,7 @@ from kvtier.daemon.service import default_verifier_command
 from kvtier.daemon.supervisor import Supervisor
 from kvtier.store import DiskStore, QuarantineReason, RecordState, StoreConfig
 from kvtier.verifier import LayoutOracle, Verifier, VerifierSettings, verifier_status
+from support.procs import ended
 from support.verifier_helpers import (
     REPO,
     VK,
@@ -156,13 +157,7 @@ def test_a_supervised_verifier_ends_with_its_daemon(tmp_path) -> None:
         daemon.kill()
         daemon.wait(10)
 
-        def gone() -> bool:
-            try:
-                return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-            except FileNotFoundError:
-                return True
-
-        wait_for(gone, 20.0, None, f"verifier {pid} exits after its daemon was killed")
+        wait_for(lambda: ended(pid), 20.0, None, f"verifier {pid} exits after its daemon was killed")
     finally:
         if daemon.poll() is None:
             daemon.kill()
