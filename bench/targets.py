@@ -130,7 +130,7 @@ def evaluate(targets: Sequence[Target], sections: dict, machine: dict) -> list[V
     for t in targets:
         sec = sections.get(t.section)
         figure = lookup(sec, t.path) if isinstance(sec, dict) else None
-        measured = float(figure) if isinstance(figure, int | float) and not isinstance(figure, bool) else None
+        measured = _number(figure)
         if sec is None:
             why = f"section {t.section} did not run"
         elif "error" in sec or "pending" in sec or "skipped" in sec:
@@ -153,10 +153,15 @@ def _out_of_reach(t: Target, section: dict) -> str:
     """Why a missed line could not have been met on this machine: its ceiling misses the bound too ('' otherwise)."""
     if not t.ceiling:
         return ""
-    top = lookup(section, t.ceiling)
-    if not isinstance(top, int | float) or isinstance(top, bool) or OPS[t.op](top, t.value):
+    top = _number(lookup(section, t.ceiling))
+    if top is None or OPS[t.op](top, t.value):
         return ""
-    return f"out of reach on this machine: {t.ceiling_text} {_figure(float(top))}"
+    return f"out of reach on this machine: {t.ceiling_text} {_figure(top)}"
+
+
+def _number(figure: Any) -> float | None:
+    """A report's figure as a number, or None where it is absent or not one (a flag is not a figure)."""
+    return float(figure) if isinstance(figure, int | float) and not isinstance(figure, bool) else None
 
 
 def _figure(x: float | None) -> str:
