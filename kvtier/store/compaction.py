@@ -63,31 +63,36 @@ class Compaction:
             cursor = txn.cursor(db=self._ctx.index.seg)
             return {int.from_bytes(k, "big"): SegmentEntry.unpack(v) for k, v in cursor}
 
-    def seal_abandoned_segments(self, owned: int) -> int:
-        """Seal unsealed segments whose appender is gone (its flock is free), except `owned`; returns how many."""
+    def abandoned_segments(self, owned: int) -> list[int]:
+        """Unsealed segments, other than `owned`, whose appender is gone (its flock is free, or the file is): read
+        only, so the verifier finds them in its own process and the daemon only re-probes what it names."""
+        return [
+            seg_id
+            for seg_id, entry in self.segments().items()
+            if not entry.sealed and seg_id != owned and self._appender_gone(seg_id)
+        ]
+
+    def seal_abandoned(self, seg_ids: Sequence[int], owned: int) -> int:
+        """Seal those of `seg_ids` still unsealed whose appender is still gone, except `owned`; returns how many.
+        Each is probed again: the sender may have found one allocated and not yet created, which its appender has
+        created and locked since (an appender that finds its new segment sealed takes another, `Appender._roll`)."""
+        stale = [s for s in seg_ids if s != owned and self._appender_gone(s)]
+        if not stale:
+            return 0
+        index = self._ctx.index
+        return int(index.update(lambda txn: sum(seal_segment(index, txn, s) for s in stale)))
+
+    def _appender_gone(self, seg_id: int) -> bool:
+        """Whether no appender holds the segment's flock (a missing file has none)."""
         ctx = self._ctx
-        stale = []
-        for seg_id, entry in self.segments().items():
-            if entry.sealed or seg_id == owned:
-                continue
-            try:
-                probe = ctx.backend.open(os.path.join(ctx.seg_dir, segment_name(seg_id)))
-            except FileNotFoundError:
-                stale.append(seg_id)
-                continue
-            try:
-                if probe.try_lock():
-                    stale.append(seg_id)
-            finally:
-                probe.close()
-        if stale:
-
-            def seal_all(txn: lmdb.Transaction) -> None:
-                for s in stale:
-                    seal_segment(ctx.index, txn, s)
-
-            ctx.index.update(seal_all)
-        return len(stale)
+        try:
+            probe = ctx.backend.open(os.path.join(ctx.seg_dir, segment_name(seg_id)))
+        except FileNotFoundError:
+            return True
+        try:
+            return bool(probe.try_lock())
+        finally:
+            probe.close()
 
     def try_unlink_segment(self, seg_id: int) -> bool:
         """Unlink a sealed segment that no record references, once no reader can still see a dropped record in it."""

@@ -84,7 +84,12 @@ class SealSegment(msgspec.Struct, tag="seal", frozen=True):
 
 
 class SealAbandoned(msgspec.Struct, tag="seal_abandoned", frozen=True):
-    """Returns how many unsealed segments whose appender is gone were sealed."""
+    """Seal each of `seg_ids` (unsealed segments the sender found with no appender holding them) whose appender is
+    still gone when the decision is applied; returns how many were sealed. The sender scans the segment table and
+    probes the files itself and sends this only when it found some: the daemon re-probes the few it names and never
+    scans on the verifier's behalf."""
+
+    seg_ids: list[int]
 
 
 class Repoint(msgspec.Struct, tag="repoint", frozen=True):

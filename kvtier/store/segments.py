@@ -191,10 +191,14 @@ def allocate_segment(index: Index, txn: lmdb.Transaction) -> int:
     return seg_id
 
 
-def seal_segment(index: Index, txn: lmdb.Transaction, seg_id: int) -> None:
+def seal_segment(index: Index, txn: lmdb.Transaction, seg_id: int) -> bool:
+    """Seal the segment if it is indexed and unsealed; whether this did."""
     db = index.seg
     raw = txn.get(u64_key(seg_id), db=db)
-    if raw is not None:
-        entry = SegmentEntry.unpack(raw)
-        if not entry.sealed:
-            txn.put(u64_key(seg_id), dataclasses.replace(entry, sealed=True).pack(), db=db)
+    if raw is None:
+        return False
+    entry = SegmentEntry.unpack(raw)
+    if entry.sealed:
+        return False
+    txn.put(u64_key(seg_id), dataclasses.replace(entry, sealed=True).pack(), db=db)
+    return True

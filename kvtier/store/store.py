@@ -288,9 +288,16 @@ class DiskStore:
         return self._compaction.segments()
 
     def seal_abandoned_segments(self) -> int:
-        """Seal unsealed segments whose appender is gone (its flock is free); returns how many."""
+        """Seal unsealed segments whose appender is gone (its flock is free); returns how many. They are found here
+        (the segment table read, the files probed) and a decision is sent only for those found: beside a daemon,
+        a maintenance pass with none found costs the daemon nothing."""
         self._check_pid()
-        return int(self._ctx.decide(SealAbandoned()))
+        found = self._compaction.abandoned_segments(self._owned_segment())
+        return int(self._ctx.decide(SealAbandoned(found))) if found else 0
+
+    def _owned_segment(self) -> int:
+        """The segment this process's writer appends to (0: none), which is never abandoned."""
+        return self._writer.appender.owned_segment if self._writer else 0
 
     def try_unlink_segment(self, seg_id: int) -> bool:
         """Unlink a sealed segment that no record references, once no reader can still see a dropped record in it."""
@@ -346,7 +353,7 @@ class DiskStore:
                 c.apply_seal(decision)
                 return None
             case SealAbandoned():
-                return c.seal_abandoned_segments(self._writer.appender.owned_segment if self._writer else 0)
+                return c.seal_abandoned(decision.seg_ids, self._owned_segment())
             case Repoint():
                 return c.apply_repoint(decision)
             case UnlinkSegment():

@@ -24,8 +24,9 @@ from kvtier.store import (
     encode_key,
 )
 from kvtier.store.channel import SenderStopping, applier_pid, spool_dir
-from kvtier.store.decisions import Drop, Quarantine
+from kvtier.store.decisions import Drop, Quarantine, SealAbandoned
 from kvtier.store.errors import QuarantineReason
+from kvtier.store.segments import SEGMENTS_DIR, allocate_segment, segment_name
 from support.store_helpers import DIGEST, VK, make_key, make_payload
 
 
@@ -171,3 +172,46 @@ def test_a_stopping_sender_still_gets_a_live_applier_s_reply_within_its_grace(se
     client = DecisionClient(root, stop=stop, stop_grace_s=5.0)
     assert client.send(Quarantine(encode_key(keys[0]), int(QuarantineReason.PAYLOAD))) is True  # its last status
     assert server.applied == 1
+
+
+_SEAL_PASS = """
+import sys
+from kvtier.store import DecisionClient, DiskStore
+store = DiskStore(sys.argv[1], decisions=DecisionClient(sys.argv[1]), take_load_resources=False)
+print(store.seal_abandoned_segments())
+store.close()
+"""
+
+
+def _seal_pass(root: str) -> int:
+    """A maintenance pass's sealing from another process, as the verifier's: how many it sealed."""
+    done = subprocess.run([sys.executable, "-c", _SEAL_PASS, root], capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def test_abandoned_segments_are_found_by_the_sender_and_only_those_are_sent(served) -> None:
+    """The daemon never scans the segment table for the verifier: a pass that finds nothing sends nothing, and one
+    that finds a segment with no appender names it, and the applier seals it."""
+    root, store, server, _ = served
+    assert _seal_pass(root) == 0  # the daemon's own segment is held by its appender
+    assert server.applied == 0
+    seg_id = store.index.update(lambda txn: allocate_segment(store.index, txn))  # its appender died before
+    assert _seal_pass(root) == 1  # creating the file
+    assert server.applied == 1 and store.segments()[seg_id].sealed
+    assert _seal_pass(root) == 0 and server.applied == 1
+
+
+def test_a_segment_locked_since_the_sender_probed_it_is_not_sealed(served) -> None:
+    """The applier probes each named segment again: one allocated and not yet created when the sender looked, whose
+    appender has created and locked it since, stays unsealed."""
+    root, store, _, _ = served
+    seg_id = store.index.update(lambda txn: allocate_segment(store.index, txn))
+    appender = store.backend.open(os.path.join(root, SEGMENTS_DIR, segment_name(seg_id)), create=True, write=True)
+    try:
+        assert appender.try_lock()
+        assert DecisionClient(root).send(SealAbandoned([seg_id])) == 0
+        assert not store.segments()[seg_id].sealed
+    finally:
+        appender.close()
+    assert DecisionClient(root).send(SealAbandoned([seg_id])) == 1  # its appender gone now
+    assert store.segments()[seg_id].sealed
