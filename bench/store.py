@@ -15,7 +15,8 @@ MB/s beside it, `round_ratios` each round's pair. Without fio the read has no li
 `small_load_fio_iops`: fio's random 4 KiB O_DIRECT reads per second in the same segment files at the AIO depth, after
 kvtier's loads in each round (`small_load_ratio_to_fio`: the best of each side, the one over the other).
 `read_cpu_ms_per_object` and `small_load_cpu_us_per_object`: the CPU time of this process (all its threads) per object
-of the cold read and of the random small load, the least of the rounds.
+of the cold read and of the random small load, the least of the rounds. `small_call_cpu_us`: the loading thread's CPU
+per load_into call of 1 and of 32 random small records (a call's own cost: a daemon's small loads pay it each).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -47,6 +49,10 @@ MB = 1e6
 # fio's random reads for the small loads' limit: 8 times a load's, so that its runtime, which fio gives in whole
 # milliseconds, is long enough to count
 SMALL_FIO_IOS = 8192
+# Loads of a few small records, timed per call: batch sizes, calls timed and calls before them
+CALL_BATCHES = (1, 32)
+CALL_LOADS = 50
+CALL_WARMUP = 5
 
 
 class Limit(NamedTuple):
@@ -126,11 +132,14 @@ def store_pass(
     return write_s, read_s, read_cpu, backend, fio_mbps, pages
 
 
-def small_pass(work: str, args: argparse.Namespace, fio: bool) -> tuple[float, float, float, float | None]:
+def small_pass(
+    work: str, args: argparse.Namespace, fio: bool
+) -> tuple[float, float, float, float | None, dict[int, float]]:
     """1 KB records written in batches of 256; then 1,024 random ones loaded cold (O_DIRECT or page cache
     dropped), in one load_into; and a sequential 1,024 (a prefix's blocks). Returns objects/s of each, the
-    random load's CPU seconds (this process, every thread) and, with `fio`, fio's random 4 KiB reads per second
-    over the same segment files (SMALL_FIO_IOS of them at the AIO depth)."""
+    random load's CPU seconds (this process, every thread), with `fio` fio's random 4 KiB reads per second
+    over the same segment files (SMALL_FIO_IOS of them at the AIO depth), and per batch size of CALL_BATCHES the
+    median CPU seconds of the loading thread per load_into call of that many random records."""
     root = os.path.join(work, "small")
     vk = VersionKey("bench-small", "w", "abi", "c", "i", "fp8")
     digest = b"S" * 16
@@ -157,9 +166,34 @@ def small_pass(work: str, args: argparse.Namespace, fio: bool) -> tuple[float, f
             cpu.append(time.process_time() - c0)
             if any(r.name != "OK" for r in reasons) or not torch.equal(outs[-1], payload):
                 raise SystemExit("small records did not read back correctly")
+    call_cpu = call_cpu_s(root, cfg, keys, digest, size)
     iops = min(fio_random_iops(p, n, SMALL_FIO_IOS) for p, _, n in segment_spans(root)) if fio else None
     shutil.rmtree(root)
-    return rates[0], rates[1], cpu[0], iops
+    return rates[0], rates[1], cpu[0], iops, call_cpu
+
+
+def call_cpu_s(root: str, cfg: StoreConfig, keys: list[ObjectKey], digest: bytes, size: int) -> dict[int, float]:
+    """Per batch size of CALL_BATCHES, the median CPU seconds of the loading thread per load_into call of that many
+    random records (CALL_LOADS calls each, after CALL_WARMUP): what a call costs beside its records (the lookups,
+    planning, submission and checks a small load through the daemon pays)."""
+    rng = random.Random(7)
+    out: dict[int, float] = {}
+    with DiskStore(root, cfg) as store:
+        for batch in CALL_BATCHES:
+            costs = []
+            for i in range(CALL_WARMUP + CALL_LOADS):
+                requests = [
+                    LoadRequest(keys[k], torch.empty(size, dtype=torch.uint8), digest)
+                    for k in rng.sample(range(len(keys)), batch)
+                ]
+                c0 = time.thread_time()
+                reasons = store.load_into(requests)
+                if i >= CALL_WARMUP:
+                    costs.append(time.thread_time() - c0)
+                if any(r.name != "OK" for r in reasons):
+                    raise SystemExit("small records did not read back correctly")
+            out[batch] = statistics.median(costs)
+    return out
 
 
 def main() -> None:
@@ -180,6 +214,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.dir)
     raw_w, st_w, st_r, fio_r, small_rand, small_seq, small_fio = [], [], [], [], [], [], []
     read_cpu, small_cpu = [], []
+    calls: dict[int, list[float]] = {b: [] for b in CALL_BATCHES}
     no_fio = missing()
     geo = geometry()
     # the load targets' pages are reserved beside fio's: both sides read into the same kind of memory
@@ -188,7 +223,9 @@ def main() -> None:
         with buffers:
             limit = None if no_fio else Limit(geo, buffers)
             for r in range(args.repeat):
-                rand, seq, rand_cpu, iops = small_pass(work, args, fio=limit is not None)
+                rand, seq, rand_cpu, iops, call_cpu = small_pass(work, args, fio=limit is not None)
+                for b, c in call_cpu.items():
+                    calls[b].append(c)
                 if iops is not None:
                     small_fio.append(iops)
                 small_rand.append(rand)
@@ -239,6 +276,9 @@ def main() -> None:
         # object; each the least of the rounds
         "read_cpu_ms_per_object": round(min(read_cpu) / count * 1e3, 3),
         "small_load_cpu_us_per_object": round(min(small_cpu) / 1024 * 1e6, 1),
+        # CPU of the loading thread per load_into call of a few random small records (median of a round, least of
+        # the rounds), by batch size
+        "small_call_cpu_us": {str(b): round(min(c) * 1e6) for b, c in calls.items()},
         "record_MiB": args.record_mib,
         "backend": backend,
         "targets_pages": pages,

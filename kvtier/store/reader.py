@@ -15,7 +15,7 @@ from kvtier.core.forms import Reason
 from kvtier.core.tier import LoadRequest, MoreRequests, ObjectKey
 from kvtier.store.context import StoreContext, flat_uint8
 from kvtier.store.errors import CorruptRecord, QuarantineReason
-from kvtier.store.index import IndexEntry, RecordState, encode_key
+from kvtier.store.index import IndexEntry, NamespaceEntry, RecordState, encode_key
 from kvtier.store.index_map import map_in
 from kvtier.store.io import SegmentFile
 from kvtier.store.packed import PackedLoad, take_buffers
@@ -42,6 +42,7 @@ class Reader:
         self._ctx = ctx
         self._files: dict[int, SegmentFile] = {}
         self._files_lock = threading.Lock()
+        self._ns_reasons: dict[bytes, tuple[bytes, Reason]] = {}  # namespace -> (index value, the reason it gives)
         # The read threads start with the store, not inside its first load: on a busy host eight thread starts
         # cost milliseconds, as much as a thousand small records take to read.
         ctx.executor("read")
@@ -105,17 +106,28 @@ class Reader:
                 yield _OK, entry
 
     def _namespace_reason(self, txn: lmdb.Transaction, namespace: bytes) -> Reason:
-        """OK while the namespace is registered and live, else the miss every key of it gets."""
+        """OK while the namespace is registered and live, else the miss every key of it gets. Its index value is
+        read in `txn` every time; one seen before gives the reason it gave then, its bytes compared and not decoded
+        again (every load asks this, and decoding the entry cost more CPU than a small load's lookups)."""
+        raw = txn.get(namespace, db=self._ctx.index.ns)
+        if raw is None:
+            return Reason.MISSING
+        value = bytes(raw)
+        seen = self._ns_reasons.get(namespace)
+        if seen is not None and seen[0] == value:
+            return seen[1]
         try:
-            ns = self._ctx.index.namespace(txn, namespace)
+            live = NamespaceEntry.unpack(value).live
         except CorruptRecord:
             log.error(
                 "namespace entry %s is corrupt: its records are misses until it is re-registered", namespace.hex()
             )
             return Reason.MISSING
-        if ns is None:
-            return Reason.MISSING
-        return _OK if ns.live else Reason.STALE_VERSION
+        if len(self._ns_reasons) >= _NS_SEEN:  # (namespaces come and go with rollouts: the map stays small)
+            self._ns_reasons.clear()
+        reason = _OK if live else Reason.STALE_VERSION
+        self._ns_reasons[namespace] = (value, reason)
+        return reason
 
     # ----------------------------------------------------------------- loads
 
@@ -231,4 +243,5 @@ class Reader:
 
 
 _OK = Reason.OK
+_NS_SEEN = 1024  # namespaces whose last seen index value and reason a store keeps
 _QUARANTINED = RecordState.QUARANTINED

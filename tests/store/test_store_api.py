@@ -112,6 +112,20 @@ def test_namespaces_are_isolated_and_retirement_is_stale(store: DiskStore) -> No
     assert not store.namespaces()[ns_a].live and store.namespaces()[ns_a].version_key == VK
 
 
+def test_a_namespace_s_state_is_read_at_every_load(store: DiskStore) -> None:
+    """A store keeps the reason a namespace's index value gave (not decoded at every load), so a change to the
+    value must show at the next load: retired after a load, then registered again."""
+    ns = store.register_namespace(VK)
+    key = make_key(ns, "ns-state")
+    store.store(key, make_payload("s", 4096), DIGEST)
+    assert _load(store, key, 4096)[0] is Reason.OK
+    assert store.retire_namespace(ns)
+    assert _load(store, key, 4096)[0] is Reason.STALE_VERSION
+    store.register_namespace(VK)
+    reason, out = _load(store, key, 4096)
+    assert reason is Reason.OK and torch.equal(out, make_payload("s", 4096))
+
+
 def test_layout_mismatch_and_wrong_slot_size_are_abi_mismatch(store: DiskStore) -> None:
     ns = store.register_namespace(VK)
     k = make_key(ns, "abi")
