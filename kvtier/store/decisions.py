@@ -87,9 +87,10 @@ class SealAbandoned(msgspec.Struct, tag="seal_abandoned", frozen=True):
     """Seal each of `seg_ids` (unsealed segments the sender found with no appender holding them) whose appender is
     still gone when the decision is applied; returns how many were sealed. The sender scans the segment table and
     probes the files itself and sends this only when it found some: the daemon re-probes the few it names and never
-    scans on the verifier's behalf."""
+    scans on the verifier's behalf. An older verifier's request names none (it left the scan to the daemon): it
+    seals nothing, and is answered, so that verifier's maintenance goes on."""
 
-    seg_ids: list[int]
+    seg_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class Repoint(msgspec.Struct, tag="repoint", frozen=True):

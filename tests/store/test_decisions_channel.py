@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 
 from kvtier.core import Reason
@@ -24,7 +25,7 @@ from kvtier.store import (
     encode_key,
 )
 from kvtier.store.channel import SenderStopping, applier_pid, spool_dir
-from kvtier.store.decisions import Drop, Quarantine, SealAbandoned
+from kvtier.store.decisions import Drop, Quarantine, SealAbandoned, decode_decision
 from kvtier.store.errors import QuarantineReason
 from kvtier.store.segments import SEGMENTS_DIR, allocate_segment, segment_name
 from support.store_helpers import DIGEST, VK, make_key, make_payload
@@ -215,3 +216,13 @@ def test_a_segment_locked_since_the_sender_probed_it_is_not_sealed(served) -> No
         appender.close()
     assert DecisionClient(root).send(SealAbandoned([seg_id])) == 1  # its appender gone now
     assert store.segments()[seg_id].sealed
+
+
+def test_an_older_verifier_s_seal_request_naming_no_segment_is_answered(served) -> None:
+    """A verifier from before the sender found the segments sends the decision with no field (msgpack
+    {"type": "seal_abandoned"}): answered with 0, not refused, so its maintenance pass goes on."""
+    root, store, server, _ = served
+    seg_id = store.index.update(lambda txn: allocate_segment(store.index, txn))
+    assert decode_decision(msgspec.msgpack.encode({"type": "seal_abandoned"})) == SealAbandoned([])
+    assert DecisionClient(root).send(SealAbandoned()) == 0
+    assert server.failed == 0 and not store.segments()[seg_id].sealed
