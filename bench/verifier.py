@@ -320,12 +320,14 @@ def run(args: argparse.Namespace) -> dict:
             ):
                 break
         # The readers first: the low-priority verifier gets little CPU for its exit while they hold the CPUs. Then
-        # the verifier, before the applier: its last decisions (its status, sealing its segment) still find it.
+        # the verifier, before the applier: its last decisions (sealing its segment) still find it.
         readers.stop()
         os.kill(proc.pid, signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=60)
+        applied = None
         if server is not None:
+            applied = server.applied
             server.stop()
             server = None
         w, wo = ([x for window in readers.samples[k] for x in window] for k in ("with", "without"))
@@ -360,6 +362,7 @@ def run(args: argparse.Namespace) -> dict:
                 readers.samples["with"], readers.samples["without"], activity["with"], False
             ),
             "index_writer": "verifier" if args.verifier_writes else "applier (as the daemon)",
+            "index_changes_applied": applied,  # over the whole run, by the applier (None: the verifier wrote them)
             "verifier_actions": actions,
             "breakdown": breakdown(readers.samples["with"], activity["with"], args.window_s),
         }

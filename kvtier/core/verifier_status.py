@@ -1,8 +1,9 @@
 """The contract between the daemon and the verifier process it supervises, neither importing the other.
 
 The daemon starts the verifier by command (`kvtier verifier run`) with `kvtier.core.parent.PARENT_PID_ENV` set, so
-the child ends when the daemon dies. The verifier publishes its progress as a JSON document in the store's index
-(`meta_doc("verifier")`); the daemon, `kvtier status` and the verifier's own CLI read it through
+the child ends when the daemon dies. The verifier publishes its progress as a JSON document of the store's
+(`meta_doc("verifier")`: a file it replaces whole, no index commit); the daemon, `kvtier status` and the verifier's
+own CLI read it through
 `verifier_status`, whose keys stay clear of the daemon's supervisor state (`state`, `pid`, `restarts`).
 """
 

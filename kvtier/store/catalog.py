@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -15,11 +17,17 @@ from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.core.versions import VersionKey
 from kvtier.store.context import StoreContext
 from kvtier.store.decisions import PutDoc
-from kvtier.store.errors import NamespaceError
+from kvtier.store.errors import NamespaceError, StoreReadOnly
 from kvtier.store.index import NamespaceEntry, seal, unseal
 from kvtier.store.record import MAX_VERSION_KEY_BYTES, Codec
 
-_META_DOCS = frozenset({"verifier", "rollout", "write_back"})  # JSON documents other processes may keep in `meta`
+log = logging.getLogger(__name__)
+
+_META_DOCS = frozenset({"rollout", "write_back"})  # JSON documents other processes may keep in the index's `meta`
+# Progress, not state: JSON documents kept in a file of the store's root (`<name>.json`), replaced whole by rename and
+# never synced, so that publishing one (the verifier's status and heartbeat, every few seconds) is no index commit of
+# the daemon's and no flush of its disk. A crash may leave an older one, or none: its reader starts over.
+_FILE_DOCS = frozenset({"verifier"})
 
 
 class Catalog:
@@ -98,6 +106,8 @@ class Catalog:
         return StoreLimits(int(doc["budget_bytes"]), quotas)
 
     def meta_doc(self, name: str) -> dict[str, Any] | None:
+        if name in _FILE_DOCS:
+            return self._file_doc(name)
         if name not in _META_DOCS:
             raise KeyError(name)
         with self._ctx.index.read() as txn:
@@ -105,16 +115,47 @@ class Catalog:
         return None if raw is None else json.loads(unseal(raw))
 
     def put_meta_doc(self, name: str, doc: Mapping[str, Any]) -> None:
+        body = json.dumps(doc, sort_keys=True).encode()
+        if name in _FILE_DOCS:
+            if self._ctx.readonly:
+                raise StoreReadOnly("this store was opened read-only")
+            self._put_file_doc(name, body)
+            return
         if name not in _META_DOCS:
             raise KeyError(name)
-        self._ctx.decide(PutDoc(name, json.dumps(doc, sort_keys=True).encode()))
+        self._ctx.decide(PutDoc(name, body))
 
     def apply_put_doc(self, d: PutDoc) -> None:
+        if d.name in _FILE_DOCS:  # (sent by a verifier from before these were files: written as it would now)
+            self._put_file_doc(d.name, bytes(d.body))
+            return
         if d.name not in _META_DOCS:
             raise KeyError(d.name)
         index = self._ctx.index
         body = seal(bytes(d.body))
         index.update(lambda txn: txn.put(f"doc:{d.name}".encode(), body, db=index.meta))
+
+    def _file_doc(self, name: str) -> dict[str, Any] | None:
+        """A file document, or None where there is none or what a crash left of it does not parse."""
+        try:
+            with open(os.path.join(self._ctx.root, f"{name}.json"), "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            log.warning("%s.json in %s does not parse: read as absent until it is written again", name, self._ctx.root)
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _put_file_doc(self, name: str, body: bytes) -> None:
+        """Write the document beside its final name and rename it over that: a reader sees the old one or the new
+        one whole, also when the writer is stopped half way. One process writes it at a time (the verifier holds
+        `verifier.lock`), so the partial file has one name, which the next writer truncates."""
+        path = os.path.join(self._ctx.root, f"{name}.json")
+        partial = os.path.join(self._ctx.root, f".{name}.json.partial")
+        with open(partial, "wb") as f:
+            f.write(body)
+        os.replace(partial, path)
 
     # ----------------------------------------------------------------- stats
 

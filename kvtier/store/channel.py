@@ -34,7 +34,7 @@ APPLIER_LOCK = "applier.lock"
 POLL_S = 0.005  # how often the applier looks for requests, and a sender for its reply (at most)
 REPLY_TIMEOUT_S = 30.0
 PROBE_S = 1.0  # while waiting for a reply, how often a sender asks whether an applier still holds the lock
-STOP_GRACE_S = 2.0  # how long a stopping sender still waits for a reply (its last status), then none at all
+STOP_GRACE_S = 2.0  # how long a stopping sender still waits for a reply (to its last decision), then none at all
 
 
 class DaemonUnavailable(StoreError):
@@ -72,7 +72,7 @@ class DecisionClient:
 
     The wait ends early, with `DaemonUnavailable`, when no other process holds the applier's lock (probed every
     `PROBE_S` while waiting), and with `SenderStopping` once `stop` is set: a send already waiting then gets
-    `stop_grace_s` more for its reply (the last status a stopping verifier saves), and every later send is
+    `stop_grace_s` more for its reply (the last decision of a stopping verifier), and every later send is
     refused at once, so a stopping sender ends within that grace whatever the daemon does. A send that found no
     applier, or that the daemon left unanswered for `timeout_s` (its lock held, its applier thread gone or
     stuck), makes the next sends fail at once for another `timeout_s`: a sender must not pile requests up behind

@@ -271,5 +271,5 @@ class Verifier:
         try:
             self.store.put_meta_doc(VERIFIER_DOC, self.status_doc())
             self._saved_at = now
-        except (KvtierError, lmdb.Error) as exc:
+        except (KvtierError, OSError) as exc:  # (a full disk: the next save tries again)
             log.warning("cannot save verifier progress: %s", exc)

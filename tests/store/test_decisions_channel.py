@@ -25,7 +25,7 @@ from kvtier.store import (
     encode_key,
 )
 from kvtier.store.channel import SenderStopping, applier_pid, spool_dir
-from kvtier.store.decisions import Drop, Quarantine, SealAbandoned, decode_decision
+from kvtier.store.decisions import Drop, PutDoc, Quarantine, SealAbandoned, decode_decision
 from kvtier.store.errors import QuarantineReason
 from kvtier.store.segments import SEGMENTS_DIR, allocate_segment, segment_name
 from support.store_helpers import DIGEST, VK, make_key, make_payload
@@ -226,3 +226,35 @@ def test_an_older_verifier_s_seal_request_naming_no_segment_is_answered(served) 
     assert decode_decision(msgspec.msgpack.encode({"type": "seal_abandoned"})) == SealAbandoned([])
     assert DecisionClient(root).send(SealAbandoned()) == 0
     assert server.failed == 0 and not store.segments()[seg_id].sealed
+
+
+_STATUS = """
+import sys
+from kvtier.store import DecisionClient, DiskStore
+store = DiskStore(sys.argv[1], decisions=DecisionClient(sys.argv[1]), take_load_resources=False)
+store.put_meta_doc("verifier", {"phase": "sweeping", "heartbeat_at": float(sys.argv[2])})
+store.close()
+"""
+
+
+def test_the_verifier_s_status_is_a_file_it_replaces_not_a_decision(served) -> None:
+    """Its status and heartbeat, published every few seconds, cost the daemon no index commit and its disk no
+    flush: the sender writes the file itself, and the daemon reads it."""
+    root, store, server, _ = served
+    subprocess.run([sys.executable, "-c", _STATUS, root, "123.5"], check=True)
+    assert server.applied == 0
+    assert store.meta_doc("verifier") == {"phase": "sweeping", "heartbeat_at": 123.5}
+    assert sorted(n for n in os.listdir(root) if "verifier" in n) == ["verifier.json"]
+    with store.index.read() as txn:
+        assert txn.get(b"doc:verifier", db=store.index.meta) is None
+
+
+def test_a_status_file_cut_short_reads_as_none_and_an_older_verifier_s_decision_writes_it(served) -> None:
+    """What a crash can leave (the file renamed before its bytes reached the disk) reads as no status, not an
+    error; a verifier from before the file sends its status as a decision, which the daemon writes there."""
+    root, store, server, _ = served
+    with open(os.path.join(root, "verifier.json"), "wb") as f:
+        f.write(b'{"phase": "swe')
+    assert store.meta_doc("verifier") is None
+    assert DecisionClient(root).send(PutDoc("verifier", b'{"phase": "idle"}')) is None
+    assert server.failed == 0 and store.meta_doc("verifier") == {"phase": "idle"}

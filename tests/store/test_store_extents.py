@@ -186,7 +186,7 @@ _GROW = """
 import sys
 from kvtier.store import DiskStore
 with DiskStore(sys.argv[1]) as s:
-    s.put_meta_doc("verifier", {"filler": "x" * (96 << 20)})  # past the 64 MiB map the other process has mapped
+    s.put_meta_doc("rollout", {"filler": "x" * (96 << 20)})  # past the 64 MiB map the other process has mapped
 """
 
 

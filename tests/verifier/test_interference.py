@@ -35,7 +35,8 @@ def test_readers_see_no_wrong_bytes_or_misses_while_the_verifier_works() -> None
     assert doc["windows"] >= 24 and actions["verified"] >= doc["records"] // 2 and actions["evicted"] > 0
     assert actions["relocated"] > 0 and actions["segments_unlinked"] > 0 and actions.get("quarantined", 0) == 0
     assert doc["window_p99_median_ratio"] <= 1.5, doc
-    assert doc["index_writer"].startswith("applier") and doc["breakdown"]["index_changes_applied"] > 0, doc
+    # its index changes (its evictions among them) went through the applier, as beside a daemon
+    assert doc["index_writer"].startswith("applier") and doc["index_changes_applied"] > 0, doc
 
 
 @pytest.mark.alone  # latencies another worker's test would move
