@@ -19,6 +19,7 @@ from kvtier.store.context import StoreContext
 from kvtier.store.decisions import PutDoc
 from kvtier.store.errors import NamespaceError, StoreReadOnly
 from kvtier.store.index import NamespaceEntry, seal, unseal
+from kvtier.store.io import replace_whole
 from kvtier.store.record import MAX_VERSION_KEY_BYTES, Codec
 
 log = logging.getLogger(__name__)
@@ -148,14 +149,10 @@ class Catalog:
         return doc if isinstance(doc, dict) else None
 
     def _put_file_doc(self, name: str, body: bytes) -> None:
-        """Write the document beside its final name and rename it over that: a reader sees the old one or the new
-        one whole, also when the writer is stopped half way. One process writes it at a time (the verifier holds
+        """The document replaced whole (`io.replace_whole`). One process writes it at a time (the verifier holds
         `verifier.lock`), so the partial file has one name, which the next writer truncates."""
-        path = os.path.join(self._ctx.root, f"{name}.json")
-        partial = os.path.join(self._ctx.root, f".{name}.json.partial")
-        with open(partial, "wb") as f:
-            f.write(body)
-        os.replace(partial, path)
+        root = self._ctx.root
+        replace_whole(os.path.join(root, f"{name}.json"), os.path.join(root, f".{name}.json.partial"), body)
 
     # ----------------------------------------------------------------- stats
 

@@ -25,7 +25,7 @@ from typing import Any
 from kvtier.store.decisions import Decision, Reply, decode_decision, decode_reply, encode
 from kvtier.store.errors import StoreError
 from kvtier.store.gil import applying
-from kvtier.store.io import lock_holder
+from kvtier.store.io import lock_holder, replace_whole
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,8 @@ class DecisionClient:
         with self._lock:
             self._seq += 1
             name = f"{os.getpid()}-{self._seq:012d}"
-        tmp = os.path.join(self.dir, f".{name}")
-        with open(tmp, "wb") as f:
-            f.write(encode(decision))
         request = os.path.join(self.dir, name + ".req")
-        os.rename(tmp, request)
+        replace_whole(request, os.path.join(self.dir, f".{name}"), encode(decision))
         raw = self._wait_reply(os.path.join(self.dir, name + ".rep"), request)
         reply = decode_reply(raw)
         self.sent += 1
@@ -259,10 +256,7 @@ class DecisionServer:
         except Exception as exc:  # an unreadable request: answer it, never die of it
             reply = Reply(error=f"unreadable decision: {exc}")
         stem = name[: -len(".req")]
-        tmp = os.path.join(self.dir, f".{stem}.rep")
-        with open(tmp, "wb") as f:
-            f.write(encode(reply))
-        os.rename(tmp, os.path.join(self.dir, stem + ".rep"))
+        replace_whole(os.path.join(self.dir, stem + ".rep"), os.path.join(self.dir, f".{stem}.rep"), encode(reply))
         _unlink(path)
 
     def _clean(self) -> None:

@@ -32,6 +32,15 @@ def lock_holder(fd: int, start: int = 0, length: int = 0) -> int | None:
     return None if kind == fcntl.F_UNLCK else pid
 
 
+def replace_whole(path: str, partial: str, body: bytes) -> None:
+    """Write `body` to `partial`, then rename that to `path`: a reader of `path` sees the old file or the new one
+    whole, also when the writer is stopped or dies half way (what it left keeps the partial name). No sync: what
+    must survive a crash is not written this way."""
+    with open(partial, "wb") as f:
+        f.write(body)
+    os.replace(partial, path)
+
+
 log = logging.getLogger(__name__)
 
 _MIN_BUFFER = 64 * 1024
