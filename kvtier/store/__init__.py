@@ -4,7 +4,8 @@ These exports are the package's public interface; other packages import nothing 
 `DiskStore` and its records and errors, the store layout other processes need to read a store's files: where
 the index and the segments are (`INDEX_DIR`, `SEGMENTS_DIR`, `segment_name`, `parse_segment_name`), how a key
 is spelled in the index (`encode_key` / `decode_key`), which forms a record can carry (`RECORD_FORMS`), and
-`SpanReader`: segment bytes read as they lie, a benchmark's bound on a cold load.
+`SpanReader`: segment bytes read as they lie, a benchmark's bound on a cold load; and how a segment file is deleted
+(`unlink_in_steps`), for the verifier's removal of stray files.
 """
 
 from kvtier.core.store_config import StoreConfig, StoreLimits
@@ -25,6 +26,7 @@ from kvtier.store.errors import (
 )
 from kvtier.store.index import INDEX_DIR, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, decode_key, encode_key
 from kvtier.store.index_page import IndexPage
+from kvtier.store.io import unlink_in_steps
 from kvtier.store.maintenance import RecordInfo, VerifyResult
 from kvtier.store.ns_usage import NamespaceUsage, namespace_usage
 from kvtier.store.rebuild import RebuildReport, rebuild_index
@@ -73,4 +75,5 @@ __all__ = [
     "parse_segment_name",
     "rebuild_index",
     "segment_name",
+    "unlink_in_steps",
 ]

@@ -21,7 +21,7 @@ from kvtier.store.extent import ExtentPlan, write_extent
 from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
-from kvtier.store.io import SegmentFile
+from kvtier.store.io import SegmentFile, unlink_in_steps
 from kvtier.store.maintenance import Maintenance
 from kvtier.store.reader import Reader
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
@@ -112,16 +112,15 @@ class Compaction:
         if probe is False:
             return False  # an appender still holds it (a segment rolled mid-batch is sealed before its batch commits)
 
-        # The file goes before the entry, outside the write transaction: unlinking a large file frees its extents,
-        # which can take the filesystem long enough to hold up every durable offload queued on the write lock. A
-        # crash between the two leaves an entry without a file, which the next call removes (FileNotFoundError).
-        # Nothing can come to reference a sealed segment meanwhile: writers append only to unsealed ones and
-        # relocation moves records out of segments, never into a sealed one.
+        # The file goes before the entry, outside the write transaction: freeing a large file's extents can take
+        # the filesystem long enough to hold up every durable offload queued on the write lock; and it goes in
+        # synced steps (`unlink_in_steps`: on a discard mount each step's extents are discarded in a commit of
+        # their own). A crash part way leaves the entry with a shorter file, or none, which the next call deletes.
+        # Nothing can come to reference a sealed segment meanwhile (writers append only to unsealed ones and
+        # relocation moves records out of segments, never into a sealed one), and no reader can still read it
+        # (the epoch rule above), so cutting it short is as safe as unlinking it.
         try:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            unlink_in_steps(path)
         finally:
             if probe is not None:
                 probe.close()

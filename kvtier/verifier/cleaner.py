@@ -15,7 +15,15 @@ from collections.abc import Iterator, Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
-from kvtier.store import DiskStore, DropIf, RecordState, StoreLimits, encode_key, parse_segment_name
+from kvtier.store import (
+    DiskStore,
+    DropIf,
+    RecordState,
+    StoreLimits,
+    encode_key,
+    parse_segment_name,
+    unlink_in_steps,
+)
 from kvtier.verifier.checks import NamespaceView
 from kvtier.verifier.inventory import Inventory
 from kvtier.verifier.policy import Candidate, plan_eviction
@@ -142,9 +150,7 @@ class Cleaner:
             seg_id = parse_segment_name(s.name)
             if seg_id is not None and seg_id in known:
                 continue
-            try:
-                os.unlink(os.path.join(seg_dir, s.name))
-            except FileNotFoundError:
+            if not unlink_in_steps(os.path.join(seg_dir, s.name)):
                 continue
             log.info("removed stray file segments/%s (%d bytes)", s.name, s.size)
             self.actions["strays_removed"] += 1

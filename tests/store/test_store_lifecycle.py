@@ -1,5 +1,5 @@
-"""Reader epochs before unlink, unlink outside the write lock, backend probing without a CUDA driver, and a store
-state machine."""
+"""Reader epochs before unlink, unlink outside the write lock and in synced steps, backend probing without a CUDA
+driver, and a store state machine."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvtier.core import Reason
 from kvtier.core.tier import LoadRequest
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store import compaction as compaction_mod
+from kvtier.store.io import UNLINK_STEP_BYTES, unlink_in_steps
 from kvtier.store.segments import segment_name
 from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
 
@@ -102,6 +103,68 @@ def test_a_segment_file_is_unlinked_outside_the_index_write_lock(tmp_path, monke
         writer.join()
         assert committed == [True]
         assert first not in s.segments() and not os.path.exists(tmp_path / "segments" / segment_name(first))
+
+
+def test_unlink_in_steps_cuts_the_file_from_its_end_syncing_each_cut(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "seg"
+    path.write_bytes(os.urandom(5 << 20))
+    synced_sizes: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced_sizes.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert unlink_in_steps(str(path), step=2 << 20)
+    assert synced_sizes == [3 << 20, 1 << 20] and not path.exists()
+    assert not unlink_in_steps(str(path), step=2 << 20)  # already gone: nothing to do, no error
+
+
+_KILLED_AFTER_ONE_STEP = """
+import os, signal, sys
+from kvtier.store import DiskStore, StoreConfig
+real_fsync = os.fsync
+def fsync(fd):
+    real_fsync(fd)
+    print(os.fstat(fd).st_size, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # right after the first cut is synced
+os.fsync = fsync
+DiskStore(sys.argv[1], StoreConfig(segment_bytes=int(sys.argv[3])), writer=True).try_unlink_segment(int(sys.argv[2]))
+"""
+
+
+def test_a_segment_deleted_part_way_when_killed_is_deleted_by_the_next_call(tmp_path) -> None:
+    """A segment larger than a step is cut from its end in synced steps; killed (-9) after the first, it keeps its
+    entry and is shorter by one step, the other records read back, and the next call deletes file and entry."""
+    root, seg_bytes, size = str(tmp_path), 32 << 20, 4 << 20
+    cfg = StoreConfig(segment_bytes=seg_bytes)
+    with DiskStore(root, cfg, writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"k{i}") for i in range(10)]
+        s.store_many([(k, make_payload(f"k{i}", size), DIGEST) for i, k in enumerate(keys)])
+        first = min(s.segments())
+        in_first = [r.key for r in s.iter_records() if r.entry.segment == first]
+        assert s.drop(in_first) == len(in_first)
+    path = os.path.join(root, "segments", segment_name(first))
+    before = os.path.getsize(path)
+    assert before > UNLINK_STEP_BYTES
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_ONE_STEP, root, str(first), str(seg_bytes)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert int(child.stdout) == os.path.getsize(path) == before - UNLINK_STEP_BYTES
+    with DiskStore(root, cfg, writer=True) as s:
+        assert first in s.segments()
+        rest = [k for k in keys if k not in in_first]
+        outs = [torch.empty(size, dtype=torch.uint8) for _ in rest]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for k, o in zip(rest, outs)]) == [Reason.OK] * len(rest)
+        assert all(torch.equal(o, make_payload(f"k{keys.index(k)}", size)) for k, o in zip(rest, outs))
+        assert s.try_unlink_segment(first)
+        assert first not in s.segments() and not os.path.exists(path)
 
 
 _PROBE = """
