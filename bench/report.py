@@ -278,6 +278,20 @@ def _verifier_rows(sections: dict) -> list[Row]:
                 f"{d['acknowledged_lost']} of {d['acknowledged_objects']:,}",
             )
         )
+    g = v.get("segment_delete")
+    if g and "in_steps" in g:
+        mount = {True: "discard mount", False: "no discard mount"}.get(g["discard_mount"], "mount unknown")
+        out.append(
+            _vs(
+                "segment_delete_p99",
+                f"store load p99 while a {g['file_bytes'] / 2**30:g} GiB segment is deleted in synced steps ({mount})",
+                f"{g['in_steps']['p99_ms']:,.1f} ms",
+                "deleted at once",
+                f"{g['at_once']['p99_ms']:,.1f} ms",
+                f"{g['in_steps_over_at_once']:.2f}x; {g['in_steps']['p99_over_base']:.2f}x and "
+                f"{g['at_once']['p99_over_base']:.2f}x of the p99 before",
+            )
+        )
     return out
 
 

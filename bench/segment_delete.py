@@ -1,0 +1,181 @@
+"""What deleting one segment does to the store's readers: the file freed at once (`os.unlink`, how kvtier deleted a
+segment before) against in synced steps (`kvtier.store.unlink_in_steps`, how `try_unlink_segment` and the cleaner's
+stray removal delete one now). bench/verifier.py's `segment_delete` section; run alone it prints the same JSON object.
+
+Reader threads (bench/verifier.py's) load random batches of records from a store on the same filesystem
+continuously. Per deletion: a file of the store's default segment size (`StoreConfig().segment_bytes`: what a
+user's segments are) is written and synced, the readers run `--settle-s` and then a `--base-s` window (the
+baseline), the file is deleted and the directory synced (the journal commit that frees its extents, which any
+fdatasync on the filesystem would also force), and the readers run `--after-s` more. Deletions alternate ABBA
+between the sides, `--repeat` of each. Per side: the p99 and max of the loads started from the deletion to the
+end of its window, the same of the baselines before them, `p99_over_base` (the one over the other), how long a
+deletion took (`delete_s`) and the device's discard requests it caused (`discards`, from the block device's stat
+file; null where the filesystem has no block device); `in_steps_over_at_once`: in_steps' p99 over at_once's.
+`discard_mount` says whether the filesystem is mounted with online discard (where it is not, neither side frees
+extents with a discard and the two should read alike).
+
+    python bench/segment_delete.py [--quick] [--repeat N] [--file-bytes B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import verifier as vb
+from thp import block_device
+
+from kvtier.store import StoreConfig, unlink_in_steps
+
+SIDES = ("at_once", "in_steps")
+WRITE_PIECE = 64 << 20
+
+
+def discard_mount(path: str) -> bool | None:
+    """Whether the filesystem holding `path` is mounted with `discard` (None: not found in mountinfo)."""
+    best: tuple[int, bool] | None = None
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mount_point, options = fields[4], fields[5].split(",")
+            sep = fields.index("-")
+            super_options = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+            inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+            if inside and (best is None or len(mount_point) >= best[0]):
+                best = (len(mount_point), "discard" in options + super_options)
+    return None if best is None else best[1]
+
+
+def _discards(dev: Path | None) -> int | None:
+    """Discard requests the block device has completed (Documentation/block/stat.rst); None without one."""
+    if dev is None:
+        return None
+    fields = (dev / "stat").read_text().split()
+    return int(fields[11]) if len(fields) > 11 else None
+
+
+def _write(path: str, nbytes: int, piece: bytes) -> None:
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(piece)):
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _window(readers: vb.Readers, label: str, seconds: float) -> None:
+    readers.samples.setdefault(label, []).append([])
+    readers.window += 1
+    readers.label = label
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)  # the readers time their own loads; this thread only keeps the window open
+
+
+def measure(args: argparse.Namespace) -> dict:
+    work = tempfile.mkdtemp(prefix="kvtier-bench-segdel-", dir=args.root)
+    readers = None
+    dev = block_device(Path(work))
+    try:
+        root = os.path.join(work, "store")
+        keys, payloads = vb.build(root, args.records, args.size, 4 << 20)
+        readers = vb.Readers(root, keys, payloads, args.readers, args.batch)
+        readers.start()
+        piece = np.random.default_rng(0).integers(0, 256, min(WRITE_PIECE, args.file_bytes), np.uint8).tobytes()
+        took: dict[str, list[float]] = {s: [] for s in SIDES}
+        discards: dict[str, list[int]] = {s: [] for s in SIDES}
+        for r in range(2 * args.repeat):
+            side = SIDES[(r + r // 2) % 2]  # ABBA
+            path = os.path.join(work, "segment.bin")
+            _write(path, args.file_bytes, piece)
+            time.sleep(args.settle_s)  # the write's own traffic out of the baseline (not a synchronisation)
+            _window(readers, f"base_{side}", args.base_s)
+            readers.samples.setdefault(side, []).append([])
+            readers.window += 1
+            readers.label = side
+            d0, t0 = _discards(dev), time.perf_counter()
+            if side == "at_once":
+                os.unlink(path)
+            else:
+                unlink_in_steps(path)
+            _sync_dir(work)
+            took[side].append(time.perf_counter() - t0)
+            deadline = time.monotonic() + args.after_s
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            d1 = _discards(dev)
+            if d0 is not None and d1 is not None:
+                discards[side].append(d1 - d0)
+        readers.label = None
+        readers.stop()
+        out: dict = {
+            "file_bytes": args.file_bytes,
+            "default_segment_bytes": StoreConfig().segment_bytes,
+            "discard_mount": discard_mount(work),
+            "repeat": args.repeat,
+            "readers": args.readers,
+        }
+        for side in SIDES:
+            loads = [x for xs in readers.samples[side] for x in xs]
+            base = [x for xs in readers.samples[f"base_{side}"] for x in xs]
+            p99, base_p99 = float(np.percentile(loads, 99)), float(np.percentile(base, 99))
+            out[side] = {
+                "p99_ms": round(p99 * 1e3, 2),
+                "max_ms": round(max(loads) * 1e3, 1),
+                "base_p99_ms": round(base_p99 * 1e3, 2),
+                "base_max_ms": round(max(base) * 1e3, 1),
+                "p99_over_base": round(p99 / base_p99, 3),
+                "loads": len(loads),
+                "delete_s": round(float(np.median(took[side])), 3),
+                "discards": int(np.median(discards[side])) if discards[side] else None,
+            }
+        out["in_steps_over_at_once"] = round(out["in_steps"]["p99_ms"] / out["at_once"]["p99_ms"], 3)
+        out["wrong_bytes"] = readers.wrong
+        return out
+    finally:
+        if readers is not None:
+            readers.store.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}repeat", type=int, default=4, help="deletions per side, in ABBA order")
+    p.add_argument(f"--{prefix}file-bytes", type=int, default=StoreConfig().segment_bytes)
+    p.add_argument(f"--{prefix}settle-s", type=float, default=2.0)
+    p.add_argument(f"--{prefix}base-s", type=float, default=2.0)
+    p.add_argument(f"--{prefix}after-s", type=float, default=1.5)
+    p.add_argument(f"--{prefix}records", type=int, default=600)
+    p.add_argument(f"--{prefix}size", type=int, default=60_000)
+    p.add_argument(f"--{prefix}readers", type=int, default=4)
+    p.add_argument(f"--{prefix}batch", type=int, default=4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
+    add_arguments(p)
+    p.add_argument("--quick", action="store_true", help="small and short (the test suite's version)")
+    if "--quick" in sys.argv[1:]:
+        p.set_defaults(repeat=1, file_bytes=64 << 20, settle_s=0.2, base_s=0.5, after_s=0.5, records=120)
+    print(json.dumps(measure(p.parse_args())))
+
+
+if __name__ == "__main__":
+    main()
