@@ -4,9 +4,10 @@ stray removal delete one now). bench/verifier.py's `segment_delete` section; run
 
 Reader threads (bench/verifier.py's) load random batches of records from a store on the same filesystem
 continuously. Per deletion: a file of the store's default segment size (`StoreConfig().segment_bytes`: what a
-user's segments are) is written and synced, the readers run `--settle-s` and then a `--base-s` window (the
-baseline), the file is deleted and the directory synced (the journal commit that frees its extents, which any
-fdatasync on the filesystem would also force), and the readers run `--after-s` more. Deletions alternate ABBA
+user's segments are) is written and synced (loads meanwhile are not counted), the readers run `--settle-s` and
+then a `--base-s` window (the baseline), the file is deleted and the filesystems synced (`os.sync`: the journal
+commit that frees its extents, which any fdatasync on the filesystem would also force), and the readers run
+`--after-s` more. Deletions alternate ABBA
 between the sides, `--repeat` of each. Per side: the p99 and max of the loads started from the deletion to the
 end of its window, the same of the baselines before them, `p99_over_base` (the one over the other), how long a
 deletion took (`delete_s`) and the device's discard requests it caused (`discards`, from the block device's stat
@@ -72,14 +73,6 @@ def _write(path: str, nbytes: int, piece: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _window(readers: vb.Readers, label: str, seconds: float) -> None:
     readers.samples.setdefault(label, []).append([])
     readers.window += 1
@@ -115,11 +108,12 @@ def measure(args: argparse.Namespace) -> dict:
                 os.unlink(path)
             else:
                 unlink_in_steps(path)
-            _sync_dir(work)
+            os.sync()  # the journal commit that frees the extents (any fdatasync on the filesystem forces one)
             took[side].append(time.perf_counter() - t0)
             deadline = time.monotonic() + args.after_s
             while time.monotonic() < deadline:
                 time.sleep(0.01)
+            readers.label = None  # the next file's write is no side's: its loads are counted nowhere
             d1 = _discards(dev)
             if d0 is not None and d1 is not None:
                 discards[side].append(d1 - d0)
