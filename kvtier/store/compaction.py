@@ -21,7 +21,7 @@ from kvtier.store.extent import ExtentPlan, write_extent
 from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
-from kvtier.store.io import SegmentFile, unlink_in_steps
+from kvtier.store.io import SegmentFile, cut_down, unlink_in_steps
 from kvtier.store.maintenance import Maintenance
 from kvtier.store.reader import Reader
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
@@ -135,7 +135,8 @@ class Compaction:
         return index.update(put)
 
     def trim_segment(self, seg_id: int) -> int:
-        """Cut a sealed segment's uncommitted tail (bytes a crashed batch left past `tail`); returns bytes freed."""
+        """Cut a sealed segment's uncommitted tail (bytes a crashed batch left past `tail`), in synced steps as a
+        segment is deleted (`cut_down`); returns bytes freed."""
         probe = _lock_segment(os.path.join(self._ctx.seg_dir, segment_name(seg_id)))
         if not isinstance(probe, SegmentFile):
             return 0
@@ -145,6 +146,7 @@ class Compaction:
             size = probe.size()
             if entry is None or not entry.sealed or size <= entry.tail:
                 return 0
+            cut_down(probe.fd, entry.tail)
             probe.truncate(entry.tail)
             probe.sync()
             return size - entry.tail

@@ -41,26 +41,33 @@ def replace_whole(path: str, partial: str, body: bytes) -> None:
     os.replace(partial, path)
 
 
-# How much of a file `unlink_in_steps` frees per synced cut (see there; bench/segment_delete.py measures it)
+# How much of a file `cut_down` frees per synced cut (bench/segment_delete.py measures the steps against none)
 UNLINK_STEP_BYTES = 16 << 20
 
 
+def cut_down(fd: int, size: int, step: int = UNLINK_STEP_BYTES) -> None:
+    """Cut the file open at `fd` from its end, `step` bytes at a time, each cut synced, until at most `step` bytes
+    past `size` are left (the caller frees those: its own last truncate, or the unlink). Why: a filesystem mounted
+    with online discard (`-o discard`) discards the extents a file frees when its journal commits them, in that
+    commit; a segment's worth freed at once is one long discard queued in front of the store's reads and of every
+    fdatasync that waits on the commit. A synced cut commits one step's extents. A crash part way leaves the file
+    shorter, whole up to its new end."""
+    at = os.fstat(fd).st_size
+    while at - size > step:
+        at -= step
+        os.ftruncate(fd, at)
+        os.fsync(fd)
+
+
 def unlink_in_steps(path: str, step: int = UNLINK_STEP_BYTES) -> bool:
-    """Unlink a file after cutting it down from its end, `step` bytes at a time, each cut synced; False where the file
-    was already gone. Why: a filesystem mounted with online discard (`-o discard`) discards the extents a file frees
-    when its journal commits them, in that commit; a whole segment freed at once is one long discard queued in front
-    of the store's reads and of every fdatasync that waits on the commit. A synced cut commits one step's extents.
-    A crash part way leaves the file shorter, whole up to its new end: the caller deletes it again later."""
+    """Unlink a file after cutting it down in synced steps (`cut_down`); False where it was already gone. A crash
+    part way leaves it shorter: the caller deletes it again later."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
-        size = os.fstat(fd).st_size
-        while size > step:
-            size -= step
-            os.ftruncate(fd, size)
-            os.fsync(fd)
+        cut_down(fd, 0, step)
     finally:
         os.close(fd)
     try:

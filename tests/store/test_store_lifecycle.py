@@ -121,6 +121,38 @@ def test_unlink_in_steps_cuts_the_file_from_its_end_syncing_each_cut(tmp_path, m
     assert not unlink_in_steps(str(path), step=2 << 20)  # already gone: nothing to do, no error
 
 
+def test_an_uncommitted_tail_is_trimmed_in_synced_steps(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes a crashed batch left past a sealed segment's committed tail go as a deleted segment's do: cut from the
+    end in synced steps, then the rest; the segment's records still read back."""
+    with DiskStore(str(tmp_path), StoreConfig(segment_bytes=64 << 10), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"t{i}") for i in range(6)]
+        for i, k in enumerate(keys):
+            s.store(k, make_payload(f"t{i}", 40_000), DIGEST)
+        first = min(s.segments())
+        tail = s.segments()[first].tail
+        path = tmp_path / "segments" / segment_name(first)
+        with open(path, "ab") as f:
+            f.write(os.urandom(UNLINK_STEP_BYTES + (3 << 20)))
+        before = path.stat().st_size
+        synced_sizes: list[int] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            synced_sizes.append(os.fstat(fd).st_size)
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        assert s.trim_segment(first) == before - tail
+        assert synced_sizes == [before - UNLINK_STEP_BYTES] and path.stat().st_size == tail
+        segment_of = {r.key: r.entry.segment for r in s.iter_records()}
+        in_first = [(i, k) for i, k in enumerate(keys) if segment_of[k] == first]
+        assert in_first
+        outs = [torch.empty(40_000, dtype=torch.uint8) for _ in in_first]
+        assert s.load_into([LoadRequest(k, o, DIGEST) for (_, k), o in zip(in_first, outs)]) == [Reason.OK] * len(outs)
+        assert all(torch.equal(o, make_payload(f"t{i}", 40_000)) for (i, _), o in zip(in_first, outs))
+
+
 _KILLED_AFTER_ONE_STEP = """
 import os, signal, sys
 from kvtier.store import DiskStore, StoreConfig
