@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.core import Reason
-from kvtier.core.tier import LoadRequest
+from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store import compaction as compaction_mod
 from kvtier.store.io import UNLINK_STEP_BYTES, unlink_in_steps
@@ -46,13 +46,19 @@ def _reader(root: str) -> subprocess.Popen:
     return p
 
 
+def _six_records(s: DiskStore, tag: str) -> list[ObjectKey]:
+    """Six 40 KB records stored one by one (in 64 KiB segments, each sealed as the next one starts)."""
+    ns = s.register_namespace(VK)
+    keys = [make_key(ns, f"{tag}{i}") for i in range(6)]
+    for i, k in enumerate(keys):
+        s.store(k, make_payload(f"{tag}{i}", 40_000), DIGEST)
+    return keys
+
+
 def test_segment_is_unlinked_only_after_every_reader_that_could_see_it_is_gone(tmp_path) -> None:
     root = str(tmp_path)
     with DiskStore(root, StoreConfig(segment_bytes=64 << 10), writer=True) as s:
-        ns = s.register_namespace(VK)
-        keys = [make_key(ns, f"e{i}") for i in range(6)]
-        for i, k in enumerate(keys):
-            s.store(k, make_payload(f"e{i}", 40_000), DIGEST)
+        keys = _six_records(s, "e")
         segs = s.segments()
         first = min(segs)
         active = max(segs)
@@ -82,10 +88,7 @@ def test_a_segment_file_is_unlinked_outside_the_index_write_lock(tmp_path, monke
     """Freeing a large file's extents can take the filesystem a while; a write committed from another thread while
     the unlink runs must not wait for it (it would if the unlink ran inside the write transaction)."""
     with DiskStore(str(tmp_path), StoreConfig(segment_bytes=64 << 10), writer=True) as s:
-        ns = s.register_namespace(VK)
-        keys = [make_key(ns, f"u{i}") for i in range(6)]
-        for i, k in enumerate(keys):
-            s.store(k, make_payload(f"u{i}", 40_000), DIGEST)
+        _six_records(s, "u")
         first = min(s.segments())
         assert s.drop([r.key for r in s.iter_records() if r.entry.segment == first]) > 0
         committed: list[bool] = []
@@ -105,44 +108,40 @@ def test_a_segment_file_is_unlinked_outside_the_index_write_lock(tmp_path, monke
         assert first not in s.segments() and not os.path.exists(tmp_path / "segments" / segment_name(first))
 
 
-def test_unlink_in_steps_cuts_the_file_from_its_end_syncing_each_cut(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "seg"
-    path.write_bytes(os.urandom(5 << 20))
-    synced_sizes: list[int] = []
+@pytest.fixture
+def synced_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of the file each os.fsync call syncs, in order (the real fsync still runs)."""
+    sizes: list[int] = []
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
-        synced_sizes.append(os.fstat(fd).st_size)
+        sizes.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    return sizes
+
+
+def test_unlink_in_steps_cuts_the_file_from_its_end_syncing_each_cut(tmp_path, synced_sizes: list[int]) -> None:
+    path = tmp_path / "seg"
+    path.write_bytes(os.urandom(5 << 20))
     assert unlink_in_steps(str(path), step=2 << 20)
     assert synced_sizes == [3 << 20, 1 << 20] and not path.exists()
     assert not unlink_in_steps(str(path), step=2 << 20)  # already gone: nothing to do, no error
 
 
-def test_an_uncommitted_tail_is_trimmed_in_synced_steps(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_uncommitted_tail_is_trimmed_in_synced_steps(tmp_path, synced_sizes: list[int]) -> None:
     """Bytes a crashed batch left past a sealed segment's committed tail go as a deleted segment's do: cut from the
     end in synced steps, then the rest; the segment's records still read back."""
     with DiskStore(str(tmp_path), StoreConfig(segment_bytes=64 << 10), writer=True) as s:
-        ns = s.register_namespace(VK)
-        keys = [make_key(ns, f"t{i}") for i in range(6)]
-        for i, k in enumerate(keys):
-            s.store(k, make_payload(f"t{i}", 40_000), DIGEST)
+        keys = _six_records(s, "t")
         first = min(s.segments())
         tail = s.segments()[first].tail
         path = tmp_path / "segments" / segment_name(first)
         with open(path, "ab") as f:
             f.write(os.urandom(UNLINK_STEP_BYTES + (3 << 20)))
         before = path.stat().st_size
-        synced_sizes: list[int] = []
-        real_fsync = os.fsync
-
-        def fsync(fd: int) -> None:
-            synced_sizes.append(os.fstat(fd).st_size)
-            real_fsync(fd)
-
-        monkeypatch.setattr(os, "fsync", fsync)
+        synced_sizes.clear()  # (the store's own directory syncs so far)
         assert s.trim_segment(first) == before - tail
         assert synced_sizes == [before - UNLINK_STEP_BYTES] and path.stat().st_size == tail
         segment_of = {r.key: r.entry.segment for r in s.iter_records()}
