@@ -292,6 +292,19 @@ def _verifier_rows(sections: dict) -> list[Row]:
                 f"{g['at_once']['p99_over_base']:.2f}x of the p99 before",
             )
         )
+        if "durable_stores" in g["in_steps"]:
+            steps, once = g["in_steps"]["durable_stores"], g["at_once"]["durable_stores"]
+            out.append(
+                _vs(
+                    "segment_delete_durable",
+                    "durable store p99 / max while it is deleted in synced steps",
+                    f"{steps['p99_ms']:,.1f} / {steps['max_ms']:,.0f} ms",
+                    "deleted at once",
+                    f"{once['p99_ms']:,.1f} / {once['max_ms']:,.0f} ms",
+                    f"p99 {g['durable_stores_in_steps_over_at_once']:.2f}x; {steps['p99_over_base']:.2f}x and "
+                    f"{once['p99_over_base']:.2f}x of the p99 before",
+                )
+            )
     return out
 
 
