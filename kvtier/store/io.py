@@ -61,15 +61,19 @@ def cut_down(fd: int, size: int, step: int = UNLINK_STEP_BYTES) -> None:
 
 def unlink_in_steps(path: str, step: int = UNLINK_STEP_BYTES) -> bool:
     """Unlink a file after cutting it down in synced steps (`cut_down`); False where it was already gone. A crash
-    part way leaves it shorter: the caller deletes it again later."""
+    part way leaves it shorter: the caller deletes it again later. A file this process may unlink but not write (its
+    directory is writable to it, the file is another user's) is unlinked whole, as before there were steps."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
-    try:
-        cut_down(fd, 0, step)
-    finally:
-        os.close(fd)
+    except PermissionError:
+        fd = -1
+    if fd >= 0:
+        try:
+            cut_down(fd, 0, step)
+        finally:
+            os.close(fd)
     try:
         os.unlink(path)
     except FileNotFoundError:

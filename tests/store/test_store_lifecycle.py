@@ -130,6 +130,22 @@ def test_unlink_in_steps_cuts_the_file_from_its_end_syncing_each_cut(tmp_path, s
     assert not unlink_in_steps(str(path), step=2 << 20)  # already gone: nothing to do, no error
 
 
+def test_a_file_it_may_not_write_is_still_unlinked_whole(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's stray in a directory this process may write: no cuts (it cannot open the file to write),
+    but the unlink it could always do still happens."""
+    path = tmp_path / "stray"
+    path.write_bytes(os.urandom(3 << 20))
+    real_open = os.open
+
+    def open_as_another_user(p: str, flags: int, *args: int) -> int:
+        if p == str(path) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", p)
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_as_another_user)
+    assert unlink_in_steps(str(path), step=1 << 20) and not path.exists()
+
+
 def test_an_uncommitted_tail_is_trimmed_in_synced_steps(tmp_path, synced_sizes: list[int]) -> None:
     """Bytes a crashed batch left past a sealed segment's committed tail go as a deleted segment's do: cut from the
     end in synced steps, then the rest; the segment's records still read back."""
