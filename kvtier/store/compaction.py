@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -21,7 +22,7 @@ from kvtier.store.extent import ExtentPlan, write_extent
 from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
-from kvtier.store.io import SegmentFile, cut_down, unlink_in_steps
+from kvtier.store.io import SegmentFile, cut_down
 from kvtier.store.maintenance import Maintenance
 from kvtier.store.reader import Reader
 from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_record
@@ -114,13 +115,16 @@ class Compaction:
 
         # The file goes before the entry, outside the write transaction: freeing a large file's extents can take
         # the filesystem long enough to hold up every durable offload queued on the write lock; and it goes in
-        # synced steps (`unlink_in_steps`: on a discard mount each step's extents are discarded in a commit of
-        # their own). A crash part way leaves the entry with a shorter file, or none, which the next call deletes.
-        # Nothing can come to reference a sealed segment meanwhile (writers append only to unsealed ones and
-        # relocation moves records out of segments, never into a sealed one), and no reader can still read it
-        # (the epoch rule above), so cutting it short is as safe as unlinking it.
+        # synced steps, cut through the probe that holds its flock (`cut_down`: on a discard mount each step's
+        # extents are discarded in a commit of their own). A crash part way leaves the entry with a shorter file, or
+        # none, which the next call deletes. Nothing can come to reference a sealed segment meanwhile (writers append
+        # only to unsealed ones and relocation moves records out of segments, never into a sealed one), and no
+        # reader can still read it (the epoch rule above), so cutting it short is as safe as unlinking it.
         try:
-            unlink_in_steps(path)
+            if probe is not None:
+                cut_down(probe.fd, 0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         finally:
             if probe is not None:
                 probe.close()

@@ -68,8 +68,8 @@ def unlink_in_steps(path: str, step: int = UNLINK_STEP_BYTES) -> bool:
     except FileNotFoundError:
         return False
     except PermissionError:
-        fd = -1
-    if fd >= 0:
+        pass
+    else:
         try:
             cut_down(fd, 0, step)
         finally:
