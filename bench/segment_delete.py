@@ -1,6 +1,7 @@
 """What deleting one segment does to the store's readers: the file freed at once (`os.unlink`, how kvtier deleted a
-segment before) against in synced steps (`kvtier.store.unlink_in_steps`, how `try_unlink_segment` and the cleaner's
-stray removal delete one now). bench/verifier.py's `segment_delete` section; run alone it prints the same JSON object.
+segment before) against in synced steps (`kvtier.store.unlink_in_steps`: the cuts `try_unlink_segment` and the
+cleaner's stray removal make now, then the unlink). bench/verifier.py's `segment_delete` section; run alone it
+prints the same JSON object.
 
 Reader threads (bench/verifier.py's) load random batches of records from a store on the same filesystem
 continuously, and a writer thread stores `--write-size` records one after another in a store of its own, each
@@ -129,12 +130,6 @@ def _label(timed: list, label: str | None) -> None:
         t.label = label
 
 
-def _wait(seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(0.01)  # the threads time their own calls; this one only keeps the window open
-
-
 def _summary(samples: dict[str, list[list[float]]], side: str) -> dict:
     """p99 and max of one side's calls, and of the windows before its deletions."""
     calls = [x for xs in samples[side] for x in xs]
@@ -169,9 +164,9 @@ def measure(args: argparse.Namespace) -> dict:
             side = SIDES[(r + r // 2) % 2]  # ABBA
             path = os.path.join(work, "segment.bin")
             _write(path, args.file_bytes, piece)
-            _wait(args.settle_s)  # the write's own traffic out of the baseline (not a synchronisation)
+            time.sleep(args.settle_s)  # the write's own traffic out of the baseline (not a synchronisation)
             _label(timed, f"base_{side}")
-            _wait(args.base_s)
+            time.sleep(args.base_s)
             _label(timed, side)
             d0, t0 = _discards(dev), time.perf_counter()
             if side == "at_once":
@@ -180,7 +175,7 @@ def measure(args: argparse.Namespace) -> dict:
                 unlink_in_steps(path)
             os.sync()  # the journal commit that frees the extents (any fdatasync on the filesystem forces one)
             took[side].append(time.perf_counter() - t0)
-            _wait(args.after_s)
+            time.sleep(args.after_s)
             _label(timed, None)  # the next file's write is no side's: its calls are counted nowhere
             d1 = _discards(dev)
             if d0 is not None and d1 is not None:
