@@ -151,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict:
     dev = block_device(Path(work))
     try:
         root = os.path.join(work, "store")
-        keys, payloads = vb.build(root, args.records, args.size, 4 << 20)
+        keys, payloads, _ = vb.build(root, args.records, args.size, 4 << 20)
         readers = vb.Readers(root, keys, payloads, args.readers, args.batch)
         writer = DurableWriter(os.path.join(work, "durable"), args.write_size)
         timed = [readers, writer]

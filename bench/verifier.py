@@ -94,9 +94,11 @@ def _payload(i: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8))
 
 
-def build(root: str, n: int, size: int, segment_bytes: int) -> tuple[list[ObjectKey], list[torch.Tensor]]:
-    """n records of three forms; every 4th is pinned (the readers' set); the budget forces evicting about half
-    of the rest, which leaves segments half dead, so compaction relocates the pinned records under the readers."""
+def build(root: str, n: int, size: int, segment_bytes: int) -> tuple[list[ObjectKey], list[torch.Tensor], int]:
+    """n records of three forms; every 4th is pinned (the readers' set). Also returns a budget that, once set,
+    forces evicting about half of the rest, which leaves segments half dead, so compaction relocates the pinned
+    records. It is not set here: a verifier started on a store over its budget evicts and compacts in its first
+    pass, before any reader runs."""
     hot_keys, hot_payloads = [], []
     with DiskStore(root, StoreConfig(segment_bytes=segment_bytes), writer=True) as s:
         ns = s.register_namespace(VK)
@@ -111,9 +113,8 @@ def build(root: str, n: int, size: int, segment_bytes: int) -> tuple[list[Object
                 hot_keys.append(k)
                 hot_payloads.append(_payload(i, size))
         s.pin(hot_keys, 3600.0)
-        record_bytes = s.stats()["record_bytes"]
-        s.set_limits(int(record_bytes * 0.6), {})
-    return hot_keys, hot_payloads
+        budget = int(s.stats()["record_bytes"] * 0.6)
+    return hot_keys, hot_payloads, budget
 
 
 class Readers:
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
     root = os.path.join(work, "store")
     proc = server = readers = None
     try:
-        keys, payloads = build(root, args.records, args.size, args.segment_bytes)
+        keys, payloads, budget = build(root, args.records, args.size, args.segment_bytes)
         readers = Readers(root, keys, payloads, args.readers, args.batch)
         if not args.verifier_writes:  # as beside a daemon: this process commits the verifier's index changes
             server = DecisionServer(root, readers.store.apply_decision)
@@ -300,6 +301,8 @@ def run(args: argparse.Namespace) -> dict:
         windows = 0
         activity: dict[str, list[Activity]] = {"with": [], "without": []}  # per window, beside readers.samples
         while True:
+            if windows == 4:  # the budget between two groups, with the verifier stopped: what it evicts and
+                readers.store.set_limits(budget, {})  # compacts, it does in the windows, beside the readers
             for label in ("without", "with", "with", "without"):  # ABBA: drift in outside load lands on both sides
                 readers.label = None
                 if label == "with" and not args.control:
