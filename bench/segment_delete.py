@@ -121,7 +121,7 @@ class DurableWriter:
         self.store.close()
 
 
-def _label(timed: list, label: str | None) -> None:
+def start_window(timed: list, label: str | None) -> None:
     """Start a window named `label` for every timed thread (None: what they time from now on counts nowhere)."""
     for t in timed:
         if label is not None:
@@ -165,9 +165,9 @@ def measure(args: argparse.Namespace) -> dict:
             path = os.path.join(work, "segment.bin")
             _write(path, args.file_bytes, piece)
             time.sleep(args.settle_s)  # the write's own traffic out of the baseline (not a synchronisation)
-            _label(timed, f"base_{side}")
+            start_window(timed, f"base_{side}")
             time.sleep(args.base_s)
-            _label(timed, side)
+            start_window(timed, side)
             d0, t0 = _discards(dev), time.perf_counter()
             if side == "at_once":
                 os.unlink(path)
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace) -> dict:
             os.sync()  # the journal commit that frees the extents (any fdatasync on the filesystem forces one)
             took[side].append(time.perf_counter() - t0)
             time.sleep(args.after_s)
-            _label(timed, None)  # the next file's write is no side's: its calls are counted nowhere
+            start_window(timed, None)  # the next file's write is no side's: its calls are counted nowhere
             d1 = _discards(dev)
             if d0 is not None and d1 is not None:
                 discards[side].append(d1 - d0)

@@ -23,6 +23,11 @@ if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon
     import torch
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
+# A background writer (compaction) writes each extent in pieces of this size, one after another. One large O_DIRECT
+# write reaches the device as several requests at once, and a load whose read arrives behind them waits for all of
+# them; pieces one after another leave at most one in its way, at a cost in write speed that a paced writer does
+# not feel (bench/background_write.py).
+BACKGROUND_WRITE_BYTES = 1 << 20
 # With every read in flight at once (native AIO from one thread) each run costs the loading thread its Python (plan,
 # place, submit, complete, check) and the kernel's work for one more request, and each byte of a gap costs the disk
 # its time to read it. Bridging gaps makes fewer runs of random small records; bridged too wide, the disk reads
@@ -107,10 +112,13 @@ class Stage:
 
             self.tensor[at : at + HEADER_BYTES].copy_(torch.frombuffer(block, dtype=torch.uint8))
 
-    def write(self, backend: PosixBackend, file: SegmentFile, offset: int) -> None:
-        """The whole extent, one write: pwrite from the host buffer, or KvikIO from device memory."""
+    def write(self, backend: PosixBackend, file: SegmentFile, offset: int, piece_bytes: int = 0) -> None:
+        """The whole extent: pwrite from the host buffer (one write, or pieces of `piece_bytes`, a multiple of the
+        disk alignment, one after another), or KvikIO from device memory."""
         if self._buf is not None:
-            file.pwrite_all(self._buf.mv[: self.size], offset)
+            step = piece_bytes or self.size
+            for at in range(0, self.size, step):
+                file.pwrite_all(self._buf.mv[at : min(at + step, self.size)], offset + at)
         else:
             backend.write_device(file, self.tensor[: self.size], offset)
 
@@ -143,9 +151,11 @@ def write_extent(
     buffers: BufferPool,
     records: Sequence[tuple[RecordHeader, torch.Tensor]],
     device: torch.device | None,
+    piece_bytes: int = 0,
 ) -> tuple[int, list[int]]:
     """Lay out finished records (header, stored bytes) as one extent, stage it (on `device` when given: the GDS
-    write), place it at the appender's tail and write it with one call; returns (segment, each record's offset)."""
+    write), place it at the appender's tail and write it with one call (from the host, in `piece_bytes` pieces
+    when given: `BACKGROUND_WRITE_BYTES` for a background writer); returns (segment, each record's offset)."""
     plan = ExtentPlan()
     for h, _ in records:
         plan.add(h.stored_len)
@@ -156,7 +166,7 @@ def write_extent(
             stage.put_payload(at + HEADER_BYTES, data)
             stage.put_header(h, at)
         place = appender.place(plan.size)
-        stage.write(backend, place.file, place.offset)
+        stage.write(backend, place.file, place.offset, piece_bytes)
     finally:
         stage.release()
     return place.seg_id, [place.offset + at for at in plan.offsets]

@@ -20,6 +20,7 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, QuarantineReason, StoreConfig, rebuild_index
 from kvtier.store import reader as reader_mod
 from kvtier.store.devsum import device_checksum
+from kvtier.store.extent import BACKGROUND_WRITE_BYTES
 from kvtier.store.io import PosixBackend, SegmentFile
 from kvtier.store.record import HEADER_BYTES, Flags
 from support.corrupt import flip_bit, segment_path
@@ -211,6 +212,34 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
         assert s.index.env.info()["map_size"] > 64 << 20  # this process adopted the grown map mid-compaction
         reasons, _outs = _load(s, keys)
         assert reasons == [Reason.OK] * 64
+
+
+def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, monkeypatch) -> None:
+    """A relocation's extent goes to the disk in BACKGROUND_WRITE_BYTES pieces, in order; a store's in one write."""
+    root, size = str(tmp_path), (3 << 20) // 2
+    writes: list[tuple[int, int]] = []
+    real = SegmentFile.pwrite_all
+
+    def counted(self, data, offset):
+        writes.append((offset, len(data)))
+        return real(self, data, offset)
+
+    monkeypatch.setattr(SegmentFile, "pwrite_all", counted)
+    with DiskStore(root, StoreConfig(), writer=True) as s:
+        ns = s.register_namespace(VK)
+        keys = [make_key(ns, f"b{i}") for i in range(3)]
+        s.store_many([(k, make_payload(f"b{i}", size), DIGEST) for i, k in enumerate(keys)])
+        assert len(writes) == 1 and writes[0][1] >= 3 * size  # the engine's store: one extent, one write
+    with DiskStore(root) as s:
+        before = {r.entry.segment for r in s.records(keys)}
+        writes.clear()
+        assert s.relocate([keys]) == [3]
+        assert {r.entry.segment for r in s.records(keys)}.isdisjoint(before)
+        assert len(writes) > 4 and all(n <= BACKGROUND_WRITE_BYTES for _, n in writes)
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(writes))  # one after another, no gap
+        reasons, outs = _load(s, keys, size)
+        assert reasons == [Reason.OK] * 3
+        assert all(torch.equal(o, make_payload(f"b{i}", size)) for i, o in enumerate(outs))
 
 
 # ----------------------------------------------------------------- the device checksum and the GDS paths
