@@ -305,19 +305,21 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{once['p99_over_base']:.2f}x of the p99 before",
                 )
             )
-    b = v.get("background_write")
-    if b and "pieces" in b:
-        pieces, once = b["pieces"], b["one_write"]
+    b = v.get("background_io")
+    for kind in ("write", "read") if b else ():
+        if kind not in b:
+            continue
+        pieces, once = b[kind]["pieces"], b[kind]["at_once"]
         out.append(
             _vs(
-                "background_write_p99",
-                f"store load p99 beside one {b['extent_bytes'] / 2**20:g} MiB background write in "
+                f"background_{kind}_p99",
+                f"store load p99 beside one {b['extent_bytes'] / 2**20:g} MiB background {kind} in "
                 f"{b['piece_bytes'] / 2**20:g} MiB pieces",
                 f"{pieces['p99_ms']:,.1f} ms",
-                "in one write",
+                f"the {kind} at once",
                 f"{once['p99_ms']:,.1f} ms",
-                f"{b['pieces_over_one_write']:.2f}x; {pieces['p99_over_quiet']:.2f}x{_interval(pieces, 'ci95')} and "
-                f"{once['p99_over_quiet']:.2f}x{_interval(once, 'ci95')} of the quiet p99",
+                f"{b[kind]['pieces_over_at_once']:.2f}x; {pieces['p99_over_quiet']:.2f}x{_interval(pieces, 'ci95')} "
+                f"and {once['p99_over_quiet']:.2f}x{_interval(once, 'ci95')} of the quiet p99",
             )
         )
     return out

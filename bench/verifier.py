@@ -12,8 +12,8 @@ machine at the time, to quote beside a real run's. Readers load only pinned reco
 by compaction) and check every byte: a wrong byte, an error, or a miss for such a record is counted. Prints one
 JSON object, which also holds `durable_offloads` (bench/verifier_offloads.py), `segment_delete`
 (bench/segment_delete.py: the readers while one segment of the default size is deleted at once and in synced
-steps) and `background_write` (bench/background_write.py: the readers beside one extent written at once and in
-a background writer's pieces), each of which also runs alone.
+steps) and `background_io` (bench/background_io.py: the readers beside one 8 MiB background read or write sent
+at once and in pieces one after another), each of which also runs alone.
 
 The readers keep the store's disk busy the whole time, so a running verifier sees other processes moving bytes on
 it (`kvtier.verifier.busy`) and paces at `--busy-rate`, not `--rate`: `breakdown.verifier_read_MBps` shows which.
@@ -49,7 +49,7 @@ from kvtier.store import DecisionServer, DiskStore, StoreConfig
 from kvtier.verifier import VerifierSettings, verifier_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import background_write
+import background_io
 import segment_delete
 import verifier_offloads
 from resample import p99_ratio_interval
@@ -434,19 +434,19 @@ def main() -> None:
     )
     p.add_argument(
         "--only",
-        choices=("reads", "offloads", "deletes", "writes"),
+        choices=("reads", "offloads", "deletes", "background"),
         default=None,
-        help="run one part (default: reads, then offloads, then deletes, then writes)",
+        help="run one part (default: reads, then offloads, then deletes, then background)",
     )
     verifier_offloads.add_arguments(p, prefix="offload-")
     segment_delete.add_arguments(p, prefix="delete-")
-    background_write.add_arguments(p, prefix="bgwrite-")
+    background_io.add_arguments(p, prefix="bgio-")
     quick = "--quick" in sys.argv[1:]
     if quick:  # its sizes are defaults: options given beside it still win
         p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
         p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200, offload_progress_s=30.0)
         p.set_defaults(delete_repeat=1, delete_file_bytes=64 << 20, delete_settle_s=0.2, delete_base_s=0.5)
-        p.set_defaults(bgwrite_windows=4, bgwrite_records=120)
+        p.set_defaults(bgio_windows=4, bgio_records=120)
     args = p.parse_args()
     args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
     out = run(args) if args.only in (None, "reads") else {}
@@ -454,8 +454,8 @@ def main() -> None:
         out["durable_offloads"] = verifier_offloads.measure(_part(args, "offload_"))
     if args.only in (None, "deletes") and not args.control:
         out["segment_delete"] = segment_delete.measure(_part(args, "delete_"))
-    if args.only in (None, "writes") and not args.control:
-        out["background_write"] = background_write.measure(_part(args, "bgwrite_"))
+    if args.only in (None, "background") and not args.control:
+        out["background_io"] = background_io.measure(_part(args, "bgio_"))
     print(json.dumps(out))
 
 

@@ -261,7 +261,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "kvtier.refmodel.demo": "the demo daemon the benchmarks run against",
     "kvtier.refmodel.engine": "the reference engine: the benchmark workload",
     "kvtier.store.aio": "a load's read geometry (depth, piece, window), which the fio baseline matches",
-    "kvtier.store.extent": "an extent's size and a background writer's piece, which the background-write bench writes",
+    "kvtier.store.extent": "an extent's size and background I/O's piece, which bench/background_io.py uses",
     "kvtier.store.record": "the record format that store/FORMAT.md documents",
     "kvtier.testing": "test doubles shared by tests and benchmarks (MemoryTier)",
 }

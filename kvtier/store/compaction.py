@@ -18,7 +18,7 @@ from kvtier.store.accounting import Ledger
 from kvtier.store.context import StoreContext, entry_or_none
 from kvtier.store.decisions import AllocateSegment, Move, Repoint, SealSegment
 from kvtier.store.errors import CorruptRecord, QuarantineReason, StoreReadOnly
-from kvtier.store.extent import BACKGROUND_WRITE_BYTES, ExtentPlan, write_extent
+from kvtier.store.extent import BACKGROUND_IO_BYTES, ExtentPlan, write_extent
 from kvtier.store.gil import Piece, in_pieces
 from kvtier.store.header_check import AnyHeader
 from kvtier.store.index import Index, IndexEntry, NamespaceEntry, RecordState, SegmentEntry, encode_key, u64_key
@@ -258,7 +258,7 @@ class Compaction:
         records = [(h, torch.frombuffer(bytearray(body), dtype=torch.uint8)) for h, body in ns_records]
         records += [(c.header, c.data) for c in copies]
         seg_id, offsets = write_extent(
-            self._relocator, ctx.backend, ctx.buffers, records, None, piece_bytes=BACKGROUND_WRITE_BYTES
+            self._relocator, ctx.backend, ctx.buffers, records, None, piece_bytes=BACKGROUND_IO_BYTES
         )
         return [_Moved(c, seg_id, at) for c, at in zip(copies, offsets[len(ns_records) :])]
 

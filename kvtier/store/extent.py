@@ -23,11 +23,12 @@ if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon
     import torch
 
 MAX_EXTENT_BYTES = 8 << 20  # a batch is cut into extents of about this size, written in parallel
-# A background writer (compaction) writes each extent in pieces of this size, one after another. One large O_DIRECT
-# write reaches the device as several requests at once, and a load whose read arrives behind them waits for all of
-# them; pieces one after another leave at most one in its way, at a cost in write speed that a paced writer does
-# not feel (bench/background_write.py).
-BACKGROUND_WRITE_BYTES = 1 << 20
+# Background I/O (the verifier's checks, compaction's reads and copies) goes in pieces of this size, one at a time:
+# a scan reads chunks of it one after another (`scan.PackedScan`), compaction writes each extent in pieces of it.
+# Large reads or writes sent together reach the device as several requests at once, and a load whose read arrives
+# behind them waits for all of them; one piece at a time leaves at most one in its way, at a cost in speed that a
+# paced verifier does not feel (bench/background_io.py measures both ways of each).
+BACKGROUND_IO_BYTES = 1 << 20
 # With every read in flight at once (native AIO from one thread) each run costs the loading thread its Python (plan,
 # place, submit, complete, check) and the kernel's work for one more request, and each byte of a gap costs the disk
 # its time to read it. Bridging gaps makes fewer runs of random small records; bridged too wide, the disk reads
@@ -155,7 +156,7 @@ def write_extent(
 ) -> tuple[int, list[int]]:
     """Lay out finished records (header, stored bytes) as one extent, stage it (on `device` when given: the GDS
     write), place it at the appender's tail and write it with one call (from the host, in `piece_bytes` pieces
-    when given: `BACKGROUND_WRITE_BYTES` for a background writer); returns (segment, each record's offset)."""
+    when given: `BACKGROUND_IO_BYTES` for a background writer); returns (segment, each record's offset)."""
     plan = ExtentPlan()
     for h, _ in records:
         plan.add(h.stored_len)

@@ -34,7 +34,8 @@ submission, checks and copies of random small records take a fraction of the thr
 through them does (bench/store.py's small loads measure the objects/s). Runs hold records up to AIO_RUN_GAP apart, cut
 where a file offset crosses a multiple of CHUNK_BYTES so no read is longer, and read CHUNK_BYTES at a time with at most
 IN_FLIGHT chunks out: a disk that returns what it holds together (as virtual disks do) reads the next chunk while this
-thread checks the last. A load holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked) and
+thread checks the last. (A scan, background work, reads one chunk of `extent.BACKGROUND_IO_BYTES` at a time.) A load
+holds at most IN_FLIGHT + 1 chunks' bounce buffers (those read and the one checked) and
 those of the chunks that read into their targets sent within WINDOW_BYTES (each smaller than its reads), however many
 records it asks for. A run ends with each large record (its read is bounce bytes, the payload's aligned bulk into the
 target, the tail into the bounce buffer), cut where its bytes cross a multiple of PIECE_BYTES. A chunk that reads into
@@ -142,6 +143,9 @@ class Chunk:
 
 class PackedLoad:
     """One load's packed path (the module docstring states the contract)."""
+
+    chunk_bytes = CHUNK_BYTES  # a scan, background work, reads smaller chunks one at a time (`scan.PackedScan`)
+    in_flight = IN_FLIGHT
 
     def __init__(
         self,
@@ -355,7 +359,7 @@ class PackedLoad:
         breaks[1:] = (
             (seg[1:] != seg[:-1])
             | (off[1:] - end[:-1] > RUN_GAP)
-            | (off[1:] // CHUNK_BYTES != off[:-1] // CHUNK_BYTES)
+            | (off[1:] // self.chunk_bytes != off[:-1] // self.chunk_bytes)
             | (bulk[:-1] > 0)
             | (off[1:] < end[:-1])
         )
@@ -377,7 +381,7 @@ class PackedLoad:
         runs_total = np.concatenate(([0], np.cumsum(run_size))).tolist()
         lo, count = 0, len(first)
         while lo < count:
-            fit = bisect.bisect_right(runs_total, runs_total[lo] + CHUNK_BYTES, lo) - 1
+            fit = bisect.bisect_right(runs_total, runs_total[lo] + self.chunk_bytes, lo) - 1
             hi = max(lo + 1, min(fit, lo + _RUNS_PER_CHUNK))
             total = runs_total[hi] - runs_total[lo]
             r0, r1 = int(first[lo]), int(first[hi]) if hi < count else len(e)
@@ -419,7 +423,7 @@ class PackedLoad:
         reads the rest, and this thread checks the first half meanwhile."""
         reads, waiting, reading = self._reads, self._waiting, self._reading
         while waiting and (
-            len(reading) < IN_FLIGHT
+            len(reading) < self.in_flight
             or (
                 waiting[0].reads > sum(waiting[0].sizes)  # (bulk read into targets: its bounce bytes are few)
                 and reads.pending_bytes + waiting[0].reads <= min(WINDOW_BYTES, self._load_bytes // 2)
@@ -430,7 +434,7 @@ class PackedLoad:
             need = chunk.bases[-1] + chunk.sizes[-1]
             # (a chunk of small runs takes a buffer of one size: a load of any length reuses those `take_buffers`
             # faulted in; one that reads into its targets needs only its headers' and tails' bytes)
-            buf = chunk.buf = self._ctx.buffers.acquire(need if chunk.reads > need else max(CHUNK_BYTES, need))
+            buf = chunk.buf = self._ctx.buffers.acquire(need if chunk.reads > need else max(self.chunk_bytes, need))
             addr = buf.addr
             chunk.got = [b + d[2] if d else b for b, d in zip(chunk.sizes, chunk.direct)]  # cut short: less
             ops: list[aio.ReadOp] = []
@@ -574,7 +578,7 @@ def take_buffers(ctx: StoreContext) -> None:
     """Fault in the bounce buffers a load of this path holds at most (IN_FLIGHT + 1 of CHUNK_BYTES) and leave them
     in the store's pool, so a long-lived process's first restore does not pay their pages: touching a fresh buffer costs
     about as much as reading it, and each power-of-two size, once sized by the load, paid it anew."""
-    buffers = [ctx.buffers.acquire(CHUNK_BYTES) for _ in range(IN_FLIGHT + 1)]
+    buffers = [ctx.buffers.acquire(PackedLoad.chunk_bytes) for _ in range(PackedLoad.in_flight + 1)]
     for buf in buffers:
         buf.tensor.zero_()
         ctx.buffers.release(buf)

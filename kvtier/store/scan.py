@@ -31,6 +31,7 @@ import numpy as np
 
 from kvtier.core.tier import ObjectKey
 from kvtier.store.errors import CorruptRecord
+from kvtier.store.extent import BACKGROUND_IO_BYTES
 from kvtier.store.header_check import AnyHeader, headers_good
 from kvtier.store.index import IndexEntry, encode_key
 from kvtier.store.io import AlignedBuffer
@@ -55,7 +56,15 @@ ScanVisit = Callable[[int, "AnyHeader | None", memoryview, int], None]
 
 
 class PackedScan(PackedLoad):
-    """One scan (the module docstring states the contract)."""
+    """One scan (the module docstring states the contract).
+
+    A scan is background work beside the engines' loads (the verifier's checks, compaction's reads), so it reads
+    one chunk of about BACKGROUND_IO_BYTES at a time (it ends with the record that crosses that size), not a load's
+    two of CHUNK_BYTES: a load whose read reaches the disk behind a scan's then waits for one piece, not for
+    megabytes (`extent.BACKGROUND_IO_BYTES`)."""
+
+    chunk_bytes = BACKGROUND_IO_BYTES
+    in_flight = 1
 
     _visit: ScanVisit
     _headers: bool

@@ -26,6 +26,7 @@ from kvtier.store import (
     packed,
 )
 from kvtier.store import io as io_mod
+from kvtier.store.extent import BACKGROUND_IO_BYTES
 from kvtier.store.io import BufferPool
 from kvtier.store.record import HEADER_BYTES
 from support.corrupt import flip_bit, segment_path
@@ -225,7 +226,7 @@ def test_a_load_whose_first_requests_all_miss_has_more_served_by_the_packed_path
 
 def test_bounce_memory_is_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch, served) -> None:
     chunk = 64 << 10
-    monkeypatch.setattr(packed, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(packed.PackedLoad, "chunk_bytes", chunk)
     sizes = [3000] * 300  # ~950 KB of records: fifteen chunks
     root = str(tmp_path / "store")
     keys = _populate(root, sizes, "b")
@@ -251,7 +252,7 @@ def test_bounce_memory_is_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch,
     assert all(torch.equal(o, make_payload(f"b{i}", n)) for i, (o, n) in enumerate(zip(outs, sizes)))
     assert out[0] == 0
     # The chunks being read and the one being checked; a run may end a record and an alignment past its window.
-    assert peak[0] <= (packed.IN_FLIGHT + 1) * (chunk + 3 * 4096)
+    assert peak[0] <= (packed.PackedLoad.in_flight + 1) * (chunk + 3 * 4096)
 
 
 @pytest.fixture(scope="module")
@@ -423,6 +424,27 @@ def submits(monkeypatch) -> list[tuple[list[aio.ReadOp], int]]:
     return seen
 
 
+def test_a_scan_reads_one_background_piece_at_a_time_where_a_load_reads_several(tmp_path, submits) -> None:
+    """The verifier's checks (a scan) beside the engines' loads: about BACKGROUND_IO_BYTES in flight at most; a load
+    of the same records keeps more out at once."""
+    sizes = [60_000] * 150  # ~9 MB of neighbours: runs that a load reads CHUNK_BYTES at a time, two chunks out
+    root = str(tmp_path / "store")
+    keys = _populate(root, sizes, "v")
+
+    def most_in_flight() -> int:
+        return max(pending + sum(n for op in ops for _, n in op.iov) for ops, pending in submits)
+
+    with DiskStore(root) as s:
+        assert all(r.reason is Reason.OK for r in s.verify_many(keys, apply=False))
+        scanned, biggest = most_in_flight(), max(sum(n for _, n in op.iov) for ops, _ in submits for op in ops)
+        submits.clear()
+        reasons, _ = _load(s, keys, sizes)
+    assert reasons == [Reason.OK] * len(sizes)
+    piece = BACKGROUND_IO_BYTES + HEADER_BYTES + sizes[0] + 2 * 4096  # a run ends with the record crossing its end
+    assert scanned <= piece and biggest <= piece
+    assert most_in_flight() > 2 * piece
+
+
 def _addresses(submits) -> set[int]:
     """The address of every buffer a read went into."""
     return {a for ops, _ in submits for op in ops for a, n in op.iov if n}
@@ -448,7 +470,7 @@ def test_large_records_alone_are_read_straight_into_their_targets(
     that returns a batch of reads together gives the first wave back while it reads the rest)."""
     if window is not None:
         monkeypatch.setattr(packed, "PIECE_BYTES", 4096)
-        monkeypatch.setattr(packed, "CHUNK_BYTES", 8192)
+        monkeypatch.setattr(packed.PackedLoad, "chunk_bytes", 8192)
         monkeypatch.setattr(packed, "WINDOW_BYTES", window)
     root, keys = mixed_large
     with DiskStore(root) as s:

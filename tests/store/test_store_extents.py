@@ -20,7 +20,7 @@ from kvtier.core.tier import LoadRequest, ObjectKey
 from kvtier.store import DiskStore, QuarantineReason, StoreConfig, rebuild_index
 from kvtier.store import reader as reader_mod
 from kvtier.store.devsum import device_checksum
-from kvtier.store.extent import BACKGROUND_WRITE_BYTES
+from kvtier.store.extent import BACKGROUND_IO_BYTES
 from kvtier.store.io import PosixBackend, SegmentFile
 from kvtier.store.record import HEADER_BYTES, Flags
 from support.corrupt import flip_bit, segment_path
@@ -215,7 +215,7 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
 
 
 def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, monkeypatch) -> None:
-    """A relocation's extent goes to the disk in BACKGROUND_WRITE_BYTES pieces, in order; a store's in one write."""
+    """A relocation's extent goes to the disk in BACKGROUND_IO_BYTES pieces, in order; a store's in one write."""
     root, size = str(tmp_path), (3 << 20) // 2
     writes: list[tuple[int, int]] = []
     real = SegmentFile.pwrite_all
@@ -235,7 +235,7 @@ def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, monk
         writes.clear()
         assert s.relocate([keys]) == [3]
         assert {r.entry.segment for r in s.records(keys)}.isdisjoint(before)
-        assert len(writes) > 4 and all(n <= BACKGROUND_WRITE_BYTES for _, n in writes)
+        assert len(writes) > 4 and all(n <= BACKGROUND_IO_BYTES for _, n in writes)
         assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(writes))  # one after another, no gap
         reasons, outs = _load(s, keys, size)
         assert reasons == [Reason.OK] * 3

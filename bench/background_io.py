@@ -1,0 +1,166 @@
+"""What one background read or write of `MAX_EXTENT_BYTES` does to the store's readers: sent at once (how the verifier
+read and compaction wrote before: a large O_DIRECT read or write reaches the device as several requests together)
+against in `BACKGROUND_IO_BYTES` pieces one after another (how a scan reads and compaction writes now:
+`kvtier.store.extent`). bench/verifier.py's `background_io` section; run alone it prints the same JSON object.
+
+Reader threads (bench/verifier.py's) load random batches of records from a store continuously. Windows of
+`--window-s` come in pairs, a quiet one and one at whose start a helper process (nice 19 and `SCHED_BATCH`, as the
+verifier runs) does one background I/O on a file on the same filesystem: a write appends an extent and fdatasyncs
+it (a relocation's copies and their sync); a read reads as many bytes from a random place of a part written and
+synced before the windows (a check's chunk). Each pair's order alternates, and the sides alternate ABBA over the
+pairs, `--windows` pairs a side. Per kind (`write`, `read`) and side (`at_once`, `pieces`): the p99 of the loads of
+its I/O windows over the p99 of those of the quiet windows paired with them (`p99_over_quiet`, with `ci95`, its
+resampling interval), the loads' max, and how long the I/O took the helper (`io_ms`, median, a write's sync
+included); `pieces_over_at_once`: the two sides' p99s.
+
+    python bench/background_io.py [--quick] [--windows N] [--window-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import verifier as vb
+from resample import p99_ratio_interval
+from segment_delete import start_window
+
+from kvtier.core.parent import tied_env
+from kvtier.store.extent import BACKGROUND_IO_BYTES, MAX_EXTENT_BYTES
+
+KINDS = ("write", "read")
+SIDES = ("at_once", "pieces")
+READ_AREA = 8  # extents written and synced before the windows, for the reads
+
+# The helper: one line in (the kind, and the piece size or 0 for at once), one line out (seconds the I/O took).
+HELPER = r"""
+import mmap, os, random, sys, time
+os.nice(19)
+os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+path, extent, area = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+buf = mmap.mmap(-1, extent)  # page aligned, as O_DIRECT needs
+buf.write(os.urandom(extent))
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+for i in range(area):
+    os.pwrite(fd, buf, i * extent)
+os.fsync(fd)
+end = area * extent
+print("ready", flush=True)
+for line in sys.stdin:
+    kind, piece = line.split()
+    piece = int(piece) or extent
+    t0 = time.perf_counter()
+    if kind == "write":
+        for at in range(0, extent, piece):
+            os.pwrite(fd, memoryview(buf)[at : at + piece], end + at)
+        os.fdatasync(fd)
+        end += extent
+    else:
+        start = random.randrange(area) * extent
+        for at in range(0, extent, piece):
+            os.preadv(fd, [memoryview(buf)[at : at + piece]], start + at)
+    print(time.perf_counter() - t0, flush=True)
+"""
+
+
+def _side(loads: list[list[float]], quiet: list[list[float]], took: list[float]) -> dict:
+    every, every_quiet = [x for xs in loads for x in xs], [x for xs in quiet for x in xs]
+    p99, quiet_p99 = float(np.percentile(every, 99)), float(np.percentile(every_quiet, 99))
+    return {
+        "p99_ms": round(p99 * 1e3, 2),
+        "quiet_p99_ms": round(quiet_p99 * 1e3, 2),
+        "p99_over_quiet": round(p99 / quiet_p99, 3),
+        "ci95": p99_ratio_interval(loads, quiet, 1000),
+        "max_ms": round(max(every) * 1e3, 1),
+        "io_ms": round(float(np.median(took)) * 1e3, 1),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    work = tempfile.mkdtemp(prefix="kvtier-bench-bgio-", dir=args.root)
+    readers = helper = None
+    try:
+        root = os.path.join(work, "store")
+        keys, payloads, _ = vb.build(root, args.records, args.size, 4 << 20)
+        helper = subprocess.Popen(
+            [sys.executable, "-c", HELPER, os.path.join(work, "io.bin"), str(MAX_EXTENT_BYTES), str(READ_AREA)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=tied_env(os.environ),
+        )
+        assert helper.stdin is not None and helper.stdout is not None
+        if helper.stdout.readline().strip() != "ready":
+            raise RuntimeError("the I/O helper did not start")
+        readers = vb.Readers(root, keys, payloads, args.readers, args.batch)
+        readers.start()
+        took: dict[tuple[str, str], list[float]] = {(k, s): [] for k in KINDS for s in SIDES}
+        ways = list(took)
+        order = ways + ways[::-1]  # ABCD DCBA: each way early and late in each round
+        for pair in range(len(ways) * args.windows):
+            kind, side = order[pair % len(order)]
+            io, quiet = f"{kind}_{side}", f"quiet_{kind}_{side}"
+            for label in (io, quiet) if pair % 2 == 0 else (quiet, io):
+                start_window([readers], label)
+                t0 = time.perf_counter()
+                if label == io:
+                    helper.stdin.write(f"{kind} {BACKGROUND_IO_BYTES if side == 'pieces' else 0}\n")
+                    helper.stdin.flush()
+                    took[kind, side].append(float(helper.stdout.readline()))
+                time.sleep(max(0.0, args.window_s - (time.perf_counter() - t0)))
+        start_window([readers], None)
+        readers.stop()
+        out: dict = {
+            "extent_bytes": MAX_EXTENT_BYTES,
+            "piece_bytes": BACKGROUND_IO_BYTES,
+            "windows": args.windows,
+            "window_s": args.window_s,
+            "readers": args.readers,
+            "wrong_bytes": readers.wrong,
+        }
+        for kind in KINDS:
+            samples = readers.samples
+            sides = {s: _side(samples[f"{kind}_{s}"], samples[f"quiet_{kind}_{s}"], took[kind, s]) for s in SIDES}
+            ratio = round(sides["pieces"]["p99_ms"] / sides["at_once"]["p99_ms"], 3)
+            out[kind] = {**sides, "pieces_over_at_once": ratio}
+        return out
+    finally:
+        if readers is not None:
+            readers.stop()
+            readers.store.close()
+        if helper is not None:
+            helper.kill()
+            helper.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}windows", type=int, default=30, help="pairs of windows per side, in ABBA order")
+    p.add_argument(f"--{prefix}window-s", type=float, default=0.2)
+    p.add_argument(f"--{prefix}records", type=int, default=600)
+    p.add_argument(f"--{prefix}size", type=int, default=60_000)
+    p.add_argument(f"--{prefix}readers", type=int, default=4)
+    p.add_argument(f"--{prefix}batch", type=int, default=4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
+    add_arguments(p)
+    p.add_argument("--quick", action="store_true", help="small and short (the test suite's version)")
+    if "--quick" in sys.argv[1:]:
+        p.set_defaults(windows=4, records=120)
+    print(json.dumps(measure(p.parse_args())))
+
+
+if __name__ == "__main__":
+    main()
