@@ -19,7 +19,6 @@ included); `pieces_over_at_once`: the two sides' p99s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -146,20 +145,11 @@ def measure(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}windows", type=int, default=30, help="pairs of windows per side, in ABBA order")
     p.add_argument(f"--{prefix}window-s", type=float, default=0.2)
-    p.add_argument(f"--{prefix}records", type=int, default=600)
-    p.add_argument(f"--{prefix}size", type=int, default=60_000)
-    p.add_argument(f"--{prefix}readers", type=int, default=4)
-    p.add_argument(f"--{prefix}batch", type=int, default=4)
+    vb.add_reader_arguments(p, prefix)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
-    add_arguments(p)
-    p.add_argument("--quick", action="store_true", help="small and short (the test suite's version)")
-    if "--quick" in sys.argv[1:]:
-        p.set_defaults(windows=4, records=120)
-    print(json.dumps(measure(p.parse_args())))
+    vb.run_part_alone(__doc__, add_arguments, measure, dict(windows=4, records=120))
 
 
 if __name__ == "__main__":

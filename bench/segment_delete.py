@@ -24,7 +24,6 @@ extents with a discard and the two should read alike).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -218,21 +217,17 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}settle-s", type=float, default=2.0)
     p.add_argument(f"--{prefix}base-s", type=float, default=2.0)
     p.add_argument(f"--{prefix}after-s", type=float, default=1.5)
-    p.add_argument(f"--{prefix}records", type=int, default=600)
-    p.add_argument(f"--{prefix}size", type=int, default=60_000)
-    p.add_argument(f"--{prefix}readers", type=int, default=4)
-    p.add_argument(f"--{prefix}batch", type=int, default=4)
+    vb.add_reader_arguments(p, prefix)
     p.add_argument(f"--{prefix}write-size", type=int, default=16 << 10, help="bytes of each durable store")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
-    add_arguments(p)
-    p.add_argument("--quick", action="store_true", help="small and short (the test suite's version)")
-    if "--quick" in sys.argv[1:]:
-        p.set_defaults(repeat=1, file_bytes=64 << 20, settle_s=0.2, base_s=0.5, after_s=0.5, records=120)
-    print(json.dumps(measure(p.parse_args())))
+    vb.run_part_alone(
+        __doc__,
+        add_arguments,
+        measure,
+        dict(repeat=1, file_bytes=64 << 20, settle_s=0.2, base_s=0.5, after_s=0.5, records=120),
+    )
 
 
 if __name__ == "__main__":

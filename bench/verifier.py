@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -386,6 +387,28 @@ def run(args: argparse.Namespace) -> dict:
         if readers is not None:
             readers.store.close()  # after the applier, whose last decisions (the verifier's exit) commit into it
         shutil.rmtree(work, ignore_errors=True)
+
+
+def add_reader_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The readers' store and threads, for a part whose readers load beside something (segment_delete,
+    background_io)."""
+    p.add_argument(f"--{prefix}records", type=int, default=600)
+    p.add_argument(f"--{prefix}size", type=int, default=60_000)
+    p.add_argument(f"--{prefix}readers", type=int, default=4)
+    p.add_argument(f"--{prefix}batch", type=int, default=4)
+
+
+def run_part_alone(
+    doc: str, add_arguments: Callable[[argparse.ArgumentParser], None], measure: Callable[..., dict], quick: dict
+) -> None:
+    """A part run alone: its own options, --root, and --quick (`quick`: its defaults then); prints one JSON object."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--root", default=None, help="where to build the store (default: the temp dir)")
+    add_arguments(p)
+    p.add_argument("--quick", action="store_true", help="small and short (the test suite's version)")
+    if "--quick" in sys.argv[1:]:
+        p.set_defaults(**quick)
+    print(json.dumps(measure(p.parse_args())))
 
 
 def _part(args: argparse.Namespace, prefix: str) -> argparse.Namespace:
