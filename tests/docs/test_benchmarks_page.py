@@ -51,11 +51,13 @@ def test_the_page_follows_the_reports(tmp_path: Path) -> None:
     changed["sections"]["store"]["read_MBps"] = 1234.0
     changed["sections"]["store"]["fio_read_MBps"] = 617.0
     changed["sections"]["store"]["read_ratio_to_fio"] = 2.0
+    changed["sections"]["store"]["read_ratio_best_over_best"] = 1.5
     changed["sections"]["store"]["fio"] = {"ioengine": "libaio", "request_bytes": 1 << 20, "iodepth": 8, "memory": "x"}
     (tmp_path / name).write_text(json.dumps(changed))
     text = report.page(report.load_reports(tmp_path), tmp_path)
     assert "commit `0000000`" in text
-    assert "| 1,234 | fio libaio O_DIRECT, 1024 KiB x 8 in flight, x | 617 | 2.00 of fio |" in text
+    row = "| 1,234 | fio libaio O_DIRECT, 1024 KiB x 8 in flight, x | 617 | 2.00 of fio (median of ABBA pairs; best"
+    assert row + " over best 1.50) |" in text
     assert text != report.page(report.load_reports(REPO / "bench" / "results"))
 
 
