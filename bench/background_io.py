@@ -39,6 +39,7 @@ from kvtier.store.extent import BACKGROUND_IO_BYTES, MAX_EXTENT_BYTES
 KINDS = ("write", "read")
 SIDES = ("at_once", "pieces")
 READ_AREA = 8  # extents written and synced before the windows, for the reads
+QUICK = {"windows": 4, "records": 120}  # --quick's defaults, alone or as bench/verifier.py's part
 
 # The helper: one line in (the kind, and the piece size or 0 for at once), one line out (seconds the I/O took).
 HELPER = r"""
@@ -126,8 +127,8 @@ def measure(args: argparse.Namespace) -> dict:
             "readers": args.readers,
             "wrong_bytes": readers.wrong,
         }
+        samples = readers.samples
         for kind in KINDS:
-            samples = readers.samples
             sides = {s: _side(samples[f"{kind}_{s}"], samples[f"quiet_{kind}_{s}"], took[kind, s]) for s in SIDES}
             ratio = round(sides["pieces"]["p99_ms"] / sides["at_once"]["p99_ms"], 3)
             out[kind] = {**sides, "pieces_over_at_once": ratio}
@@ -149,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def main() -> None:
-    vb.run_part_alone(__doc__, add_arguments, measure, dict(windows=4, records=120))
+    vb.run_part_alone(__doc__, add_arguments, measure, QUICK)
 
 
 if __name__ == "__main__":

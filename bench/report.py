@@ -314,10 +314,8 @@ def _verifier_rows(sections: dict) -> list[Row]:
                     f"{once['p99_over_base']:.2f}x of the p99 before",
                 )
             )
-    b = v.get("background_io")
-    for kind in ("write", "read") if b else ():
-        if kind not in b:
-            continue
+    b = v.get("background_io", {})
+    for kind in (k for k in ("write", "read") if k in b):
         pieces, once = b[kind]["pieces"], b[kind]["at_once"]
         out.append(
             _vs(

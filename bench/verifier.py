@@ -469,7 +469,7 @@ def main() -> None:
         p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
         p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200, offload_progress_s=30.0)
         p.set_defaults(delete_repeat=1, delete_file_bytes=64 << 20, delete_settle_s=0.2, delete_base_s=0.5)
-        p.set_defaults(bgio_windows=4, bgio_records=120)
+        p.set_defaults(**{f"bgio_{k}": v for k, v in background_io.QUICK.items()})
     args = p.parse_args()
     args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
     out = run(args) if args.only in (None, "reads") else {}
