@@ -329,6 +329,22 @@ def _verifier_rows(sections: dict) -> list[Row]:
                 f"and {once['p99_over_quiet']:.2f}x{_interval(once, 'ci95')} of the quiet p99",
             )
         )
+    if "store" in b:
+        batch, x = b["store_batch"], b["store"]
+        pieces, once = x["pieces"], x["at_once"]
+        out.append(
+            _vs(
+                "background_store_p99",
+                f"store load p99 beside one batch of {batch['objects']} x {batch['object_bytes'] / 2**20:g} MiB "
+                f"stored with `write_piece_bytes` {batch['piece_bytes'] / 2**20:g} MiB; the batch's time",
+                f"{pieces['p99_ms']:,.1f} ms; {pieces['io_ms']:,.1f} ms",
+                "its extents stored with one write each (the default)",
+                f"{once['p99_ms']:,.1f} ms; {once['io_ms']:,.1f} ms",
+                f"p99 {x['pieces_over_at_once']:.2f}x, batch {x['io_pieces_over_at_once']:.2f}x; "
+                f"{pieces['p99_over_quiet']:.2f}x{_interval(pieces, 'ci95')} and "
+                f"{once['p99_over_quiet']:.2f}x{_interval(once, 'ci95')} of the quiet p99",
+            )
+        )
     return out
 
 

@@ -59,6 +59,8 @@ def _kind(key: Key) -> str:
         limits.append(f"> {number(key.above)}")
     if key.maximum is not None:
         limits.append(f"<= {number(key.maximum)}")
+    if key.multiple_of:
+        limits.append(f"(a multiple of {size_setting(key.multiple_of)})")
     return key.kind.value + (f" {', '.join(limits)}" if limits else "")
 
 

@@ -150,6 +150,8 @@ def _bounds(k: Key, value: float, bad: Any) -> None:
         raise bad(f"must be > {number(k.above)}, got {value}")
     if k.maximum is not None and value > k.maximum:
         raise bad(f"must be at most {number(k.maximum)}, got {value}")
+    if k.multiple_of and value % k.multiple_of:
+        raise bad(f"must be a multiple of {number(k.multiple_of)}, got {value}")
 
 
 def number(x: float) -> str:

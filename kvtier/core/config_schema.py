@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtier.core.forms import CacheForm
+from kvtier.core.layout import DISK_ALIGNMENT
 
 FORMS = tuple(f.value for f in CacheForm)
 MODES = ("user", "system")
@@ -69,6 +70,7 @@ class Key:
     minimum: float | None = None
     above: float | None = None  # exclusive lower bound
     maximum: float | None = None
+    multiple_of: int = 0  # the value must be a multiple of this (0: any)
     choices: tuple[str, ...] = ()
     pattern: str = ""  # a full match the value must make (strings)
     reloadable: bool = False  # SIGHUP applies it to the running daemon (and verifier)
@@ -242,6 +244,13 @@ KEYS: tuple[Key, ...] = (
         field="form_quotas",
     ),
     _count("store.io_threads", 4, "Writer threads (extents are built and written in parallel)."),
+    _size(
+        "store.write_piece_bytes",
+        0,
+        "0: a writer thread writes each extent (up to 8 MiB) with one write. Else in pieces of this size one after "
+        "another: loads then wait behind less of a batch, and the batch takes longer (bench/background_io.py).",
+        multiple_of=DISK_ALIGNMENT,  # O_DIRECT writes at aligned offsets
+    ),
     _count("store.read_threads", 8, "Parallel reads of one load where it reads with threads (no native AIO, GDS)."),
     Key(
         "store.io_backend",

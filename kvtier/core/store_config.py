@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvtier.core.config_schema import default
 from kvtier.core.forms import CacheForm
+from kvtier.core.layout import DISK_ALIGNMENT
 
 FormQuotas = tuple[tuple[CacheForm, int], ...]
 
@@ -33,6 +34,7 @@ class StoreConfig:
     budget_bytes: int = default("store.budget_bytes")  # 0: no budget
     form_quotas: FormQuotas = ()
     io_threads: int = default("store.io_threads")  # writer threads (extents are built and written in parallel)
+    write_piece_bytes: int = default("store.write_piece_bytes")  # 0: each extent in one write
     read_threads: int = default("store.read_threads")  # where a load reads with threads (no native AIO, GDS)
     io_backend: str = default("store.io_backend")  # auto | gds | odirect | buffered
     device_checksums: str = default("store.device_checksums")  # auto | on | off (auto: on a GDS store)
@@ -49,6 +51,10 @@ class StoreConfig:
             raise ValueError(f"atime_flush_s must be between 0 and 86400 seconds, got {self.atime_flush_s}")
         if self.io_threads < 1 or self.read_threads < 1:
             raise ValueError("io_threads and read_threads must be >= 1")
+        if self.write_piece_bytes < 0 or self.write_piece_bytes % DISK_ALIGNMENT:  # O_DIRECT: aligned offsets
+            raise ValueError(
+                f"write_piece_bytes must be 0 or a multiple of {DISK_ALIGNMENT}, got {self.write_piece_bytes}"
+            )
 
     @property
     def quota_bytes(self) -> dict[str, int]:

@@ -156,7 +156,8 @@ def write_extent(
 ) -> tuple[int, list[int]]:
     """Lay out finished records (header, stored bytes) as one extent, stage it (on `device` when given: the GDS
     write), place it at the appender's tail and write it with one call (from the host, in `piece_bytes` pieces
-    when given: `BACKGROUND_IO_BYTES` for a background writer); returns (segment, each record's offset)."""
+    when given: the store's `write_piece_bytes` for its writer, `BACKGROUND_IO_BYTES` for compaction); returns
+    (segment, each record's offset)."""
     plan = ExtentPlan()
     for h, _ in records:
         plan.add(h.stored_len)

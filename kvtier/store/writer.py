@@ -147,7 +147,8 @@ class Writer:
             appender.end_batch()
 
     def _write_extent(self, items: list[Item], namespaces: dict[bytes, NamespaceEntry], now: float) -> list[_Written]:
-        """Checksum and lay out one extent (its namespaces' records first) and write it with one call.
+        """Checksum and lay out one extent (its namespaces' records first) and write it: from the host in
+        `write_piece_bytes` pieces one after another (0: one call).
 
         Staged in an aligned host buffer; or, where the backend writes device memory directly (GDS) and every
         payload lives there uncompressed, in a device tensor written with one KvikIO call and checksummed on the
@@ -183,7 +184,12 @@ class Writer:
             records.append((header, data))
         self._check_free_space(items[0][0].form, sum(record_length(h.stored_len) for h, _ in records))
         seg_id, offsets = write_extent(
-            self.appender, self._ctx.backend, self._ctx.buffers, records, flats[0].device if device else None
+            self.appender,
+            self._ctx.backend,
+            self._ctx.buffers,
+            records,
+            flats[0].device if device else None,
+            piece_bytes=self._ctx.config.write_piece_bytes,
         )
         return [
             _Written(key, h, digest, seg_id, at)

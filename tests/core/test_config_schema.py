@@ -78,7 +78,7 @@ def _other(k: Key, value: Any) -> Any:
         case Kind.BOOL:
             return not value
         case Kind.INTEGER | Kind.SIZE:
-            return value + 1
+            return value + (k.multiple_of or 1)
         case Kind.NUMBER:
             return value / 2 if value else 0.5
         case Kind.CHOICE:
@@ -128,6 +128,17 @@ def test_a_value_below_a_keys_limit_is_one_line_naming_it(k: Key, tmp_path: Path
     f = tmp_path / "k.toml"
     f.write_text(config_text({k.name: int(low) if k.kind in (Kind.INTEGER, Kind.SIZE) else low}, check=False))
     with pytest.raises(ConfigError) as info:
+        load_config(f, env={}, cwd=tmp_path)
+    assert info.value.key == k.name and "\n" not in str(info.value) and str(f) in str(info.value)
+
+
+@pytest.mark.parametrize("k", [k for k in KEYS if k.multiple_of], ids=lambda k: k.name)
+def test_a_value_off_a_keys_multiple_is_one_line_naming_it(k: Key, tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(config_text({k.name: k.multiple_of * 3}))
+    assert load_config(f, env={}, cwd=tmp_path).value(k) == k.multiple_of * 3
+    f.write_text(config_text({k.name: k.multiple_of * 3 + 1}, check=False))
+    with pytest.raises(ConfigError, match=f"multiple of {k.multiple_of}") as info:
         load_config(f, env={}, cwd=tmp_path)
     assert info.value.key == k.name and "\n" not in str(info.value) and str(f) in str(info.value)
 
@@ -205,6 +216,8 @@ def _values(k: Key) -> st.SearchStrategy[Any]:
     match k.kind:
         case Kind.BOOL:
             return st.booleans()
+        case Kind.INTEGER | Kind.SIZE if k.multiple_of:
+            return st.integers(int(low) // k.multiple_of, int(high) // k.multiple_of).map(lambda n: n * k.multiple_of)
         case Kind.INTEGER | Kind.SIZE:
             return st.integers(int(low) + (k.above is not None), int(high))
         case Kind.NUMBER:

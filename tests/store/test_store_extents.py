@@ -31,11 +31,11 @@ SMALL = 1000
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # a real v1 store written by c307a27
 
 
-def _small_batch(root: str, n: int = 64, **cfg) -> list[ObjectKey]:
+def _small_batch(root: str, n: int = 64, size: int = SMALL, **cfg) -> list[ObjectKey]:
     with DiskStore(root, StoreConfig(**cfg), writer=True) as s:
         ns = s.register_namespace(VK)
         keys = [make_key(ns, f"s{i}") for i in range(n)]
-        s.store_many([(k, make_payload(f"s{i}", SMALL), DIGEST) for i, k in enumerate(keys)])
+        s.store_many([(k, make_payload(f"s{i}", size), DIGEST) for i, k in enumerate(keys)])
     return keys
 
 
@@ -214,17 +214,27 @@ def test_compaction_completes_while_another_process_grows_the_map(tmp_path, monk
         assert reasons == [Reason.OK] * 64
 
 
-def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, monkeypatch) -> None:
-    """A relocation's extent goes to the disk in BACKGROUND_IO_BYTES pieces, in order; a store's in one write."""
-    root, size = str(tmp_path), (3 << 20) // 2
-    writes: list[tuple[int, int]] = []
+@pytest.fixture
+def writes(monkeypatch) -> list[tuple[int, int]]:
+    """(offset, length) of every write to a segment file, in order."""
+    seen: list[tuple[int, int]] = []
     real = SegmentFile.pwrite_all
 
     def counted(self, data, offset):
-        writes.append((offset, len(data)))
+        seen.append((offset, len(data)))
         return real(self, data, offset)
 
     monkeypatch.setattr(SegmentFile, "pwrite_all", counted)
+    return seen
+
+
+def _one_after_another(writes: list[tuple[int, int]]) -> bool:
+    return all(a + n == b for (a, n), (b, _) in itertools.pairwise(writes))
+
+
+def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, writes) -> None:
+    """A relocation's extent goes to the disk in BACKGROUND_IO_BYTES pieces, in order; a store's in one write."""
+    root, size = str(tmp_path), (3 << 20) // 2
     with DiskStore(root, StoreConfig(), writer=True) as s:
         ns = s.register_namespace(VK)
         keys = [make_key(ns, f"b{i}") for i in range(3)]
@@ -236,10 +246,32 @@ def test_compaction_writes_its_copies_in_pieces_one_after_another(tmp_path, monk
         assert s.relocate([keys]) == [3]
         assert {r.entry.segment for r in s.records(keys)}.isdisjoint(before)
         assert len(writes) > 4 and all(n <= BACKGROUND_IO_BYTES for _, n in writes)
-        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(writes))  # one after another, no gap
+        assert _one_after_another(writes)
         reasons, outs = _load(s, keys, size)
         assert reasons == [Reason.OK] * 3
         assert all(torch.equal(o, make_payload(f"b{i}", size)) for i, o in enumerate(outs))
+
+
+def test_a_writer_with_write_piece_bytes_writes_each_extent_in_pieces(tmp_path, writes) -> None:
+    """`write_piece_bytes` cuts each extent's write into pieces of at most that size, in order, and the records read
+    back; the extents themselves are laid out as without it."""
+    piece, size = 256 << 10, (3 << 20) // 2
+    at_once = _small_batch(str(tmp_path / "once"), 3, size=size)
+    extents = list(writes)
+    writes.clear()
+    keys = _small_batch(str(tmp_path / "pieces"), 3, size=size, write_piece_bytes=piece)
+    assert len(extents) == 1 and len(writes) == -(-extents[0][1] // piece)
+    assert all(n <= piece for _, n in writes) and _one_after_another(writes)
+    assert sum(n for _, n in writes) == extents[0][1] and writes[0][0] == extents[0][0]
+    with DiskStore(str(tmp_path / "pieces")) as s:
+        reasons, outs = _load(s, keys, size)
+    assert reasons == [Reason.OK] * 3 and at_once == keys
+    assert all(torch.equal(o, make_payload(f"s{i}", size)) for i, o in enumerate(outs))
+
+
+def test_write_piece_bytes_must_be_aligned() -> None:
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        StoreConfig(write_piece_bytes=1000)
 
 
 # ----------------------------------------------------------------- the device checksum and the GDS paths
