@@ -122,14 +122,9 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 
 def _side(loads: list[list[float]], quiet: list[list[float]], took: list[float]) -> dict:
-    every, every_quiet = [x for xs in loads for x in xs], [x for xs in quiet for x in xs]
-    p99, quiet_p99 = float(np.percentile(every, 99)), float(np.percentile(every_quiet, 99))
     return {
-        "p99_ms": round(p99 * 1e3, 2),
-        "quiet_p99_ms": round(quiet_p99 * 1e3, 2),
-        "p99_over_quiet": round(p99 / quiet_p99, 3),
+        **vb.p99_against(loads, quiet, "quiet"),
         "ci95": p99_ratio_interval(loads, quiet, 1000),
-        "max_ms": round(max(every) * 1e3, 1),
         "io_ms": round(float(np.median(took)) * 1e3, 1),
     }
 

@@ -47,6 +47,8 @@ from kvtier.store import DiskStore, StoreConfig, unlink_in_steps
 SIDES = ("at_once", "in_steps")
 WRITER_VK = VersionKey("bench-segment-delete", "w0", "abi", "comp", "idx", "fp8")
 WRITE_PIECE = 64 << 20
+# --quick's defaults, alone or as bench/verifier.py's part
+QUICK = {"repeat": 1, "file_bytes": 64 << 20, "settle_s": 0.2, "base_s": 0.5, "after_s": 0.5, "records": 120}
 
 
 def discard_mount(path: str) -> bool | None:
@@ -131,16 +133,11 @@ def start_window(timed: list, label: str | None) -> None:
 
 def _summary(samples: dict[str, list[list[float]]], side: str) -> dict:
     """p99 and max of one side's calls, and of the windows before its deletions."""
-    calls = [x for xs in samples[side] for x in xs]
     base = [x for xs in samples[f"base_{side}"] for x in xs]
-    p99, base_p99 = float(np.percentile(calls, 99)), float(np.percentile(base, 99))
     return {
-        "p99_ms": round(p99 * 1e3, 2),
-        "max_ms": round(max(calls) * 1e3, 1),
-        "base_p99_ms": round(base_p99 * 1e3, 2),
+        **vb.p99_against(samples[side], samples[f"base_{side}"], "base"),
         "base_max_ms": round(max(base) * 1e3, 1),
-        "p99_over_base": round(p99 / base_p99, 3),
-        "calls": len(calls),
+        "calls": sum(map(len, samples[side])),
     }
 
 
@@ -222,12 +219,7 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def main() -> None:
-    vb.run_part_alone(
-        __doc__,
-        add_arguments,
-        measure,
-        dict(repeat=1, file_bytes=64 << 20, settle_s=0.2, base_s=0.5, after_s=0.5, records=120),
-    )
+    vb.run_part_alone(__doc__, add_arguments, measure, QUICK)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,19 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) * 1e6 if xs else float("nan")
 
 
+def p99_against(windows: list[list[float]], base_windows: list[list[float]], base: str) -> dict:
+    """p99 and max (ms) of the calls timed in `windows`, the p99 of those in `base_windows` (`{base}_p99_ms`) and
+    the one over the other (`p99_over_{base}`): a side of a part whose readers load beside something."""
+    calls, base_calls = [x for xs in windows for x in xs], [x for xs in base_windows for x in xs]
+    p99, base_p99 = float(np.percentile(calls, 99)), float(np.percentile(base_calls, 99))
+    return {
+        "p99_ms": round(p99 * 1e3, 2),
+        "max_ms": round(max(calls) * 1e3, 1),
+        f"{base}_p99_ms": round(base_p99 * 1e3, 2),
+        f"p99_over_{base}": round(p99 / base_p99, 3),
+    }
+
+
 def _worked(actions: dict[str, int], records: int) -> bool:
     """The verifier did every kind of work the windows are meant to overlap: swept half, evicted, compacted,
     unlinked."""
@@ -468,7 +481,7 @@ def main() -> None:
     if quick:  # its sizes are defaults: options given beside it still win
         p.set_defaults(records=240, windows=24, window_s=0.25, segment_bytes=2 << 20, until_worked=True)
         p.set_defaults(offload_windows=8, offload_window_s=1.0, offload_records=1200, offload_progress_s=30.0)
-        p.set_defaults(delete_repeat=1, delete_file_bytes=64 << 20, delete_settle_s=0.2, delete_base_s=0.5)
+        p.set_defaults(**{f"delete_{k}": v for k, v in segment_delete.QUICK.items()})
         p.set_defaults(**{f"bgio_{k}": v for k, v in background_io.QUICK.items()})
     args = p.parse_args()
     args.until_worked &= not args.control  # a frozen verifier never works: the control runs its windows, no more
