@@ -46,7 +46,7 @@ KINDS = ("write", "read", "store")
 SIDES = ("at_once", "pieces")
 READ_AREA = 8  # extents written and synced before the windows, for the reads
 STORE_OBJECTS = 32  # a batch of the daemon's write-back (`persister.PERSIST_BATCH`) ...
-STORE_OBJECT_BYTES = 1 << 20  # ... of objects this size: four extents, one per writer thread
+STORE_OBJECT_BYTES = 1 << 20  # ... of objects this size: more extents than the writer has threads
 STORE_PIECE_BYTES = BACKGROUND_IO_BYTES  # the store's `write_piece_bytes` on the pieces side (its default is 0)
 QUICK = {"windows": 4, "records": 120}  # --quick's defaults, alone or as bench/verifier.py's part
 
