@@ -247,8 +247,9 @@ KEYS: tuple[Key, ...] = (
     _size(
         "store.write_piece_bytes",
         0,
-        "0: a writer thread writes each extent (up to 8 MiB) with one write. Else in pieces of this size one after "
-        "another: loads then wait behind less of a batch, and the batch takes longer (bench/background_io.py).",
+        "0: a writer thread writes each extent (up to 8 MiB) from host memory with one write. Else in pieces of this "
+        "size one after another: loads then wait behind less of a batch, and the batch takes longer "
+        "(bench/background_io.py). A GDS write from device memory is one KvikIO call either way.",
         multiple_of=DISK_ALIGNMENT,  # O_DIRECT writes at aligned offsets
     ),
     _count("store.read_threads", 8, "Parallel reads of one load where it reads with threads (no native AIO, GDS)."),
