@@ -253,7 +253,7 @@ class Rollout:
         with self._lock:
             roles = self._roles()
         entries = self.store.namespaces()
-        usage = namespace_usage(self.store)
+        usage = namespace_usage(self.store.index)
         out = []
         for ns in sorted(set(entries) | set(usage), key=lambda n: (n not in roles, n)):
             entry = entries.get(ns)

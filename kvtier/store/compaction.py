@@ -304,7 +304,7 @@ class Compaction:
             txn.put(m.key, entry.pack(), db=obj_db)
             ledger.release(cur.segment, cur.record_len)
             ledger.add(m.segment, m.offset, m.record_len)
-            ledger.usage[cur.form].record_bytes += m.record_len - cur.record_len  # a v1 record shrinks as it moves
+            ledger.resize(m.key, cur.form, m.record_len - cur.record_len)
             mine[i] += 1
         ledger.save()
         return mine, at

@@ -111,7 +111,7 @@ class Maintenance:
                 entry = entry_or_none(raw)
                 if when is not None and not when(key, entry):
                     continue
-                ledger.forget(raw)
+                ledger.forget(raw_key, raw)
                 txn.delete(raw_key, db=index.obj)
                 txn.delete(raw_key, db=index.atime)
                 if tombstone:

@@ -31,6 +31,7 @@ from kvtier.store.index import (
     pack_time,
     u64_key,
 )
+from kvtier.store.ns_usage import recount
 from kvtier.store.record import (
     FORM_CODES,
     HEADER_BYTES,
@@ -335,6 +336,7 @@ def _write_index(
             index.put_usage(txn, usage)
             index.put_meta_u64(txn, b"seq", len(items) + 1)
             index.put_meta_u64(txn, b"next_segment", max([old_next, *(s + 1 for s in sizes)]))
+            recount(index, txn)  # last: its stamp covers the usage and sequence just written
 
         index.update(finish)
     finally:

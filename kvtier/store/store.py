@@ -16,6 +16,7 @@ from kvtier.core.forms import CacheForm, Reason
 from kvtier.core.store_config import StoreConfig, StoreLimits
 from kvtier.core.tier import KeyPage, LoadRequest, MoreRequests, ObjectKey
 from kvtier.core.versions import VersionKey
+from kvtier.store import ns_usage
 from kvtier.store.atimes import AccessTimes
 from kvtier.store.catalog import Catalog
 from kvtier.store.channel import DecisionClient
@@ -104,6 +105,7 @@ class DiskStore:
         self._writer: Writer | None = None
         if writer:
             self._writer = Writer(self._ctx)
+            ns_usage.repair(self.index)  # a store written before the namespace rows, or by a kvtier without them
             self.seal_abandoned_segments()
             self._catalog.publish_limits()
         if take_load_resources and not readonly:

@@ -238,8 +238,8 @@ class Writer:
             raw_key = encode_key(w.key)
             old = txn.get(raw_key, db=index.obj)
             if old is not None:  # a quarantined record is replaced
-                ledger.forget(old)
-            ledger.usage[h.form].add(h.record_len, h.payload_len, h.stored_len, +1)
+                ledger.forget(raw_key, old)
+            ledger.count(raw_key, h.form, (h.record_len, h.payload_len, h.stored_len), +1)
             ledger.add(seg_id, offset, h.record_len)
             txn.put(raw_key, entry.pack(), db=index.obj)
             txn.delete(raw_key, db=index.gone)  # stored again after an eviction
@@ -247,8 +247,8 @@ class Writer:
             txn.put(raw_key, pack_time(h.created), db=index.atime)
             seq += 1
         self._check_budget(ledger.usage)
-        ledger.save()
         index.put_meta_u64(txn, b"seq", seq)
+        ledger.save()
 
     def _check_budget(self, usage: Usage) -> None:
         cfg = self._ctx.config

@@ -24,7 +24,7 @@ from kvtier.store.extent import BACKGROUND_IO_BYTES
 from kvtier.store.io import PosixBackend, SegmentFile
 from kvtier.store.record import HEADER_BYTES, Flags
 from support.corrupt import flip_bit, segment_path
-from support.store_helpers import DIGEST, VK, make_key, make_payload, subprocess_env
+from support.store_helpers import DIGEST, VK, current, kept, make_key, make_payload, subprocess_env, walked
 
 SMALL = 1000
 
@@ -167,9 +167,16 @@ def test_a_v1_store_is_read_verified_and_written_to_by_v2(tmp_path) -> None:
         new = make_key(VersionKey(*manifest["version_key"]).namespace, "new")
         s.store(new, make_payload("new", 5000), DIGEST)
         _check_v1_bytes(s, manifest)
+        assert current(s) and kept(s) == walked(s)  # its writer's open counted the namespace rows
+        before = kept(s)
         assert s.relocate([keys]) == [len(keys)]  # compaction moves v1 records into v2 extents
         assert {r.entry.record_version for r in s.records(keys)} == {2}
         _check_v1_bytes(s, manifest)
+        assert (
+            current(s)
+            and kept(s) == walked(s)
+            and sum(b for _, b in kept(s).values()) < sum(b for _, b in before.values())
+        )  # a v1 record shrinks as it moves
 
 
 def test_a_v1_store_is_rebuilt_from_its_segments(tmp_path) -> None:
@@ -179,6 +186,7 @@ def test_a_v1_store_is_rebuilt_from_its_segments(tmp_path) -> None:
     assert report.records_after == len(manifest["records"]) and report.namespaces_after == 1
     with DiskStore(root) as s:
         _check_v1_bytes(s, manifest)
+        assert current(s) and kept(s) == walked(s)  # the rebuild wrote the namespace rows
 
 
 # ----------------------------------------------------------------- compaction while the LMDB map grows (issue 18)

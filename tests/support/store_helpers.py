@@ -10,6 +10,7 @@ import xxhash
 
 from kvtier.core import CacheForm, VersionKey
 from kvtier.core.tier import ObjectKey
+from kvtier.store import DiskStore, namespace_usage, ns_usage
 from support.mounts import mounted  # noqa: F401  (re-exported for the store tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,3 +40,26 @@ def slot_like(nbytes: int, fill: int = 0xAA) -> torch.Tensor:
     raw = torch.full((nbytes + 4096,), fill, dtype=torch.uint8)
     start = -raw.data_ptr() % 4096
     return raw[start : start + nbytes]
+
+
+def walked(s: DiskStore) -> dict[bytes, tuple[int, int]]:
+    """Per namespace, records and record bytes as a walk over every index row finds them (the public scan)."""
+    out: dict[bytes, tuple[int, int]] = {}
+    after = None
+    while page := s.iter_records(after, limit=64):
+        for r in page:
+            n, b = out.get(r.key.namespace, (0, 0))
+            out[r.key.namespace] = (n + 1, b + (r.entry.record_len if r.entry is not None else 0))
+        after = page[-1].key
+    return out
+
+
+def kept(s: DiskStore) -> dict[bytes, tuple[int, int]]:
+    """Per namespace, records and record bytes as the store reports them (`namespace_usage`)."""
+    return {ns: (u.records, u.bytes) for ns, u in namespace_usage(s.index).items()}
+
+
+def current(s: DiskStore) -> bool:
+    """Whether the store's namespace rows are trusted (`ns_usage.rows_current`)."""
+    with s.index.read() as txn:
+        return ns_usage.rows_current(s.index, txn)
