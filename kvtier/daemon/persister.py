@@ -1,8 +1,9 @@
 """The manager's write-back: sealed pool objects persisted to the store by one background thread, bounded.
 
-Fair across forms: each form goes to the store in its own batches, and a form the store refuses (its quota,
-the budget, a disk error) is set aside for the rest of the pass and named in `blocked` with the store's
-reason, so it holds back no other form. What waits (`backlog`), what is blocked and how many passes failed
+Fair across forms: a round's batches of every form go to the store together (one sync and one commit), and
+where the store refuses that, each form's batch alone (`CacheManager.persist_batch`); a form the store refuses
+(its quota, the budget, a disk error) is set aside for the rest of the pass and named in `blocked` with the
+store's reason, so it holds back no other form. What waits (`backlog`), what is blocked and how many passes failed
 are exported; `flush` and the shutdown drain read them to say what is not on disk and why.
 
 A durable offload does not wait for a pass: `persist_first` stores the objects it names ahead of the
@@ -180,8 +181,8 @@ class Persister:
                 self._pass(covering)
 
     def _serve_first(self) -> None:
-        """Store the objects durable offloads wait for, request by request, each form in one batch or, refused,
-        in ever smaller ones (`_trickle`)."""
+        """Store the objects durable offloads wait for, request by request, all forms in one batch or, refused,
+        each form alone and then in ever smaller ones (`_trickle`)."""
         while True:
             with self._cond:
                 if not self._first:
@@ -238,7 +239,7 @@ class Persister:
         self._count(out.stored)
         refused: dict[CacheForm, str] = {}
         for form, why in out.failed.items():
-            if (still := self._trickle(rt, form, why, only)) is not None:
+            if (still := self._trickle(rt, form, why, out.refused_objects.get(form, 0), only)) is not None:
                 refused[form] = still
         return out, refused
 
@@ -247,15 +248,16 @@ class Persister:
             self.persisted += stored
 
     def _trickle(
-        self, rt: Runtime, form: CacheForm, refused: str, only: Sequence[ObjectKey] | None = None
+        self, rt: Runtime, form: CacheForm, refused: str, size: int, only: Sequence[ObjectKey] | None = None
     ) -> str | None:
-        """A form's batch was refused (`refused`: why; a batch is all or nothing): store it (of `only`, where
-        given) in ever smaller batches, so a form with room for a few objects (the cleaner made some) still gets
-        them in, at most TRICKLE_BATCHES of them this call. Why the rest waits (refused even one at a time, or
-        the share taken), or None when nothing of the form is left. A pass's trickle lets durable offloads'
-        objects go first between its batches."""
+        """A form's batch of `size` objects was refused (`refused`: why; a batch is all or nothing): store it (of
+        `only`, where given) in ever smaller batches, from half that size, so a form with room for a few objects
+        (the cleaner made some) still gets them in, at most TRICKLE_BATCHES of them this call. Why the rest
+        waits (refused even one at a time, or the share taken), or None when nothing of the form is left. A
+        pass's trickle lets durable offloads' objects go first between its batches. (A batch no smaller than
+        the refused one would be the same objects, refused again: a durable offload's form has a few.)"""
         others = set(CacheForm) - {form}
-        n = PERSIST_BATCH // 2
+        n = min(size, PERSIST_BATCH) // 2
         stored_batches = 0
         while n:
             if only is None:

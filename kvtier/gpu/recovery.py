@@ -351,9 +351,11 @@ class Recovery:
     def persist(
         self, limit: int | None, skip: frozenset[CacheForm], only: Sequence[ObjectKey] | None = None
     ) -> PersistOutcome:
-        """See `CacheManager.persist`. Each form is stored in its own batches (up to `limit` objects in all), so a
-        form the tier refuses (its quota, say) does not hold back the others; a batch pins at most
-        `WRITE_BACK_PIN_SHARE` of each group's pool, and the call takes batches until done."""
+        """See `CacheManager.persist`. Each round takes a batch of each form (up to `limit` objects in all) and
+        stores them in one batch of the tier (one sync and one commit for all the forms, which a durable offload
+        waits for); where the tier refuses that, each form's batch is stored alone, so a form the tier refuses
+        (its quota, say) does not hold back the others. A batch pins at most `WRITE_BACK_PIN_SHARE` of each
+        group's pool, and the call takes batches until done."""
         outcome = PersistOutcome()
         left: dict[CacheForm, int | None] = {f: limit for f in dict.fromkeys(self._c.forms) if f not in skip}
         while left:
@@ -393,9 +395,11 @@ class Recovery:
         done: list[tuple[int, int, bool]] = []
         stored = 0
         failed: dict[CacheForm, str] = {}
+        together = len(batches) > 1 and self._store_together(batches)
         for form, work in batches.items():
             try:
-                self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
+                if not together:
+                    self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
                 ok = True
                 stored += len(work)
                 n = left[form]
@@ -410,6 +414,7 @@ class Recovery:
             except Exception as exc:
                 log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
                 failed[form] = f"{type(exc).__name__}: {exc}"
+                outcome.refused_objects[form] = len(work)
                 ok = False
                 del left[form]
             done.extend((slot, gen, ok) for slot, gen, *_ in work)
@@ -425,6 +430,18 @@ class Recovery:
         outcome.stored += stored
         outcome.failed.update(failed)
         return bool(batches)
+
+    def _store_together(self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]) -> bool:
+        """Store every form's batch in one batch of the tier; False if it refused (all or nothing: nothing of
+        them went in, and each form's batch is then tried alone, to learn which forms it refuses and why)."""
+        try:
+            self._lower.store_many(
+                [(key, view, digest) for work in batches.values() for _, _, key, view, digest in work]
+            )
+        except Exception as exc:
+            log.debug("write-back of %d forms in one batch refused (%s): storing each form alone", len(batches), exc)
+            return False
+        return True
 
     def _holding(self, keys: Sequence[ObjectKey], n_slots: int) -> np.ndarray:
         """A mask of the slots holding `keys`' objects now (keys of a namespace no longer live hold none).
@@ -453,10 +470,12 @@ class Recovery:
 
 @dataclasses.dataclass(slots=True)
 class PersistOutcome:
-    """What one persist call did: objects stored, and per form the tier refused, why."""
+    """What one persist call did: objects stored, and per form the tier refused, why and how many objects the
+    refused batch held."""
 
     stored: int = 0
     failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
+    refused_objects: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
 
 
 def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:

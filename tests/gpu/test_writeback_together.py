@@ -1,0 +1,71 @@
+"""A write-back round stores every form's batch in one batch of the store: one sync and one commit, which a durable
+offload waits for, not one per form. Where the store refuses that batch (all or nothing), each form's batch is
+stored alone, so a form over its quota holds back no other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.forms import CacheForm, Reason
+from kvtier.gpu import CacheManager
+from kvtier.store import DiskStore, StoreConfig
+from support.gpuworld import PROFILE, budgets, hashes_of, key, prompt, write
+
+
+def _store_calls(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[set[CacheForm]]:
+    """The forms of each `store_many` call that reached the store (refused ones included)."""
+    calls: list[set[CacheForm]] = []
+    real = store.store_many
+
+    def store_many(items):  # type: ignore[no-untyped-def]
+        calls.append({k.form for k, _, _ in items})
+        return real(items)
+
+    monkeypatch.setattr(store, "store_many", store_many)
+    return calls
+
+
+def _written(m: CacheManager) -> list:
+    hashes = hashes_of(m, prompt(3, 2))
+    assert write(m, hashes, range(2), state_at={1}) > 0
+    return [key(m, hashes[b], g.name) for b in range(2) for g in PROFILE.groups if b == 1 or g.kind.value == "history"]
+
+
+def test_every_forms_batch_goes_to_the_store_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with DiskStore(str(tmp_path), StoreConfig(io_backend="buffered"), writer=True) as store:
+        store.register_namespace(PROFILE.version)
+        m = CacheManager(PROFILE, budgets_bytes=budgets(PROFILE, 8), lower=store)
+        try:
+            keys = _written(m)
+            calls = _store_calls(store, monkeypatch)
+            outcome = m.persist_batch(only=keys)
+            assert outcome.stored == len(keys) and not outcome.failed
+            assert calls == [{g.form for g in PROFILE.groups}]  # all four forms, one durable batch
+            digests = [m.layout_digest(k.group) for k in keys]
+            assert store.has(keys, digests) == [Reason.OK] * len(keys)
+        finally:
+            m.close()
+
+
+def test_a_form_over_its_quota_is_refused_alone_and_the_others_go_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = StoreConfig(io_backend="buffered", form_quotas={CacheForm.SWA: 4096})  # no SWA record fits
+    with DiskStore(str(tmp_path), config, writer=True) as store:
+        store.register_namespace(PROFILE.version)
+        m = CacheManager(PROFILE, budgets_bytes=budgets(PROFILE, 8), lower=store)
+        try:
+            keys = _written(m)
+            calls = _store_calls(store, monkeypatch)
+            outcome = m.persist_batch(only=keys)
+            swa = [k for k in keys if k.form is CacheForm.SWA]
+            assert set(outcome.failed) == {CacheForm.SWA} and "quota" in outcome.failed[CacheForm.SWA]
+            assert outcome.refused_objects == {CacheForm.SWA: len(swa)}
+            assert outcome.stored == len(keys) - len(swa)
+            assert len(calls[0]) == 4 and sorted(map(len, calls[1:])) == [1, 1, 1, 1]  # together, then each alone
+            digests = [m.layout_digest(k.group) for k in keys]
+            assert store.has(keys, digests) == [Reason.MISSING if k.form is CacheForm.SWA else Reason.OK for k in keys]
+        finally:
+            m.close()
