@@ -44,7 +44,19 @@ def make_durable(
 ) -> Durability:
     """Write back and check every named object (indices in `refused` got no slot); waits up to `wait_s`
     for objects other connections are still writing. The write-back of the named objects goes ahead of
-    the backlog (`Persister.persist_first`)."""
+    the backlog (`Persister.persist_first`); the verifier's decisions wait meanwhile (`DiskStore.durable_first`)."""
+    with store.durable_first():
+        return _make_durable(store, persister, rt, keys, refused, wait_s)
+
+
+def _make_durable(
+    store: DiskStore,
+    persister: Persister,
+    rt: Runtime,
+    keys: Sequence[ObjectKey],
+    refused: frozenset[int],
+    wait_s: float,
+) -> Durability:
     manager = rt.manager
     digests = [manager.layout_digest(k.group) for k in keys]
     deadline = time.monotonic() + wait_s

@@ -7,6 +7,7 @@ published limits, shared documents, stats), which share one StoreContext.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -204,6 +205,12 @@ class DiskStore:
             if len(digest) != 16:
                 raise StoreRequestError(f"layout digest for {key_str(key)} must be 16 bytes")
         self._writer.store_many(items)
+
+    def durable_first(self) -> contextlib.AbstractContextManager[None]:
+        """Around the time an engine waits for its objects to be made durable (a durable offload): this process's
+        applier of the verifier's decisions holds back its next write transaction until the block ends (at most
+        `gil.HOLD_BACK_S`), as it does for each durable batch (`gil.DurableFirst`)."""
+        return self.index.writers.durable()
 
     # ----------------------------------------------------------------- LowerTier: pins and removal
 
