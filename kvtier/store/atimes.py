@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -9,14 +10,18 @@ import time
 import lmdb
 
 from kvtier.store.context import StoreContext
+from kvtier.store.gil import Piece, applying, in_pieces
 from kvtier.store.index import pack_time
 
 log = logging.getLogger(__name__)
 
 
 class AccessTimes:
-    """Access times noted in memory and written by a background thread every `atime_flush_s`, in one write
-    transaction, so a load never waits for a synced index commit (LRU order is advisory)."""
+    """Access times noted in memory and written by a background thread every `atime_flush_s`, so a load never
+    waits for a synced index commit (LRU order is advisory). The thread writes with the decision applier's
+    manners (`gil.applying`): a flush of many keys (up to 65,536 between two) goes in pieces that end once a
+    durable batch waits for the write lock, it holds back while one is made durable, and it gives the GIL up to
+    the loads as it goes; a flush on another thread (the store closing) is one transaction."""
 
     def __init__(self, ctx: StoreContext) -> None:
         self._ctx = ctx
@@ -48,7 +53,8 @@ class AccessTimes:
             self._wake.wait(self._ctx.config.atime_flush_s)
             self._wake.clear()
             try:
-                self.flush()
+                with applying():
+                    self.flush()
             except Exception:  # advisory data: log, keep the thread (the next flush retries what is pending)
                 log.exception("flushing access times failed")
 
@@ -58,13 +64,19 @@ class AccessTimes:
         if not pending:
             return
         index = self._ctx.index
+        items = list(pending.items())
 
-        def put(txn: lmdb.Transaction) -> None:
-            for k, t in pending.items():
+        def put(txn: lmdb.Transaction, start: int) -> tuple[None, int]:
+            piece = Piece(index.writers)
+            i = start
+            while i < len(items) and not piece.over():
+                k, t = items[i]
+                i += 1
                 if txn.get(k, db=index.obj) is not None:
                     txn.put(k, pack_time(t), db=index.atime)
+            return None, i
 
-        index.update(put)
+        in_pieces(lambda at: index.update(functools.partial(put, start=at)), len(items))
 
     def close(self) -> None:
         """Stop the background thread and write what is pending (the store is closing)."""

@@ -77,13 +77,20 @@ class StoreContext:
     @contextlib.contextmanager
     def observing(self) -> Iterator[StoreObserver]:
         """Around one index commit and the report of what it changed: the commits of writes, drops and
-        quarantines that report run one at a time, so the observer hears them in the order they committed."""
+        quarantines that report run one at a time, so the observer hears them in the order they committed. A
+        thread that waits for another's turn says so as it would waiting for LMDB's write lock (`wanting`): a
+        piece of the applier's that holds the turn then ends at its next item (`gil.Piece`)."""
         observer = self.observer
         if observer is None:
             yield _unobserved
             return
-        with self._observe_lock:
+        if not self._observe_lock.acquire(blocking=False):
+            with self.index.writers.wanting():
+                self._observe_lock.acquire()
+        try:
             yield _guarded(observer)
+        finally:
+            self._observe_lock.release()
 
     @property
     def forked(self) -> bool:

@@ -8,7 +8,9 @@ long each time it needs it back: the loads' p99 feels every millisecond of the a
 running, so a waiting thread takes it then; `bench/verifier.py`'s writing windows measure the effect.
 
 Only on the applier's thread (inside `applying()`): the same loops run in a verifier with no daemon, at the
-lowest priority, where a yield of the CPU on a busy machine would cost it a wait for every other task.
+lowest priority, where a yield of the CPU on a busy machine would cost it a wait for every other task. The
+store's access-time thread flushes inside `applying()` too (`kvtier.store.atimes`): the same kind of background
+bookkeeping, beside the same loads and durable batches.
 
 `DurableFirst` orders the same thread's write transactions after the daemon's durable batches (the index's
 `writers`): a decision's commit holds LMDB's write lock through its sync, and a durable offload waits for it.
@@ -42,7 +44,8 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def applying() -> Iterator[None]:
-    """Mark this thread as the applier's for the block: its Yielders yield."""
+    """Mark this thread as the applier's (or the access-time flush's) for the block: its Yielders yield, its
+    Pieces end for waiting writers, its write transactions hold back for durable batches."""
     _local.on = True
     try:
         yield

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import lmdb
+import pytest
 import torch
 import xxhash
 
@@ -19,7 +20,7 @@ from kvtier.core.tier import ObjectKey
 from kvtier.store import DiskStore, StoreConfig
 from kvtier.store.decisions import Drop, DropIf, PruneTombstones
 from kvtier.store.gil import PIECE_S, DurableFirst, Piece, applying
-from kvtier.store.index import IndexEntry, RecordState, encode_key, pack_time
+from kvtier.store.index import IndexEntry, RecordState, encode_key, pack_time, unpack_time
 from kvtier.store.record import Codec
 
 VK = VersionKey("pieces", "w0", "abi", "comp", "idx", "fp8")
@@ -230,3 +231,67 @@ def test_the_hold_back_waits_only_for_the_batches_under_way_when_it_came() -> No
     assert through.wait(DEADLINE_S / 2), "the applier waited for a batch that began after it"
     assert writers.under_way
     second_end.set()
+
+
+def test_with_an_observer_a_piece_ends_once_a_durable_write_waits_for_its_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KV events on, a piece's commit and a write's commit take turns reporting to the observer (in commit
+    order), and the piece holds its turn from its first item: a write that waits for the turn must end the piece as
+    one waiting for LMDB's write lock does, not wait for the piece's whole length."""
+    monkeypatch.setattr(Piece.__init__, "__defaults__", (3600.0,))  # no time bound: only a waiting writer ends it
+    store, ns = _open(tmp_path)
+    try:
+        keys = _index_rows(store, ns, RECORDS)
+        removed: list[int] = []
+        store.observe(lambda change, ks: removed.append(len(ks)) if change == "removed" else None)
+        done: list[float] = []
+        applier = threading.Thread(target=_drop_on_applier, args=(store, keys, done))
+        payload = torch.zeros(4096, dtype=torch.uint8)
+        deadline = time.monotonic() + DEADLINE_S
+        applier.start()
+        during = i = 0
+        while applier.is_alive():
+            assert time.monotonic() < deadline, "the decision never finished"
+            i += 1
+            store.store(ObjectKey(ns, xxhash.xxh3_128_digest(b"o%d" % i), "c", CacheForm.COMPRESSED), payload, DIGEST)
+            during += applier.is_alive()
+        applier.join()
+        store.observe(None)
+        assert during >= 3, f"{during} durable writes committed while the decision was applied"
+        assert len(removed) >= 2 and sum(removed) == RECORDS  # in pieces, and whole
+    finally:
+        store.close()
+
+
+def test_a_large_access_time_flush_goes_in_pieces_beside_durable_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's access-time thread writes with the applier's manners: a flush of many keys does not hold the
+    write lock, and durable writes with it, for its whole length."""
+    monkeypatch.setattr(Piece.__init__, "__defaults__", (3600.0,))  # no time bound: only a waiting writer ends it
+    store, ns = _open(tmp_path)
+    try:
+        keys = _index_rows(store, ns, RECORDS)
+        store._atimes.touch(keys)  # as loads of that many records note them
+        noted = time.time()
+
+        def flush() -> None:
+            with applying():  # as the access-time thread runs it
+                store.flush_atimes()
+
+        flusher = _in_thread(flush)
+        payload = torch.zeros(4096, dtype=torch.uint8)
+        deadline = time.monotonic() + DEADLINE_S
+        during = i = 0
+        while flusher.is_alive():
+            assert time.monotonic() < deadline, "the flush never finished"
+            i += 1
+            store.store(ObjectKey(ns, xxhash.xxh3_128_digest(b"a%d" % i), "c", CacheForm.COMPRESSED), payload, DIGEST)
+            during += flusher.is_alive()
+        assert during >= 3, f"{during} durable writes committed while the access times were written"
+        with store.index.read() as txn:  # and every access time was written
+            assert all(unpack_time(txn.get(k, db=store.index.atime)) <= noted for k in keys)
+            assert min(unpack_time(txn.get(k, db=store.index.atime)) for k in keys) > noted - 60
+    finally:
+        store.close()
