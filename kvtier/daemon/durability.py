@@ -46,38 +46,27 @@ def make_durable(
     for objects other connections are still writing. The write-back of the named objects goes ahead of
     the backlog (`Persister.persist_first`); the verifier's decisions wait meanwhile (`DiskStore.durable_first`)."""
     with store.durable_first():
-        return _make_durable(store, persister, rt, keys, refused, wait_s)
-
-
-def _make_durable(
-    store: DiskStore,
-    persister: Persister,
-    rt: Runtime,
-    keys: Sequence[ObjectKey],
-    refused: frozenset[int],
-    wait_s: float,
-) -> Durability:
-    manager = rt.manager
-    digests = [manager.layout_digest(k.group) for k in keys]
-    deadline = time.monotonic() + wait_s
-    pause = threading.Event()
-    todo: Sequence[ObjectKey] = keys
-    while True:
-        refused_now = persister.persist_first(rt, todo, max(0.0, deadline - time.monotonic()))
-        answers = store.has(keys, digests)
-        missing = [i for i, a in enumerate(answers) if a != Reason.OK]
-        states = manager.residence([keys[i] for i in missing])
-        why: collections.Counter[tuple[Cause, str]] = collections.Counter()
-        waiting = False
-        for i, state in zip(missing, states):
-            cause, detail = _why(i, state, keys[i], refused, refused_now or {})
-            why[(cause, detail)] += 1
-            waiting = waiting or cause in _NOT_FINAL
-        if not missing or not waiting or refused_now is None or time.monotonic() >= deadline:
-            counts = [NotDurableCount(cause, n, detail) for (cause, detail), n in sorted(why.items())]
-            return Durability(len(keys) - len(missing), len(missing), counts)
-        todo = [keys[i] for i in missing]
-        pause.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        manager = rt.manager
+        digests = [manager.layout_digest(k.group) for k in keys]
+        deadline = time.monotonic() + wait_s
+        pause = threading.Event()
+        todo: Sequence[ObjectKey] = keys
+        while True:
+            refused_now = persister.persist_first(rt, todo, max(0.0, deadline - time.monotonic()))
+            answers = store.has(keys, digests)
+            missing = [i for i, a in enumerate(answers) if a != Reason.OK]
+            states = manager.residence([keys[i] for i in missing])
+            why: collections.Counter[tuple[Cause, str]] = collections.Counter()
+            waiting = False
+            for i, state in zip(missing, states):
+                cause, detail = _why(i, state, keys[i], refused, refused_now or {})
+                why[(cause, detail)] += 1
+                waiting = waiting or cause in _NOT_FINAL
+            if not missing or not waiting or refused_now is None or time.monotonic() >= deadline:
+                counts = [NotDurableCount(cause, n, detail) for (cause, detail), n in sorted(why.items())]
+                return Durability(len(keys) - len(missing), len(missing), counts)
+            todo = [keys[i] for i in missing]
+            pause.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 _NOT_FINAL = (Cause.RESERVED_ELSEWHERE, Cause.WRITE_BACK_PENDING)  # may still change before the deadline

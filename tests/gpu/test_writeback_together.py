@@ -4,6 +4,8 @@ stored alone, so a form over its quota holds back no other."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,18 @@ def _store_calls(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[set[
     return calls
 
 
+@contextlib.contextmanager
+def _node(tmp_path: Path, config: StoreConfig) -> Iterator[tuple[DiskStore, CacheManager]]:
+    """A store with the profile's namespace and a manager writing back to it."""
+    with DiskStore(str(tmp_path), config, writer=True) as store:
+        store.register_namespace(PROFILE.version)
+        m = CacheManager(PROFILE, budgets_bytes=budgets(PROFILE, 8), lower=store)
+        try:
+            yield store, m
+        finally:
+            m.close()
+
+
 def _written(m: CacheManager) -> list:
     hashes = hashes_of(m, prompt(3, 2))
     assert write(m, hashes, range(2), state_at={1}) > 0
@@ -34,38 +48,28 @@ def _written(m: CacheManager) -> list:
 
 
 def test_every_forms_batch_goes_to_the_store_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with DiskStore(str(tmp_path), StoreConfig(io_backend="buffered"), writer=True) as store:
-        store.register_namespace(PROFILE.version)
-        m = CacheManager(PROFILE, budgets_bytes=budgets(PROFILE, 8), lower=store)
-        try:
-            keys = _written(m)
-            calls = _store_calls(store, monkeypatch)
-            outcome = m.persist_batch(only=keys)
-            assert outcome.stored == len(keys) and not outcome.failed
-            assert calls == [{g.form for g in PROFILE.groups}]  # all four forms, one durable batch
-            digests = [m.layout_digest(k.group) for k in keys]
-            assert store.has(keys, digests) == [Reason.OK] * len(keys)
-        finally:
-            m.close()
+    with _node(tmp_path, StoreConfig(io_backend="buffered")) as (store, m):
+        keys = _written(m)
+        calls = _store_calls(store, monkeypatch)
+        outcome = m.persist_batch(only=keys)
+        assert outcome.stored == len(keys) and not outcome.failed
+        assert calls == [{g.form for g in PROFILE.groups}]  # all four forms, one durable batch
+        digests = [m.layout_digest(k.group) for k in keys]
+        assert store.has(keys, digests) == [Reason.OK] * len(keys)
 
 
 def test_a_form_over_its_quota_is_refused_alone_and_the_others_go_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = StoreConfig(io_backend="buffered", form_quotas={CacheForm.SWA: 4096})  # no SWA record fits
-    with DiskStore(str(tmp_path), config, writer=True) as store:
-        store.register_namespace(PROFILE.version)
-        m = CacheManager(PROFILE, budgets_bytes=budgets(PROFILE, 8), lower=store)
-        try:
-            keys = _written(m)
-            calls = _store_calls(store, monkeypatch)
-            outcome = m.persist_batch(only=keys)
-            swa = [k for k in keys if k.form is CacheForm.SWA]
-            assert set(outcome.failed) == {CacheForm.SWA} and "quota" in outcome.failed[CacheForm.SWA]
-            assert outcome.refused_objects == {CacheForm.SWA: len(swa)}
-            assert outcome.stored == len(keys) - len(swa)
-            assert len(calls[0]) == 4 and sorted(map(len, calls[1:])) == [1, 1, 1, 1]  # together, then each alone
-            digests = [m.layout_digest(k.group) for k in keys]
-            assert store.has(keys, digests) == [Reason.MISSING if k.form is CacheForm.SWA else Reason.OK for k in keys]
-        finally:
-            m.close()
+    with _node(tmp_path, config) as (store, m):
+        keys = _written(m)
+        calls = _store_calls(store, monkeypatch)
+        outcome = m.persist_batch(only=keys)
+        swa = [k for k in keys if k.form is CacheForm.SWA]
+        assert set(outcome.failed) == {CacheForm.SWA} and "quota" in outcome.failed[CacheForm.SWA]
+        assert outcome.refused_objects == {CacheForm.SWA: len(swa)}
+        assert outcome.stored == len(keys) - len(swa)
+        assert len(calls[0]) == 4 and sorted(map(len, calls[1:])) == [1, 1, 1, 1]  # together, then each alone
+        digests = [m.layout_digest(k.group) for k in keys]
+        assert store.has(keys, digests) == [Reason.MISSING if k.form is CacheForm.SWA else Reason.OK for k in keys]

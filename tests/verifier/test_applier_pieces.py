@@ -233,6 +233,20 @@ def test_the_hold_back_waits_only_for_the_batches_under_way_when_it_came() -> No
     second_end.set()
 
 
+def _writes_beside(worker: threading.Thread, store: DiskStore, ns: bytes) -> int:
+    """Durable writes, one after another, for as long as `worker` runs; how many committed while it still ran."""
+    payload = torch.zeros(4096, dtype=torch.uint8)
+    deadline = time.monotonic() + DEADLINE_S
+    during = i = 0
+    while worker.is_alive():
+        assert time.monotonic() < deadline, "the background write never finished"
+        i += 1
+        store.store(ObjectKey(ns, xxhash.xxh3_128_digest(b"b%d" % i), "c", CacheForm.COMPRESSED), payload, DIGEST)
+        during += worker.is_alive()
+    worker.join()
+    return during
+
+
 def test_with_an_observer_a_piece_ends_once_a_durable_write_waits_for_its_turn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -246,17 +260,8 @@ def test_with_an_observer_a_piece_ends_once_a_durable_write_waits_for_its_turn(
         removed: list[int] = []
         store.observe(lambda change, ks: removed.append(len(ks)) if change == "removed" else None)
         done: list[float] = []
-        applier = threading.Thread(target=_drop_on_applier, args=(store, keys, done))
-        payload = torch.zeros(4096, dtype=torch.uint8)
-        deadline = time.monotonic() + DEADLINE_S
-        applier.start()
-        during = i = 0
-        while applier.is_alive():
-            assert time.monotonic() < deadline, "the decision never finished"
-            i += 1
-            store.store(ObjectKey(ns, xxhash.xxh3_128_digest(b"o%d" % i), "c", CacheForm.COMPRESSED), payload, DIGEST)
-            during += applier.is_alive()
-        applier.join()
+        applier = _in_thread(lambda: _drop_on_applier(store, keys, done))
+        during = _writes_beside(applier, store, ns)
         store.observe(None)
         assert during >= 3, f"{during} durable writes committed while the decision was applied"
         assert len(removed) >= 2 and sum(removed) == RECORDS  # in pieces, and whole
@@ -280,15 +285,7 @@ def test_a_large_access_time_flush_goes_in_pieces_beside_durable_writes(
             with applying():  # as the access-time thread runs it
                 store.flush_atimes()
 
-        flusher = _in_thread(flush)
-        payload = torch.zeros(4096, dtype=torch.uint8)
-        deadline = time.monotonic() + DEADLINE_S
-        during = i = 0
-        while flusher.is_alive():
-            assert time.monotonic() < deadline, "the flush never finished"
-            i += 1
-            store.store(ObjectKey(ns, xxhash.xxh3_128_digest(b"a%d" % i), "c", CacheForm.COMPRESSED), payload, DIGEST)
-            during += flusher.is_alive()
+        during = _writes_beside(_in_thread(flush), store, ns)
         assert during >= 3, f"{during} durable writes committed while the access times were written"
         with store.index.read() as txn:  # and every access time was written
             assert all(unpack_time(txn.get(k, db=store.index.atime)) <= noted for k in keys)
