@@ -239,7 +239,7 @@ class Persister:
         self._count(out.stored)
         refused: dict[CacheForm, str] = {}
         for form, why in out.failed.items():
-            if (still := self._trickle(rt, form, why, out.refused_objects.get(form, 0), only)) is not None:
+            if (still := self._trickle(rt, form, why, out.refused_objects[form], only)) is not None:
                 refused[form] = still
         return out, refused
 

@@ -395,6 +395,7 @@ class Recovery:
         done: list[tuple[int, int, bool]] = []
         stored = 0
         failed: dict[CacheForm, str] = {}
+        refused_objects: dict[CacheForm, int] = {}
         together = len(batches) > 1 and self._store_together(batches)
         for form, work in batches.items():
             try:
@@ -414,7 +415,7 @@ class Recovery:
             except Exception as exc:
                 log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
                 failed[form] = f"{type(exc).__name__}: {exc}"
-                outcome.refused_objects[form] = len(work)
+                refused_objects[form] = len(work)
                 ok = False
                 del left[form]
             done.extend((slot, gen, ok) for slot, gen, *_ in work)
@@ -429,6 +430,7 @@ class Recovery:
                         t.mark_recoverable(slot)
         outcome.stored += stored
         outcome.failed.update(failed)
+        outcome.refused_objects.update(refused_objects)
         return bool(batches)
 
     def _store_together(self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]) -> bool:
