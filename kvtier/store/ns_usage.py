@@ -100,16 +100,23 @@ def _count(index: Index, txn: lmdb.Transaction) -> dict[bytes, NamespaceUsage]:
     return out
 
 
+def _trusted_rows(index: Index, txn: lmdb.Transaction) -> dict[bytes, NamespaceUsage] | None:
+    """The rows, where they are current and every one is readable; else None."""
+    if not rows_current(index, txn):
+        return None
+    try:
+        return _rows(index, txn)
+    except CorruptRecord:
+        log.warning("%s: a namespace usage row is corrupt: counting the object table", index.path)
+        return None
+
+
 def namespace_usage(index: Index) -> dict[bytes, NamespaceUsage]:
     """Per namespace with at least one record: its records (serving or quarantined) and their bytes. Reads the
-    rows where they are current, else counts the object table."""
+    rows where they are trusted, else counts the object table."""
     with index.read() as txn:
-        if rows_current(index, txn):
-            try:
-                return _rows(index, txn)
-            except CorruptRecord:
-                log.warning("%s: a namespace usage row is corrupt: counting the object table", index.path)
-        return _count(index, txn)
+        rows = _trusted_rows(index, txn)
+        return rows if rows is not None else _count(index, txn)
 
 
 def recount(index: Index, txn: lmdb.Transaction) -> int:
@@ -124,19 +131,11 @@ def recount(index: Index, txn: lmdb.Transaction) -> int:
     return sum(u.records for u in counted.values())
 
 
-def _sound(index: Index, txn: lmdb.Transaction) -> bool:
-    """Current, and every row readable."""
-    try:
-        return rows_current(index, txn) and _rows(index, txn) is not None
-    except CorruptRecord:
-        return False
-
-
 def repair(index: Index) -> None:
     """At a writer's open: count the rows once where they are stale or one is corrupt (see the module's
     docstring)."""
     with index.read() as txn:
-        if _sound(index, txn):
+        if _trusted_rows(index, txn) is not None:
             return
     t0 = time.monotonic()
     records = index.update(lambda txn: recount(index, txn))
