@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import OutOfRoom
 
 
-class TierFull(KvtierError):
+class TierFull(OutOfRoom):
     """The daemon's store refused a `tier_store` batch (budget, a quota, or the disk); nothing of it is visible.
 
-    `limit` names the limit hit, as the store reports it (`budget`, `quota:<form>`, `disk`).
+    `limit` names the limit hit, as the store reports it (`budget`, `quota:<form>`, `disk`); the reply does not
+    carry the room left.
     """
-
-    code = "store_full"
-
-    def __init__(self, message: str, *, limit: str) -> None:
-        self.limit = limit
-        super().__init__(message)

@@ -14,6 +14,28 @@ class KvtierError(Exception):
     code = "error"
 
 
+class OutOfRoom(KvtierError):
+    """A tier refused a batch for want of room: its byte budget, a per-form quota, or the disk. Nothing of the batch
+    is visible. `limit` names the limit (`budget`, `quota:<form>`, `disk`). `room` and `needed`, where the tier
+    knows them, are the bytes left under that limit before the batch and the bytes the batch would have added, so
+    a writer can tell whether a smaller batch could go in before it asks again (`fits`)."""
+
+    code = "store_full"
+
+    def __init__(self, message: str, *, limit: str, room: int | None = None, needed: int | None = None) -> None:
+        self.limit = limit
+        self.room = room
+        self.needed = needed
+        super().__init__(message)
+
+    def fits(self, objects: int) -> int | None:
+        """Of the refused batch's `objects`, how many the room left would take at their average size: fewer than
+        all of them (the batch did not fit), 0 when not one would; None where the tier did not say."""
+        if self.room is None or not self.needed:
+            return None
+        return min(max(self.room, 0) * objects // self.needed, objects - 1)
+
+
 class FileFieldError(KvtierError):
     """A settings file (profile, config) is malformed; names the offending field and the file."""
 

@@ -239,7 +239,8 @@ class Persister:
         self._count(out.stored)
         refused: dict[CacheForm, str] = {}
         for form, why in out.failed.items():
-            if (still := self._trickle(rt, form, why, out.refused_objects[form], only)) is not None:
+            first = out.fits.get(form, min(out.refused_objects[form], PERSIST_BATCH) // 2)
+            if (still := self._trickle(rt, form, why, first, only)) is not None:
                 refused[form] = still
         return out, refused
 
@@ -248,18 +249,20 @@ class Persister:
             self.persisted += stored
 
     def _trickle(
-        self, rt: Runtime, form: CacheForm, refused: str, size: int, only: Sequence[ObjectKey] | None = None
+        self, rt: Runtime, form: CacheForm, refused: str, first: int, only: Sequence[ObjectKey] | None = None
     ) -> str | None:
-        """A form's batch of `size` objects was refused (`refused`: why; a batch is all or nothing): store it (of
-        `only`, where given) in ever smaller batches, from half that size, so a form with room for a few objects
-        (the cleaner made some) still gets them in, at most TRICKLE_BATCHES of them this call. Why the rest
-        waits (refused even one at a time, or the share taken), or None when nothing of the form is left. A
-        pass's trickle lets durable offloads' objects go first between its batches. (A batch no smaller than
-        the refused one would be the same objects, refused again: a durable offload's form has a few.)"""
+        """A form's batch was refused (`refused`: why; a batch is all or nothing): store it (of `only`, where given)
+        in smaller batches, from `first` objects, so a form with room for a few objects (the cleaner made some)
+        still gets them in, at most TRICKLE_BATCHES of them this call. Why the rest waits (refused even one at a
+        time, or the share taken), or None when nothing of the form is left. A pass's trickle lets durable
+        offloads' objects go first between its batches. `first` is what the store said its room takes
+        (`PersistOutcome.fits`), else half the refused batch; a refused try halves it, or cuts it to what that
+        refusal said fits. Room for none: no try, as every try of a full store costs the daemon an admission
+        while the engines' loads and offloads wait for its GIL."""
         others = set(CacheForm) - {form}
-        n = min(size, PERSIST_BATCH) // 2
+        n = min(first, PERSIST_BATCH)
         stored_batches = 0
-        while n:
+        while n > 0:
             if only is None:
                 self._serve_first()
             out = rt.manager.persist_batch(n, skip=others, only=only)
@@ -268,7 +271,7 @@ class Persister:
             if why is None and not out.stored:
                 return None  # nothing of the form left
             if why is not None:
-                refused, n = why, n // 2
+                refused, n = why, min(n // 2, out.fits.get(form, n))
                 continue
             stored_batches += 1
             if stored_batches == TRICKLE_BATCHES:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.errors import VersionError
+from kvtier.core.errors import OutOfRoom, VersionError
 from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
@@ -396,9 +396,12 @@ class Recovery:
         stored = 0
         failed: dict[CacheForm, str] = {}
         refused_objects: dict[CacheForm, int] = {}
-        together = len(batches) > 1 and self._store_together(batches)
+        fits: dict[CacheForm, int] = {}
+        together = self._store_together(batches) if len(batches) > 1 else False
         for form, work in batches.items():
             try:
+                if isinstance(together, OutOfRoom):
+                    raise together.with_traceback(None)
                 if not together:
                     self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
                 ok = True
@@ -416,6 +419,8 @@ class Recovery:
                 log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
                 failed[form] = f"{type(exc).__name__}: {exc}"
                 refused_objects[form] = len(work)
+                if isinstance(exc, OutOfRoom) and (fit := exc.fits(len(work))) is not None:
+                    fits[form] = fit
                 ok = False
                 del left[form]
             done.extend((slot, gen, ok) for slot, gen, *_ in work)
@@ -431,16 +436,23 @@ class Recovery:
         outcome.stored += stored
         outcome.failed.update(failed)
         outcome.refused_objects.update(refused_objects)
+        outcome.fits.update(fits)
         return bool(batches)
 
-    def _store_together(self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]) -> bool:
+    def _store_together(
+        self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]
+    ) -> bool | OutOfRoom:
         """Store every form's batch in one batch of the tier; False if it refused (all or nothing: nothing of
-        them went in, and each form's batch is then tried alone, to learn which forms it refuses and why)."""
+        them went in, and each form's batch is then tried alone, to learn which forms it refuses and why). A
+        refusal by the whole tier's budget with no room left at all is returned instead: each form alone would
+        be refused the same, and on a full store every such try costs the daemon an admission."""
         try:
             self._lower.store_many(
                 [(key, view, digest) for work in batches.values() for _, _, key, view, digest in work]
             )
         except Exception as exc:
+            if isinstance(exc, OutOfRoom) and exc.limit == "budget" and exc.room is not None and exc.room <= 0:
+                return exc
             log.debug("write-back of %d forms in one batch refused (%s): storing each form alone", len(batches), exc)
             return False
         return True
@@ -472,12 +484,13 @@ class Recovery:
 
 @dataclasses.dataclass(slots=True)
 class PersistOutcome:
-    """What one persist call did: objects stored, and per form the tier refused, why and how many objects the
-    refused batch held."""
+    """What one persist call did: objects stored, and per form the tier refused, why, how many objects the
+    refused batch held and, where the tier said its room (`OutOfRoom.fits`), how many of them it would take."""
 
     stored: int = 0
     failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
     refused_objects: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
+    fits: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
 
 
 def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvtier.core.errors import KvtierError, VersionError
+from kvtier.core.errors import KvtierError, OutOfRoom, VersionError
 from kvtier.core.forms import Reason
 
 
@@ -14,14 +14,11 @@ class StoreError(KvtierError):
     code = "store_error"
 
 
-class StoreFull(StoreError):
-    """A write would exceed the byte budget, a per-form quota, or the filesystem; nothing was made visible."""
+class StoreFull(StoreError, OutOfRoom):
+    """A write would exceed the byte budget, a per-form quota, or the filesystem; nothing was made visible. The
+    budget's and the quotas' refusals say the room left and the bytes needed (`OutOfRoom`)."""
 
     code = "store_full"
-
-    def __init__(self, message: str, *, limit: str) -> None:
-        self.limit = limit
-        super().__init__(message)
 
 
 class FormatVersionError(StoreError):

@@ -7,7 +7,7 @@ import dataclasses
 import errno
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -91,10 +91,13 @@ class Writer:
                 seen.add(raw_key)
                 todo.append((key, payload, digest))
             usage = index.usage(txn)
+        added: collections.Counter[CacheForm] = collections.Counter()
         for key, payload, _ in todo:  # exact for uncompressed records; compressed ones are checked at commit
             if namespaces[key.namespace].codec_for(key.form) is Codec.NONE:
-                usage[key.form].record_bytes += record_length(payload.numel())
-        self._check_budget(usage)
+                added[key.form] += record_length(payload.numel())
+        for form, n in added.items():
+            usage[form].record_bytes += n
+        self._check_budget(usage, added)
         return todo, namespaces
 
     def _write_batch(self, items: list[Item], namespaces: dict[bytes, NamespaceEntry]) -> None:
@@ -213,6 +216,7 @@ class Writer:
         index = self._ctx.index
         ledger = Ledger(index, txn)
         seq = index.get_meta_u64(txn, b"seq", 1)
+        added: collections.Counter[CacheForm] = collections.Counter()
         for w in written:
             h, seg_id, offset = w.header, w.seg_id, w.offset
             ns = index.namespace(txn, h.namespace)
@@ -240,24 +244,31 @@ class Writer:
             if old is not None:  # a quarantined record is replaced
                 ledger.forget(raw_key, old)
             ledger.count(raw_key, h.form, (h.record_len, h.payload_len, h.stored_len), +1)
+            added[h.form] += h.record_len
             ledger.add(seg_id, offset, h.record_len)
             txn.put(raw_key, entry.pack(), db=index.obj)
             txn.delete(raw_key, db=index.gone)  # stored again after an eviction
             txn.put(u64_key(seq), raw_key, db=index.dirty)
             txn.put(raw_key, pack_time(h.created), db=index.atime)
             seq += 1
-        self._check_budget(ledger.usage)
+        self._check_budget(ledger.usage, added)
         index.put_meta_u64(txn, b"seq", seq)
         ledger.save()
 
-    def _check_budget(self, usage: Usage) -> None:
+    def _check_budget(self, usage: Usage, added: Mapping[CacheForm, int]) -> None:
+        """Refuse a batch that brings `usage` (with the batch's records, `added` bytes of them per form) over the
+        budget or a quota, saying the room that was left and what the batch needed: the write-back sizes its next
+        try by them instead of asking again and again while nothing fits."""
         cfg = self._ctx.config
         total = sum(u.record_bytes for u in usage.values())
         if cfg.budget_bytes and total > cfg.budget_bytes:
+            needed = sum(added.values())
             raise StoreFull(
                 f"{self._ctx.root}: write would bring the store to {total} bytes, over its budget of "
                 f"{cfg.budget_bytes}: let the cleaner evict, or raise the budget",
                 limit="budget",
+                room=cfg.budget_bytes - (total - needed),
+                needed=needed,
             )
         for form, quota in self._ctx.quotas.items():
             if usage[form].record_bytes > quota:
@@ -265,6 +276,8 @@ class Writer:
                     f"{self._ctx.root}: {form.value} records would use {usage[form].record_bytes} bytes, over the "
                     f"{form.value} quota of {quota}: let the cleaner evict, or raise the quota",
                     limit=f"quota:{form.value}",
+                    room=quota - (usage[form].record_bytes - added.get(form, 0)),
+                    needed=added.get(form, 0),
                 )
 
     def close(self) -> None:
