@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,26 +15,38 @@ class KvtierError(Exception):
     code = "error"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoomLeft:
+    """What a tier said when it refused a batch for want of room: the limit (`budget`, `quota:<form>`, `disk`) and,
+    where it knows them, the bytes left under that limit before the batch and the bytes the batch would have added.
+    A plain record, not the error: a refusal kept past its handler would keep its traceback's frames alive, and
+    with them the index's read transactions and their reader slots."""
+
+    limit: str
+    room: int | None = None
+    needed: int | None = None
+
+    def fits(self, objects: int) -> int | None:
+        """Of the refused batch's `objects`, how many the room left would take at their average size: fewer than
+        all of them (the batch did not fit), 0 when not one would; None where the tier did not say."""
+        if self.room is None:
+            return None
+        if self.room <= 0:  # at or over the limit: whatever the batch needed
+            return 0
+        return min(self.room * objects // self.needed, objects - 1) if self.needed else None
+
+
 class OutOfRoom(KvtierError):
     """A tier refused a batch for want of room: its byte budget, a per-form quota, or the disk. Nothing of the batch
-    is visible. `limit` names the limit (`budget`, `quota:<form>`, `disk`). `room` and `needed`, where the tier
-    knows them, are the bytes left under that limit before the batch and the bytes the batch would have added, so
-    a writer can tell whether a smaller batch could go in before it asks again (`fits`)."""
+    is visible. `limit` names the limit; `left` says what the tier knows of the room (`RoomLeft`), so a writer can
+    tell whether a smaller batch could go in before it asks again."""
 
     code = "store_full"
 
     def __init__(self, message: str, *, limit: str, room: int | None = None, needed: int | None = None) -> None:
         self.limit = limit
-        self.room = room
-        self.needed = needed
+        self.left = RoomLeft(limit, room, needed)
         super().__init__(message)
-
-    def fits(self, objects: int) -> int | None:
-        """Of the refused batch's `objects`, how many the room left would take at their average size: fewer than
-        all of them (the batch did not fit), 0 when not one would; None where the tier did not say."""
-        if self.room is None or not self.needed:
-            return None
-        return min(max(self.room, 0) * objects // self.needed, objects - 1)
 
 
 class FileFieldError(KvtierError):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.errors import OutOfRoom, VersionError
+from kvtier.core.errors import OutOfRoom, RoomLeft, VersionError
 from kvtier.core.forms import CacheForm, Reason, Route
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
 from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
@@ -396,34 +396,35 @@ class Recovery:
         stored = 0
         failed: dict[CacheForm, str] = {}
         refused_objects: dict[CacheForm, int] = {}
-        fits: dict[CacheForm, int] = {}
-        together = self._store_together(batches) if len(batches) > 1 else False
+        out_of_room: dict[CacheForm, RoomLeft] = {}
+        together = self._store_together(batches) if len(batches) > 1 else None
         for form, work in batches.items():
-            try:
-                if isinstance(together, OutOfRoom):
-                    raise together.with_traceback(None)
-                if not together:
+            refusal = together if isinstance(together, _Refusal) else None
+            if refusal is None and together is not True:
+                try:
                     self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
-                ok = True
+                except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
+                    log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
+                    del left[form]
+                    done.extend((slot, gen, False) for slot, gen, *_ in work)
+                    continue
+                except Exception as exc:
+                    refusal = _Refusal.of(exc)
+            if refusal is None:
                 stored += len(work)
                 n = left[form]
                 if not more[form] or (n is not None and n <= len(work)):
                     del left[form]  # done: everything it had, or its limit
                 elif n is not None:
                     left[form] = n - len(work)
-            except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
-                log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
-                ok = False
-                del left[form]
-            except Exception as exc:
-                log.warning("write-back of %d %s objects failed: %s", len(work), form.value, exc)
-                failed[form] = f"{type(exc).__name__}: {exc}"
+            else:
+                log.warning("write-back of %d %s objects failed: %s", len(work), form.value, refusal.why)
+                failed[form] = refusal.why
                 refused_objects[form] = len(work)
-                if isinstance(exc, OutOfRoom) and (fit := exc.fits(len(work))) is not None:
-                    fits[form] = fit
-                ok = False
+                if refusal.left is not None:
+                    out_of_room[form] = refusal.left
                 del left[form]
-            done.extend((slot, gen, ok) for slot, gen, *_ in work)
+            done.extend((slot, gen, refusal is None) for slot, gen, *_ in work)
         with c.lock:
             if c.topology_epoch != epoch:  # a resize dropped every slot: this round's results land nowhere
                 return False
@@ -436,25 +437,28 @@ class Recovery:
         outcome.stored += stored
         outcome.failed.update(failed)
         outcome.refused_objects.update(refused_objects)
-        outcome.fits.update(fits)
+        outcome.out_of_room.update(out_of_room)
         return bool(batches)
 
     def _store_together(
         self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]
-    ) -> bool | OutOfRoom:
-        """Store every form's batch in one batch of the tier; False if it refused (all or nothing: nothing of
-        them went in, and each form's batch is then tried alone, to learn which forms it refuses and why). A
-        refusal by the whole tier's budget with no room left at all is returned instead: each form alone would
-        be refused the same, and on a full store every such try costs the daemon an admission."""
+    ) -> bool | _Refusal | None:
+        """Store every form's batch in one batch of the tier: True if it took them; None if it refused (all or
+        nothing: nothing of them went in, and each form's batch is then tried alone, to learn which forms it
+        refuses and why). A refusal by the whole tier's budget with no room left at all is returned instead, for
+        every form: each alone would be refused the same, and on a full store every such try costs the daemon an
+        admission."""
         try:
             self._lower.store_many(
                 [(key, view, digest) for work in batches.values() for _, _, key, view, digest in work]
             )
         except Exception as exc:
-            if isinstance(exc, OutOfRoom) and exc.limit == "budget" and exc.room is not None and exc.room <= 0:
-                return exc
+            refusal = _Refusal.of(exc)
+            room = refusal.left
+            if room is not None and room.limit == "budget" and room.room is not None and room.room <= 0:
+                return refusal
             log.debug("write-back of %d forms in one batch refused (%s): storing each form alone", len(batches), exc)
-            return False
+            return None
         return True
 
     def _holding(self, keys: Sequence[ObjectKey], n_slots: int) -> np.ndarray:
@@ -485,12 +489,26 @@ class Recovery:
 @dataclasses.dataclass(slots=True)
 class PersistOutcome:
     """What one persist call did: objects stored, and per form the tier refused, why, how many objects the
-    refused batch held and, where the tier said its room (`OutOfRoom.fits`), how many of them it would take."""
+    refused batch held and, where it was refused for want of room, what the tier said of it (`RoomLeft`: which
+    limit, the room left, the bytes needed)."""
 
     stored: int = 0
     failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
     refused_objects: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
-    fits: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
+    out_of_room: dict[CacheForm, RoomLeft] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Refusal:
+    """Why the tier refused a batch, as a string, and what it said of its room: kept, not the exception (whose
+    traceback would keep the tier's frames and their read transactions alive, `RoomLeft`)."""
+
+    why: str
+    left: RoomLeft | None
+
+    @classmethod
+    def of(cls, exc: Exception) -> _Refusal:
+        return cls(f"{type(exc).__name__}: {exc}", exc.left if isinstance(exc, OutOfRoom) else None)
 
 
 def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:

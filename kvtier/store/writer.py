@@ -217,11 +217,16 @@ class Writer:
         ledger = Ledger(index, txn)
         seq = index.get_meta_u64(txn, b"seq", 1)
         added: collections.Counter[CacheForm] = collections.Counter()
+        live: set[bytes] = set()  # namespaces found live in this transaction: a lookup decodes the entry's JSON
         for w in written:
             h, seg_id, offset = w.header, w.seg_id, w.offset
-            ns = index.namespace(txn, h.namespace)
-            if ns is None or not ns.live:
-                raise NamespaceRetired(f"namespace {h.namespace.hex()} was retired during the write: nothing stored")
+            if h.namespace not in live:
+                ns = index.namespace(txn, h.namespace)
+                if ns is None or not ns.live:
+                    raise NamespaceRetired(
+                        f"namespace {h.namespace.hex()} was retired during the write: nothing stored"
+                    )
+                live.add(h.namespace)
             assert h.form is not None  # a written object's header names its form (only namespace records do not)
             entry = IndexEntry(
                 RecordState.LIVE,
@@ -254,6 +259,16 @@ class Writer:
         self._check_budget(ledger.usage, added)
         index.put_meta_u64(txn, b"seq", seq)
         ledger.save()
+
+    def room(self) -> dict[str, int]:
+        """Bytes left under each limit a write is refused by (`StoreFull.limit`): `budget` and `quota:<form>`, as the
+        index's usage stands now (negative while over it); a limit not set is absent."""
+        with self._ctx.index.read() as txn:
+            usage = self._ctx.index.usage(txn)
+        out = {f"quota:{form.value}": quota - usage[form].record_bytes for form, quota in self._ctx.quotas.items()}
+        if budget := self._ctx.config.budget_bytes:
+            out["budget"] = budget - sum(u.record_bytes for u in usage.values())
+        return out
 
     def _check_budget(self, usage: Usage, added: Mapping[CacheForm, int]) -> None:
         """Refuse a batch that brings `usage` (with the batch's records, `added` bytes of them per form) over the
