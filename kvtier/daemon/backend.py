@@ -118,8 +118,7 @@ class DaemonBackend:
             self.close()
             raise
         self.pool_start = PoolStart(list(profiles.values()), self._new_pools, self._adopt, warm=self._warm)
-        # a canary's pools join the list; the store's room spares a full store the batches it cannot take
-        self.persister = Persister(self.rollout.all, cfg.persist_queue_depth, room=self.store.room)
+        self.persister = Persister(self.rollout.all, cfg.persist_queue_depth)  # a canary's pools join the list
         # The index's changes the verifier decides, and the main loop's documents, are applied on this thread:
         # the daemon is the index's only writer while it runs (kvtier.store.decisions).
         self.decisions = DecisionServer(self.store.root, self.store.apply_decision)

@@ -9,12 +9,10 @@ are exported; `flush` and the shutdown drain read them to say what is not on dis
 A durable offload does not wait for a pass: `persist_first` stores the objects it names ahead of the
 backlog, between two of the pass's batches, and says which forms the store refused them.
 
-A full store is not asked again and again: a refusal for want of room says the room left and the bytes the batch
-needed (`OutOfRoom`), so the smaller batches that follow a refusal start at what the room takes, none when it takes
-not one object; and a pass leaves out a form the store had no room for until the store's room under that limit
-(`room`, read from its index at each batch) has grown: until the cleaner evicted something. Every seal asks for a
-pass, and on a full store each such pass used to build and offer every form's batch to be refused, taking the
-daemon's GIL from the engines' loads and offloads each time.
+A full store is not asked again and again within a pass: a refusal for want of room says the room left and the
+bytes the batch needed (`OutOfRoom`), so the smaller batches that follow a refusal start at what the room takes,
+none when it takes not one object. (Every pass still offers each form's batch once: a store below a cluster tier
+hands even a refused batch down to the cluster, `kvtier.cluster.chain`, so every object must be offered.)
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.core.forms import CacheForm
@@ -41,16 +39,6 @@ PERSIST_BATCH = 32
 # a few objects at a time, each batch a durable write with its syncs, and every durable offload waiting for that
 # pass waited with it (bench/verifier_offloads.py measures those waits); what is left waits for the next pass.
 TRICKLE_BATCHES = 4
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _NoRoom:
-    """A form the store refused for want of room, with room for not one of its objects: the limit that refused it,
-    the room it said was left under that limit, and why, as the store said it."""
-
-    limit: str
-    room: int
-    why: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,13 +59,9 @@ class Persister:
     names were tried, ahead of the rest (a durable offload).
     """
 
-    def __init__(
-        self, runtimes: list[Runtime], depth: int, room: Callable[[], Mapping[str, int]] | None = None
-    ) -> None:
+    def __init__(self, runtimes: list[Runtime], depth: int) -> None:
         self.runtimes = runtimes
         self.depth = depth
-        self._room = room  # the store's room under each limit now (`DiskStore.room`); None: always try
-        self._no_room: dict[tuple[str, CacheForm], _NoRoom] = {}  # the persister thread's own
         self._cond = threading.Condition()
         self._waiting = 0  # sealed objects not yet covered by a started pass
         self._requested = 0
@@ -230,10 +214,6 @@ class Persister:
             try:
                 while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
                     self._serve_first()
-                    if full := self._still_full(rt):
-                        skip.update(full)
-                        backlog = rt.manager.write_back_backlog()  # blocked only while something of it waits
-                        blocked.update({(rt.name, f.value): why for f, why in full.items() if backlog.get(f)})
                     out, refused = self._store(rt, PERSIST_BATCH, skip=skip)
                     skip.update(out.failed)
                     blocked.update({(rt.name, form.value): why for form, why in refused.items()})
@@ -262,7 +242,6 @@ class Persister:
         smaller batches (`_trickle`): the batch's outcome, and the forms still refused after that, and why."""
         out = rt.manager.persist_batch(limit, skip=skip or (), only=only)
         self._count(out.stored)
-        self._note(rt, out)
         refused: dict[CacheForm, str] = {}
         for form, why in out.failed.items():
             first = _fits(out, form)
@@ -271,31 +250,6 @@ class Persister:
             if (still := self._trickle(rt, form, why, first, only)) is not None:
                 refused[form] = still
         return out, refused
-
-    def _note(self, rt: Runtime, out: PersistOutcome) -> None:
-        """Remember the forms `out` says the store had room for not one object of (`_still_full`)."""
-        for form, why in out.failed.items():
-            left = out.out_of_room.get(form)
-            if left is not None and left.room is not None and _fits(out, form) == 0:
-                self._no_room[(rt.name, form)] = _NoRoom(left.limit, left.room, why)
-
-    def _still_full(self, rt: Runtime) -> dict[CacheForm, str]:
-        """The forms of `rt` the store refused for want of room whose limit has no more room now than it had then
-        (the store's room read now: nothing was evicted under it since), and why; the others are forgotten, to be
-        tried again (once per change of the room, not once per seal)."""
-        mine = [form for name, form in self._no_room if name == rt.name]
-        if not mine or self._room is None:
-            return {}
-        room = self._room()
-        full: dict[CacheForm, str] = {}
-        for form in mine:
-            no_room = self._no_room[(rt.name, form)]
-            now = room.get(no_room.limit)
-            if now is not None and now <= no_room.room:  # a limit since lifted (None): try again
-                full[form] = no_room.why
-            else:
-                del self._no_room[(rt.name, form)]
-        return full
 
     def _count(self, stored: int) -> None:
         with self._cond:
@@ -320,7 +274,6 @@ class Persister:
                 self._serve_first()
             out = rt.manager.persist_batch(n, skip=others, only=only)
             self._count(out.stored)
-            self._note(rt, out)
             why = out.failed.get(form)
             if why is None and not out.stored:
                 return None  # nothing of the form left

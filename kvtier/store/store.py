@@ -206,14 +206,6 @@ class DiskStore:
                 raise StoreRequestError(f"layout digest for {key_str(key)} must be 16 bytes")
         self._writer.store_many(items)
 
-    def room(self) -> dict[str, int]:
-        """Bytes left under the budget and each quota now (`Writer.room`): one read of the index's usage row, for a
-        writer that asks before it tries a batch a refusal said did not fit (the daemon's write-back)."""
-        self._check_pid()
-        if self._writer is None:
-            raise StoreReadOnly("this store was opened without the writer role: only its writer has limits to keep")
-        return self._writer.room()
-
     def durable_first(self) -> contextlib.AbstractContextManager[None]:
         """Around the time an engine waits for its objects to be made durable (a durable offload): this process's
         applier of the verifier's decisions holds back its next write transaction until the block ends (at most

@@ -260,16 +260,6 @@ class Writer:
         index.put_meta_u64(txn, b"seq", seq)
         ledger.save()
 
-    def room(self) -> dict[str, int]:
-        """Bytes left under each limit a write is refused by (`StoreFull.limit`): `budget` and `quota:<form>`, as the
-        index's usage stands now (negative while over it); a limit not set is absent."""
-        with self._ctx.index.read() as txn:
-            usage = self._ctx.index.usage(txn)
-        out = {f"quota:{form.value}": quota - usage[form].record_bytes for form, quota in self._ctx.quotas.items()}
-        if budget := self._ctx.config.budget_bytes:
-            out["budget"] = budget - sum(u.record_bytes for u in usage.values())
-        return out
-
     def _check_budget(self, usage: Usage, added: Mapping[CacheForm, int]) -> None:
         """Refuse a batch that brings `usage` (with the batch's records, `added` bytes of them per form) over the
         budget or a quota, saying the room that was left and what the batch needed: the write-back sizes its next
