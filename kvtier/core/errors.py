@@ -26,14 +26,19 @@ class RoomLeft:
     room: int | None = None
     needed: int | None = None
 
+    @property
+    def exhausted(self) -> bool:
+        """The tier said no room at all is left under the limit: at or over it, whatever a batch needs."""
+        return self.room is not None and self.room <= 0
+
     def fits(self, objects: int) -> int | None:
         """Of the refused batch's `objects`, how many the room left would take at their average size: fewer than
         all of them (the batch did not fit), 0 when not one would; None where the tier did not say."""
-        if self.room is None:
-            return None
-        if self.room <= 0:  # at or over the limit: whatever the batch needed
+        if self.exhausted:
             return 0
-        return min(self.room * objects // self.needed, objects - 1) if self.needed else None
+        if self.room is None or not self.needed:
+            return None
+        return min(self.room * objects // self.needed, objects - 1)
 
 
 class OutOfRoom(KvtierError):

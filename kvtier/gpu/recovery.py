@@ -454,8 +454,7 @@ class Recovery:
             )
         except Exception as exc:
             refusal = _Refusal.of(exc)
-            room = refusal.left
-            if room is not None and room.limit == "budget" and room.room is not None and room.room <= 0:
+            if refusal.left is not None and refusal.left.limit == "budget" and refusal.left.exhausted:
                 return refusal
             log.debug("write-back of %d forms in one batch refused (%s): storing each form alone", len(batches), exc)
             return None
