@@ -23,6 +23,7 @@ from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
 from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
 from kvtier.gpu.leases import LeaseSet
+from kvtier.gpu.refusal_log import RefusalLog
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import IN_FLIGHT
 
@@ -78,6 +79,7 @@ class Recovery:
 
     def __init__(self, context: ManagerContext) -> None:
         self._c = context
+        self._refusals = RefusalLog()
 
     @property
     def _lower(self) -> LowerTier:
@@ -411,6 +413,7 @@ class Recovery:
                 except Exception as exc:
                     refusal = _Refusal.of(exc)
             if refusal is None:
+                self._refusals.stored(form)
                 stored += len(work)
                 n = left[form]
                 if not more[form] or (n is not None and n <= len(work)):
@@ -418,7 +421,7 @@ class Recovery:
                 elif n is not None:
                     left[form] = n - len(work)
             else:
-                log.warning("write-back of %d %s objects failed: %s", len(work), form.value, refusal.why)
+                self._refusals.refused(form, len(work), refusal.kind, refusal.why)
                 failed[form] = refusal.why
                 refused_objects[form] = len(work)
                 if refusal.left is not None:
@@ -504,10 +507,13 @@ class _Refusal:
 
     why: str
     left: RoomLeft | None
+    kind: str  # the error's type and the limit it names: what the write-back's log tells apart (`RefusalLog`)
 
     @classmethod
     def of(cls, exc: Exception) -> _Refusal:
-        return cls(f"{type(exc).__name__}: {exc}", exc.left if isinstance(exc, OutOfRoom) else None)
+        left = exc.left if isinstance(exc, OutOfRoom) else None
+        kind = type(exc).__name__ if left is None else f"{type(exc).__name__}/{left.limit}"
+        return cls(f"{type(exc).__name__}: {exc}", left, kind)
 
 
 def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,31 @@ def test_refusals_keep_no_read_transaction_open(tmp_path: Path) -> None:
             assert store.index.env.readers().count("\n") == readers
         finally:
             gc.enable()
+
+
+def test_a_full_store_warns_once_not_once_a_batch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A store at its budget refuses every round until the cleaner makes room: one warning per form when that
+    starts, not a line per refused batch (a line per offload, while it lasts); one line when the form goes in again,
+    with how many were refused meanwhile. A refusal for another reason warns again."""
+    one = _index_record_bytes()
+    config = StoreConfig(io_backend="buffered", budget_bytes=2 * one)
+    with _node(tmp_path, config) as (store, m, _):
+        assert m.persist_batch(2, skip=ONLY_INDEX).stored == 2  # the store is at its budget
+        caplog.set_level(logging.DEBUG, logger="kvtier.gpu.recovery")
+        for _ in range(5):
+            assert m.persist_batch(1, skip=ONLY_INDEX).failed
+        refused = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert [r.levelno for r in refused] == [logging.WARNING] + [logging.DEBUG] * 4, refused
+        assert "budget" in refused[0].getMessage()
+
+        caplog.clear()
+        store.set_limits(0, {CacheForm.INDEXER: one})  # now the form's quota refuses it: another reason
+        assert m.persist_batch(1, skip=ONLY_INDEX).failed
+        assert [r.levelno for r in caplog.records if "refused" in r.getMessage()] == [logging.WARNING]
+
+        caplog.clear()
+        store.set_limits(0, {})  # room again: the form goes in
+        assert m.persist_batch(1, skip=ONLY_INDEX).stored == 1
+        again = [r for r in caplog.records if "goes in again" in r.getMessage()]
+        assert len(again) == 1 and again[0].levelno == logging.INFO
+        assert "0 more batches refused since)" in again[0].getMessage()
