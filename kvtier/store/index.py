@@ -34,6 +34,7 @@ INDEX_DIR = "index.lmdb"
 DB_NAMES = ("meta", "ns", "obj", "seg", "dirty", "atime", "gone")
 PREFETCH_INDEX_BYTES = 256 << 20  # larger indexes are left to fault in as they are used
 INITIAL_MAP_BYTES = 64 << 20
+NAMESPACE_MEMO = 256  # decoded namespace entries an Index keeps (a store holds a few live ones, and the retired)
 KEY_PREFIX_BYTES = 33  # namespace(16) + block hash(16) + form code(1), then the group name
 
 _SUM = struct.Struct("<Q")
@@ -399,6 +400,7 @@ class Index:
         self.readonly = readonly
         self._gate = _Gate()
         self.writers = DurableFirst()  # the daemon's durable batches commit before the applier's decisions
+        self._namespaces: dict[bytes, NamespaceEntry] = {}  # decoded entries by their bytes (see `namespace`)
         try:
             self.env = lmdb.open(
                 path,
@@ -533,8 +535,19 @@ class Index:
         self.env.sync(True)
 
     def namespace(self, txn: lmdb.Transaction, ns: bytes) -> NamespaceEntry | None:
+        """Every batch written and every load looks its namespace up, and decoding the entry (checksum, JSON) cost
+        more than the lookup: entries are kept decoded by their bytes, so one retired since is decoded anew (a
+        corrupt one raises CorruptRecord each time: it is never kept)."""
         raw = txn.get(ns, db=self.ns)
-        return None if raw is None else NamespaceEntry.unpack(raw)
+        if raw is None:
+            return None
+        raw = bytes(raw)  # (bytes already: no transaction here hands out buffers)
+        entry = self._namespaces.get(raw)
+        if entry is None:
+            if len(self._namespaces) >= NAMESPACE_MEMO:
+                self._namespaces.clear()
+            entry = self._namespaces[raw] = NamespaceEntry.unpack(raw)
+        return entry
 
     def segment(self, txn: lmdb.Transaction, seg_id: int) -> SegmentEntry | None:
         raw = txn.get(u64_key(seg_id), db=self.seg)

@@ -92,8 +92,13 @@ class Writer:
                 todo.append((key, payload, digest))
             usage = index.usage(txn)
         added: collections.Counter[CacheForm] = collections.Counter()
+        plain: dict[tuple[bytes, CacheForm], bool] = {}  # whether a namespace stores a form uncompressed
         for key, payload, _ in todo:  # exact for uncompressed records; compressed ones are checked at commit
-            if namespaces[key.namespace].codec_for(key.form) is Codec.NONE:
+            kind = (key.namespace, key.form)
+            stored_as_is = plain.get(kind)
+            if stored_as_is is None:
+                stored_as_is = plain[kind] = namespaces[key.namespace].codec_for(key.form) is Codec.NONE
+            if stored_as_is:
                 added[key.form] += record_length(payload.numel())
         for form, n in added.items():
             usage[form].record_bytes += n
