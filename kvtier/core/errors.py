@@ -18,7 +18,8 @@ class KvtierError(Exception):
 @dataclasses.dataclass(frozen=True, slots=True)
 class RoomLeft:
     """What a tier said when it refused a batch for want of room: the limit (`budget`, `quota:<form>`, `disk`) and,
-    where it knows them, the bytes left under that limit before the batch and the bytes the batch would have added.
+    where it knows them, the bytes left under that limit before the batch and the bytes the batch would have added
+    (at most: a tier may refuse before it has found which of the batch's objects it holds already).
     A plain record, not the error: a refusal kept past its handler would keep its traceback's frames alive, and
     with them the index's read transactions and their reader slots."""
 

@@ -66,44 +66,59 @@ class Writer:
                 self._write_batch(todo, namespaces)
 
     def _admit(self, items: Sequence[Item]) -> tuple[list[Item], dict[bytes, NamespaceEntry]]:
-        """Drop items already live (records are immutable, keys content-addressed); check namespaces."""
+        """Drop items already live (records are immutable, keys content-addressed); check namespaces; refuse a
+        batch whose new records would bring the store over its budget or a quota (StoreFull, `_check_budget`).
+        The refusal comes as soon as the new records found so far do not fit, the keys after them not looked up
+        (counted as new, so the refusal's `needed` is at most what it says): on a store at its budget the
+        write-back offers every round's batch, and each refusal used to look every key of it up."""
         index = self._ctx.index
         todo: list[Item] = []
         namespaces: dict[bytes, NamespaceEntry] = {}
         seen: set[bytes] = set()
+        added: collections.Counter[CacheForm] = collections.Counter()
+        plain: dict[tuple[bytes, CacheForm], bool] = {}
+
+        def as_is(key: ObjectKey) -> bool:  # its namespace stores its form uncompressed: its size is exact now
+            kind = (key.namespace, key.form)  # (a compressed record's size is checked at commit)
+            stored_as_is = plain.get(kind)
+            if stored_as_is is None:
+                stored_as_is = plain[kind] = namespaces[key.namespace].codec_for(key.form) is Codec.NONE
+            return stored_as_is
+
+        estimated = False  # whether keys were left unread, counted as new
         with index.read() as txn:
-            for key, payload, digest in items:
+            usage = index.usage(txn)
+            room = _Room(self._ctx.config.budget_bytes, self._ctx.quotas, usage)
+            for i, (key, payload, digest) in enumerate(items):
                 if key.namespace not in namespaces:
-                    ns = index.namespace(txn, key.namespace)
-                    if ns is None:
-                        raise NamespaceError(
-                            f"namespace {key.namespace.hex()} is not registered: register its version key first"
-                        )
-                    if not ns.live:
-                        raise NamespaceRetired(
-                            f"namespace {key.namespace.hex()} is retired: register its version key (live) first"
-                        )
-                    namespaces[key.namespace] = ns
+                    namespaces[key.namespace] = self._live_namespace(txn, key.namespace)
                 raw_key = encode_key(key)
                 raw = txn.get(raw_key, db=index.obj)
                 if raw_key in seen or (raw is not None and _is_live(raw)):
                     continue
                 seen.add(raw_key)
                 todo.append((key, payload, digest))
-            usage = index.usage(txn)
-        added: collections.Counter[CacheForm] = collections.Counter()
-        plain: dict[tuple[bytes, CacheForm], bool] = {}  # whether a namespace stores a form uncompressed
-        for key, payload, _ in todo:  # exact for uncompressed records; compressed ones are checked at commit
-            kind = (key.namespace, key.form)
-            stored_as_is = plain.get(kind)
-            if stored_as_is is None:
-                stored_as_is = plain[kind] = namespaces[key.namespace].codec_for(key.form) is Codec.NONE
-            if stored_as_is:
-                added[key.form] += record_length(payload.numel())
+                if as_is(key) and room.take(key.form, record_length(payload.numel()), added):
+                    rest = items[i + 1 :]
+                    for ns in {k.namespace for k, _, _ in rest} - namespaces.keys():  # (an unknown one says so)
+                        namespaces[ns] = self._live_namespace(txn, ns)
+                    for k, p, _ in rest:
+                        if as_is(k):
+                            added[k.form] += record_length(p.numel())
+                    estimated = bool(rest)
+                    break
         for form, n in added.items():
             usage[form].record_bytes += n
-        self._check_budget(usage, added)
+        self._check_budget(usage, added, at_most=estimated)
         return todo, namespaces
+
+    def _live_namespace(self, txn: lmdb.Transaction, namespace: bytes) -> NamespaceEntry:
+        ns = self._ctx.index.namespace(txn, namespace)
+        if ns is None:
+            raise NamespaceError(f"namespace {namespace.hex()} is not registered: register its version key first")
+        if not ns.live:
+            raise NamespaceRetired(f"namespace {namespace.hex()} is retired: register its version key (live) first")
+        return ns
 
     def _write_batch(self, items: list[Item], namespaces: dict[bytes, NamespaceEntry]) -> None:
         """Cut the batch into extents (in order), build and write them on the pool, sync once, commit once. The
@@ -265,16 +280,18 @@ class Writer:
         index.put_meta_u64(txn, b"seq", seq)
         ledger.save()
 
-    def _check_budget(self, usage: Usage, added: Mapping[CacheForm, int]) -> None:
+    def _check_budget(self, usage: Usage, added: Mapping[CacheForm, int], *, at_most: bool = False) -> None:
         """Refuse a batch that brings `usage` (with the batch's records, `added` bytes of them per form) over the
         budget or a quota, saying the room that was left and what the batch needed: the write-back sizes its next
-        try by them instead of asking again and again while nothing fits."""
+        try by them instead of asking again and again while nothing fits. `at_most`: `added` counts keys not looked
+        up as new, so the figures are upper bounds."""
         cfg = self._ctx.config
+        up_to = "up to " if at_most else ""
         total = sum(u.record_bytes for u in usage.values())
         if cfg.budget_bytes and total > cfg.budget_bytes:
             needed = sum(added.values())
             raise StoreFull(
-                f"{self._ctx.root}: write would bring the store to {total} bytes, over its budget of "
+                f"{self._ctx.root}: write would bring the store to {up_to}{total} bytes, over its budget of "
                 f"{cfg.budget_bytes}: let the cleaner evict, or raise the budget",
                 limit="budget",
                 room=cfg.budget_bytes - (total - needed),
@@ -283,8 +300,8 @@ class Writer:
         for form, quota in self._ctx.quotas.items():
             if usage[form].record_bytes > quota:
                 raise StoreFull(
-                    f"{self._ctx.root}: {form.value} records would use {usage[form].record_bytes} bytes, over the "
-                    f"{form.value} quota of {quota}: let the cleaner evict, or raise the quota",
+                    f"{self._ctx.root}: {form.value} records would use {up_to}{usage[form].record_bytes} bytes, "
+                    f"over the {form.value} quota of {quota}: let the cleaner evict, or raise the quota",
                     limit=f"quota:{form.value}",
                     room=quota - (usage[form].record_bytes - added.get(form, 0)),
                     needed=added.get(form, 0),
@@ -333,3 +350,27 @@ def _compressed(flat: torch.Tensor) -> torch.Tensor:
 def _host_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as host memory, without a copy when it already lives there."""
     return (t.numpy() if t.device.type == "cpu" else t.cpu().numpy()).data  # ndarray.data: a memoryview
+
+
+class _Room:
+    """The bytes a batch may still add under the budget and each quota (None: no limit) while admission counts
+    its new records in, from the store's usage before the batch."""
+
+    __slots__ = ("_forms", "_total")
+
+    def __init__(self, budget_bytes: int, quotas: Mapping[CacheForm, int], usage: Usage) -> None:
+        self._total = budget_bytes - sum(u.record_bytes for u in usage.values()) if budget_bytes else None
+        self._forms = {form: quota - usage[form].record_bytes for form, quota in quotas.items()}
+
+    def take(self, form: CacheForm, n: int, added: collections.Counter[CacheForm]) -> bool:
+        """Count a new record of `n` bytes into `added`; True once the batch so far does not fit."""
+        added[form] += n
+        over = False
+        if self._total is not None:
+            self._total -= n
+            over = self._total < 0
+        left = self._forms.get(form)
+        if left is not None:
+            self._forms[form] = left - n
+            over = over or left < n
+        return over

@@ -227,6 +227,31 @@ def test_budget_and_quota_refuse_with_nothing_visible_nothing_deleted(tmp_path) 
         assert s.has([make_key(ns, "swa1", "swa", CacheForm.SWA)], [DIGEST]) == [Reason.MISSING]
 
 
+def test_a_batch_is_refused_once_its_new_records_found_so_far_do_not_fit(tmp_path) -> None:
+    """Admission stops at the first new record that does not fit: the keys after it are not looked up and count
+    as new, so the refusal's `needed` is an upper bound ("up to"). A batch of records the store holds already, or
+    one whose new records fit, goes in; a namespace that is not registered is named even after the refusal point."""
+    rec = record_length(50_000)
+    with DiskStore(str(tmp_path), StoreConfig(budget_bytes=3 * rec), writer=True) as s:
+        ns = s.register_namespace(VK)
+        held = [(make_key(ns, f"k{i}"), make_payload(f"k{i}", 50_000), DIGEST) for i in range(2)]
+        s.store_many(held)  # room for one record more
+        new = [(make_key(ns, f"n{i}"), make_payload(f"n{i}", 50_000), DIGEST) for i in range(2)]
+        with pytest.raises(StoreFull) as exc:
+            s.store_many(new + held)  # over at the second new record: the held two after it are counted as new
+        left = exc.value.left
+        assert (left.limit, left.room, left.needed) == ("budget", rec, 4 * rec)
+        assert "up to" in str(exc.value)
+        with pytest.raises(StoreFull) as exc:
+            s.store_many(held + new)  # every key before the refusal point looked up: the figures are exact
+        assert (exc.value.left.room, exc.value.left.needed) == (rec, 2 * rec) and "up to" not in str(exc.value)
+        s.store_many(held + new[:1])  # the new one fits
+        assert s.has([k for k, _, _ in held + new], [DIGEST] * 4) == [Reason.OK] * 3 + [Reason.MISSING]
+        stranger = (make_key(b"\x02" * 16, "x"), make_payload("x", 50_000), DIGEST)
+        with pytest.raises(NamespaceError, match="not registered"):
+            s.store_many([*new, stranger])
+
+
 def test_roles_locks_and_bad_input_are_typed(tmp_path) -> None:
     with DiskStore(str(tmp_path), writer=True) as w:
         ns = w.register_namespace(VK)
