@@ -8,7 +8,7 @@ import functools
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import lmdb
 
@@ -29,9 +29,6 @@ from kvtier.store.record import FORMAT_VERSION, Flags, RecordHeader, namespace_r
 from kvtier.store.scan import ScanItem
 from kvtier.store.segments import Appender, allocate_segment, seal_segment, segment_name
 
-if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
-    import torch
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Copy:
@@ -40,7 +37,7 @@ class _Copy:
     raw_key: bytes
     entry: IndexEntry
     header: RecordHeader
-    data: torch.Tensor
+    data: bytes  # its stored bytes (plain bytes: the verifier, which compacts, never loads torch)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,10 +234,8 @@ class Compaction:
 
             def keep(number: int, header: AnyHeader | None, mv: memoryview, at: int) -> None:
                 assert header is not None
-                import torch
-
                 item = items[number]
-                data = torch.frombuffer(bytearray(mv[at : at + item.entry.stored_len]), dtype=torch.uint8)
+                data = bytes(mv[at : at + item.entry.stored_len])
                 copies.append(_Copy(item.raw_key, item.entry, _as_v2(header, item.entry), data))
 
             for number, exc in self._reader.scan(txn, items, keep, headers=True):
@@ -253,10 +248,7 @@ class Compaction:
         assert self._relocator is not None
         now = time.time()
         ns_records = [namespace_record(namespaces[ns], now) for ns in dict.fromkeys(c.header.namespace for c in copies)]
-        import torch
-
-        records = [(h, torch.frombuffer(bytearray(body), dtype=torch.uint8)) for h, body in ns_records]
-        records += [(c.header, c.data) for c in copies]
+        records: list[tuple[RecordHeader, bytes]] = [*ns_records, *((c.header, c.data) for c in copies)]
         seg_id, offsets = write_extent(
             self._relocator, ctx.backend, ctx.buffers, records, None, piece_bytes=BACKGROUND_IO_BYTES
         )

@@ -74,16 +74,17 @@ class ExtentPlan:
 class Stage:
     """Where an extent is assembled before its one write: an aligned host buffer, or a device tensor (GDS)."""
 
-    def __init__(self, tensor: torch.Tensor, size: int, buf: AlignedBuffer | None, pool: BufferPool | None) -> None:
-        self.tensor = tensor
+    def __init__(
+        self, tensor: torch.Tensor | None, size: int, buf: AlignedBuffer | None, pool: BufferPool | None
+    ) -> None:
+        self._tensor = tensor  # the device stage's (None on the host)
         self.size = size
         self._buf = buf
         self._pool = pool
 
     @classmethod
     def on_host(cls, pool: BufferPool, size: int) -> Stage:
-        buf = pool.acquire(size)
-        return cls(buf.tensor, size, buf, pool)
+        return cls(None, size, pool.acquire(size), pool)
 
     @classmethod
     def on_device(cls, size: int, device: torch.device) -> Stage:
@@ -91,14 +92,25 @@ class Stage:
 
         return cls(torch.empty(size, dtype=torch.uint8, device=device), size, None, None)
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        assert self._tensor is not None, "only a device stage is a tensor"
+        return self._tensor
+
     def zero(self, at: int, n: int) -> None:
         if self._buf is not None:
             ctypes.memset(self._buf.addr + at, 0, n)
         else:
             self.tensor[at : at + n].zero_()
 
-    def put_payload(self, at: int, data: torch.Tensor) -> None:
-        if self._buf is not None:
+    def put_payload(self, at: int, data: torch.Tensor | bytes | bytearray) -> None:
+        """A record's stored bytes: a tensor (an object's payload), or plain bytes on the host (compaction's copies,
+        so that the verifier, which only moves bytes, never loads torch)."""
+        if isinstance(data, (bytes, bytearray)):
+            if self._buf is None:
+                raise TypeError("a device stage takes tensors only")
+            self._buf.mv[at : at + len(data)] = data
+        elif self._buf is not None:
             copy_in(self._buf, at, data)
         else:
             self.tensor[at : at + data.numel()].copy_(data)
@@ -150,11 +162,12 @@ def write_extent(
     appender: Appender,
     backend: PosixBackend,
     buffers: BufferPool,
-    records: Sequence[tuple[RecordHeader, torch.Tensor]],
+    records: Sequence[tuple[RecordHeader, torch.Tensor | bytes | bytearray]],
     device: torch.device | None,
     piece_bytes: int = 0,
 ) -> tuple[int, list[int]]:
-    """Lay out finished records (header, stored bytes) as one extent, stage it (on `device` when given: the GDS
+    """Lay out finished records (header, stored bytes: a tensor, or plain bytes where the extent is staged on the
+    host) as one extent, stage it (on `device` when given: the GDS
     write), place it at the appender's tail and write it with one call (from the host, in `piece_bytes` pieces
     when given: the store's `write_piece_bytes` for its writer, `BACKGROUND_IO_BYTES` for compaction); returns
     (segment, each record's offset)."""

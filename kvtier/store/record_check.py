@@ -7,7 +7,7 @@ Contract:
   `header_check.headers_good` for it; v1: `header_check.check_v1`), a v2 header that fails named by
   `header_check.fault`; then `check_sums` over the stored payload. Returns the parsed header (v2 only where
   `headers=True`; v1 always) and where the stored payload starts in `buf`; CorruptRecord naming the reason.
-- `check_sums(entry, data, tensor, at)`: every payload checksum the record carries that the host computes cheaply
+- `check_sums(entry, buf, at)`: every payload checksum the record carries that the host computes cheaply
   (xxh3_128, else the device checksum on cpu).
 - `entry_rows(entries)`: IndexEntry objects (any record format) as ENTRY_V2_DTYPE rows, every field but the seal:
   the columns the pipeline plans and checks with, and those an index walk counts (`index_page`).
@@ -19,7 +19,6 @@ this never reads, it only looks at what was read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,9 +30,6 @@ from kvtier.store.index import ENTRY_V2_DTYPE, IndexEntry
 from kvtier.store.io import AlignedBuffer
 from kvtier.store.record import FORM_CODES, FORMAT_VERSION, HEADER_BYTES, Flags, RecordHeader, payload_checksum
 from kvtier.store.record_v1 import V1_HEADER_BYTES
-
-if TYPE_CHECKING:  # annotations only: torch is imported where used, so a daemon can listen before it loads
-    import torch
 
 _XXH3 = int(Flags.XXH3)
 
@@ -60,17 +56,18 @@ def check_record(
     else:
         header = check_v1(entry, key, mv, at)
         payload_at = at + V1_HEADER_BYTES
-    check_sums(entry, mv[payload_at : payload_at + entry.stored_len], buf.tensor, payload_at)
+    check_sums(entry, buf, payload_at)
     return header, payload_at
 
 
-def check_sums(entry: IndexEntry, data: memoryview, tensor: torch.Tensor, at: int) -> None:
-    """Every checksum the record carries that the host can compute cheaply: xxh3, else the device sum on cpu.
-    `data` (the stored payload) is also tensor[at : at + stored_len], sliced only for the device sum."""
+def check_sums(entry: IndexEntry, buf: AlignedBuffer, at: int) -> None:
+    """Every checksum the record carries that the host can compute cheaply over its stored payload (`buf` from
+    `at`): xxh3, else the device sum on cpu. Only the device sum takes the buffer as a tensor: a process that
+    checks xxh3 records (the verifier) never loads torch for it."""
     if entry.flags & _XXH3:
-        if payload_checksum(data) != entry.payload_checksum:
+        if payload_checksum(buf.mv[at : at + entry.stored_len]) != entry.payload_checksum:
             raise CorruptRecord(QuarantineReason.PAYLOAD, "payload checksum mismatch")
-    elif device_checksum(tensor[at : at + entry.stored_len]) != entry.device_checksum:
+    elif device_checksum(buf.tensor[at : at + entry.stored_len]) != entry.device_checksum:
         raise CorruptRecord(QuarantineReason.PAYLOAD, "payload device checksum mismatch")
 
 

@@ -109,6 +109,32 @@ def test_a_stopping_verifier_needs_under_a_tenth_of_a_cpu_second(tmp_path) -> No
     assert spent < 0.1, spent
 
 
+def test_the_verifier_verifies_evicts_and_compacts_without_loading_torch(tmp_path) -> None:
+    """It only reads, checks and moves bytes: loading torch for that cost it seconds of CPU at every start, in the
+    moments its work competes with the engines' (and hundreds of MiB). Its memory maps, once it has verified,
+    evicted and relocated records, hold no torch library."""
+    root = str(tmp_path / "store")
+    recs = populate(root, [(VK, f"r{i}", CacheForm.COMPRESSED, 20_000) for i in range(60)], segment_bytes=128 << 10)
+    with DiskStore(root, writer=True) as s:
+        s.pin([r.key for r in recs[::3]], 3600.0)  # eviction leaves the segments a third live: they are compacted
+        s.set_limits(s.stats()["record_bytes"] // 2, {})
+    proc = start_verifier(root)
+    try:
+
+        def did_everything() -> bool:
+            with DiskStore(root, readonly=True) as s:
+                done = verifier_status(s)["actions"]
+            return all(done.get(a, 0) > 0 for a in ("verified", "evicted", "relocated"))
+
+        wait_for(did_everything, 60.0, proc, "records verified, evicted and relocated")
+        with open(f"/proc/{proc.pid}/maps") as f:
+            torch_maps = [line.split()[-1] for line in f if "torch" in line]
+    finally:
+        err = stop(proc)
+    assert proc.returncode == 0, err
+    assert torch_maps == []
+
+
 def test_a_sweep_reads_verified_records_without_rewriting_them_and_quarantines_what_fails(tmp_path) -> None:
     root = str(tmp_path / "store")
     recs = populate(root, [(VK, f"r{i}", CacheForm.COMPRESSED, 20_000) for i in range(12)])
