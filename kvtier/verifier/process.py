@@ -133,9 +133,10 @@ def run(
 def exit_without_teardown(code: int) -> NoReturn:
     """Exit the verifier process once `run` has returned, skipping the interpreter's teardown.
 
-    Why: with torch loaded that teardown costs a good part of a CPU-second, and a nice-19 process gets only a
-    small share of CPUs that are busy at normal priority (at SCHED_IDLE, which it used to take, its exit took
-    minutes beside CPU burners on every core).
+    Why: a nice-19 process gets only a small share of CPUs that are busy at normal priority, and the teardown
+    (collecting every module's objects) is CPU it would wait for; with torch loaded, as the verifier once had it,
+    it cost a good part of a CPU-second (at SCHED_IDLE, which it used to take, its exit took minutes beside CPU
+    burners on every core).
     Nothing is left to tear down by then: the store is closed, the status saved, the lock goes with the process."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -86,7 +86,7 @@ def _cpu_s(pid: int) -> float:
 
 def test_a_stopping_verifier_needs_under_a_tenth_of_a_cpu_second(tmp_path) -> None:
     """Nice 19 leaves the verifier little CPU while the machine is busy, its exit included: the exit skips the
-    interpreter's teardown (with torch loaded, a good part of a CPU-second) once the store is closed."""
+    interpreter's teardown once the store is closed."""
     root = str(tmp_path / "store")
     populate(root, [(VK, "a", CacheForm.COMPRESSED, 5000)])
     proc = start_verifier(root, "--poll", "60", "--maintenance-interval", "600", "--sweep-interval", "600")
