@@ -35,7 +35,7 @@ class RefusalLog:
         with self._lock:
             last = self._open.get(form)
             repeat = last is not None and last[0] == kind
-            self._open[form] = (kind, last[1] + 1 if repeat and last is not None else 0)
+            self._open[form] = (kind, last[1] + 1 if last is not None and repeat else 0)
         if repeat:
             log.debug("write-back of %d %s objects refused again: %s", objects, form.value, why)
         else:
@@ -48,7 +48,7 @@ class RefusalLog:
             )
 
     def stored(self, form: CacheForm) -> None:
-        if form not in self._open:  # (the common case, read without the lock: a form refused is told here after)
+        if form not in self._open:  # the common case, read without the lock (a refusal racing it is seen next time)
             return
         with self._lock:
             last = self._open.pop(form, None)

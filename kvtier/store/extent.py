@@ -167,10 +167,9 @@ def write_extent(
     piece_bytes: int = 0,
 ) -> tuple[int, list[int]]:
     """Lay out finished records (header, stored bytes: a tensor, or plain bytes where the extent is staged on the
-    host) as one extent, stage it (on `device` when given: the GDS
-    write), place it at the appender's tail and write it with one call (from the host, in `piece_bytes` pieces
-    when given: the store's `write_piece_bytes` for its writer, `BACKGROUND_IO_BYTES` for compaction); returns
-    (segment, each record's offset)."""
+    host) as one extent, stage it (on `device` when given: the GDS write), place it at the appender's tail and
+    write it with one call (from the host, in `piece_bytes` pieces when given: the store's `write_piece_bytes` for
+    its writer, `BACKGROUND_IO_BYTES` for compaction); returns (segment, each record's offset)."""
     plan = ExtentPlan()
     for h, _ in records:
         plan.add(h.stored_len)
