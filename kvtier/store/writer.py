@@ -98,7 +98,11 @@ class Writer:
                     continue
                 seen.add(raw_key)
                 todo.append((key, payload, digest))
-                if as_is(key) and room.take(key.form, record_length(payload.numel()), added):
+                if not as_is(key):
+                    continue
+                n = record_length(payload.numel())
+                added[key.form] += n
+                if room.take(key.form, n):
                     rest = items[i + 1 :]
                     for ns in {k.namespace for k, _, _ in rest} - namespaces.keys():  # (an unknown one says so)
                         namespaces[ns] = self._live_namespace(txn, ns)
@@ -362,9 +366,8 @@ class _Room:
         self._total = budget_bytes - sum(u.record_bytes for u in usage.values()) if budget_bytes else None
         self._forms = {form: quota - usage[form].record_bytes for form, quota in quotas.items()}
 
-    def take(self, form: CacheForm, n: int, added: collections.Counter[CacheForm]) -> bool:
-        """Count a new record of `n` bytes into `added`; True once the batch so far does not fit."""
-        added[form] += n
+    def take(self, form: CacheForm, n: int) -> bool:
+        """Take a new record of `n` bytes out of the room; True once the batch so far does not fit."""
         over = False
         if self._total is not None:
             self._total -= n
