@@ -110,7 +110,7 @@ def test_a_stopping_verifier_needs_under_a_tenth_of_a_cpu_second(tmp_path) -> No
 
 
 def test_the_verifier_verifies_evicts_and_compacts_without_loading_torch(tmp_path) -> None:
-    """It only reads, checks and moves bytes: loading torch for that cost it seconds of CPU at every start, in the
+    """It only reads, checks and moves bytes: loading torch for that cost it over a CPU-second at every start, in the
     moments its work competes with the engines' (and hundreds of MiB). Its memory maps, once it has verified,
     evicted and relocated records, hold no torch library."""
     root = str(tmp_path / "store")
