@@ -17,6 +17,10 @@ class CacheForm(enum.Enum):
     SWA = "swa"
     INDEXER = "indexer"
 
+    # Members are singletons, equal only to themselves: hashed by identity (in C), not by Enum's hash of the name
+    # (a Python call), which the store's admission and accounting paid per object in their dicts keyed by form.
+    __hash__ = object.__hash__
+
     @property
     def kind(self) -> GroupKind:
         return GroupKind.HISTORY if self in (CacheForm.COMPRESSED, CacheForm.INDEXER) else GroupKind.STATE
