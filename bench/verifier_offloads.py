@@ -12,9 +12,11 @@ CPUs busy. Windows alternate ABBA between two sides:
 
 Windows are added (up to three times `--windows`) until the verifier has relocated records, since it compacts
 at its maintenance passes, 30 s apart. Reported per side: p50 / p99 / max of the offloads' latency, and the
-stopping side's over the control's (`all_durable`: the same over the calls all of whose objects were stored; the
-rest were refused while the store was over its budget, which the verifier being stopped makes more likely), the p99
-ratio with its resampling interval over the windows (`resample.p99_ratio_interval`).
+stopping side's over the control's, the p99 ratio with its resampling interval over the windows
+(`resample.p99_ratio_interval`). Per side also the same over the calls all of whose objects were stored
+(`all_durable`) and over those none of whose objects were (`none_durable`: refused while the store was over its
+budget), and the share of calls all durable (`all_durable_share`): the verifier's evictions make room, so the
+stopping side stores more of what it is offered, and a call that stores is slower than one refused.
 After the windows the daemon is killed with SIGKILL and the store reopened: every object acknowledged durable
 must be there, as a record or, if the cleaner evicted it, as its eviction tombstone (`acknowledged_lost`, must
 be 0).
@@ -155,6 +157,7 @@ class Offloader:
         self.windows: list[tuple[str, list[float]]] = []  # each window's side and its calls' latencies
         self.window: tuple[str, list[float]] | None = None  # the window calls are timed into now (None: between)
         self.persisted: dict[str, list[float]] = {"stopping": [], "control": []}  # calls whose objects all were
+        self.refused: dict[str, list[float]] = {"stopping": [], "control": []}  # calls none of whose objects were
         self.acked_objects = self.not_durable = self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -183,6 +186,8 @@ class Offloader:
                 window[1].append(dt)
                 if rep.persisted:
                     self.persisted[window[0]].append(dt)
+                elif not rep.durable:
+                    self.refused[window[0]].append(dt)
 
     def begin(self, side: str) -> None:
         """Time the calls from here on as a new window of `side`."""
@@ -433,7 +438,9 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         node.close()
     stopping, control = _stats(off.samples("stopping")), _stats(off.samples("control"))
-    stopping["all_durable"], control["all_durable"] = (_stats(off.persisted[k]) for k in ("stopping", "control"))
+    for side, got in (("stopping", stopping), ("control", control)):
+        got["all_durable"], got["none_durable"] = _stats(off.persisted[side]), _stats(off.refused[side])
+        got["all_durable_share"] = round(len(off.persisted[side]) / got["n"], 3) if got["n"] else None
     ratio = {k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")}
     interval = p99_interval(off.windows)
     lost = max(0, off.acked_objects - kept)

@@ -59,3 +59,6 @@ def test_durable_offloads_through_the_daemon_while_its_verifier_is_stopped_at_ra
     assert doc["random_stops"] > 0 and doc["verifier_actions"].get("evicted", 0) > 0, doc
     assert doc["stopping"]["n"] > 0 and doc["control"]["n"] > 0, doc
     assert doc["stopping"]["max_ms"] < 2000, doc
+    for side in (doc["stopping"], doc["control"]):  # the calls that stored all and those that stored none, apart
+        assert side["all_durable"]["n"] + side["none_durable"]["n"] <= side["n"], side
+        assert side["all_durable_share"] == round(side["all_durable"]["n"] / side["n"], 3), side
