@@ -211,8 +211,8 @@ class KvtierStore:
             self.store.register_namespace(w.profile.version)
         # Targets as a daemon's are: a pool per cache group, carved into slots of that group's object size
         # (bench/slots.py), a batch's objects of a group in consecutive slots of its pool; faulted in now (not timed),
-        # as LMCache's allocator buffer is (zeroed at start). (One slot of the largest object's size per object,
-        # as before, spread a batch's 10 MB over 300 MB of slots: the same reads took about 15% longer there.)
+        # as LMCache's allocator buffer is (zeroed at start). Not a slot of the largest object's size per object:
+        # no daemon's pool spreads a batch so, and the same reads into such slots took longer.
         sizes = {k.group: len(p) for k, p in zip(w.keys, w.payloads)}
         most = {g: max(sum(w.keys[i].group == g for i in idx) for idx in w.batches(range(len(w.keys)))) for g in sizes}
         self.pools = {g: slot_targets([sizes[g]] * most[g]) for g in sizes}

@@ -157,7 +157,7 @@ class Offloader:
         self.windows: list[tuple[str, list[float]]] = []  # each window's side and its calls' latencies
         self.window: tuple[str, list[float]] | None = None  # the window calls are timed into now (None: between)
         self.persisted: dict[str, list[float]] = {"stopping": [], "control": []}  # calls whose objects all were
-        self.refused: dict[str, list[float]] = {"stopping": [], "control": []}  # calls none of whose objects were
+        self.stored_none: dict[str, list[float]] = {"stopping": [], "control": []}  # calls none of whose objects were
         self.acked_objects = self.not_durable = self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -187,7 +187,7 @@ class Offloader:
                 if rep.persisted:
                     self.persisted[window[0]].append(dt)
                 elif not rep.durable:
-                    self.refused[window[0]].append(dt)
+                    self.stored_none[window[0]].append(dt)
 
     def begin(self, side: str) -> None:
         """Time the calls from here on as a new window of `side`."""
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> dict:
         node.close()
     stopping, control = _stats(off.samples("stopping")), _stats(off.samples("control"))
     for side, got in (("stopping", stopping), ("control", control)):
-        got["all_durable"], got["none_durable"] = _stats(off.persisted[side]), _stats(off.refused[side])
+        got["all_durable"], got["none_durable"] = _stats(off.persisted[side]), _stats(off.stored_none[side])
         got["all_durable_share"] = round(len(off.persisted[side]) / got["n"], 3) if got["n"] else None
     ratio = {k: round(stopping[k] / control[k], 3) if control.get(k) else None for k in ("p50_ms", "p99_ms", "max_ms")}
     interval = p99_interval(off.windows)
