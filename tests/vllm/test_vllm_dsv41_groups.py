@@ -38,8 +38,10 @@ from kvtier.integrations.vllm.groups import EngineGroup, LayerSpec, plan_groups 
 from kvtier.integrations.vllm.specs import engine_groups, layer_spec  # noqa: E402
 from support.vllm_dsv4 import dsv4_layer_specs  # noqa: E402
 from support.vllm_dsv4_model import dsv4_config, write_dsv4_checkpoint  # noqa: E402
-from support.vllm_dsv41 import dsv41_layer_specs  # noqa: E402
+from support.vllm_dsv41 import dsv41_layer_specs, resolved_as_on_amx_hosts  # noqa: E402, F401
 from support.vllm_dsv41_model import RATIOS, write_dsv41_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("resolved_as_on_amx_hosts")  # (support/vllm_dsv41.py says why)
 
 
 def vllm_configs(model_dir: Path, layer_specs) -> tuple:

@@ -27,9 +27,11 @@ from vllm.v1.kv_cache_interface import CircularBufferSpec  # noqa: E402
 from kvtier.core.forms import CacheForm  # noqa: E402
 from support.daemon import DaemonProc  # noqa: E402
 from support.vllm_dsv4_engine import Dsv4Engine  # noqa: E402
-from support.vllm_dsv41 import dsv41_layer_specs  # noqa: E402
+from support.vllm_dsv41 import dsv41_layer_specs, resolved_as_on_amx_hosts  # noqa: E402, F401
 from support.vllm_dsv41_model import INDEX_SOURCES, KV_SOURCES, write_dsv41_checkpoint  # noqa: E402
 from support.vllm_harness import KVTIER_TIER, kvtier_audit  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("resolved_as_on_amx_hosts")  # (support/vllm_dsv41.py says why)
 
 TOKENS = 1024  # four 256-token scheduler blocks
 WEIGHTS = "xxh3_128:operator-supplied"  # one digest for every checkpoint below: only the config differs
