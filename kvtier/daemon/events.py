@@ -164,9 +164,9 @@ class EventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-        with self._lock:
+        with self._lock:  # counted before the end frame: a subscriber that has its replay finds it in `stats`
             self._counts["replays"] += 1
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (up to `timeout_s`), then close the sockets."""
