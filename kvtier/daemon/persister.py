@@ -204,6 +204,10 @@ class Persister:
                     self.blocked = self.blocked | {(first.rt.name, f.value): why for f, why in refused.items()}
                 self._cond.notify_all()
 
+    def _first_waits(self) -> bool:
+        """Whether a durable offload waits for its objects (read without the lock: a hint between two batches)."""
+        return bool(self._first)
+
     def _pass(self, covering: int) -> None:
         """Persist everything sealed (the pass that covers requests up to `covering`), durable offloads' objects
         served between its batches."""
@@ -240,7 +244,9 @@ class Persister:
     ) -> tuple[PersistOutcome, dict[CacheForm, str]]:
         """One batch of each form (`CacheManager.persist_batch`), each form the store refused retried in ever
         smaller batches (`_trickle`): the batch's outcome, and the forms still refused after that, and why."""
-        out = rt.manager.persist_batch(limit, skip=skip or (), only=only)
+        out = rt.manager.persist_batch(
+            limit, skip=skip or (), only=only, until=self._first_waits if only is None else None
+        )
         self._count(out.stored)
         refused: dict[CacheForm, str] = {}
         for form, why in out.failed.items():
@@ -272,7 +278,7 @@ class Persister:
         while n > 0:
             if only is None:
                 self._serve_first()
-            out = rt.manager.persist_batch(n, skip=others, only=only)
+            out = rt.manager.persist_batch(n, skip=others, only=only, until=self._first_waits if only is None else None)
             self._count(out.stored)
             why = out.failed.get(form)
             if why is None and not out.stored:

@@ -501,12 +501,14 @@ class CacheManager:
         *,
         skip: Iterable[CacheForm] = (),
         only: Sequence[ObjectKey] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> PersistOutcome:
         """`persist`, with the forms whose batch the lower tier refused and why; with `only`, just those objects
-        (the ones of them sealed and not yet in the lower tier)."""
+        (the ones of them sealed and not yet in the lower tier). `until`: asked after each batch; True ends the
+        call there, its limit not reached (the write-back serves a waiting durable offload, then calls again)."""
         if self._c.lower is None:
             return PersistOutcome()
-        return self._recovery.persist(limit, frozenset(skip), only)
+        return self._recovery.persist(limit, frozenset(skip), only, until)
 
     def write_back_backlog(self) -> dict[CacheForm, int]:
         """Sealed objects of the live namespace the lower tier does not have yet, per form."""

@@ -351,27 +351,36 @@ class Recovery:
         return np.bincount(t.s_group[todo], minlength=t.n_groups)
 
     def persist(
-        self, limit: int | None, skip: frozenset[CacheForm], only: Sequence[ObjectKey] | None = None
+        self,
+        limit: int | None,
+        skip: frozenset[CacheForm],
+        only: Sequence[ObjectKey] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> PersistOutcome:
-        """See `CacheManager.persist`. Each round takes a batch of each form (up to `limit` objects in all) and
-        stores them in one batch of the tier (one sync and one commit for all the forms, which a durable offload
-        waits for); where the tier refuses that, each form's batch is stored alone, so a form the tier refuses
-        (its quota, say) does not hold back the others. A batch pins at most `WRITE_BACK_PIN_SHARE` of each
-        group's pool, and the call takes batches until done."""
+        """See `CacheManager.persist_batch`. Each round takes a batch of each form (up to `limit` objects in all)
+        and stores them in one batch of the tier (one sync and one commit for all the forms, which a durable
+        offload waits for); where the tier refuses that, each form's batch is stored alone, so a form the tier
+        refuses (its quota, say) does not hold back the others. A batch pins at most `WRITE_BACK_PIN_SHARE` of
+        each group's pool, and the call takes batches until done, or until `until()` says to end between two."""
         outcome = PersistOutcome()
         left: dict[CacheForm, int | None] = {f: limit for f in dict.fromkeys(self._c.forms) if f not in skip}
         while left:
-            if not self._persist_round(left, outcome, only):
+            if not self._persist_round(left, outcome, only, until) or (until is not None and until()):
                 break
         return outcome
 
     def _persist_round(
-        self, left: dict[CacheForm, int | None], outcome: PersistOutcome, only: Sequence[ObjectKey] | None
+        self,
+        left: dict[CacheForm, int | None],
+        outcome: PersistOutcome,
+        only: Sequence[ObjectKey] | None,
+        until: Callable[[], bool] | None,
     ) -> bool:
         """One batch per form in `left` (each at most its count left, None: no limit; of the objects in `only`
         where given); forms that are done (all they had, or their limit), or that the tier refused or skipped,
-        leave `left`. False when nothing was taken, or the topology moved (that round then counts for nothing,
-        as its slots are gone)."""
+        leave `left`. Where the tier refused the forms together, each is stored alone, and once `until()` says so
+        the forms not stored yet are left for the next call, untried. False when nothing was taken, or the
+        topology moved (that round then counts for nothing, as its slots are gone)."""
         c = self._c
         with c.lock:
             t = c.table
@@ -403,6 +412,9 @@ class Recovery:
         for form, work in batches.items():
             refusal = together if isinstance(together, _Refusal) else None
             if refusal is None and together is not True:
+                if done and until is not None and until():  # each alone is a sync and a commit that one waits for
+                    done.extend((slot, gen, False) for slot, gen, *_ in work)
+                    continue
                 try:
                     self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
                 except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now

@@ -14,7 +14,7 @@ the test holds open, so the order is observed, not timed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
@@ -33,7 +33,12 @@ class _TrickleStore:
         self.batches: list[int] = []  # the sizes asked for, in order
 
     def persist_batch(
-        self, limit: int | None = None, *, skip: frozenset[CacheForm] = frozenset(), only: object = None
+        self,
+        limit: int | None = None,
+        *,
+        skip: frozenset[CacheForm] = frozenset(),
+        only: object = None,
+        until: Callable[[], bool] | None = None,
     ) -> PersistOutcome:
         if CacheForm.SWA in skip or not self.left:
             return PersistOutcome()
@@ -65,6 +70,7 @@ class _HeldBacklog:
         self.left = backlog
         self.refuse = refuse
         self.calls: list[str] = []  # "backlog" or "first:<n>", in order
+        self.told_to_end: list[bool] = []  # per backlog batch: whether `until` said to end the call after it
         self.entered = threading.Semaphore(0)
         self.go = threading.Semaphore(0)
 
@@ -74,6 +80,7 @@ class _HeldBacklog:
         *,
         skip: frozenset[CacheForm] = frozenset(),
         only: Sequence[ObjectKey] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> PersistOutcome:
         if only is not None:
             self.calls.append(f"first:{len(only)}")
@@ -87,6 +94,7 @@ class _HeldBacklog:
         self.calls.append("backlog")
         self.entered.release()
         assert self.go.acquire(timeout=TIMEOUT_S)
+        self.told_to_end.append(until is not None and until())  # asked as the real manager asks, between batches
         n = min(limit or self.left, self.left)
         self.left -= n
         return PersistOutcome(stored=n)
@@ -154,6 +162,9 @@ def test_a_durable_offloads_objects_go_between_two_batches_of_the_backlog() -> N
         offload.join(TIMEOUT_S)
         assert not offload.is_alive() and got == [{}]  # ... and the offload already has its answer
         assert manager.calls == ["backlog", "first:10", "backlog"]
+        # the first batch was told to end there: a manager's call takes several batches, and the offload waits
+        # for one of them, not for the call
+        assert manager.told_to_end == [True]
         for _ in range(3):
             manager.go.release()
         done, _ = persister.wait_pass(TIMEOUT_S)

@@ -73,3 +73,33 @@ def test_a_form_over_its_quota_is_refused_alone_and_the_others_go_in(
         assert len(calls[0]) == 4 and sorted(map(len, calls[1:])) == [1, 1, 1, 1]  # together, then each alone
         digests = [m.layout_digest(k.group) for k in keys]
         assert store.has(keys, digests) == [Reason.MISSING if k.form is CacheForm.SWA else Reason.OK for k in keys]
+
+
+def test_a_call_told_to_end_leaves_the_forms_not_yet_tried_sealed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each form stored alone is a sync and a commit of its own, which a durable offload that waits for the write-back
+    waits for too: `until` ends the round between two of them, and the forms not tried wait for the next call."""
+    config = StoreConfig(io_backend="buffered", form_quotas={CacheForm.SWA: 4096})  # the forms go in one by one
+    with _node(tmp_path, config) as (store, m):
+        keys = _written(m)
+        calls = _store_calls(store, monkeypatch)
+        outcome = m.persist_batch(only=keys, until=lambda: True)
+        assert len(calls[0]) == 4 and len(calls) == 2  # together, then one form alone, then no more
+        (tried,) = calls[1]
+        assert outcome.stored == (0 if tried is CacheForm.SWA else sum(k.form is tried for k in keys))
+        waiting = m.write_back_backlog()
+        assert all(waiting.get(k.form, 0) > 0 for k in keys if k.form is not tried)  # untried: sealed, not refused
+        assert set(outcome.failed) <= {tried}
+        rest = m.persist_batch(only=keys)
+        assert outcome.stored + rest.stored == sum(k.form is not CacheForm.SWA for k in keys)
+
+
+def test_a_call_told_to_end_stores_one_round(tmp_path: Path) -> None:
+    """A round pins at most a share of each pool; a call takes rounds until done, or until `until` says to end."""
+    with _node(tmp_path, StoreConfig(io_backend="buffered")) as (_, m):
+        hashes = hashes_of(m, prompt(5, 8))
+        written = write(m, hashes, range(8), state_at={7})
+        first = m.persist_batch(until=lambda: True)
+        assert 0 < first.stored < written and not first.failed
+        assert m.persist_batch().stored == written - first.stored  # the rest, in as many rounds as it takes
