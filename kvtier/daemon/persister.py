@@ -31,7 +31,7 @@ from kvtier.core.tier import ObjectKey
 from kvtier.daemon.runtime import Runtime
 
 if TYPE_CHECKING:  # the pools' modules (and torch) load on the pool thread, behind serving
-    from kvtier.gpu.recovery import PersistOutcome
+    from kvtier.gpu.writeback import PersistOutcome
 
 log = logging.getLogger(__name__)
 PERSIST_BATCH = 32

@@ -36,9 +36,10 @@ from kvtier.gpu.gentable import GenerationTable
 from kvtier.gpu.invariants import invariant_violations
 from kvtier.gpu.leases import Handle, LeaseSet, WriteHandle
 from kvtier.gpu.pools import Pool
-from kvtier.gpu.recovery import PersistOutcome, Recovery
+from kvtier.gpu.recovery import Recovery
 from kvtier.gpu.states import BlockState, CacheBlockState
 from kvtier.gpu.table import IN_FLIGHT
+from kvtier.gpu.writeback import PersistOutcome, WriteBack
 from kvtier.gpu.writes import Writes
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class CacheManager:
         self._window_depth = 0
         self._writes = Writes(self._c)
         self._recovery = Recovery(self._c)
+        self._write_back = WriteBack(self._c)
         self._c.build(budgets_bytes)
 
     # ------------------------------------------------------------------------------------------
@@ -508,12 +510,12 @@ class CacheManager:
         call there, its limit not reached (the write-back serves a waiting durable offload, then calls again)."""
         if self._c.lower is None:
             return PersistOutcome()
-        return self._recovery.persist(limit, frozenset(skip), only, until)
+        return self._write_back.persist(limit, frozenset(skip), only, until)
 
     def write_back_backlog(self) -> dict[CacheForm, int]:
         """Sealed objects of the live namespace the lower tier does not have yet, per form."""
         with self._c.lock:
-            per_group = self._recovery.backlog()
+            per_group = self._write_back.backlog()
         out: dict[CacheForm, int] = {}
         for form, n in zip(self._c.forms, per_group.tolist()):
             out[form] = out.get(form, 0) + n

@@ -1,8 +1,8 @@
-"""Recovery (lower tier -> pool) and write-back (pool -> lower tier) for one CacheManager.
+"""Recovery (lower tier -> pool) for one CacheManager (the write-back, pool -> lower tier: `writeback`).
 
-Both run bulk I/O outside the manager's lock on slots no one else may touch: a recovery's slots are
-RECOVERING, a write-back's are pinned. Every step under the lock first checks that the topology
-has not moved since (a resize drops every slot, so their results would land nowhere).
+It runs bulk I/O outside the manager's lock on slots no one else may touch: a recovery's slots are RECOVERING.
+Every step under the lock first checks that the topology has not moved since (a resize drops every slot, so their
+results would land nowhere).
 """
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
 from kvtier.core.checkvector import CheckVector
-from kvtier.core.errors import OutOfRoom, RoomLeft, VersionError
-from kvtier.core.forms import CacheForm, Reason, Route
+from kvtier.core.forms import Reason, Route
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest, LowerTier, ObjectKey
+from kvtier.core.tier import LoadRequest, LowerTier
 from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
 from kvtier.gpu.leases import LeaseSet
-from kvtier.gpu.refusal_log import RefusalLog
 from kvtier.gpu.states import BlockState
 from kvtier.gpu.table import IN_FLIGHT
 
@@ -33,13 +30,6 @@ log = logging.getLogger(__name__)
 _OK, _MISSING, _EVICTED = int(Reason.OK), int(Reason.MISSING), int(Reason.EVICTED)
 _REUSE = int(Route.REUSE)
 _FREE = BlockState.FREE
-
-
-# A write-back pins at most this share of each group's pool (at least one slot) while it stores them: the rest stays
-# evictable, so a recovery meanwhile finds its victims. Unbounded, one batch of 32 pinned every unpersisted slot of a
-# 16-slot pool, and a restore in that moment was recomputed (RECOMPUTE admission). Pools of thousands of slots never
-# reach it.
-WRITE_BACK_PIN_SHARE = 0.25
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,12 +69,11 @@ class Recovery:
 
     def __init__(self, context: ManagerContext) -> None:
         self._c = context
-        self._refusals = RefusalLog()
 
     @property
     def _lower(self) -> LowerTier:
         lower = self._c.lower
-        assert lower is not None, "the manager recovers and writes back only with a lower tier"
+        assert lower is not None, "the manager recovers only with a lower tier"
         return lower
 
     # -- recovery -----------------------------------------------------------------------------------
@@ -340,192 +329,6 @@ class Recovery:
         old_rows, old_slots = lease.held_rows, lease.held_slots
         c.hold(lease, result.check_vector)
         c.table.let_go(old_rows, old_slots)
-
-    # -- write-back ---------------------------------------------------------------------------------
-
-    def backlog(self) -> np.ndarray:
-        """Sealed objects of the live namespace not yet in the lower tier, per group."""
-        c = self._c
-        t = c.table
-        todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
-        return np.bincount(t.s_group[todo], minlength=t.n_groups)
-
-    def persist(
-        self,
-        limit: int | None,
-        skip: frozenset[CacheForm],
-        only: Sequence[ObjectKey] | None = None,
-        until: Callable[[], bool] | None = None,
-    ) -> PersistOutcome:
-        """See `CacheManager.persist_batch`. Each round takes a batch of each form (up to `limit` objects in all)
-        and stores them in one batch of the tier (one sync and one commit for all the forms, which a durable
-        offload waits for); where the tier refuses that, each form's batch is stored alone, so a form the tier
-        refuses (its quota, say) does not hold back the others. A batch pins at most `WRITE_BACK_PIN_SHARE` of
-        each group's pool, and the call takes batches until done, or until `until()` says to end between two."""
-        outcome = PersistOutcome()
-        left: dict[CacheForm, int | None] = {f: limit for f in dict.fromkeys(self._c.forms) if f not in skip}
-        while left:
-            if not self._persist_round(left, outcome, only, until) or (until is not None and until()):
-                break
-        return outcome
-
-    def _persist_round(
-        self,
-        left: dict[CacheForm, int | None],
-        outcome: PersistOutcome,
-        only: Sequence[ObjectKey] | None,
-        until: Callable[[], bool] | None,
-    ) -> bool:
-        """One batch per form in `left` (each at most its count left, None: no limit; of the objects in `only`
-        where given); forms that are done (all they had, or their limit), or that the tier refused or skipped,
-        leave `left`. Where the tier refused the forms together, each is stored alone, and once `until()` says so
-        the forms not stored yet are left for the next call, untried. False when nothing was taken, or the
-        topology moved (that round then counts for nothing, as its slots are gone)."""
-        c = self._c
-        with c.lock:
-            t = c.table
-            epoch = c.topology_epoch
-            todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
-            if only is not None:
-                todo &= self._holding(only, len(todo))
-            batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]] = {}
-            more: dict[CacheForm, bool] = {}  # whether the pin share left some of the form's objects for a next round
-            for form in list(left):
-                mine, more[form] = self._within_share(todo, form)
-                mine = mine[: left[form]]
-                if not len(mine):
-                    del left[form]
-                    continue
-                work = batches[form] = []
-                for slot in mine.tolist():
-                    g = int(t.s_group[slot])
-                    t.pin(slot)  # no eviction may reuse the slot while its bytes are being stored
-                    key = ObjectKey(c.ns, t.r_hash[t.s_row[slot]], c.names[g], c.forms[g])
-                    local = slot - int(t.base[g])
-                    work.append((slot, int(t.s_gen[slot]), key, c.pools[g].slot_view(local), c.digests[g]))
-        done: list[tuple[int, int, bool]] = []
-        stored = 0
-        failed: dict[CacheForm, str] = {}
-        refused_objects: dict[CacheForm, int] = {}
-        out_of_room: dict[CacheForm, RoomLeft] = {}
-        together = self._store_together(batches) if len(batches) > 1 else None
-        for form, work in batches.items():
-            refusal = together if isinstance(together, _Refusal) else None
-            if refusal is None and together is not True:
-                if done and until is not None and until():  # each alone is a sync and a commit that one waits for
-                    done.extend((slot, gen, False) for slot, gen, *_ in work)
-                    continue
-                try:
-                    self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
-                except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
-                    log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
-                    del left[form]
-                    done.extend((slot, gen, False) for slot, gen, *_ in work)
-                    continue
-                except Exception as exc:
-                    refusal = _Refusal.of(exc)
-            if refusal is None:
-                self._refusals.stored(form)
-                stored += len(work)
-                n = left[form]
-                if not more[form] or (n is not None and n <= len(work)):
-                    del left[form]  # done: everything it had, or its limit
-                elif n is not None:
-                    left[form] = n - len(work)
-            else:
-                self._refusals.refused(form, len(work), refusal.kind, refusal.why)
-                failed[form] = refusal.why
-                refused_objects[form] = len(work)
-                if refusal.left is not None:
-                    out_of_room[form] = refusal.left
-                del left[form]
-            done.extend((slot, gen, refusal is None) for slot, gen, *_ in work)
-        with c.lock:
-            if c.topology_epoch != epoch:  # a resize dropped every slot: this round's results land nowhere
-                return False
-            t = c.table
-            for slot, gen, ok in done:
-                if t.s_gen[slot] == gen:
-                    t.unpin(slot)
-                    if ok:
-                        t.mark_recoverable(slot)
-        outcome.stored += stored
-        outcome.failed.update(failed)
-        outcome.refused_objects.update(refused_objects)
-        outcome.out_of_room.update(out_of_room)
-        return bool(batches)
-
-    def _store_together(
-        self, batches: dict[CacheForm, list[tuple[int, int, ObjectKey, torch.Tensor, bytes]]]
-    ) -> bool | _Refusal | None:
-        """Store every form's batch in one batch of the tier: True if it took them; None if it refused (all or
-        nothing: nothing of them went in, and each form's batch is then tried alone, to learn which forms it
-        refuses and why). A refusal by the whole tier's budget with no room left at all is returned instead, for
-        every form: each alone would be refused the same, and on a full store every such try costs the daemon an
-        admission."""
-        try:
-            self._lower.store_many(
-                [(key, view, digest) for work in batches.values() for _, _, key, view, digest in work]
-            )
-        except Exception as exc:
-            refusal = _Refusal.of(exc)
-            if refusal.left is not None and refusal.left.limit == "budget" and refusal.left.exhausted:
-                return refusal
-            log.debug("write-back of %d forms in one batch refused (%s): storing each form alone", len(batches), exc)
-            return None
-        return True
-
-    def _holding(self, keys: Sequence[ObjectKey], n_slots: int) -> np.ndarray:
-        """A mask of the slots holding `keys`' objects now (keys of a namespace no longer live hold none).
-        Caller holds the lock."""
-        c = self._c
-        mask = np.zeros(n_slots, dtype=bool)
-        for key in keys:
-            if key.namespace == c.ns and (slot := c.slot_of(key)) >= 0:
-                mask[slot] = True
-        return mask
-
-    def _within_share(self, todo: np.ndarray, form: CacheForm) -> tuple[np.ndarray, bool]:
-        """The form's slots to store (`todo`), at most `WRITE_BACK_PIN_SHARE` of each of its groups' pools, and
-        whether the share left some out. Caller holds the lock."""
-        c = self._c
-        taken, cut = [], False
-        for g, pool in enumerate(c.pools):
-            if c.forms[g] is form:
-                base = int(c.table.base[g])
-                share = max(1, int(pool.n_slots * WRITE_BACK_PIN_SHARE))
-                slots = base + np.flatnonzero(todo[base : base + pool.n_slots])
-                cut |= len(slots) > share
-                taken.append(slots[:share])
-        return np.concatenate(taken), cut
-
-
-@dataclasses.dataclass(slots=True)
-class PersistOutcome:
-    """What one persist call did: objects stored, and per form the tier refused, why, how many objects the
-    refused batch held and, where it was refused for want of room, what the tier said of it (`RoomLeft`: which
-    limit, the room left, the bytes needed)."""
-
-    stored: int = 0
-    failed: dict[CacheForm, str] = dataclasses.field(default_factory=dict)
-    refused_objects: dict[CacheForm, int] = dataclasses.field(default_factory=dict)
-    out_of_room: dict[CacheForm, RoomLeft] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Refusal:
-    """Why the tier refused a batch, as a string, and what it said of its room: kept, not the exception (whose
-    traceback would keep the tier's frames and their read transactions alive, `RoomLeft`)."""
-
-    why: str
-    left: RoomLeft | None
-    kind: str  # the error's type and the limit it names: what the write-back's log tells apart (`RefusalLog`)
-
-    @classmethod
-    def of(cls, exc: Exception) -> _Refusal:
-        left = exc.left if isinstance(exc, OutOfRoom) else None
-        kind = type(exc).__name__ if left is None else f"{type(exc).__name__}/{left.limit}"
-        return cls(f"{type(exc).__name__}: {exc}", left, kind)
 
 
 def _fail(lease: LeaseSet, g: int | np.ndarray, b: int | np.ndarray, reason: Reason) -> None:

@@ -21,7 +21,7 @@ import threading
 
 from kvtier.core.forms import CacheForm
 
-log = logging.getLogger("kvtier.gpu.recovery")  # the write-back's logger, whose lines these were before
+log = logging.getLogger("kvtier.gpu.writeback")  # the write-back's logger, whose lines these were before
 
 
 class RefusalLog:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
 from kvtier.daemon.persister import PERSIST_BATCH, TRICKLE_BATCHES, Persister
-from kvtier.gpu.recovery import PersistOutcome
+from kvtier.gpu.writeback import PersistOutcome
 
 ROOM = 4  # objects a batch may hold: the room made since the last batch
 BACKLOG = 200

@@ -159,7 +159,7 @@ def test_a_full_store_warns_once_not_once_a_batch(tmp_path: Path, caplog: pytest
     config = StoreConfig(io_backend="buffered", budget_bytes=2 * one)
     with _node(tmp_path, config) as (store, m, _):
         assert m.persist_batch(2, skip=ONLY_INDEX).stored == 2  # the store is at its budget
-        caplog.set_level(logging.DEBUG, logger="kvtier.gpu.recovery")
+        caplog.set_level(logging.DEBUG, logger="kvtier.gpu.writeback")
         for _ in range(5):
             assert m.persist_batch(1, skip=ONLY_INDEX).failed
         refused = [r for r in caplog.records if "refused" in r.getMessage()]

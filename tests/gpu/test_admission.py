@@ -10,7 +10,7 @@ import torch
 from kvtier.core import Reason, Route
 from kvtier.core.tier import every_request
 from kvtier.gpu import AdmissionRefused
-from kvtier.gpu.recovery import WRITE_BACK_PIN_SHARE
+from kvtier.gpu.writeback import WRITE_BACK_PIN_SHARE
 from support.gpuworld import PROFILE, hashes_of, key, make, payload, prompt, state_blocks_for, write
 
 

@@ -28,7 +28,7 @@ def test_writeback_into_a_retired_namespace_is_skipped(tmp_path: Path, caplog: p
             assert written > 0
             assert issubclass(NamespaceRetired, VersionError)  # how the write-back knows a rollout from a fault
             store.retire_namespace(m.namespace)  # as a reload does, between the seal and the write-back
-            with caplog.at_level(logging.INFO, logger="kvtier.gpu.recovery"):
+            with caplog.at_level(logging.INFO, logger="kvtier.gpu.writeback"):
                 outcome = m.persist_batch()
             assert outcome.stored == 0 and not outcome.failed  # a rollout, not a failing tier
             assert caplog.records and {r.levelno for r in caplog.records} == {logging.INFO}  # one line per form

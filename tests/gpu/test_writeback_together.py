@@ -13,7 +13,8 @@ import pytest
 from kvtier.core.forms import CacheForm, Reason
 from kvtier.gpu import CacheManager
 from kvtier.store import DiskStore, StoreConfig
-from support.gpuworld import PROFILE, budgets, hashes_of, key, prompt, write
+from kvtier.store.record import record_length
+from support.gpuworld import PROFILE, budgets, hashes_of, key, payload, prompt, write
 
 
 def _store_calls(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[set[CacheForm]]:
@@ -45,6 +46,10 @@ def _written(m: CacheManager) -> list:
     hashes = hashes_of(m, prompt(3, 2))
     assert write(m, hashes, range(2), state_at={1}) > 0
     return [key(m, hashes[b], g.name) for b in range(2) for g in PROFILE.groups if b == 1 or g.kind.value == "history"]
+
+
+def _payloads(m: CacheManager, keys: list) -> list:
+    return [(k, payload(PROFILE, k.group, k.block_hash, m.namespace)) for k in keys]
 
 
 def test_every_forms_batch_goes_to_the_store_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,3 +108,28 @@ def test_a_call_told_to_end_stores_one_round(tmp_path: Path) -> None:
         first = m.persist_batch(until=lambda: True)
         assert 0 < first.stored < written and not first.failed
         assert m.persist_batch().stored == written - first.stored  # the rest, in as many rounds as it takes
+
+
+def test_a_budget_with_some_room_takes_what_fits_in_one_more_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget is shared by every form: refused together, each form alone would be refused the same way or take
+    the room a batch at a time, each a sync and a commit (a durable offload's objects went in over six of them
+    on a store the cleaner was making room in). One batch of what the room takes instead, the forms in turn."""
+    probe = StoreConfig(io_backend="buffered")
+    with _node(tmp_path / "probe", probe) as (_, m):
+        sizes = {k: record_length(v.numel()) for k, v in _payloads(m, _written(m))}
+    budget = sum(sizes.values()) - max(sizes.values())  # room for all but one object's bytes
+    with _node(tmp_path / "room", StoreConfig(io_backend="buffered", budget_bytes=budget)) as (store, m):
+        keys = _written(m)
+        calls = _store_calls(store, monkeypatch)
+        outcome = m.persist_batch(only=keys)
+        assert len(calls) == 2 and len(calls[0]) == 4  # together (refused), then what fits: no form alone
+        assert len(calls[1]) > 1  # the forms took turns
+        assert 0 < outcome.stored < len(keys)
+        assert all("budget" in why for why in outcome.failed.values())
+        assert sum(outcome.refused_objects.values()) == len(keys) - outcome.stored
+        digests = [m.layout_digest(k.group) for k in keys]
+        refused = [sizes[k] for k, r in zip(keys, store.has(keys, digests)) if r is not Reason.OK]
+        used = store.stats()["record_bytes"]
+        assert used <= budget and budget - used < min(refused)  # the room is taken: no refused object would fit
