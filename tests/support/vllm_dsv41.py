@@ -12,7 +12,8 @@ replay) come from the same vLLM helpers it calls. vLLM's `get_kv_cache_groups` t
 checkpoint's block size by the host's CPU. Where AMX tiles are missing it runs V4.1's MLA through its reference
 kernel and overrides the block size to 16 (`vllm/platforms/cpu.py`); GPU hosts and AMX CPUs keep the 256 its DSV4
 kernels take, which gives the groups these tests are about. They run vLLM's scheduler and configs, no attention
-kernel, so the config is resolved as an AMX host resolves it whatever CPU runs them.
+kernel, so the config is resolved as an AMX host resolves it whatever CPU runs them; a test of the other
+resolution asks for `resolved_as_on_hosts_without_amx` as well (its patch comes after the module's).
 """
 
 from __future__ import annotations
@@ -104,3 +105,8 @@ def dsv41_layer_specs(model_dir: Path, **vllm_config: object) -> tuple[VllmConfi
 @pytest.fixture
 def resolved_as_on_amx_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+
+
+@pytest.fixture
+def resolved_as_on_hosts_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

@@ -27,13 +27,18 @@ from vllm.v1.kv_cache_interface import CircularBufferSpec  # noqa: E402
 from kvtier.core.forms import CacheForm  # noqa: E402
 from support.daemon import DaemonProc  # noqa: E402
 from support.vllm_dsv4_engine import Dsv4Engine  # noqa: E402
-from support.vllm_dsv41 import dsv41_layer_specs, resolved_as_on_amx_hosts  # noqa: E402, F401
+from support.vllm_dsv41 import (  # noqa: E402, F401
+    dsv41_layer_specs,
+    resolved_as_on_amx_hosts,
+    resolved_as_on_hosts_without_amx,
+)
 from support.vllm_dsv41_model import INDEX_SOURCES, KV_SOURCES, write_dsv41_checkpoint  # noqa: E402
 from support.vllm_harness import KVTIER_TIER, kvtier_audit  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("resolved_as_on_amx_hosts")  # (support/vllm_dsv41.py says why)
 
 TOKENS = 1024  # four 256-token scheduler blocks
+NO_AMX_CPU_CHUNKS = 16384  # the CPU tier's rows for prompts() in 16-token blocks of every group
 WEIGHTS = "xxh3_128:operator-supplied"  # one digest for every checkpoint below: only the config differs
 
 
@@ -66,7 +71,7 @@ def env(request, tmp_path: Path):
         (tmp_path / "daemon").mkdir()
         daemons.append(DaemonProc(tmp_path / "daemon", store_root=store))
 
-    def engine(tier: str = "kvtier", checkpoint: Path = model) -> Dsv4Engine:
+    def engine(tier: str = "kvtier", checkpoint: Path = model, **kw: object) -> Dsv4Engine:
         if tier == "file":
             config = {"type": "PlainFileTier", "module_path": "support.vllm_file_tier", "root": str(tmp_path / "file")}
         else:
@@ -78,7 +83,7 @@ def env(request, tmp_path: Path):
                 "weights_digest": WEIGHTS,
                 **where,
             }
-        engines.append(Dsv4Engine(checkpoint, [config], dense=True, layer_specs=dsv41_layer_specs))
+        engines.append(Dsv4Engine(checkpoint, [config], dense=True, layer_specs=dsv41_layer_specs, **kw))  # type: ignore[arg-type]
         return engines[-1]
 
     yield SimpleNamespace(engine=engine, store=store, model=model, daemons=daemons)
@@ -108,24 +113,30 @@ def test_vllm_forms_the_v41_groups_and_kvtier_files_each_by_its_spec(env) -> Non
     assert history.name.endswith(".history") and ":r2:" in history.kinds
 
 
-def test_engine_2_hits_at_least_the_file_tier_on_every_prompt_with_exact_rows(env) -> None:
-    offloaded: set[int] = set()
+def _stored_then_asked(env, tier: str, offloaded: set[int], **kw: object) -> list:
+    """Engine 1 stores prompts() through `tier`, engine 2 (a new engine, an empty CPU tier: its first hits are loads
+    from the tier) asks asked(); engine 2's outcomes. `offloaded` gets the groups vLLM offloads."""
+    first = env.engine(tier, **kw)
+    offloaded.update(g.group_id for g in first.offloading_config.groups)
+    stored = [first.generate(p) for p in prompts()]
+    assert all(s.wrong_rows == 0 for s in stored)
+    assert set(stored[0].stored) == {g.group_id for g in first.offloading_config.groups}  # every group stored
+    first.close()
+    second = env.engine(tier, **kw)
+    return [second.generate(p) for p in asked()]
 
-    def run(tier: str) -> list:
-        first = env.engine(tier)
-        offloaded.update(g.group_id for g in first.offloading_config.groups)
-        stored = [first.generate(p) for p in prompts()]
-        assert all(s.wrong_rows == 0 for s in stored)
-        assert set(stored[0].stored) == {g.group_id for g in first.offloading_config.groups}  # every group stored
-        first.close()
-        second = env.engine(tier)  # a new engine, an empty CPU tier: its first hits are loads from the tier
-        return [second.generate(p) for p in asked()]
 
-    control, got = run("file"), run("kvtier")
+def _hits_as_the_file_tier(control: list, got: list) -> None:
     assert control[0].computed_tokens < TOKENS  # the control hits: the comparison means something
     for i, (c, k) in enumerate(zip(control, got)):
         assert k.wrong_rows == 0, f"prompt {i}: {k.wrong_rows} loaded rows differ from the stored ones"
         assert k.computed_tokens <= c.computed_tokens, f"prompt {i}: kvtier computed {k.computed_tokens}, file {c}"
+
+
+def test_engine_2_hits_at_least_the_file_tier_on_every_prompt_with_exact_rows(env) -> None:
+    offloaded: set[int] = set()
+    control, got = _stored_then_asked(env, "file", offloaded), _stored_then_asked(env, "kvtier", offloaded)
+    _hits_as_the_file_tier(control, got)
     # Dense retention stored whole windows at every 256-token boundary: every group loads up to 512 of 600.
     assert got[0].loaded_end == dict.fromkeys(offloaded, 512) and got[0].computed_tokens == TOKENS - 512
 
@@ -135,6 +146,23 @@ def test_engine_2_hits_at_least_the_file_tier_on_every_prompt_with_exact_rows(en
     assert code == 0 and report["corrupt"] == 0
     forms = {f for n in report["namespaces"] for f, v in n["forms"].items() if v["entries"]}
     assert forms == {"compressed", "swa"}
+
+
+def test_without_amx_vllm_cpu_runs_v41_in_16_token_blocks_and_kvtier_hits_as_the_file_tier(
+    env,
+    resolved_as_on_hosts_without_amx,  # noqa: F811  (a fixture: asked for after the module's usefixtures)
+) -> None:
+    """vllm-cpu on a CPU without AMX tiles runs V4.1's MLA through its reference kernel at 16-token blocks: each
+    KV source's cache and the sliding windows in groups of their own (44 offloaded). One request's store job then
+    holds more chunks than the tier's queue bound, and kvtier stored none of them. The CPU tier is sized for the
+    groups (with the default one, vLLM's own offloading refuses them)."""
+    e = env.engine("file", cpu_chunks=NO_AMX_CPU_CHUNKS)
+    assert e.scheduler.cache_config.block_size == 16 and len(e.offloading_config.groups) > 4  # the resolution asked for
+    e.close()
+    offloaded: set[int] = set()
+    control = _stored_then_asked(env, "file", offloaded, cpu_chunks=NO_AMX_CPU_CHUNKS)
+    got = _stored_then_asked(env, "kvtier", offloaded, cpu_chunks=NO_AMX_CPU_CHUNKS)
+    _hits_as_the_file_tier(control, got)
 
 
 def _changed_run(env, **overrides: object) -> int:

