@@ -186,8 +186,9 @@ class Persister:
                 self._pass(covering)
 
     def _serve_first(self) -> None:
-        """Store the objects durable offloads wait for, request by request, all forms in one batch or, refused,
-        each form alone and then in ever smaller ones (`_trickle`)."""
+        """Store the objects durable offloads wait for, request by request, all forms in one batch or, refused by
+        the budget, what its room takes (`CacheManager.persist_batch`); refused otherwise, each form alone and then
+        in ever smaller batches (`_trickle`)."""
         while True:
             with self._cond:
                 if not self._first:
