@@ -52,6 +52,7 @@ MB = 1e6
 # fio's random reads for the small loads' limit: 8 times a load's, so that its runtime, which fio gives in whole
 # milliseconds, is long enough to count
 SMALL_FIO_IOS = 8192
+SMALL_LOAD = 1024  # small records per load, random and sequential
 # Loads of a few small records, timed per call: batch sizes, calls timed and calls before them
 CALL_BATCHES = (1, 32)
 CALL_LOADS = 50
@@ -146,7 +147,7 @@ def small_pass(
     root = os.path.join(work, "small")
     vk = VersionKey("bench-small", "w", "abi", "c", "i", "fp8")
     digest = b"S" * 16
-    n, size, want = args.small_records, 1024, 1024
+    n, size, want = args.small_records, 1024, SMALL_LOAD
     keys = [ObjectKey(vk.namespace, xxhash.xxh3_128_digest(b"s%d" % i), "c4", CacheForm.COMPRESSED) for i in range(n)]
     payload = torch.randint(0, 256, (size,), dtype=torch.uint8)
     cfg = StoreConfig(io_backend=args.io_backend)
@@ -210,6 +211,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="Rounds of store and fio reads (ABBA); each one's best.")
     ap.add_argument("--small-records", type=int, default=20_000, help="1 KB records in the small-object store.")
     args = ap.parse_args()
+    if args.small_records < 2 * SMALL_LOAD:  # the sequential load reads SMALL_LOAD records from the middle
+        ap.error(f"--small-records must be at least {2 * SMALL_LOAD}, got {args.small_records}")
 
     record = args.record_mib << 20
     count = int(args.gib * (1 << 30)) // record
@@ -279,7 +282,7 @@ def main() -> None:
         # CPU of this process (every thread) per object: the cold read's per record, the random small load's per
         # object; each the least of the rounds
         "read_cpu_ms_per_object": round(min(read_cpu) / count * 1e3, 3),
-        "small_load_cpu_us_per_object": round(min(small_cpu) / 1024 * 1e6, 1),
+        "small_load_cpu_us_per_object": round(min(small_cpu) / SMALL_LOAD * 1e6, 1),
         # CPU of the loading thread per load_into call of a few random small records (median of a round, least of
         # the rounds), by batch size
         "small_call_cpu_us": {str(b): round(min(c) * 1e6) for b, c in calls.items()},
