@@ -1,4 +1,4 @@
-"""What the manager, its offload path (`writes`) and its lower-tier paths (`recovery`) share.
+"""What the manager, its offload path (`writes`) and its lower-tier paths (`recovery`, `writeback`) share.
 
 One per CacheManager: the lock and its condition, the live version, the slot space of the current
 topology, the lease book and the recovery queue, and the few operations on them that more than one
@@ -96,6 +96,11 @@ class ManagerContext:
         self.quotas = self.space.quotas
         self.gform = self.space.gform
         return old
+
+    def tier_below(self) -> LowerTier:
+        """The lower tier, for the paths that run only with one (recovery, write-back)."""
+        assert self.lower is not None, "the manager recovers and writes back only with a lower tier"
+        return self.lower
 
     def group(self, name: str) -> int:
         g = self.group_ix.get(name)

@@ -17,7 +17,7 @@ import numpy as np
 from kvtier.core.checkvector import CheckVector
 from kvtier.core.forms import Reason, Route
 from kvtier.core.loadbatch import LoadBatch, TargetGroup
-from kvtier.core.tier import LoadRequest, LowerTier
+from kvtier.core.tier import LoadRequest
 from kvtier.gpu.context import ManagerContext, PoolLookup
 from kvtier.gpu.errors import AdmissionRefused, StaleHandle
 from kvtier.gpu.leases import LeaseSet
@@ -69,12 +69,6 @@ class Recovery:
 
     def __init__(self, context: ManagerContext) -> None:
         self._c = context
-
-    @property
-    def _lower(self) -> LowerTier:
-        lower = self._c.lower
-        assert lower is not None, "the manager recovers only with a lower tier"
-        return lower
 
     # -- recovery -----------------------------------------------------------------------------------
 
@@ -270,7 +264,7 @@ class Recovery:
             return got.requests
 
         try:
-            lower = self._lower
+            lower = self._c.tier_below()
             answers: list[Reason] | None = list(
                 lower.load_into(claimed.requests, more) if later else lower.load_into(claimed.requests)
             )

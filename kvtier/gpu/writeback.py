@@ -20,7 +20,7 @@ import torch
 
 from kvtier.core.errors import OutOfRoom, RoomLeft, VersionError
 from kvtier.core.forms import CacheForm
-from kvtier.core.tier import LowerTier, ObjectKey
+from kvtier.core.tier import ObjectKey
 from kvtier.gpu.context import ManagerContext
 from kvtier.gpu.refusal_log import RefusalLog
 from kvtier.gpu.states import BlockState
@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 # reach it.
 WRITE_BACK_PIN_SHARE = 0.25
 
-_Work = tuple[
-    int, int, ObjectKey, torch.Tensor, bytes
-]  # one object of a round: slot, its generation, key, bytes, digest
+# one object of a round: slot, its generation, key, bytes, digest
+_Work = tuple[int, int, ObjectKey, torch.Tensor, bytes]
 
 
 class WriteBack:
@@ -45,18 +44,17 @@ class WriteBack:
         self._c = context
         self._refusals = RefusalLog()
 
-    @property
-    def _lower(self) -> LowerTier:
-        lower = self._c.lower
-        assert lower is not None, "the manager writes back only with a lower tier"
-        return lower
-
     def backlog(self) -> np.ndarray:
         """Sealed objects of the live namespace not yet in the lower tier, per group."""
+        t = self._c.table
+        return np.bincount(t.s_group[self._unpersisted()], minlength=t.n_groups)
+
+    def _unpersisted(self) -> np.ndarray:
+        """A mask of the slots sealed in the live namespace whose objects the lower tier lacks. Caller holds the
+        lock."""
         c = self._c
         t = c.table
-        todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
-        return np.bincount(t.s_group[todo], minlength=t.n_groups)
+        return (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
 
     def persist(
         self,
@@ -94,7 +92,7 @@ class WriteBack:
         with c.lock:
             t = c.table
             epoch = c.topology_epoch
-            todo = (t.s_state == BlockState.SEALED) & ~t.s_recoverable & (t.s_ns == c.ns_id)
+            todo = self._unpersisted()
             if only is not None:
                 todo &= self._holding(only, len(todo))
             batches: dict[CacheForm, list[_Work]] = {}
@@ -124,7 +122,7 @@ class WriteBack:
                     done.extend((slot, gen, False) for slot, gen, *_ in work)
                     continue
                 try:
-                    self._lower.store_many([(key, view, digest) for _, _, key, view, digest in work])
+                    self._c.tier_below().store_many([(key, view, digest) for _, _, key, view, digest in work])
                     took, refusal = frozenset(slot for slot, *_ in work), None
                 except VersionError as exc:  # a rollout retired the namespace since the batch was taken: stale now
                     log.info("write-back of %d %s objects skipped: %s", len(work), form.value, exc)
@@ -176,7 +174,7 @@ class WriteBack:
         room, the objects it takes go in as one batch (`_what_fits`), and the rest are refused."""
         items = [(key, view, digest) for work in batches.values() for _, _, key, view, digest in work]
         try:
-            self._lower.store_many(items)
+            self._c.tier_below().store_many(items)
         except Exception as exc:
             refusal = _Refusal.of(exc)
             left = refusal.left
@@ -213,7 +211,7 @@ class WriteBack:
         if not picked:
             return _Together(frozenset(), refusal)
         try:
-            self._lower.store_many([(key, view, digest) for _, _, key, view, digest in picked])
+            self._c.tier_below().store_many([(key, view, digest) for _, _, key, view, digest in picked])
         except Exception as exc:
             log.debug("write-back of what the room takes (%d objects) refused (%s): each form alone", len(picked), exc)
             return _ALONE
