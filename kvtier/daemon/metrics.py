@@ -134,7 +134,12 @@ def _write_back_families(doc: StatsDoc) -> Iterator[Metric]:
         "kvtier_write_back_failed_passes", "Write-back passes in which the store refused a form"
     )
     failed.add_metric([], int(doc.store.get("failed_passes", 0)))
-    yield from (backlog, stuck, failed)
+    deferred = CounterMetricFamily(
+        "kvtier_write_back_deferred_seconds",
+        "Time the write-back's batches waited for a stream of durable offloads to pause",
+    )
+    deferred.add_metric([], float(doc.store.get("write_back_deferred_s", 0.0)))
+    yield from (backlog, stuck, failed, deferred)
 
 
 def _daemon_families(doc: StatsDoc) -> Iterator[Metric]:

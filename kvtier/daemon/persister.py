@@ -7,7 +7,9 @@ store's reason, so it holds back no other form. What waits (`backlog`), what is 
 are exported; `flush` and the shutdown drain read them to say what is not on disk and why.
 
 A durable offload does not wait for a pass: `persist_first` stores the objects it names ahead of the
-backlog, between two of the pass's batches, and says which forms the store refused them.
+backlog, between two of the pass's batches, and says which forms the store refused them. Nor, mostly, for a
+batch of the backlog: while durable offloads keep coming, the pass's next batch waits for them to pause
+(`_yield_to_durable`), up to a bound, so a steady stream of them slows the backlog but never stops it.
 
 A full store is not asked again and again within a pass: a refusal for want of room says the room left and the
 bytes the batch needed (`OutOfRoom`), so the smaller batches that follow a refusal start at what the room takes,
@@ -39,6 +41,14 @@ PERSIST_BATCH = 32
 # a few objects at a time, each batch a durable write with its syncs, and every durable offload waiting for that
 # pass waited with it (bench/verifier_offloads.py measures those waits); what is left waits for the next pass.
 TRICKLE_BATCHES = 4
+# An engine waits for its durable offload; nobody waits for a batch of the backlog, but a batch under way when the
+# next durable offload comes holds that offload for a whole write (its syncs and its commit). So while durable
+# offloads keep coming (one was served less than DURABLE_QUIET_S ago, longer than an engine takes between the answer
+# to one offload and its next), the pass's next batch waits for them to pause, but never longer than DEFER_MAX_S:
+# then it goes, and the stream of offloads waits for one batch. A flush or the shutdown waiting for the pass ends
+# the wait at once. (`bench/verifier_offloads.py` times the offloads while the cleaner makes room for the backlog.)
+DURABLE_QUIET_S = 0.02
+DEFER_MAX_S = 2.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,9 +69,16 @@ class Persister:
     names were tried, ahead of the rest (a durable offload).
     """
 
-    def __init__(self, runtimes: list[Runtime], depth: int) -> None:
+    def __init__(
+        self,
+        runtimes: list[Runtime],
+        depth: int,
+        quiet_s: float = DURABLE_QUIET_S,
+        defer_max_s: float = DEFER_MAX_S,
+    ) -> None:
         self.runtimes = runtimes
         self.depth = depth
+        self.quiet_s, self.defer_max_s = quiet_s, defer_max_s
         self._cond = threading.Condition()
         self._waiting = 0  # sealed objects not yet covered by a started pass
         self._requested = 0
@@ -71,6 +88,10 @@ class Persister:
         # (profile, form) -> why the store refused it: in the last pass, or a durable offload's objects since
         self.blocked: dict[tuple[str, str], str] = {}
         self._first: collections.deque[_First] = collections.deque()
+        self._first_served = float("-inf")  # when the last durable offload's objects were tried (monotonic)
+        self._flushes = 0  # callers of wait_pass waiting now: the pass does not wait for durable offloads to pause
+        self._deferring_since: float | None = None  # when the pass's next batch began to wait for them
+        self.deferred_s = 0.0  # how long the write-back's batches waited for durable offloads to pause, in all
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvtier-persist", daemon=True)
         self._thread.start()
@@ -143,13 +164,17 @@ class Persister:
             before = self.persisted
             self._requested += 1
             ticket = self._requested
+            self._flushes += 1
             self._cond.notify_all()
-            while self._completed < ticket:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
-                    return False, self.persisted - before
-                self._cond.wait(remaining)
-            return True, self.persisted - before
+            try:
+                while self._completed < ticket:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._thread.is_alive():
+                        return False, self.persisted - before
+                    self._cond.wait(remaining)
+                return True, self.persisted - before
+            finally:
+                self._flushes -= 1
 
     def persist_first(self, rt: Runtime, keys: Sequence[ObjectKey], timeout_s: float) -> dict[CacheForm, str] | None:
         """Store the objects of `keys` that are sealed and not in the store yet, ahead of the backlog (a durable
@@ -201,9 +226,34 @@ class Persister:
                 refused = dict.fromkeys((k.form for k in first.keys), f"{type(exc).__name__}: {exc}")
             with self._cond:
                 first.refused = refused
+                self._first_served = time.monotonic()
                 if refused:  # the daemon's health says so at once; the next pass finds it again, or not
                     self.blocked = self.blocked | {(first.rt.name, f.value): why for f, why in refused.items()}
                 self._cond.notify_all()
+
+    def _yield_to_durable(self, rt: Runtime) -> None:
+        """Before a batch of `rt`'s backlog: serve the durable offloads waiting, and while they keep coming wait
+        for them to pause, serving each as it comes, up to `defer_max_s` (DURABLE_QUIET_S states why). No wait
+        for an empty backlog, a flush, or the shutdown."""
+        self._serve_first()
+        start = time.monotonic()
+        if start - self._first_served >= self.quiet_s or not any(rt.manager.write_back_backlog().values()):
+            return
+        while True:
+            with self._cond:
+                while not self._first:
+                    now = time.monotonic()
+                    left = min(self._first_served + self.quiet_s, start + self.defer_max_s) - now
+                    if left <= 0 or self._stop or self._flushes:
+                        if self._deferring_since is not None:
+                            self.deferred_s += now - self._deferring_since
+                            self._deferring_since = None
+                        return
+                    if self._deferring_since is None:
+                        self._deferring_since = now
+                        self._cond.notify_all()
+                    self._cond.wait(left)
+            self._serve_first()
 
     def _first_waits(self) -> bool:
         """Whether a durable offload waits for its objects (read without the lock: a hint between two batches)."""
@@ -218,7 +268,7 @@ class Persister:
             skip: set[CacheForm] = set()
             try:
                 while True:  # small batches: the manager pins a batch while storing it, the rest stays evictable
-                    self._serve_first()
+                    self._yield_to_durable(rt)
                     out, refused = self._store(rt, PERSIST_BATCH, skip=skip)
                     skip.update(out.failed)
                     blocked.update({(rt.name, form.value): why for form, why in refused.items()})
@@ -269,16 +319,16 @@ class Persister:
         in smaller batches, from `first` objects, so a form with room for a few objects (the cleaner made some)
         still gets them in, at most TRICKLE_BATCHES of them this call. Why the rest waits (refused even one at a
         time, or the share taken), or None when nothing of the form is left. A pass's trickle lets durable
-        offloads' objects go first between its batches. `first` is what the store said its room takes
-        (`RoomLeft.fits`), else half the refused batch; a refused try halves it, or cuts it to what that
-        refusal said fits. Room for none: no try, as every try of a full store costs the daemon an admission
-        while the engines' loads and offloads wait for its GIL."""
+        offloads' objects go first between its batches, and waits for them to pause (`_yield_to_durable`).
+        `first` is what the store said its room takes (`RoomLeft.fits`), else half the refused batch; a refused
+        try halves it, or cuts it to what that refusal said fits. Room for none: no try, as every try of a full
+        store costs the daemon an admission while the engines' loads and offloads wait for its GIL."""
         others = set(CacheForm) - {form}
         n = min(first, PERSIST_BATCH)
         stored_batches = 0
         while n > 0:
             if only is None:
-                self._serve_first()
+                self._yield_to_durable(rt)
             out = rt.manager.persist_batch(n, skip=others, only=only, until=self._first_waits if only is None else None)
             self._count(out.stored)
             why = out.failed.get(form)

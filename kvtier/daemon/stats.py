@@ -55,6 +55,7 @@ def backend_stats(runtimes: Iterable[Runtime], store: DiskStore, persister: Pers
     doc["persist_queue"] = persister.queued
     doc["persisted"] = persister.persisted
     doc["failed_passes"] = persister.failed_passes  # write-back passes in which the store refused a form
+    doc["write_back_deferred_s"] = round(persister.deferred_s, 3)  # backlog batches' waits for durable offloads
     doc["write_back_blocked"] = persister.reasons()  # "<profile>/<form>: why", one per blocked form
     doc["write_back_backlog"] = persister.backlog()  # profile -> form -> sealed objects not yet in the store
     doc["write_back_stuck"] = persister.stuck()  # profile -> blocked form -> objects the store refused

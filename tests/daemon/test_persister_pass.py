@@ -4,7 +4,8 @@ A form whose full batch the store refuses is stored in ever smaller batches, but
 pass: a pass that went on for as long as room kept appearing held up whatever waited for it. And a durable offload
 does not wait for a pass: after the cleaner made room, a pass wrote the backlog that had piled up while the store was
 full, and every durable offload waited for all of it (bench/verifier_offloads.py timed those waits);
-`Persister.persist_first` stores the offload's own objects between two of the pass's batches.
+`Persister.persist_first` stores the offload's own objects between two of the pass's batches. While such offloads
+keep coming, the pass's next batch waits for them to pause, up to a bound, or until a flush waits for the pass.
 
 The managers here are stand-ins for the part the persister reads: a store that takes batches of at most ROOM objects
 (the room the cleaner made since the last), which a real cleaner gives only by timing; and a backlog whose batches
@@ -171,6 +172,57 @@ def test_a_durable_offloads_objects_go_between_two_batches_of_the_backlog() -> N
         assert done and manager.left == 0
     finally:
         for _ in range(8):
+            manager.go.release()
+        persister.stop(10.0)
+
+
+def _deferring(persister: Persister) -> None:
+    """Until the pass's next batch waits for durable offloads to pause (set under the persister's lock)."""
+    with persister._cond:
+        assert persister._cond.wait_for(lambda: persister._deferring_since is not None, TIMEOUT_S)
+
+
+def test_a_stream_of_durable_offloads_meets_no_backlog_batch_until_a_flush() -> None:
+    manager = _HeldBacklog(backlog=2 * PERSIST_BATCH)
+    rt = _Runtime(manager)
+    # offloads "keep coming" for the whole test: the pass waits until a flush (or the bound, far off here)
+    persister = Persister([rt], depth=1 << 20, quiet_s=4 * TIMEOUT_S, defer_max_s=4 * TIMEOUT_S)  # type: ignore[list-item]
+    try:
+        keys = _keys(10, CacheForm.SWA)
+        assert persister.persist_first(rt, keys, TIMEOUT_S) == {}  # type: ignore[arg-type]
+        persister.request()  # a pass over the backlog is due, right after a durable offload
+        _deferring(persister)
+        assert manager.calls == ["first:10"]  # no batch of the backlog began: the next offload would wait for it
+        assert persister.persist_first(rt, keys, TIMEOUT_S) == {}  # type: ignore[arg-type]
+        assert manager.calls == ["first:10", "first:10"]
+        flushed: list[tuple[bool, int]] = []
+        flush = threading.Thread(target=lambda: flushed.append(persister.wait_pass(TIMEOUT_S)))
+        flush.start()
+        for _ in range(2):  # the flush ends the wait: the backlog's two batches go
+            assert manager.entered.acquire(timeout=TIMEOUT_S)
+            manager.go.release()
+        flush.join(TIMEOUT_S)
+        assert flushed == [(True, 2 * PERSIST_BATCH)] and manager.left == 0
+        assert persister.deferred_s > 0
+    finally:
+        for _ in range(4):
+            manager.go.release()
+        persister.stop(10.0)
+
+
+def test_a_backlog_batch_waits_for_durable_offloads_at_most_the_bound() -> None:
+    manager = _HeldBacklog(backlog=PERSIST_BATCH)
+    rt = _Runtime(manager)
+    persister = Persister([rt], depth=1 << 20, quiet_s=4 * TIMEOUT_S, defer_max_s=0.05)  # type: ignore[list-item]
+    try:
+        assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
+        persister.request()
+        # offloads count as still coming for far longer than the test, yet the batch goes once the bound is up
+        assert manager.entered.acquire(timeout=TIMEOUT_S)
+        assert manager.calls == ["first:10", "backlog"] and persister.deferred_s > 0
+        manager.go.release()
+    finally:
+        for _ in range(4):
             manager.go.release()
         persister.stop(10.0)
 
