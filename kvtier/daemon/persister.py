@@ -45,8 +45,9 @@ TRICKLE_BATCHES = 4
 # next durable offload comes holds that offload for a whole write (its syncs and its commit). So while durable
 # offloads keep coming (one was served less than DURABLE_QUIET_S ago, longer than an engine takes between the answer
 # to one offload and its next), the pass's next batch waits for them to pause, but never longer than DEFER_MAX_S:
-# then it goes, and the stream of offloads waits for one batch. A flush or the shutdown waiting for the pass ends
-# the wait at once. (`bench/verifier_offloads.py` times the offloads while the cleaner makes room for the backlog.)
+# then it goes, and the stream of offloads waits for one batch. A flush, a sealer held back by the queue's depth or
+# the shutdown waiting for the write-back ends the wait at once. (`bench/verifier_offloads.py` times the offloads
+# while the cleaner makes room for the backlog.)
 DURABLE_QUIET_S = 0.02
 DEFER_MAX_S = 2.0
 
@@ -89,7 +90,9 @@ class Persister:
         self.blocked: dict[tuple[str, str], str] = {}
         self._first: collections.deque[_First] = collections.deque()
         self._first_served = float("-inf")  # when the last durable offload's objects were tried (monotonic)
-        self._flushes = 0  # callers of wait_pass waiting now: the pass does not wait for durable offloads to pause
+        # callers waiting for the write-back itself now (a flush, a sealer over the depth): the pass does not wait
+        # for durable offloads to pause
+        self._held = 0
         self._deferring_since: float | None = None  # when the pass's next batch began to wait for them
         self.deferred_s = 0.0  # how long the write-back's batches waited for durable offloads to pause, in all
         self._stop = False
@@ -142,14 +145,18 @@ class Persister:
             self._waiting += n
             self._requested += 1
             self._cond.notify_all()
-            while self._waiting > self.depth and not self._stop:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    log.warning(
-                        "persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s
-                    )
-                    return
-                self._cond.wait(remaining)
+            self._held += 1
+            try:
+                while self._waiting > self.depth and not self._stop:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        log.warning(
+                            "persist queue over its depth (%d > %d) for %.0fs", self._waiting, self.depth, timeout_s
+                        )
+                        return
+                    self._cond.wait(remaining)
+            finally:
+                self._held -= 1
 
     def request(self) -> None:
         """Ask for a pass without waiting for it (a retry of blocked write-back)."""
@@ -164,7 +171,7 @@ class Persister:
             before = self.persisted
             self._requested += 1
             ticket = self._requested
-            self._flushes += 1
+            self._held += 1
             self._cond.notify_all()
             try:
                 while self._completed < ticket:
@@ -174,7 +181,7 @@ class Persister:
                     self._cond.wait(remaining)
                 return True, self.persisted - before
             finally:
-                self._flushes -= 1
+                self._held -= 1
 
     def persist_first(self, rt: Runtime, keys: Sequence[ObjectKey], timeout_s: float) -> dict[CacheForm, str] | None:
         """Store the objects of `keys` that are sealed and not in the store yet, ahead of the backlog (a durable
@@ -234,7 +241,7 @@ class Persister:
     def _yield_to_durable(self, rt: Runtime) -> None:
         """Before a batch of `rt`'s backlog: serve the durable offloads waiting, and while they keep coming wait
         for them to pause, serving each as it comes, up to `defer_max_s` (DURABLE_QUIET_S states why). No wait
-        for an empty backlog, a flush, or the shutdown."""
+        for an empty backlog, or while a flush, a sealer over the depth or the shutdown waits for the write-back."""
         self._serve_first()
         start = time.monotonic()
         if start - self._first_served >= self.quiet_s or not any(rt.manager.write_back_backlog().values()):
@@ -244,7 +251,7 @@ class Persister:
                 while not self._first:
                     now = time.monotonic()
                     left = min(self._first_served + self.quiet_s, start + self.defer_max_s) - now
-                    if left <= 0 or self._stop or self._flushes:
+                    if left <= 0 or self._stop or self._held:
                         if self._deferring_since is not None:
                             self.deferred_s += now - self._deferring_since
                             self._deferring_since = None

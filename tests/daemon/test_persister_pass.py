@@ -5,7 +5,8 @@ pass: a pass that went on for as long as room kept appearing held up whatever wa
 does not wait for a pass: after the cleaner made room, a pass wrote the backlog that had piled up while the store was
 full, and every durable offload waited for all of it (bench/verifier_offloads.py timed those waits);
 `Persister.persist_first` stores the offload's own objects between two of the pass's batches. While such offloads
-keep coming, the pass's next batch waits for them to pause, up to a bound, or until a flush waits for the pass.
+keep coming, the pass's next batch waits for them to pause, up to a bound, or until a flush or a sealer over the
+queue's depth waits for the write-back.
 
 The managers here are stand-ins for the part the persister reads: a store that takes batches of at most ROOM objects
 (the room the cleaner made since the last), which a real cleaner gives only by timing; and a backlog whose batches
@@ -204,6 +205,29 @@ def test_a_stream_of_durable_offloads_meets_no_backlog_batch_until_a_flush() -> 
         flush.join(TIMEOUT_S)
         assert flushed == [(True, 2 * PERSIST_BATCH)] and manager.left == 0
         assert persister.deferred_s > 0
+    finally:
+        for _ in range(4):
+            manager.go.release()
+        persister.stop(10.0)
+
+
+def test_a_sealer_held_back_by_the_depth_ends_the_wait() -> None:
+    manager = _HeldBacklog(backlog=PERSIST_BATCH)
+    rt = _Runtime(manager)
+    persister = Persister([rt], depth=4, quiet_s=4 * TIMEOUT_S, defer_max_s=4 * TIMEOUT_S)  # type: ignore[list-item]
+    try:
+        assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
+        persister.request()
+        _deferring(persister)
+        # an offload that is not durable seals more than the queue's depth: it waits for the write-back, so the
+        # write-back no longer waits for durable offloads
+        sealer = threading.Thread(target=persister.sealed, args=(10, TIMEOUT_S))
+        sealer.start()
+        assert manager.entered.acquire(timeout=TIMEOUT_S)
+        assert manager.calls == ["first:10", "backlog"]
+        manager.go.release()
+        sealer.join(TIMEOUT_S)  # the next pass begins and takes its objects in
+        assert not sealer.is_alive()
     finally:
         for _ in range(4):
             manager.go.release()
