@@ -15,8 +15,9 @@ the test holds open, so the order is observed, not timed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvtier.core.forms import CacheForm
 from kvtier.core.tier import ObjectKey
@@ -147,11 +148,22 @@ def test_a_form_whose_last_objects_the_bound_took_is_not_named_blocked() -> None
         persister.stop(10.0)
 
 
+@contextlib.contextmanager
+def _serving(manager: _HeldBacklog, depth: int = 1 << 20, **timing: float) -> Iterator[tuple[_Runtime, Persister]]:
+    """A persister over `manager`'s backlog; on the way out every held batch is let go and the persister stopped."""
+    rt = _Runtime(manager)
+    persister = Persister([rt], depth=depth, **timing)  # type: ignore[list-item]
+    try:
+        yield rt, persister
+    finally:
+        for _ in range(8):
+            manager.go.release()
+        persister.stop(10.0)
+
+
 def test_a_durable_offloads_objects_go_between_two_batches_of_the_backlog() -> None:
     manager = _HeldBacklog(backlog=4 * PERSIST_BATCH)
-    rt = _Runtime(manager)
-    persister = Persister([rt], depth=1 << 20)  # type: ignore[list-item]
-    try:
+    with _serving(manager) as (rt, persister):
         persister.request()  # a pass over the backlog begins
         assert manager.entered.acquire(timeout=TIMEOUT_S)  # its first batch is being stored
         got: list[dict[CacheForm, str] | None] = []
@@ -171,10 +183,12 @@ def test_a_durable_offloads_objects_go_between_two_batches_of_the_backlog() -> N
             manager.go.release()
         done, _ = persister.wait_pass(TIMEOUT_S)
         assert done and manager.left == 0
-    finally:
-        for _ in range(8):
-            manager.go.release()
-        persister.stop(10.0)
+
+
+def _after_a_durable_offload(rt: _Runtime, persister: Persister) -> None:
+    """A durable offload's objects stored, then a pass over the backlog asked for."""
+    assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
+    persister.request()
 
 
 def _deferring(persister: Persister) -> None:
@@ -183,18 +197,16 @@ def _deferring(persister: Persister) -> None:
         assert persister._cond.wait_for(lambda: persister._deferring_since is not None, TIMEOUT_S)
 
 
+LONG = {"quiet_s": 4 * TIMEOUT_S, "defer_max_s": 4 * TIMEOUT_S}  # offloads "keep coming" for the whole test
+
+
 def test_a_stream_of_durable_offloads_meets_no_backlog_batch_until_a_flush() -> None:
     manager = _HeldBacklog(backlog=2 * PERSIST_BATCH)
-    rt = _Runtime(manager)
-    # offloads "keep coming" for the whole test: the pass waits until a flush (or the bound, far off here)
-    persister = Persister([rt], depth=1 << 20, quiet_s=4 * TIMEOUT_S, defer_max_s=4 * TIMEOUT_S)  # type: ignore[list-item]
-    try:
-        keys = _keys(10, CacheForm.SWA)
-        assert persister.persist_first(rt, keys, TIMEOUT_S) == {}  # type: ignore[arg-type]
-        persister.request()  # a pass over the backlog is due, right after a durable offload
+    with _serving(manager, **LONG) as (rt, persister):
+        _after_a_durable_offload(rt, persister)
         _deferring(persister)
         assert manager.calls == ["first:10"]  # no batch of the backlog began: the next offload would wait for it
-        assert persister.persist_first(rt, keys, TIMEOUT_S) == {}  # type: ignore[arg-type]
+        assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
         assert manager.calls == ["first:10", "first:10"]
         flushed: list[tuple[bool, int]] = []
         flush = threading.Thread(target=lambda: flushed.append(persister.wait_pass(TIMEOUT_S)))
@@ -205,19 +217,12 @@ def test_a_stream_of_durable_offloads_meets_no_backlog_batch_until_a_flush() -> 
         flush.join(TIMEOUT_S)
         assert flushed == [(True, 2 * PERSIST_BATCH)] and manager.left == 0
         assert persister.deferred_s > 0
-    finally:
-        for _ in range(4):
-            manager.go.release()
-        persister.stop(10.0)
 
 
 def test_a_sealer_held_back_by_the_depth_ends_the_wait() -> None:
     manager = _HeldBacklog(backlog=PERSIST_BATCH)
-    rt = _Runtime(manager)
-    persister = Persister([rt], depth=4, quiet_s=4 * TIMEOUT_S, defer_max_s=4 * TIMEOUT_S)  # type: ignore[list-item]
-    try:
-        assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
-        persister.request()
+    with _serving(manager, depth=4, **LONG) as (rt, persister):
+        _after_a_durable_offload(rt, persister)
         _deferring(persister)
         # an offload that is not durable seals more than the queue's depth: it waits for the write-back, so the
         # write-back no longer waits for durable offloads
@@ -228,27 +233,15 @@ def test_a_sealer_held_back_by_the_depth_ends_the_wait() -> None:
         manager.go.release()
         sealer.join(TIMEOUT_S)  # the next pass begins and takes its objects in
         assert not sealer.is_alive()
-    finally:
-        for _ in range(4):
-            manager.go.release()
-        persister.stop(10.0)
 
 
 def test_a_backlog_batch_waits_for_durable_offloads_at_most_the_bound() -> None:
     manager = _HeldBacklog(backlog=PERSIST_BATCH)
-    rt = _Runtime(manager)
-    persister = Persister([rt], depth=1 << 20, quiet_s=4 * TIMEOUT_S, defer_max_s=0.05)  # type: ignore[list-item]
-    try:
-        assert persister.persist_first(rt, _keys(10, CacheForm.SWA), TIMEOUT_S) == {}  # type: ignore[arg-type]
-        persister.request()
+    with _serving(manager, quiet_s=4 * TIMEOUT_S, defer_max_s=0.05) as (rt, persister):
+        _after_a_durable_offload(rt, persister)
         # offloads count as still coming for far longer than the test, yet the batch goes once the bound is up
         assert manager.entered.acquire(timeout=TIMEOUT_S)
         assert manager.calls == ["first:10", "backlog"] and persister.deferred_s > 0
-        manager.go.release()
-    finally:
-        for _ in range(4):
-            manager.go.release()
-        persister.stop(10.0)
 
 
 def test_a_refused_form_is_answered_with_the_stores_reason_not_waited_for() -> None:
