@@ -53,10 +53,31 @@ def _started(proc: Proc, ready: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.05)  # polling a real condition
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _listens(proc: Proc, port: int) -> bool:
+    """Whether `proc` itself listens on TCP `port`: a port that merely answers may be another process's (a free
+    port picked for this cluster and taken meanwhile), and a test would then stop or kill a process that serves
+    nothing."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False
+    fd_dir = f"/proc/{proc.popen.pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"{fd_dir}/{fd}") in inodes:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 @dataclasses.dataclass
@@ -134,7 +155,7 @@ class MooncakeCluster:
         if ha and len(self.masters) > 1:  # a standby opens its port only once elected
             _started(proc, lambda: b"HotStandbyService started" in proc.log.read_bytes(), 20)
         else:
-            _started(proc, lambda: _port_open(rpc_port), 20)
+            _started(proc, lambda: _listens(proc, rpc_port), 20)
         return proc
 
     def start_etcd(self) -> Proc:
@@ -154,8 +175,8 @@ class MooncakeCluster:
             f"http://127.0.0.1:{peer}",
         ]
         argv += ["--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"]
-        self.etcd = self._spawn("etcd", argv)
-        _started(self.etcd, lambda: _port_open(client), 20)
+        etcd = self.etcd = self._spawn("etcd", argv)
+        _started(etcd, lambda: _listens(etcd, client), 20)
         # The transfer engine's metadata in etcd too: served by a master, it would die with the leader, and a node
         # that had not yet looked up a holder's segment could never transfer from it again.
         self.metadata = f"etcd://{self.etcd_endpoint}"
