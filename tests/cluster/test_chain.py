@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -121,17 +120,13 @@ def test_full_backlog_drops_without_blocking(own_cluster, tmp_path) -> None:
     """The master stopped, the first write-through hangs in its put; offloads still return at once, durable
     locally, and what does not fit beside it in the backlog is dropped and counted."""
     disk, chain = _node(tmp_path, "n", own_cluster, queue_bytes=40_000)
-    master = own_cluster.masters[0].popen
     try:
         items = _items("drop", 6)  # 6 x 30 kB and one 8 kB: beside the first, only the 8 kB one fits
-        os.kill(master.pid, signal.SIGSTOP)
-        try:
+        with own_cluster.masters[0].stopped():  # a stop shorter than the master's client_ttl loses nothing
             t0 = time.monotonic()
             for it in items:
                 chain.store_many([it])
             assert time.monotonic() - t0 < 5
-        finally:
-            os.kill(master.pid, signal.SIGCONT)  # a stop shorter than the master's client_ttl loses nothing
         assert chain.drain(15)
         stats = chain.stats()
         assert stats.dropped == 5 and stats.written_through + stats.background_failed == 2, stats

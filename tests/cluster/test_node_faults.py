@@ -114,18 +114,14 @@ def test_master_stopped_partition_is_bounded_then_heals(
     own_cluster = patient_cluster
     work, tokens = _prompts(tmp_path, 41, 42)
     node1, node2 = _two_nodes(tmp_path, own_cluster, work, "p41", "p42")
-    master = own_cluster.masters[0].popen
     try:
-        os.kill(master.pid, signal.SIGSTOP)
-        try:
+        with own_cluster.masters[0].stopped():
             got, took = _timed(node2, work, "p41")
             assert got["hit_tokens"] == 0 and took < ENGINE_BOUND_S, (got, took)
             oracle.check_file(work, "p41", tokens["p41"], 0)
             stats = cluster_stats(node2)  # the node answers its own stats at once while the cluster hangs
             assert stats["cluster"]["misses"].get("unavailable", 0) > 0
             assert stats["cluster"]["lookup_latency"]["sum_s"] < 30
-        finally:
-            os.kill(master.pid, signal.SIGCONT)
 
         def served() -> bool:
             got = run_engine(node2, work, "continue", "p42")["p42"]

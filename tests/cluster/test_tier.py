@@ -200,13 +200,9 @@ def test_master_sigstop_partition_is_bounded(own_cluster: MooncakeCluster, make_
     items = _objects("stop", 3)
     tier.store_many(items)
     keys = [k for k, _, _ in items]
-    master = own_cluster.masters[0].popen
-    os.kill(master.pid, signal.SIGSTOP)
-    try:
+    with own_cluster.masters[0].stopped():
         t0 = time.monotonic()
         assert tier.has(keys, [DIGEST] * 3) == [Reason.MISSING] * 3
         assert _load(tier, items)[0] == [Reason.MISSING] * 3
         assert time.monotonic() - t0 < tier.cfg.lookup_timeout_s + tier.cfg.load_timeout_s + 0.5
-    finally:
-        os.kill(master.pid, signal.SIGCONT)
     _wait(lambda: _load(tier, items)[0] == [Reason.OK] * 3, 30, "hits again after the partition healed")

@@ -92,6 +92,29 @@ class Proc:
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 self.popen.wait(timeout=10)
 
+    @contextlib.contextmanager
+    def stopped(self, timeout_s: float = 10.0) -> Iterator[None]:
+        """SIGSTOP the process and, once every thread of it reads stopped in /proc (a test's partition starts
+        then, not when the signal was sent), run the block; SIGCONT after it, however it ends."""
+        assert self.popen.poll() is None, f"{self.name} exited ({self.popen.returncode}) before it was stopped"
+        self.popen.send_signal(signal.SIGSTOP)
+        try:
+            _started(self, lambda: _all_threads_stopped(self.popen.pid), timeout_s)
+            yield
+        finally:
+            self.popen.send_signal(signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return all(state in "tT" for state in states)
+
 
 class MooncakeCluster:
     """Processes of one loopback cluster, all ended by close(). Masters and holders log into `workdir`."""
