@@ -14,6 +14,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from support.procs import all_threads_stopped
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LOOPBACK_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
@@ -99,21 +101,10 @@ class Proc:
         assert self.popen.poll() is None, f"{self.name} exited ({self.popen.returncode}) before it was stopped"
         self.popen.send_signal(signal.SIGSTOP)
         try:
-            _started(self, lambda: _all_threads_stopped(self.popen.pid), timeout_s)
+            _started(self, lambda: all_threads_stopped(self.popen.pid), timeout_s)
             yield
         finally:
             self.popen.send_signal(signal.SIGCONT)
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-    return all(state in "tT" for state in states)
 
 
 class MooncakeCluster:
